@@ -1,0 +1,482 @@
+"""Tests of the float64 NumPy references in ``cuattn.reference``.
+
+Every test draws fresh random inputs; the seed is in each assertion message so a failure can
+be replayed with ``np.random.default_rng(seed)``. All reference calls run under
+``np.errstate(all="raise", under="ignore")`` so that a floating-point warning (e.g. -inf - -inf)
+fails the test; underflow is the expected rounding of tiny probabilities, not a fault.
+"""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuattn import reference
+
+# Absolute tolerance for two float64 computations of the same quantity in different orders.
+EXACT_TOL = 1e-12
+# Step and tolerance of the central finite differences that check the backward pass.
+FD_STEP = 1e-6
+FD_TOL = 1e-7
+# Upper bound of the low-precision emulation's error for unit-normal inputs of D = 64.
+LOWP_MAX_ERR = 0.05
+# Lengths that are not multiples of any tile size.
+ODD_LENGTHS = (1, 17, 113)
+
+WINDOWS = [(-1, -1), (3, 0), (0, 0), (4, 7), (-1, 2), (5, -1)]
+
+
+@pytest.fixture
+def seed():
+    s = np.random.SeedSequence().entropy
+    print(f"seed = {s}")
+    return s
+
+
+@pytest.fixture
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _raise_on_fp_warnings():
+    with np.errstate(all="raise", under="ignore"):
+        yield
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+def qkv(rng, b, sq, sk, hq, hk, d):
+    return randn(rng, b, sq, hq, d), randn(rng, b, sk, hk, d), randn(rng, b, sk, hk, d)
+
+
+def loop_attention(q, k, v, causal=False, scale=None, window=(-1, -1), softcap=0.0):
+    """Independent per-(batch, head, row) implementation used as the oracle."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    left, right = window
+    out = np.zeros((b, sq, hq, d))
+    lse = np.full((b, hq, sq), -np.inf)
+    for bi in range(b):
+        for h in range(hq):
+            kv = h // (hq // hk)
+            for i in range(sq):
+                keys = []
+                for j in range(sk):
+                    offset = j - (i + sk - sq)
+                    if causal and offset > 0:
+                        continue
+                    if left >= 0 and offset < -left:
+                        continue
+                    if right >= 0 and offset > right:
+                        continue
+                    keys.append(j)
+                if not keys:
+                    continue
+                s = scale * (k[bi, keys, kv] @ q[bi, i, h])
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
+                e = np.exp(s - s.max())
+                out[bi, i, h] = (e / e.sum()) @ v[bi, keys, kv]
+                lse[bi, h, i] = s.max() + np.log(e.sum())
+    return out, lse
+
+
+def assert_close(actual, expected, seed, atol=EXACT_TOL, rtol=0.0, what=""):
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol,
+                               err_msg=f"{what} seed={seed}")
+
+
+# ---------------------------------------------------------------------------------- visible
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (5, 5), (3, 8), (8, 3), (4, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_visible_matches_rule(sq, sk, causal, window):
+    left, right = window
+    mask = reference.visible(sq, sk, causal, window)
+    assert mask.shape == (sq, sk) and mask.dtype == bool
+    for i in range(sq):
+        for j in range(sk):
+            diag = i + sk - sq
+            want = ((not causal or j <= diag) and (left == -1 or j >= diag - left)
+                    and (right == -1 or j <= diag + right))
+            assert mask[i, j] == want, (i, j)
+
+
+def test_visible_causal_square_is_lower_triangular():
+    np.testing.assert_array_equal(reference.visible(6, 6, causal=True),
+                                  np.tril(np.ones((6, 6), dtype=bool)))
+
+
+# -------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 23), (23, 5), (1, 113)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((3, 0), 0.0), ((4, 7), 5.0),
+                                            ((-1, -1), 2.0), ((0, 0), 0.0)])
+def test_attention_matches_loop(rng, seed, hq, hk, sq, sk, causal, window, softcap):
+    q, k, v = qkv(rng, 2, sq, sk, hq, hk, 8)
+    out, lse = reference.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                   return_lse=True)
+    want_out, want_lse = loop_attention(q, k, v, causal, None, window, softcap)
+    assert out.dtype == np.float64 and out.shape == q.shape
+    assert lse.shape == (2, hq, sq)
+    assert_close(out, want_out, seed, what="out")
+    assert_close(lse, want_lse, seed, what="lse")
+
+
+def test_attention_explicit_scale(rng, seed):
+    q, k, v = qkv(rng, 1, 9, 11, 2, 1, 16)
+    out = reference.attention(q, k, v, scale=0.37)
+    assert_close(out, loop_attention(q, k, v, scale=0.37)[0], seed)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, ml_dtypes.bfloat16])
+def test_attention_accepts_low_precision_inputs(rng, seed, dtype):
+    q, k, v = (x.astype(dtype) for x in qkv(rng, 2, 7, 9, 4, 2, 16))
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    want_out, want_lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                             causal=True, return_lse=True)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert_close(out, want_out, seed, atol=0.0)
+    assert_close(lse, want_lse, seed, atol=0.0)
+
+
+def test_attention_chunks_heads_when_scores_are_large(rng, seed, monkeypatch):
+    q, k, v = qkv(rng, 2, 13, 29, 8, 2, 8)
+    want = reference.attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    # A tiny budget forces one head per chunk, exercising the chunked path.
+    monkeypatch.setattr(reference, "_SCORE_CHUNK_ELEMENTS", 1)
+    got = reference.attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    for g, w in zip(got, want):
+        assert_close(g, w, seed)
+
+
+# -------------------------------------------------------------------------- attention_tiled
+
+
+@pytest.mark.parametrize("block_k", [1, 16, 64, 100])
+@pytest.mark.parametrize("sq", ODD_LENGTHS)
+@pytest.mark.parametrize("sk", ODD_LENGTHS)
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (True, (9, 0), 4.0), (False, (2, 5), 0.0)])
+def test_tiled_equals_attention(rng, seed, block_k, sq, sk, causal, window, softcap):
+    q, k, v = qkv(rng, 1, sq, sk, 4, 2, 16)
+    opts = dict(causal=causal, window=window, softcap=softcap, return_lse=True)
+    out, lse = reference.attention_tiled(q, k, v, block_k=block_k, **opts)
+    want_out, want_lse = reference.attention(q, k, v, **opts)
+    assert_close(out, want_out, seed, what="out")
+    assert_close(lse, want_lse, seed, what="lse")
+
+
+# ------------------------------------------------------------------------------- empty rows
+
+
+def check_empty_rows(out, lse, rows, seed):
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), f"seed={seed}"
+    assert (out[:, rows] == 0).all(), f"seed={seed}"
+    assert (lse[:, :, rows] == -np.inf).all(), f"seed={seed}"
+    others = np.setdiff1d(np.arange(out.shape[1]), rows)
+    assert np.isfinite(lse[:, :, others]).all(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("fn", ["attention", "attention_tiled"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (0, 0)), (True, (0, 0))])
+def test_empty_rows_give_zero_and_minus_inf(rng, seed, fn, causal, window):
+    sq, sk = 11, 4
+    q, k, v = qkv(rng, 2, sq, sk, 4, 2, 8)
+    out, lse = getattr(reference, fn)(q, k, v, causal=causal, window=window, return_lse=True)
+    # Bottom-right alignment puts the first sq - sk queries before every key.
+    check_empty_rows(out, lse, np.arange(sq - sk), seed)
+
+
+def test_empty_rows_with_no_keys(rng, seed):
+    q, k, v = qkv(rng, 2, 5, 0, 2, 2, 8)
+    out, lse = reference.attention(q, k, v, return_lse=True)
+    check_empty_rows(out, lse, np.arange(5), seed)
+    dq, dk, dv = reference.attention_backward(randn(rng, *q.shape), q, k, v, out, lse)
+    assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_backward_of_empty_rows_is_zero(rng, seed):
+    q, k, v = qkv(rng, 1, 9, 4, 2, 1, 8)
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    dq, _, _ = reference.attention_backward(randn(rng, *q.shape), q, k, v, out, lse, causal=True)
+    assert np.isfinite(dq).all(), f"seed={seed}"
+    assert (dq[:, :5] == 0).all(), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------------- backward
+
+
+def finite_difference_grads(loss, arrays):
+    grads = []
+    for x in arrays:
+        g = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            orig = x[idx]
+            x[idx] = orig + FD_STEP
+            plus = loss()
+            x[idx] = orig - FD_STEP
+            minus = loss()
+            x[idx] = orig
+            g[idx] = (plus - minus) / (2 * FD_STEP)
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("hq,hk", [(2, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("sq,sk", [(3, 5), (5, 3), (4, 4)])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (1, 1), 0.0), (True, (2, 0), 1.5),
+                                                   (False, (-1, -1), 0.8)])
+def test_backward_matches_finite_differences(rng, seed, hq, hk, sq, sk, causal, window, softcap):
+    q, k, v = qkv(rng, 2, sq, sk, hq, hk, 3)
+    dout = randn(rng, 2, sq, hq, 3)
+    opts = dict(causal=causal, window=window, softcap=softcap, scale=0.9)
+
+    def loss():
+        return np.sum(reference.attention(q, k, v, **opts) * dout)
+
+    out, lse = reference.attention(q, k, v, return_lse=True, **opts)
+    got = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    want = finite_difference_grads(loss, [q, k, v])
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape
+        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=f"d{name}")
+
+
+# ----------------------------------------------------------------------------------- varlen
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (True, (5, 0), 3.0), (False, (2, 2), 0.0)])
+def test_varlen_equals_per_sequence(rng, seed, causal, window, softcap):
+    lens_q = np.array([3, 0, 17, 1, 9])
+    lens_k = np.array([5, 4, 17, 0, 23])
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    hq, hk, d = 4, 2, 8
+    q = randn(rng, cu_q[-1], hq, d)
+    k, v = randn(rng, cu_k[-1], hk, d), randn(rng, cu_k[-1], hk, d)
+    dout = randn(rng, *q.shape)
+    opts = dict(causal=causal, window=window, softcap=softcap)
+    args = (cu_q, cu_k, int(lens_q.max()), int(lens_k.max()))
+    out, lse = reference.attention_varlen(q, k, v, *args, return_lse=True, **opts)
+    dq, dk, dv = reference.attention_varlen_backward(dout, q, k, v, out, lse, *args, **opts)
+    assert out.shape == q.shape and lse.shape == (hq, cu_q[-1])
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = reference.attention(q[None, qs], k[None, ks], v[None, ks], return_lse=True, **opts)
+        assert_close(out[qs], o[0], seed, what=f"out seq {b}")
+        assert_close(lse[:, qs], l[0], seed, what=f"lse seq {b}")
+        g = reference.attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
+                                         o, l, **opts)
+        for name, got, want in zip("qkv", (dq[qs], dk[ks], dv[ks]), g):
+            assert_close(got, want[0], seed, what=f"d{name} seq {b}")
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("sq_new", [1, 3])
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (-1, -1), 0.0),
+                                                   (True, (6, 0), 2.0)])
+def test_decode_equals_attention_on_sliced_cache(rng, seed, sq_new, causal, window, softcap):
+    seqlens = np.array([0, 1, 7, 30, 32], dtype=np.int32)
+    b, s_max, hq, hk, d = len(seqlens), 32, 8, 2, 16
+    q = randn(rng, b, sq_new, hq, d)
+    k_cache, v_cache = randn(rng, b, s_max, hk, d), randn(rng, b, s_max, hk, d)
+    for bi, n in enumerate(seqlens):
+        # Poison the stale slots: the reference must never read past cache_seqlens.
+        k_cache[bi, n:] = np.nan
+        v_cache[bi, n:] = np.nan
+    opts = dict(causal=causal, window=window, softcap=softcap)
+    out, lse = reference.decode(q, k_cache, v_cache, seqlens, return_lse=True, **opts)
+    assert out.shape == q.shape and lse.shape == (b, hq, sq_new)
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), f"seed={seed}"
+    for bi, n in enumerate(seqlens):
+        o, l = reference.attention(q[bi:bi + 1], k_cache[bi:bi + 1, :n], v_cache[bi:bi + 1, :n],
+                                   return_lse=True, **opts)
+        assert_close(out[bi], o[0], seed, what=f"out row {bi}")
+        assert_close(lse[bi], l[0], seed, what=f"lse row {bi}")
+    # An empty cache leaves every new token without keys.
+    check_empty_rows(out[:1], lse[:1], np.arange(sq_new), seed)
+    if causal and sq_new > 1:
+        # With one key, only the last new token sees it.
+        check_empty_rows(out[1:2], lse[1:2], np.arange(sq_new - 1), seed)
+
+
+def test_decode_causal_new_token_sees_its_prefix(rng, seed):
+    q = randn(rng, 1, 2, 2, 8)
+    k_cache, v_cache = randn(rng, 1, 10, 2, 8), randn(rng, 1, 10, 2, 8)
+    out = reference.decode(q, k_cache, v_cache, np.array([6]))
+    # New token 0 of 2 with 6 cached keys sees keys 0..4; token 1 sees keys 0..5.
+    first = reference.attention(q[:, :1], k_cache[:, :5], v_cache[:, :5])
+    last = reference.attention(q[:, 1:], k_cache[:, :6], v_cache[:, :6])
+    assert_close(out[:, :1], first, seed)
+    assert_close(out[:, 1:], last, seed)
+
+
+# ------------------------------------------------------------------------------ merge_states
+
+
+@pytest.mark.parametrize("split", [0, 1, 20, 37, 57])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_merge_two_halves_equals_full(rng, seed, split, softcap):
+    q, k, v = qkv(rng, 2, 9, 57, 4, 2, 8)
+    full_out, full_lse = reference.attention(q, k, v, softcap=softcap, return_lse=True)
+    a = reference.attention(q, k[:, :split], v[:, :split], softcap=softcap, return_lse=True)
+    b = reference.attention(q, k[:, split:], v[:, split:], softcap=softcap, return_lse=True)
+    out, lse = reference.merge_states(a[0], a[1], b[0], b[1])
+    assert_close(out, full_out, seed, what="out")
+    assert_close(lse, full_lse, seed, what="lse")
+
+
+def test_merge_list_of_three(rng, seed):
+    q, k, v = qkv(rng, 2, 6, 40, 4, 4, 8)
+    full_out, full_lse = reference.attention(q, k, v, return_lse=True)
+    parts = [reference.attention(q, k[:, s], v[:, s], return_lse=True)
+             for s in (slice(0, 7), slice(7, 31), slice(31, 40))]
+    out, lse = reference.merge_states(parts)
+    assert_close(out, full_out, seed, what="out")
+    assert_close(lse, full_lse, seed, what="lse")
+
+
+def test_merge_varlen_layout(rng, seed):
+    t, h, d = 13, 4, 8
+    q = randn(rng, t, h, d)
+    k, v = randn(rng, 20, h, d), randn(rng, 20, h, d)
+    cu_q, cu_k = np.array([0, t], dtype=np.int32), np.array([0, 20], dtype=np.int32)
+    full = reference.attention_varlen(q, k, v, cu_q, cu_k, t, 20, return_lse=True)
+    half = np.array([0, 10], dtype=np.int32)
+    a = reference.attention_varlen(q, k[:10], v[:10], cu_q, half, t, 10, return_lse=True)
+    b = reference.attention_varlen(q, k[10:], v[10:], cu_q, half, t, 10, return_lse=True)
+    out, lse = reference.merge_states([a, b])
+    assert lse.shape == (h, t)
+    assert_close(out, full[0], seed, what="out")
+    assert_close(lse, full[1], seed, what="lse")
+
+
+def test_merge_all_empty_gives_zero_and_minus_inf(rng, seed):
+    b, s, h, d = 2, 5, 3, 4
+    empty = (np.zeros((b, s, h, d)), np.full((b, h, s), -np.inf))
+    out, lse = reference.merge_states([empty, empty, empty])
+    assert (out == 0).all() and (lse == -np.inf).all()
+
+
+def test_merge_mixed_empty_rows(rng, seed):
+    # Row-wise mix: causal parts leave some rows empty in one half and not the other.
+    q, k, v = qkv(rng, 1, 8, 8, 2, 2, 4)
+    full = reference.attention(q, k, v, causal=True, return_lse=True)
+    mask = reference.visible(8, 8, causal=True)
+    parts = []
+    for keys in (slice(0, 3), slice(3, 8)):
+        s = np.einsum("bihd,bjhd->bhij", q, k[:, keys]) / math.sqrt(4)
+        s = np.where(mask[:, keys], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        m0 = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m0)
+        l = e.sum(axis=-1, keepdims=True)
+        o = np.einsum("bhij,bjhd->bihd", e / np.where(l > 0, l, 1.0), v[:, keys])
+        with np.errstate(divide="ignore"):
+            lse = np.where(l > 0, m0 + np.log(l), -np.inf)[..., 0]
+        parts.append((o, lse))
+    out, lse = reference.merge_states(parts)
+    assert_close(out, full[0], seed, what="out")
+    assert_close(lse, full[1], seed, what="lse")
+
+
+def test_merge_rejects_wrong_arity():
+    with pytest.raises(TypeError):
+        reference.merge_states(np.zeros(1), np.zeros(1))
+
+
+# ------------------------------------------------------------------------------------ paged
+
+
+def shuffled_block_table(rng, seqlens, block_size, extra_blocks=3):
+    """Block table whose rows use a random permutation of the physical blocks."""
+    blocks_per_row = [-(-int(n) // block_size) for n in seqlens]
+    num_blocks = sum(blocks_per_row) + extra_blocks
+    physical = rng.permutation(num_blocks)
+    table = np.zeros((len(seqlens), max(1, max(blocks_per_row))), dtype=np.int32)
+    used = 0
+    for bi, nb in enumerate(blocks_per_row):
+        table[bi, :nb] = physical[used:used + nb]
+        used += nb
+    return table, num_blocks
+
+
+def to_pages(cache, table, seqlens, num_blocks, block_size):
+    """Scatter a contiguous cache into its physical blocks; slots holding no token are NaN."""
+    pages = np.full((num_blocks, block_size) + cache.shape[2:], np.nan)
+    for bi, n in enumerate(seqlens):
+        for t in range(int(n)):
+            pages[table[bi, t // block_size], t % block_size] = cache[bi, t]
+    return pages
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("sq_new,causal,softcap", [(1, True, 0.0), (3, True, 2.5), (2, False, 0.0)])
+def test_paged_equals_decode_on_contiguous(rng, seed, block_size, sq_new, causal, softcap):
+    seqlens = np.array([0, 1, 16, 23, 40], dtype=np.int32)
+    b, hq, hk, d = len(seqlens), 4, 2, 8
+    k_cache, v_cache = randn(rng, b, 40, hk, d), randn(rng, b, 40, hk, d)
+    for bi, n in enumerate(seqlens):
+        k_cache[bi, n:] = 0.0
+        v_cache[bi, n:] = 0.0
+    table, num_blocks = shuffled_block_table(rng, seqlens, block_size)
+    k_pages = to_pages(k_cache, table, seqlens, num_blocks, block_size)
+    v_pages = to_pages(v_cache, table, seqlens, num_blocks, block_size)
+    for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
+        np.testing.assert_array_equal(reference.gather_pages(pages, table, seqlens), cache,
+                                      err_msg=f"seed={seed}")
+    q = randn(rng, b, sq_new, hq, d)
+    opts = dict(causal=causal, softcap=softcap, return_lse=True)
+    out, lse = reference.paged_attention(q, k_pages, v_pages, table, seqlens, **opts)
+    want_out, want_lse = reference.decode(q, k_cache, v_cache, seqlens, **opts)
+    assert_close(out, want_out, seed, what="out")
+    assert_close(lse, want_lse, seed, what="lse")
+
+
+def test_gather_pages_all_empty_has_one_position():
+    pages = np.ones((2, 4, 1, 3))
+    cache = reference.gather_pages(pages, np.zeros((3, 1), dtype=np.int32), np.zeros(3, np.int32))
+    assert cache.shape == (3, 1, 1, 3) and (cache == 0).all()
+
+
+# --------------------------------------------------------------------------------- low-prec
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 10.0)])
+def test_naive_lowp_is_close_but_not_exact(rng, seed, dtype, causal, softcap):
+    q, k, v = qkv(rng, 2, 64, 80, 4, 2, 64)
+    ref = reference.attention(q, k, v, causal=causal, softcap=softcap)
+    low = reference.naive_attention_lowp(q, k, v, causal=causal, softcap=softcap, dtype=dtype)
+    assert low.dtype == np.float64 and low.shape == ref.shape
+    err = np.abs(low - ref).max()
+    assert 0 < err < LOWP_MAX_ERR, f"err={err} seed={seed}"
+
+
+def test_naive_lowp_bf16_is_coarser_than_fp16(rng, seed):
+    q, k, v = qkv(rng, 1, 64, 64, 4, 4, 64)
+    ref = reference.attention(q, k, v)
+    err = {dt: np.abs(reference.naive_attention_lowp(q, k, v, dtype=dt) - ref).max()
+           for dt in (np.float16, "bfloat16")}
+    assert err["bfloat16"] > err[np.float16], f"{err} seed={seed}"
+
+
+def test_naive_lowp_empty_rows_are_zero(rng, seed):
+    q, k, v = qkv(rng, 1, 7, 3, 2, 1, 64)
+    low = reference.naive_attention_lowp(q, k, v, causal=True, dtype=np.float16)
+    assert not np.isnan(low).any() and (low[:, :4] == 0).all(), f"seed={seed}"
