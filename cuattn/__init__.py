@@ -1,0 +1,23 @@
+"""cuattn: FlashAttention, FlashDecoding and paged attention for Python without a deep-learning framework.
+
+Kernels are CUDA C++ compiled at run time by NVRTC (through CuPy) and cached on disk. Arrays come
+in from CuPy, torch or JAX through DLPack and go back out as the same kind without copies; NumPy
+arrays run the float64 reference on the CPU.
+"""
+
+__version__ = "0.1.0"
+
+from . import reference
+from ._errors import CompileError, OutOfBlocksError
+from ._tools import build, info
+from .attention import attention, attention_varlen
+
+__all__ = [
+    "CompileError",
+    "OutOfBlocksError",
+    "attention",
+    "attention_varlen",
+    "build",
+    "info",
+    "reference",
+]

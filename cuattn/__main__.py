@@ -1,0 +1,46 @@
+"""Command line: ``python -m cuattn info`` and ``python -m cuattn build --arch sm_80,sm_90a``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import _tools
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuattn", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, device, arch, cache directory, cached kernels")
+    build = commands.add_parser(
+        "build", help="compile every kernel variant (no GPU needed); exit 1 on a compile error or a spill"
+    )
+    build.add_argument("--arch", default=",".join(_tools.DEFAULT_ARCHS),
+                       help="comma-separated targets, e.g. sm_80,sm_90a (default: %(default)s)")
+    build.add_argument("--kernels", action="append", default=None,
+                       help="only variants whose name contains this (repeatable)")
+    build.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
+    build.add_argument("-v", "--verbose", action="store_true", help="log each compile")
+    args = parser.parse_args(argv)
+
+    if args.command == "info":
+        print(_tools.format_info(_tools.info()))
+        return 0
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        rows = _tools.build(args.arch, args.kernels, use_cache=not args.no_cache)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(_tools.format_build_table(rows))
+    failed = [r for r in rows if not r.ok]
+    for row in failed:
+        if row.error:
+            print(f"\n{row.error}", file=sys.stderr)
+    print(f"\n{len(rows)} kernel builds, {len(failed)} failed or spilled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Arrays in and out: DLPack conversion, the dtype table, validation, and the stream to launch on.
+
+The only module that converts or validates arrays. The public functions hand it their array
+arguments; it tells which framework they came from ("numpy", "cupy", "torch", "jax", or "dlpack"
+for any other CUDA array with ``__dlpack__``), views them as CuPy arrays without a copy, picks the
+caller's current stream (torch's through ``cupy.cuda.ExternalStream``), and converts results back
+to the caller's framework, again without a copy. NumPy arrays stay on the host: the public
+functions run the float64 reference for them.
+
+The checks here produce the error messages DESIGN.md asks for: they name the argument, the axis,
+what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+# numpy dtype -> the C++ type the kernels are instantiated with
+CUDA_TYPES = {FLOAT16: "__half", BFLOAT16: "__nv_bfloat16"}
+# Kernels move 16 bytes per thread per load; every row they address must start on that boundary.
+VECTOR_BYTES = 16
+
+
+def dtype_name(dtype) -> str:
+    return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
+
+
+# ---------------------------------------------------------------------------------------------
+# Which framework an array comes from
+
+
+def array_kind(x) -> str:
+    module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if module == "cupy":
+        return "cupy"
+    if module == "torch":
+        return "torch"
+    if module in ("jax", "jaxlib"):
+        return "jax"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    raise TypeError(
+        f"expected a NumPy, CuPy, torch or JAX array (or any array with __dlpack__), "
+        f"got {type(x).__module__}.{type(x).__name__}"
+    )
+
+
+def common_kind(named: dict) -> str:
+    """The one framework all given arrays come from; mixing frameworks is refused."""
+    kinds = {name: array_kind(x) for name, x in named.items() if x is not None}
+    distinct = set(kinds.values())
+    if len(distinct) > 1:
+        listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
+        raise TypeError(f"all array arguments must come from one framework; {listing}")
+    return distinct.pop()
+
+
+def _torch_stream(x):
+    """CuPy's handle on torch's current stream of x's device, and that device's index."""
+    import cupy
+    import torch
+
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    torch_stream = torch.cuda.current_stream(device)
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        # CuPy 14: wraps any stream implementing the CUDA stream protocol (torch streams do)
+        return cupy.cuda.Stream.from_external(torch_stream), device
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device), device
+
+
+class ArrayContext:
+    """Holds one call's framework and stream; converts inputs to CuPy views and outputs back."""
+
+    def __init__(self, kind: str, stream, device_id: int | None):
+        self.kind = kind
+        self.stream = stream
+        self.device_id = device_id
+
+    @property
+    def on_host(self) -> bool:
+        return self.kind == "numpy"
+
+    def view(self, x):
+        """What the checks and kernels work on: NumPy arrays as they are, device arrays as zero-copy CuPy views."""
+        if x is None or self.kind in ("numpy", "cupy"):
+            return x
+        import cupy
+
+        return cupy.from_dlpack(x)
+
+    def to_caller(self, x):
+        """A result in the caller's framework, zero-copy."""
+        if x is None or self.kind in ("numpy", "cupy", "dlpack"):
+            return x
+        if self.kind == "torch":
+            import torch
+
+            return torch.from_dlpack(x)
+        import jax.numpy as jnp
+
+        return jnp.from_dlpack(x)
+
+
+@contextlib.contextmanager
+def array_context(**named):
+    """Enter a call: pick the framework and device of ``named`` arrays and make the caller's stream current.
+
+    Torch work is queued on torch's current stream, so results are ordered with the caller's other
+    work without any host synchronisation; other frameworks use CuPy's current stream.
+    """
+    kind = common_kind(named)
+    if kind == "numpy":
+        yield ArrayContext(kind, None, None)
+        return
+    import cupy
+
+    first = next(x for x in named.values() if x is not None)
+    if kind == "torch":
+        if not first.is_cuda:
+            raise ValueError(
+                f"torch tensors must be on a CUDA device, got {first.device}; "
+                "for CPU work pass NumPy arrays (x.numpy())"
+            )
+        stream, device_id = _torch_stream(first)
+    else:
+        device_id = _device_of(cupy.from_dlpack(first) if kind != "cupy" else first)
+        with cupy.cuda.Device(device_id):
+            stream = cupy.cuda.get_current_stream()
+    with cupy.cuda.Device(device_id), stream:
+        yield ArrayContext(kind, stream, device_id)
+
+
+def _device_of(x) -> int:
+    return int(x.device.id)
+
+
+def to_numpy(x) -> np.ndarray:
+    """Host copy of any supported array (for tests and the reference path)."""
+    kind = array_kind(x)
+    if kind == "numpy":
+        return x
+    if kind == "cupy":
+        return x.get()
+    if kind == "torch":
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            return x.detach().float().cpu().numpy().astype(BFLOAT16)
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every message names the argument, the axis, what was expected and what came
+
+
+def check_ndim(name: str, x, layout: str) -> None:
+    """``layout`` is the axes' names, e.g. "(B, Sq, Hq, D)"."""
+    ndim = layout.count(",") + 1
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
+
+
+def check_axis(name: str, x, axis: int, axis_name: str, expected: int, expected_from: str) -> None:
+    """``{name}.shape[axis] ({axis_name}) must equal {expected_from} = {expected}, got ...``."""
+    actual = int(x.shape[axis])
+    if actual != expected:
+        raise ValueError(
+            f"{name}.shape[{axis}] ({axis_name}) must equal {expected_from} = {expected}, got {actual}"
+        )
+
+
+def check_positive(name: str, x, axis: int, axis_name: str) -> None:
+    if int(x.shape[axis]) < 1:
+        raise ValueError(f"{name}.shape[{axis}] ({axis_name}) must be at least 1, got {x.shape[axis]}")
+
+
+def check_float_dtype(name: str, x) -> None:
+    dtype = np.dtype(x.dtype)
+    if dtype not in CUDA_TYPES:
+        raise TypeError(
+            f"{name}.dtype is {dtype_name(dtype)}; cuattn kernels take float16 or bfloat16: "
+            f"cast with {name}.astype(cupy.float16) (torch: {name}.half())"
+        )
+
+
+def check_host_float_dtype(name: str, x) -> None:
+    """NumPy inputs run the float64 reference, so any float dtype is fine; integers are not."""
+    dtype = np.dtype(x.dtype)
+    if dtype.kind != "f" and dtype != BFLOAT16:
+        raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected a floating-point dtype")
+
+
+def check_same_dtype(name: str, x, ref_name: str, ref) -> None:
+    if np.dtype(x.dtype) != np.dtype(ref.dtype):
+        raise TypeError(
+            f"{name}.dtype must equal {ref_name}.dtype = {dtype_name(ref.dtype)}, "
+            f"got {dtype_name(x.dtype)}"
+        )
+
+
+def check_int32(name: str, x) -> None:
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError(f"{name}.dtype must be int32, got {dtype_name(x.dtype)}")
+
+
+def element_strides(x) -> tuple[int, ...]:
+    """Strides in elements (CuPy and NumPy report bytes)."""
+    return tuple(int(s) // x.dtype.itemsize for s in x.strides)
+
+
+def check_kernel_layout(name: str, x) -> None:
+    """The kernels read rows of 16 bytes: the last axis must be contiguous and every row aligned."""
+    if x.size == 0:
+        return
+    strides = element_strides(x)
+    if x.shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last axis (head_dim): {name}.strides[-1] is "
+            f"{strides[-1]} elements, expected 1; pass {name}.copy() or a view with a contiguous last axis"
+        )
+    per_vector = VECTOR_BYTES // x.dtype.itemsize
+    for axis, stride in enumerate(strides[:-1]):
+        if x.shape[axis] > 1 and stride % per_vector:
+            raise ValueError(
+                f"{name}.strides[{axis}] must be a multiple of {per_vector} elements "
+                f"({VECTOR_BYTES} bytes) for vector loads, got {stride}"
+            )
+    if x.data.ptr % VECTOR_BYTES:
+        raise ValueError(f"{name} must start on a {VECTOR_BYTES}-byte boundary (an offset view?)")
+
+
+def check_same_device(name: str, x, ref_name: str, ref) -> None:
+    if _device_of(x) != _device_of(ref):
+        raise ValueError(
+            f"{name} is on device {_device_of(x)} but {ref_name} is on device {_device_of(ref)}; "
+            "all arrays must be on one GPU"
+        )

@@ -1,0 +1,17 @@
+"""Exception types of cuattn, importable without CuPy."""
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel: carries the kernel name, the options and the compiler log."""
+
+    def __init__(self, kernel, options, log):
+        self.kernel = kernel
+        self.options = tuple(options)
+        self.log = log
+        super().__init__(
+            f"NVRTC failed to compile {kernel} with options {' '.join(self.options)}:\n{log}"
+        )
+
+
+class OutOfBlocksError(RuntimeError):
+    """The paged KV cache has too few free blocks for a request; nothing was changed."""

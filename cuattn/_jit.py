@@ -1,0 +1,361 @@
+"""Run-time compilation of the CUDA kernels in ``cuda_src/`` and their disk cache.
+
+This is the only module that talks to NVRTC and ``cupy.RawModule``. A kernel variant is a
+:class:`KernelSpec`: the ``.cu`` file it lives in and the template instantiation written as a C++
+name expression (``flash_fwd_kernel<__half, 128, MaskMode::kCausal>``), which NVRTC instantiates
+through ``nvrtcAddNameExpression`` and lowers to the mangled symbol we load.
+
+Compiled cubins are cached on disk under ``$CUATTN_CACHE_DIR`` (default ``~/.cache/cuattn``), one
+folder per NVRTC version. The cache key hashes every file under ``cuda_src/``: CuPy's own kernel
+cache keys only the top-level source, so an edited header found through ``-I`` would otherwise
+reuse a stale binary.
+
+Nothing here needs a GPU except :func:`get_function` and :func:`launch`; :func:`compile_kernel`
+works for any architecture NVRTC knows, which is how CI checks every variant for spills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+from ._errors import CompileError
+
+logger = logging.getLogger("cuattn")
+
+# Kernels launched with more dynamic shared memory than this must opt in per function.
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+# mma.sync.m16n8k16 with bf16 operands, ldmatrix and cp.async need Ampere or newer.
+MIN_COMPUTE_CAPABILITY = 80
+SOURCE_SUFFIXES = (".cu", ".cuh")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel variant: a template instantiation in one ``.cu`` file of ``cuda_src/``."""
+
+    source: str  # file name under cuda_src/, e.g. "flash_fwd.cu"
+    name: str  # C++ name expression of the instantiation
+    threads: int = 128  # block size the kernel is written for
+    smem_bytes: int = 0  # dynamic shared memory per launch (the limit is raised past 48 KB)
+    needs_sm90a: bool = False  # uses wgmma/setmaxnreg: only the arch-specific sm_90a target has them
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for one kernel: the numbers that decide occupancy and speed."""
+
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    static_smem_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    spec: KernelSpec
+    arch: str
+    cubin_path: Path
+    lowered_name: str
+    resources: Resources
+    log: str
+    seconds: float  # compile time; 0.0 when the cubin came from the disk cache
+    cached: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources, headers and the cache key
+
+
+def source_dir() -> Path:
+    """The folder holding the kernels: $CUATTN_SOURCE_DIR, a source checkout, or the wheel's copy."""
+    override = os.environ.get("CUATTN_SOURCE_DIR")
+    if override:
+        return Path(override)
+    checkout = Path(__file__).resolve().parent.parent / "cuda_src"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("cuattn.cuda_src")))
+
+
+def sources_hash(directory: Path | None = None) -> str:
+    """SHA-256 over the name and bytes of every kernel source and header, in name order."""
+    directory = source_dir() if directory is None else Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.suffix in SOURCE_SUFFIXES:
+            digest.update(path.name.encode())
+            digest.update(b"\0")
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "cuattn compiles its kernels with NVRTC through CuPy: install it with "
+            "pip install 'cuattn[cuda12]' or 'cuattn[cuda13]'"
+        ) from exc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+def cuda_include_dir() -> str | None:
+    """Where cuda_fp16.h and cuda_bf16.h live: the CUDA runtime wheel, or a system toolkit."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            return str(found)
+    except Exception:  # pathfinder missing or unable to look: fall back to the usual roots
+        pass
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return str(Path(root) / "include")
+    return None
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options for one target; the include folders are added at compile time."""
+    return (
+        "-std=c++17",
+        f"-arch={arch}",
+        "--use_fast_math",
+        "--ptxas-options=-v",
+        "-default-device",
+    )
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CUATTN_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "cuattn"
+    )
+    major, minor = nvrtc_version()
+    return Path(root) / f"nvrtc-{major}.{minor}"
+
+
+def cache_key(spec: KernelSpec, arch: str, src_hash: str | None = None) -> str:
+    src_hash = sources_hash() if src_hash is None else src_hash
+    fields = [src_hash, spec.source, spec.name, arch, *compile_options(arch), repr(nvrtc_version())]
+    return hashlib.sha256("\n".join(fields).encode()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling (no GPU needed)
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME_RE = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_REGS_RE = re.compile(r"Used (\d+) registers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+
+
+def parse_resources(log: str, lowered_name: str) -> Resources:
+    """Registers, stack, spills and static shared memory of one entry in a ptxas -v log."""
+    sections = _ENTRY_RE.split(log)
+    # split() alternates [preamble, name1, body1, name2, body2, ...]
+    for name, body in zip(sections[1::2], sections[2::2]):
+        if name != lowered_name:
+            continue
+        frame = _FRAME_RE.search(body)
+        regs = _REGS_RE.search(body)
+        smem = _SMEM_RE.search(body)
+        return Resources(
+            registers=int(regs.group(1)) if regs else 0,
+            stack_bytes=int(frame.group(1)) if frame else 0,
+            spill_store_bytes=int(frame.group(2)) if frame else 0,
+            spill_load_bytes=int(frame.group(3)) if frame else 0,
+            static_smem_bytes=int(smem.group(1)) if smem else 0,
+        )
+    raise CompileError(lowered_name, (), f"ptxas printed no resource report for it:\n{log}")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write through a temporary file and rename, so a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> CompiledKernel:
+    """Compile one variant for ``arch`` (``sm_80``, ``sm_90a``, ...) to a cubin, or load it from the cache."""
+    if spec.needs_sm90a and arch != "sm_90a":
+        raise ValueError(f"kernel {spec.name} uses sm_90a instructions; cannot build it for {arch}")
+    src_dir = source_dir()
+    src_hash = sources_hash(src_dir)
+    key = cache_key(spec, arch, src_hash)
+    folder = cache_dir()
+    cubin_path, meta_path = folder / f"{key}.cubin", folder / f"{key}.json"
+    if use_cache and cubin_path.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        logger.debug("loaded %s for %s from %s", spec.name, arch, cubin_path)
+        return CompiledKernel(
+            spec, arch, cubin_path, meta["lowered_name"], Resources(**meta["resources"]),
+            meta["log"], 0.0, True,
+        )
+
+    nvrtc = _nvrtc()
+    options = list(compile_options(arch)) + [f"-I{src_dir}"]
+    include = cuda_include_dir()
+    if include:
+        options.append(f"-I{include}")
+    source = (src_dir / spec.source).read_text()
+    start = time.perf_counter()
+    prog = nvrtc.createProgram(source, spec.source, [], [])
+    try:
+        nvrtc.addNameExpression(prog, spec.name)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(spec.name, options, log or str(exc)) from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = nvrtc.getLoweredName(prog, spec.name)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    seconds = time.perf_counter() - start
+    res = parse_resources(log, lowered)
+    logger.info("compiled %s for %s in %.2f s (%d registers)", spec.name, arch, seconds, res.registers)
+    _atomic_write(cubin_path, cubin)
+    meta = {
+        "kernel": spec.name, "source": spec.source, "arch": arch, "lowered_name": lowered,
+        "resources": dataclasses.asdict(res), "log": log, "seconds": seconds,
+    }
+    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    return CompiledKernel(spec, arch, cubin_path, lowered, res, log, seconds, False)
+
+
+def cached_kernels() -> list[dict]:
+    """What the disk cache of this NVRTC version holds: kernel, arch, registers, spills."""
+    folder = cache_dir()
+    if not folder.is_dir():
+        return []
+    entries = []
+    for meta_path in sorted(folder.glob("*.json")):
+        try:
+            entries.append(json.loads(meta_path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and launching (needs a GPU)
+
+_lock = threading.Lock()
+_functions: dict[tuple[int, KernelSpec], object] = {}
+_smem_opt_in: set[tuple[int, KernelSpec]] = set()
+
+
+def device_arch(spec: KernelSpec, device_id: int) -> str:
+    """The target for a device: sm_XY from its compute capability, sm_90a where a kernel needs it."""
+    import cupy
+
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    # On Hopper every kernel is built for sm_90a, a superset of sm_90: what runs is what
+    # `cuattn build --arch sm_90a` checked for spills.
+    if cc == 90:
+        return "sm_90a"
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"cuattn kernels need compute capability {MIN_COMPUTE_CAPABILITY // 10}.0 or newer; "
+            f"device {device_id} has {cc // 10}.{cc % 10}"
+        )
+    if spec.needs_sm90a:
+        raise RuntimeError(f"kernel {spec.name} needs an sm_90 GPU; device {device_id} is sm_{cc}")
+    return f"sm_{cc}"
+
+
+def target_arch(device_id: int | None = None) -> str:
+    """The arch kernels are built for on a device (memoised: asked on every launch)."""
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    arch = _archs.get(device_id)
+    if arch is None:
+        arch = _archs[device_id] = device_arch(KernelSpec("", ""), device_id)
+    return arch
+
+
+_archs: dict[int, str] = {}
+
+
+def get_function(spec: KernelSpec, device_id: int | None = None):
+    """The loaded kernel for the current (or given) device, compiled on first use and memoised."""
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    key = (device_id, spec)
+    function = _functions.get(key)
+    if function is not None:
+        return function
+    with _lock:
+        function = _functions.get(key)
+        if function is None:
+            compiled = compile_kernel(spec, device_arch(spec, device_id))
+            with cupy.cuda.Device(device_id):
+                module = cupy.RawModule(path=str(compiled.cubin_path))
+                function = module.get_function(compiled.lowered_name)
+            _functions[key] = function
+    return function
+
+
+def launch(spec: KernelSpec, grid, args, *, stream=None) -> None:
+    """Launch a variant with its block size and dynamic shared memory on ``stream``.
+
+    The kernel's dynamic shared-memory limit is raised on first use when it asks for more than 48 KB.
+    """
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    function = get_function(spec, device_id)
+    key = (device_id, spec)
+    if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT and key not in _smem_opt_in:
+        function.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _smem_opt_in.add(key)
+    function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=spec.smem_bytes, stream=stream)
+
+
+def max_shared_memory_per_block(device_id: int | None = None) -> int:
+    """The opt-in dynamic shared-memory limit of a device (232448 bytes on an H100/H200)."""
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    attrs = cupy.cuda.Device(device_id).attributes
+    return int(attrs["MaxSharedMemoryPerBlockOptin"])
+
+
+def multiprocessor_count(device_id: int | None = None) -> int:
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])

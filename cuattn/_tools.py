@@ -1,0 +1,162 @@
+"""``cuattn.info()`` and ``cuattn.build()``: the environment report and the ahead-of-time build.
+
+``build`` compiles every kernel variant the dispatchers can choose for the given architectures
+(no GPU needed) and reports, per kernel, registers, dynamic and static shared memory, stack and
+spill bytes, and how many CTAs fit on one SM by registers and by shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import platform
+
+from . import _jit, attention
+
+DEFAULT_ARCHS = ("sm_80", "sm_90a")
+# Per-SM budgets of sm_80 / sm_90, for the occupancy column of the report.
+REGISTERS_PER_SM = 65536
+SMEM_PER_SM = {"sm_80": 167936, "sm_90a": 233472, "sm_90": 233472}
+MAX_THREADS_PER_SM = 2048
+# Registers are allocated per warp in units of 256.
+REGISTER_ALLOCATION_UNIT = 256
+
+
+def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
+    """Every variant any dispatcher in cuattn can launch on ``arch``."""
+    return attention.kernel_variants(arch)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRow:
+    kernel: str
+    arch: str
+    registers: int
+    smem_bytes: int  # dynamic, per launch
+    static_smem_bytes: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    ctas_per_sm: int
+    seconds: float
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.spill_store_bytes == 0 and self.spill_load_bytes == 0
+
+
+def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
+    warps = spec.threads // 32
+    regs_per_warp = -(-res.registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    by_regs = REGISTERS_PER_SM // max(regs_per_warp * warps, 1)
+    smem = spec.smem_bytes + res.static_smem_bytes
+    by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]) // smem if smem else by_regs
+    return min(by_regs, by_smem, MAX_THREADS_PER_SM // spec.threads)
+
+
+def build(arch=DEFAULT_ARCHS, kernels=None, *, use_cache: bool = True) -> list[BuildRow]:
+    """Compile every kernel variant for each architecture in ``arch`` (a list or "sm_80,sm_90a").
+
+    ``kernels`` keeps only variants whose name contains one of the given substrings. Returns one
+    row per (kernel, arch); a compile failure is recorded in the row's ``error``.
+    """
+    archs = [a.strip() for a in arch.split(",")] if isinstance(arch, str) else list(arch)
+    if isinstance(kernels, str):
+        kernels = [kernels]
+    rows = []
+    for target in archs:
+        specs = [s for s in kernel_variants(target) if not kernels or any(k in s.name for k in kernels)]
+        if not specs:
+            raise ValueError(f"no kernel variant matches {kernels!r}")
+        for spec in specs:
+            if spec.needs_sm90a and target != "sm_90a":
+                continue
+            try:
+                compiled = _jit.compile_kernel(spec, target, use_cache=use_cache)
+            except _jit.CompileError as exc:
+                rows.append(BuildRow(spec.name, target, 0, spec.smem_bytes, 0, 0, 0, 0, 0, 0.0, str(exc)))
+                continue
+            res = compiled.resources
+            rows.append(BuildRow(
+                spec.name, target, res.registers, spec.smem_bytes, res.static_smem_bytes,
+                res.stack_bytes, res.spill_store_bytes, res.spill_load_bytes,
+                _ctas_per_sm(spec, res, target), compiled.seconds,
+            ))
+    return rows
+
+
+def format_build_table(rows: list[BuildRow]) -> str:
+    header = f"{'kernel':<70} {'arch':<7} {'regs':>4} {'smem':>7} {'stack':>5} {'spill':>9} {'cta/SM':>6} {'s':>5}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.error:
+            lines.append(f"{r.kernel:<70} {r.arch:<7} COMPILE ERROR")
+            continue
+        spill = f"{r.spill_store_bytes}/{r.spill_load_bytes}"
+        flag = "" if r.ok else "  <- spills"
+        lines.append(
+            f"{r.kernel:<70} {r.arch:<7} {r.registers:>4} {r.smem_bytes + r.static_smem_bytes:>7} "
+            f"{r.stack_bytes:>5} {spill:>9} {r.ctas_per_sm:>6} {r.seconds:>5.2f}{flag}"
+        )
+    return "\n".join(lines)
+
+
+def _version(module: str) -> str:
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    from importlib import metadata
+
+    for dist in {"cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"), "torch": ("torch",), "jax": ("jax",),
+                 "numpy": ("numpy",), "ml_dtypes": ("ml_dtypes",)}.get(module, (module,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "installed"
+
+
+def info() -> dict:
+    """Versions, device, architecture, kernel sources and cache: what to paste into a bug report."""
+    from . import __version__
+
+    report = {
+        "cuattn": __version__,
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "ml_dtypes": _version("ml_dtypes"),
+        "cupy": _version("cupy"),
+        "torch": _version("torch"),
+        "jax": _version("jax"),
+        "kernel sources": str(_jit.source_dir()),
+        "sources hash": _jit.sources_hash()[:16],
+    }
+    try:
+        report["nvrtc"] = ".".join(map(str, _jit.nvrtc_version()))
+        report["cuda headers"] = _jit.cuda_include_dir() or "not found"
+        report["cache directory"] = str(_jit.cache_dir())
+        report["cached kernels"] = len(_jit.cached_kernels())
+    except ImportError as exc:
+        report["nvrtc"] = f"unavailable ({exc})"
+    report["device"] = _device_report()
+    return report
+
+
+def _device_report() -> str:
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no CuPy, no driver or no device: the CPU reference path still works
+        return f"none ({type(exc).__name__}: {exc}); NumPy inputs run the float64 reference on the CPU"
+    if count == 0:
+        return "none; NumPy inputs run the float64 reference on the CPU"
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    arch = _jit.target_arch(0)
+    return f"{name} (compute capability {props['major']}.{props['minor']}, {props['multiProcessorCount']} SMs, arch {arch}); {count} device(s)"
+
+
+def format_info(report: dict) -> str:
+    width = max(map(len, report))
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in report.items())

@@ -1,0 +1,398 @@
+// flash_fwd.cu: tiled FlashAttention forward on tensor cores (mma.sync m16n8k16, sm_80+).
+//
+// Computes out = softmax(mask(cap(scale * q k^T))) v and the natural-log lse per query row,
+// without ever writing the Sq x Sk score matrix: each CTA owns BLOCK_M query rows of one
+// (batch, head), walks the key blocks that any of its rows can see, and keeps the online-softmax
+// state (running max m, running sum l, unnormalised output) in registers.
+//
+// Layouts (element strides are arguments; the last axis is contiguous):
+//   q    [B, Sq, Hq, D]    (varlen: [total_q, Hq, D] with cu_seqlens_q [B + 1])
+//   k, v [B, Sk, Hk, D]    (varlen: [total_k, Hk, D] with cu_seqlens_k [B + 1]); Hq % Hk == 0
+//   out  [B, Sq, Hq, D]
+//   lse  [B, Hq, Sq] fp32  (varlen: [Hq, total_q]); may be null
+//
+// Masking: query i sees key j iff j < Sk and i + Sk - Sq - left <= j <= i + Sk - Sq + right.
+// The host turns `causal` into right = 0 and an unbounded side into a bound no row reaches,
+// so one rule covers causal, sliding window and plain attention. Only key blocks that straddle
+// a boundary evaluate it (`kMasked` below); the others run the unmasked path.
+//
+// Pipeline per key block n (K and V each have one shared-memory buffer):
+//   wait for K[n]; start loading V[n]; S = Q K[n]^T; softmax update; wait for V[n];
+//   start loading K[n-1]; O += P V[n].
+// The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
+// Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuattn {
+
+// Shared-memory rows are padded by 16 bytes: D + 8 elements. With the row pitch an odd number of
+// 16-byte units, the eight rows one ldmatrix phase reads fall in eight different bank groups.
+template <int HEAD_DIM>
+struct SmemRow {
+  static constexpr int kPadElems = 8;
+  static constexpr int kStride = HEAD_DIM + kPadElems;
+};
+
+// Copy `ROWS` rows of D elements (row pitch `row_stride` in global memory) into a padded
+// shared tile with 16-byte cp.async, zero-filling rows at or past `valid_rows`.
+template <typename T, int ROWS, int HEAD_DIM, int THREADS>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride, int valid_rows) {
+  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  // A pass copies kRowsPerPass whole rows; with D = 96 (12 chunks a row) a few threads idle.
+  constexpr int kRowsPerPass = THREADS / kChunksPerRow;
+  constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+  if (threadIdx.x >= kRowsPerPass * kChunksPerRow) return;
+  // Each thread keeps one column and walks down the rows: one pointer bumped by a fixed step,
+  // rather than a 64-bit address per copy held live across the main loop.
+  const int col = (threadIdx.x % kChunksPerRow) * kElemsPerChunk;
+  int row = threadIdx.x / kChunksPerRow;
+  const T* src = gmem + row * row_stride + col;
+  const i64 step = kRowsPerPass * row_stride;
+  T* dst = smem + row * SmemRow<HEAD_DIM>::kStride + col;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    if (ROWS % kRowsPerPass == 0 || row < ROWS) {
+      const bool valid = row < valid_rows;
+      cp_async_16(dst, valid ? src : gmem, valid);
+    }
+    row += kRowsPerPass;
+    src += step;
+    dst += kRowsPerPass * SmemRow<HEAD_DIM>::kStride;
+  }
+}
+
+// Everything about one launch that is not a pointer or a tile size.
+struct FwdShape {
+  int seqlen_q, seqlen_k;  // this CTA's sequence lengths
+  int offset;              // Sk - Sq: aligns causal and window masks to the bottom-right corner
+  int window_left, window_right;
+  float score_scale;  // scale * log2(e), or scale / softcap with a softcap (always > 0)
+  float softcap_out;  // 0, or softcap * log2(e)
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct FlashFwd {
+  static constexpr int kThreads = WARPS * kWarpSize;
+  static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+  static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles of query rows per warp
+  static constexpr int kNTiles = BLOCK_N / 8;        // n8 tiles of S per warp
+  static constexpr int kDTiles = HEAD_DIM / 8;       // n8 tiles of O per warp
+  static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
+  static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "k16 steps");
+
+  using Mm = Mma<T>;
+  using DT = DType<T>;
+
+  float s[kMTiles][kNTiles][4];  // scores of the current key block, then probabilities
+  float o[kMTiles][kDTiles][4];  // unnormalised output accumulator
+  SoftmaxState state[kMTiles][2];  // rows g and g + 8 of each m16 tile; l holds this lane's partial sum
+
+  // S = Q K^T for this warp's rows: A fragments from sQ, B fragments from sK (both row-major in D).
+  __device__ __forceinline__ void qk(const T* sQ, const T* sK, int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+      u32 a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+        ldmatrix_x4(a[mt], sQ + (warp * kRowsPerWarp + mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        // matrices: keys 0-7 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 0-7, keys 8-15 | d 8-15
+        u32 b[4];
+        ldmatrix_x4(b, sK + (np * 16 + lane % 8 + (lane / 16) * 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          Mm::run(s[mt][2 * np], a[mt], b[0], b[1]);
+          Mm::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // With a softcap, turn the raw scores into capped log2-unit scores here (tanh needs them);
+  // without one, leave them raw: the softmax folds the scale into its exp2 as one FMA.
+  // On boundary blocks, set invisible keys to -inf. The mask compares each key's column within
+  // the block against per-row limits, so the per-element work is two compares against
+  // compile-time offsets.
+  template <bool kMasked>
+  __device__ __forceinline__ void cap_and_mask(const FwdShape& sh, int row0, int col0, int lane) {
+    if (!kMasked && sh.softcap_out == 0.f) return;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // key columns (relative to this lane's first column in the block) row i may see: [lo, hi]
+        const int diag = row0 + mt * 16 + lane / 4 + 8 * r + sh.offset - col0 - (lane % 4) * 2;
+        const int hi = min(diag + sh.window_right, sh.seqlen_k - col0 - (lane % 4) * 2 - 1);
+        const int lo = diag - sh.window_left;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float x = s[mt][nt][2 * r + c];
+            if (sh.softcap_out > 0.f) x = tanhf(x * sh.score_scale) * sh.softcap_out;
+            if (kMasked) {
+              const int j = nt * 8 + c;
+              x = (j <= hi && j >= lo) ? x : -infinity();
+            }
+            s[mt][nt][2 * r + c] = x;
+          }
+      }
+  }
+
+  // Online softmax over the new block: move the row max, rescale the running output, and turn
+  // the scores into unnormalised probabilities exp2(scale * x - m). `scale` > 0 (checked on the
+  // host), so the max of the raw scores scales to the max of the scaled ones.
+  //
+  // The max moves lazily: while no row of the warp has grown by more than
+  // kLazyRescaleLog2 (SoftmaxState::needs_rescale), m stays put and the output is not rescaled;
+  // probabilities are then at most 2^kLazyRescaleLog2, far inside fp32 and the P dtype. After
+  // the first blocks the max rarely moves that far, so most blocks skip the rescale.
+  __device__ __forceinline__ float row_max(int mt, int r, float scale) const {
+    float x = -infinity();
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+    // the four lanes of a quad hold the row between them
+    return quad_max(x) * scale;
+  }
+
+  __device__ __forceinline__ void softmax_update(float scale) {
+    bool rescale = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale));
+    // Rare path: recompute the row maxes rather than keep them live in registers.
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float factor = state[mt][r].update(row_max(mt, r, scale));
+          // rescale the running output: the row max moved
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mt][dt][2 * r] *= factor;
+            o[mt][dt][2 * r + 1] *= factor;
+          }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float ref = state[mt][r].reference();
+        float block_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float p0 = exp2f(fmaf(s[mt][nt][2 * r], scale, -ref));
+          const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], scale, -ref));
+          s[mt][nt][2 * r] = p0;
+          s[mt][nt][2 * r + 1] = p1;
+          block_sum += p0 + p1;
+        }
+        state[mt][r].l += block_sum;
+      }
+  }
+
+  // Round the probabilities to T as mma A fragments: two n8 tiles of S make one k16 slice.
+  // Done before the second GEMM so the fp32 scores are dead while V streams in.
+  __device__ __forceinline__ void probabilities_to_fragments(u32 (&p)[kMTiles][BLOCK_N / 16][4]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        p[mt][ks][0] = DT::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        p[mt][ks][1] = DT::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        p[mt][ks][2] = DT::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        p[mt][ks][3] = DT::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
+  }
+
+  // O += P V, V coming in as B fragments through transposing ldmatrix.
+  __device__ __forceinline__ void pv(const u32 (&p)[kMTiles][BLOCK_N / 16][4], const T* sV, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        // matrices: keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
+        u32 b[4];
+        ldmatrix_x4_trans(b, sV + (ks * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          Mm::run(o[mt][2 * dp], p[mt][ks], b[0], b[1]);
+          Mm::run(o[mt][2 * dp + 1], p[mt][ks], b[2], b[3]);
+        }
+      }
+    }
+  }
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize, 2)
+flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total_q, Hq, D]
+                 const T* __restrict__ k,             // [B, Sk, Hk, D] | [total_k, Hk, D]
+                 const T* __restrict__ v,             // [B, Sk, Hk, D] | [total_k, Hk, D]
+                 T* __restrict__ out,                 // [B, Sq, Hq, D] | [total_q, Hq, D]
+                 float* __restrict__ lse,             // [B, Hq, Sq] | [Hq, total_q], or null
+                 const int* __restrict__ cu_seqlens_q,  // [B + 1] prefix sums, or null (dense)
+                 const int* __restrict__ cu_seqlens_k,  // [B + 1] prefix sums, or null (dense)
+                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
+                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
+                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
+                 i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
+                 i64 lse_batch_stride, i64 lse_head_stride,
+                 int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
+                 float score_scale, float softcap_out, int window_left, int window_right) {
+  using Fwd = FlashFwd<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+  using DT = DType<T>;
+  constexpr int kStride = Fwd::kStride;
+  constexpr int kThreads = Fwd::kThreads;
+
+  // B * H can pass 65535: it is split over grid.y and grid.z
+  const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  if (bh >= static_cast<i64>(batch) * num_heads) return;
+  const int b = static_cast<int>(bh / num_heads);
+  const int h = static_cast<int>(bh % num_heads);
+  const int h_kv = h / (num_heads / num_kv_heads);
+
+  // Locate this sequence: packed varlen rows start at cu_seqlens, dense ones at b * batch_stride.
+  i64 q_start = 0, k_start = 0;
+  FwdShape sh{seqlen_q, seqlen_k, 0, window_left, window_right, score_scale, softcap_out};
+  if (cu_seqlens_q != nullptr) {
+    q_start = cu_seqlens_q[b];
+    k_start = cu_seqlens_k[b];
+    sh.seqlen_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    sh.seqlen_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+  }
+  sh.offset = sh.seqlen_k - sh.seqlen_q;
+  // capped scores arrive in log2 units already; raw ones take the scale inside exp2
+  const float softmax_scale = softcap_out > 0.f ? 1.f : score_scale;
+
+  // Heaviest causal blocks (the last query rows) are scheduled first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int m0 = m_block * BLOCK_M;
+  if (m0 >= sh.seqlen_q) return;
+
+  const T* q_ptr = q + b * q_batch_stride + q_start * q_row_stride + h * q_head_stride + m0 * q_row_stride;
+  const T* k_ptr = k + b * k_batch_stride + k_start * k_row_stride + h_kv * k_head_stride;
+  const T* v_ptr = v + b * v_batch_stride + k_start * v_row_stride + h_kv * v_head_stride;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M, D + pad]
+  T* sK = sQ + BLOCK_M * kStride;          // [BLOCK_N, D + pad]
+  T* sV = sK + BLOCK_N * kStride;          // [BLOCK_N, D + pad]
+
+  // Key blocks any row of this CTA can see: [n_begin, n_end) in keys.
+  const int last_row_diag = m0 + BLOCK_M - 1 + sh.offset;
+  const int n_end = min(sh.seqlen_k, last_row_diag + sh.window_right + 1);
+  const int n_begin = max(0, m0 + sh.offset - sh.window_left);
+  const int n_block_min = n_begin / BLOCK_N;
+  const int n_block_max = n_end > n_begin ? (n_end + BLOCK_N - 1) / BLOCK_N : n_block_min;
+  // Keys every row sees: below the first row's right edge and at or past the last row's left edge.
+  const int clean_end = min(sh.seqlen_k, m0 + sh.offset + sh.window_right + 1);
+  const int clean_begin = last_row_diag - sh.window_left;
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  Fwd fwd;
+#pragma unroll
+  for (int mt = 0; mt < Fwd::kMTiles; ++mt) {
+    fwd.state[mt][0].init();
+    fwd.state[mt][1].init();
+#pragma unroll
+    for (int dt = 0; dt < Fwd::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) fwd.o[mt][dt][e] = 0.f;
+  }
+
+  // prologue: Q and the last visible K block travel together
+  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_ptr, q_row_stride, sh.seqlen_q - m0);
+  if (n_block_max > n_block_min) {
+    const int n0 = (n_block_max - 1) * BLOCK_N;
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n0 * k_row_stride, k_row_stride, sh.seqlen_k - n0);
+  }
+  cp_async_commit();
+
+  const int row0 = m0 + warp * Fwd::kRowsPerWarp;
+  for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    const int n0 = n_block * BLOCK_N;
+    // K[n] has landed, and every warp is done reading V[n+1]: its buffer may be refilled
+    cp_async_wait<0>();
+    __syncthreads();
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_ptr + n0 * v_row_stride, v_row_stride, sh.seqlen_k - n0);
+    cp_async_commit();
+
+    fwd.qk(sQ, sK, warp, lane);
+    const bool masked = n0 + BLOCK_N > clean_end || n0 < clean_begin;
+    if (masked) {
+      fwd.template cap_and_mask<true>(sh, row0, n0, lane);
+    } else {
+      fwd.template cap_and_mask<false>(sh, row0, n0, lane);
+    }
+    fwd.softmax_update(softmax_scale);
+    u32 p[Fwd::kMTiles][BLOCK_N / 16][4];
+    fwd.probabilities_to_fragments(p);
+
+    // V[n] has landed, and every warp is done reading K[n]: prefetch K[n-1] behind the second GEMM
+    cp_async_wait<0>();
+    __syncthreads();
+    if (n_block > n_block_min) {
+      const int n_prev = n0 - BLOCK_N;
+      load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n_prev * k_row_stride, k_row_stride,
+                                                sh.seqlen_k - n_prev);
+    }
+    cp_async_commit();
+    fwd.pv(p, sV, lane);
+  }
+
+  // Epilogue: normalise, stage the warp's rows in its own slice of sQ, then write 16-byte
+  // vectors to global memory. When no key block was visited, the Q copies (issued by every
+  // thread, into every warp's rows) may still be in flight: drain them before sQ is reused.
+  cp_async_wait<0>();
+  __syncthreads();
+  T* sO = sQ + warp * Fwd::kRowsPerWarp * kStride;  // [kRowsPerWarp, D + pad]
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Fwd::kMTiles; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      SoftmaxState& st = fwd.state[mt][r];
+      st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
+      const float inv = st.inv_sum();
+      const int row = mt * 16 + g + 8 * r;
+#pragma unroll
+      for (int dt = 0; dt < Fwd::kDTiles; ++dt) {
+        const u32 packed = DT::pack(fwd.o[mt][dt][2 * r] * inv, fwd.o[mt][dt][2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(sO + row * kStride + dt * 8 + 2 * t) = packed;
+      }
+      if (lse != nullptr && t == 0 && row0 + row < sh.seqlen_q) {
+        lse[b * lse_batch_stride + h * lse_head_stride + q_start + row0 + row] = st.lse();
+      }
+    }
+  __syncwarp();
+  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  T* o_ptr = out + b * o_batch_stride + (q_start + row0) * o_row_stride + h * o_head_stride;
+#pragma unroll
+  for (int idx = lane; idx < Fwd::kRowsPerWarp * kChunksPerRow; idx += kWarpSize) {
+    const int row = idx / kChunksPerRow;
+    const int col = (idx % kChunksPerRow) * kElemsPerChunk;
+    if (row0 + row < sh.seqlen_q) {
+      *reinterpret_cast<uint4*>(o_ptr + row * o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(sO + row * kStride + col);
+    }
+  }
+}
+
+}  // namespace cuattn

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU check: run from the repository root on a CUDA machine with its own python3 and nothing
+# installed (pytest's pythonpath makes the checkout importable). Runs
+#   1. `python -m cuattn info` and `build` for this GPU's arch,
+#   2. the whole pytest suite, GPU tests included,
+#   3. compute-sanitizer memcheck and racecheck over the small GPU tests,
+#   4. the benchmarks (pytest-benchmark, JSON),
+# writing one log per stage to $OUT (a temporary folder when unset). Exit 1 if any stage failed.
+# Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench] [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+STAGE=${1:-all}
+shift || true
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export CUATTN_CACHE_DIR=${CUATTN_CACHE_DIR:-$PWD/.cuattn-cache}
+# The small cases the sanitizers replay (they run each kernel tens of times slower).
+SANITIZE_TESTS=(tests/test_attention.py -k "(test_dtype_head_dim_mask and bf16) or test_windows or test_varlen or zero_length")
+status=0
+
+run() {
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+run info "$PY" -m cuattn info
+if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
+    run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench "$@"
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = sanitizer ]; then
+    run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
+        "$PY" -m pytest -q -p no:cacheprovider "${SANITIZE_TESTS[@]}"
+    run racecheck compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 1 \
+        --target-processes all "$PY" -m pytest -q -p no:cacheprovider "${SANITIZE_TESTS[@]}"
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
+    run bench "$PY" -m pytest -q -p no:cacheprovider tests/bench --benchmark-json="$OUT/bench.json" \
+        --benchmark-columns=median,rounds "$@"
+fi
+echo "logs in $OUT; overall status $status"
+exit $status

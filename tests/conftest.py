@@ -1,0 +1,72 @@
+"""Shared test machinery: the `gpu` marker, random inputs, and DESIGN.md's tolerance rule."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+# JAX must not grab 75% of GPU memory when a test imports it beside CuPy and torch.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16]
+DTYPE_IDS = ["fp16", "bf16"]
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA device is usable through CuPy; otherwise why not."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no CUDA device: {type(exc).__name__}: {exc}"
+    return None if count > 0 else "no CUDA device: getDeviceCount() == 0"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class SeededRng:
+    """A NumPy Generator that remembers its seed, so a failure message can name it."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generator = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs every run; `rng.seed` reproduces a failure."""
+    return SeededRng(int(np.random.SeedSequence().entropy % (2**32)))
+
+
+def randn(rng, shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> float:
+    """DESIGN.md: at most `factor` x the straightforward same-precision error, plus a small floor.
+
+    The floor is one unit in the last place of the output's magnitude in that dtype, so that
+    outputs the naive computation happens to get exactly right still leave room for rounding.
+    """
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    return factor * naive_err + eps * max(ref_max, 1.0)

@@ -1,0 +1,96 @@
+"""Arrays in and out: NumPy runs the reference on the CPU; CuPy, torch and JAX round-trip zero-copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import _arrays, reference
+from conftest import BF16, randn
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64], ids=str)
+def test_numpy_in_numpy_out_in_the_input_dtype(rng, dtype):
+    q = randn(rng, (2, 9, 4, 32), dtype)
+    k = randn(rng, (2, 11, 2, 32), dtype)
+    v = randn(rng, (2, 11, 2, 32), dtype)
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+    ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, ref.astype(dtype))
+    np.testing.assert_array_equal(lse, ref_lse.astype(np.float32))
+
+
+def test_numpy_out_argument_is_filled(rng):
+    q = randn(rng, (1, 5, 2, 64), np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    result = cuattn.attention(q, q, q, out=out)
+    assert result is out and np.isfinite(out).all()
+
+
+def test_numpy_varlen_matches_reference(rng):
+    cu = np.array([0, 3, 10], np.int32)
+    q = randn(rng, (10, 2, 64), np.float32)
+    out = cuattn.attention_varlen(q, q, q, cu, cu, 7, 7, causal=True)
+    np.testing.assert_array_equal(out, reference.attention_varlen(q, q, q, cu, cu, 7, 7, causal=True).astype(np.float32))
+
+
+def test_array_kind():
+    assert _arrays.array_kind(np.zeros(1)) == "numpy"
+
+    class Foreign:
+        def __dlpack__(self):
+            raise NotImplementedError
+
+    assert _arrays.array_kind(Foreign()) == "dlpack"
+    with pytest.raises(TypeError, match="expected a NumPy, CuPy, torch or JAX array"):
+        _arrays.array_kind(3.0)
+
+
+def test_dtype_table_names_bfloat16():
+    assert _arrays.CUDA_TYPES[BF16] == "__nv_bfloat16"
+    assert _arrays.CUDA_TYPES[np.dtype(np.float16)] == "__half"
+    assert _arrays.dtype_name(BF16) == "bfloat16"
+
+
+@pytest.mark.gpu
+def test_cupy_in_cupy_out(rng):
+    import cupy
+
+    q = cupy.asarray(randn(rng, (1, 33, 2, 64), BF16))
+    out = cuattn.attention(q, q, q)
+    assert isinstance(out, cupy.ndarray) and out.dtype == BF16 and out.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_torch_round_trip_keeps_dtype_and_pointer():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1, 17, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with _arrays.array_context(x=x) as ctx:
+        view = ctx.view(x)
+        assert view.data.ptr == x.data_ptr() and view.dtype == BF16
+        back = ctx.to_caller(view)
+    assert back.data_ptr() == x.data_ptr() and back.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_torch_work_runs_on_torchs_current_stream():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(1, 17, 2, 64, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with _arrays.array_context(x=x) as ctx:
+            assert ctx.stream.ptr == side.cuda_stream
+
+
+@pytest.mark.gpu
+def test_jax_round_trip_keeps_dtype_and_values(rng):
+    jax = pytest.importorskip("jax")
+    x = jax.numpy.asarray(randn(rng, (1, 9, 2, 32), BF16))
+    with _arrays.array_context(x=x) as ctx:
+        view = ctx.view(x)
+        assert view.dtype == BF16
+        back = ctx.to_caller(view)
+    assert back.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))

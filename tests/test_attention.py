@@ -1,0 +1,255 @@
+"""Forward attention on the GPU against the float64 reference, torch SDPA and itself.
+
+Every case draws fresh inputs, poisons the output buffer with NaN before the launch, and checks
+the result under DESIGN.md's rule: max error at most 2x that of the straightforward
+same-precision computation (matmul, softmax, matmul), plus a floor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import reference
+from conftest import DTYPE_IDS, DTYPES, error_budget, randn
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [32, 64, 96, 128, 256]
+# name -> keyword options
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window": (37, 5)},
+    "softcap-causal": {"causal": True, "softcap": 30.0},
+}
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, **options):
+    """Run cuattn.attention on CuPy arrays and check out and lse against the references."""
+    cupy = _cupy()
+    q = randn(rng, (b, sq, hq, d), dtype)
+    k = randn(rng, (b, sk, hk, d), dtype)
+    v = randn(rng, (b, sk, hk, d), dtype)
+    out = cupy.full((b, sq, hq, d), np.nan, dtype=dtype)  # poison: every element must be written
+    got, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out,
+                                return_lse=True, **options)
+    assert got is out
+    got = got.get().astype(np.float64)
+    lse = lse.get()
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    naive = reference.naive_attention_lowp(q, k, v, dtype=dtype, **options)
+    assert np.isfinite(got).all(), f"unwritten or NaN output (seed {rng.seed})"
+    err = np.abs(got - ref).max(initial=0.0)
+    budget = error_budget(np.abs(naive - ref).max(initial=0.0), dtype, factor, np.abs(ref).max(initial=0.0))
+    assert err <= budget, f"max error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    # lse: -inf exactly where the reference row is empty, close elsewhere
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), f"empty rows differ (seed {rng.seed})"
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3,
+                               err_msg=f"seed {rng.seed}")
+    assert (got[empty.transpose(0, 2, 1)] == 0).all(), "rows with no visible key must be 0"
+    return got, lse
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dtype_head_dim_mask(rng, dtype, head_dim, mask):
+    run_and_check(rng, dtype, 2, 113, 203, 4, 2, head_dim, **MASKS[mask])
+
+
+LENGTHS = [(1, 1), (17, 17), (1, 203), (203, 113), (113, 203), (1023, 1023), (64, 64), (130, 257)]
+GQA = [(4, 4), (8, 2), (8, 1), (4, 1)]
+
+
+@pytest.mark.parametrize("gqa", GQA, ids=[f"{a}q{b}kv" for a, b in GQA])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
+def test_lengths_and_gqa(rng, lengths, causal, gqa):
+    sq, sk = lengths
+    run_and_check(rng, DTYPES[1], 1, sq, sk, gqa[0], gqa[1], 128, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [{"causal": True}, {}, {"window": (256, 0)}], ids=["causal", "full", "window"])
+def test_long_sequence(rng, head_dim, options):
+    run_and_check(rng, DTYPES[1], 1, 4096, 4096, 2, 1, head_dim, **options)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 7), (-1, 0), (0, -1), (100, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows(rng, window, causal):
+    # Sq > Sk leaves rows with no visible key at the top under causal and small windows
+    run_and_check(rng, DTYPES[0], 2, 150, 97, 2, 2, 64, causal=causal, window=window)
+
+
+def test_empty_rows_are_zero_with_minus_inf_lse(rng):
+    got, lse = run_and_check(rng, DTYPES[1], 1, 200, 50, 2, 2, 64, causal=True)
+    # with Sq = 200, Sk = 50 bottom-right causal, the first 150 query rows see no key
+    assert (got[:, :150] == 0).all()
+    assert np.isneginf(lse[:, :, :150]).all()
+    assert np.isfinite(lse[:, :, 150:]).all()
+
+
+def test_zero_length_keys(rng):
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (1, 5, 2, 64), np.float16))
+    k = cupy.zeros((1, 0, 2, 64), np.float16)
+    out, lse = cuattn.attention(q, k, k, return_lse=True)
+    assert (out == 0).all() and cupy.isneginf(lse).all()
+
+
+def test_scale_and_softcap_options(rng):
+    run_and_check(rng, DTYPES[0], 2, 77, 77, 4, 4, 128, scale=0.3, softcap=5.0)
+    run_and_check(rng, DTYPES[1], 1, 77, 300, 4, 4, 64, scale=0.01)
+
+
+def test_strided_bhsd_views_without_copy(rng):
+    """A (B, H, S, D) tensor passed as .transpose(0, 2, 1, 3) works and matches the contiguous call."""
+    cupy = _cupy()
+    b, h, s, d = 2, 4, 129, 64
+    q_bhsd = cupy.asarray(randn(rng, (b, h, s, d), np.float16))
+    k_bhsd = cupy.asarray(randn(rng, (b, h, s, d), np.float16))
+    v_bhsd = cupy.asarray(randn(rng, (b, h, s, d), np.float16))
+    views = [x.transpose(0, 2, 1, 3) for x in (q_bhsd, k_bhsd, v_bhsd)]
+    assert not views[0].flags.c_contiguous
+    strided = cuattn.attention(*views, causal=True)
+    dense = cuattn.attention(*(cupy.ascontiguousarray(x) for x in views), causal=True)
+    assert cupy.array_equal(strided, dense)
+    # a slice of a larger buffer along the head axis
+    big = cupy.asarray(randn(rng, (b, s, 3 * h, d), np.float16))
+    qs, ks, vs = big[:, :, :h], big[:, :, h:2 * h], big[:, :, 2 * h:]
+    sliced = cuattn.attention(qs, ks, vs)
+    ref = cuattn.attention(*(cupy.ascontiguousarray(x) for x in (qs, ks, vs)))
+    assert cupy.array_equal(sliced, ref)
+
+
+def test_many_heads_beyond_grid_limit(rng):
+    """B * H > 65535 folds into grid.z; every head still gets its own result."""
+    cupy = _cupy()
+    b, h, s, d = 2, 33000, 3, 32
+    q = randn(rng, (b, s, h, d), np.float16)
+    k = randn(rng, (b, s, h, d), np.float16)
+    v = randn(rng, (b, s, h, d), np.float16)
+    out = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)).get().astype(np.float64)
+    ref = reference.attention(q, k, v)
+    assert np.abs(out - ref).max() < 5e-3
+
+
+def test_varlen_matches_per_sequence_dense(rng):
+    cupy = _cupy()
+    lens_q = [1, 17, 113, 0, 203]
+    lens_k = [5, 17, 300, 9, 203]
+    hq, hk, d = 4, 2, 128
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), DTYPES[1])
+    k = randn(rng, (cu_k[-1], hk, d), DTYPES[1])
+    v = randn(rng, (cu_k[-1], hk, d), DTYPES[1])
+    poisoned = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    out, lse = cuattn.attention_varlen(
+        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q), cupy.asarray(cu_k),
+        max(lens_q), max(lens_k), causal=True, return_lse=True, out=poisoned,
+    )
+    out, lse = out.get().astype(np.float64), lse.get()
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                              return_lse=True)
+    assert np.isfinite(out).all()
+    for i in range(len(lens_q)):
+        rows = slice(cu_q[i], cu_q[i + 1])
+        naive = reference.naive_attention_lowp(q[None, rows], k[None, cu_k[i]:cu_k[i + 1]],
+                                               v[None, cu_k[i]:cu_k[i + 1]], causal=True, dtype=q.dtype)[0]
+        budget = error_budget(np.abs(naive - ref[rows]).max(initial=0), q.dtype, 2.0, np.abs(ref[rows]).max(initial=0))
+        assert np.abs(out[rows] - ref[rows]).max(initial=0) <= budget, f"sequence {i} (seed {rng.seed})"
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse))
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-3, atol=2e-3)
+
+
+def test_result_is_deterministic(rng):
+    cupy = _cupy()
+    q, k, v = (cupy.asarray(randn(rng, (2, 300, 4, 128), np.float16)) for _ in range(3))
+    first = cuattn.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert cupy.array_equal(first, cuattn.attention(q, k, v, causal=True))
+
+
+def test_peak_memory_is_out_plus_lse(rng):
+    """The forward allocates out and lse and nothing else: no N x N buffer, no workspace."""
+    cupy = _cupy()
+
+    class AllocationCounter(cupy.cuda.MemoryHook):
+        name = "allocation_counter"
+
+        def __init__(self):
+            self.bytes = 0
+
+        def malloc_preprocess(self, **kwargs):
+            self.bytes += kwargs["mem_size"]
+
+    b, s, h, d = 1, 16384, 2, 128
+    q, k, v = (cupy.asarray(randn(rng, (b, s, h, d), np.float16)) for _ in range(3))
+    cuattn.attention(q, k, v, return_lse=True)  # compile and load outside the count
+    counter = AllocationCounter()
+    with counter:
+        out, lse = cuattn.attention(q, k, v, return_lse=True)
+    # the pool rounds each request up to its 512-byte allocation unit
+    assert counter.bytes == out.nbytes + lse.nbytes > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Frameworks through DLPack
+
+
+def test_torch_in_torch_out_matches_sdpa(rng):
+    torch = pytest.importorskip("torch")
+    b, s, h, d = 2, 257, 8, 128
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = cuattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
+    ref = reference.attention(*(x.transpose(1, 2).float().cpu().numpy() for x in (q, k, v)), causal=True)
+    ours = np.abs(out.float().cpu().numpy() - ref).max()
+    theirs = np.abs(expected.float().cpu().numpy() - ref).max()
+    assert ours <= 2 * theirs + 1e-2, f"cuattn error {ours:.3g} vs torch SDPA {theirs:.3g}"
+
+
+def test_torch_out_argument_is_written_in_place(rng):
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    result = cuattn.attention(q, q, q, out=out)
+    torch.cuda.synchronize()
+    assert result is out and torch.isfinite(out).all()
+
+
+def test_jax_in_jax_out(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q = randn(rng, (1, 100, 4, 64), DTYPES[1])
+    k = randn(rng, (1, 120, 2, 64), DTYPES[1])
+    v = randn(rng, (1, 120, 2, 64), DTYPES[1])
+    out = cuattn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True)
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16
+    ref = reference.attention(q, k, v, causal=True)
+    assert np.abs(np.asarray(out, dtype=np.float64) - ref).max() < 3e-2
+
+
+def test_torch_pointer_is_shared_zero_copy():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 8, 1, 32, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    assert cuattn.attention(q, q, q, out=out).data_ptr() == out.data_ptr()

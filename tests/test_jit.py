@@ -1,0 +1,136 @@
+"""The NVRTC loader: compile-only builds for sm_80 and sm_90a, the cache key, errors, the CLI.
+
+Compiling needs NVRTC (CuPy and the NVRTC wheel) but no GPU, so these run on CPU CI; they are
+what keeps a kernel that fails to compile or spills registers from ever reaching the GPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import cuattn
+from cuattn import _jit, _tools
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="compiling needs CuPy's NVRTC bindings")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """A private copy of cuda_src/ that a test may edit."""
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_jit.source_dir(), copy)
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(copy))
+    return copy
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_variant_compiles_without_spills(arch, cache):
+    rows = cuattn.build(arch)
+    assert len(rows) == len(_tools.kernel_variants(arch))
+    bad = [(r.kernel, r.error or f"{r.spill_store_bytes}/{r.spill_load_bytes} bytes spilled") for r in rows if not r.ok]
+    assert not bad, bad
+    for row in rows:
+        assert 0 < row.registers <= 255
+        assert row.ctas_per_sm >= 1, f"{row.kernel} does not fit on an SM"
+
+
+def test_cache_key_follows_every_header(sources, cache):
+    spec = _tools.kernel_variants("sm_80")[0]
+    before = _jit.cache_key(spec, "sm_80")
+    first = _jit.compile_kernel(spec, "sm_80")
+    assert not first.cached
+    assert _jit.compile_kernel(spec, "sm_80").cached
+    # an edit to a header only reached through #include must change the key and force a rebuild
+    with open(sources / "common.cuh", "a") as header:
+        header.write("\n// touched by test_cache_key_follows_every_header\n")
+    assert _jit.cache_key(spec, "sm_80") != before
+    rebuilt = _jit.compile_kernel(spec, "sm_80")
+    assert not rebuilt.cached
+    assert rebuilt.cubin_path != first.cubin_path
+
+
+def test_cache_key_separates_arch_and_variant(cache):
+    a, b = _tools.kernel_variants("sm_80")[:2]
+    keys = {_jit.cache_key(a, "sm_80"), _jit.cache_key(a, "sm_90a"), _jit.cache_key(b, "sm_80")}
+    assert len(keys) == 3
+
+
+def test_compile_error_carries_kernel_options_and_log(sources, cache):
+    (sources / "broken.cu").write_text("template <int N> __global__ void broken_kernel() { undeclared_name = N; }\n")
+    spec = _jit.KernelSpec("broken.cu", "broken_kernel<3>")
+    with pytest.raises(cuattn.CompileError, match=r"(?s)broken_kernel<3>.*-arch=sm_80.*undeclared_name") as info:
+        _jit.compile_kernel(spec, "sm_80")
+    assert info.value.kernel == "broken_kernel<3>"
+    assert "-arch=sm_80" in info.value.options
+    assert "undeclared_name" in info.value.log
+
+
+def test_sm90a_only_kernels_are_not_built_for_other_targets(cache):
+    spec = _jit.KernelSpec("flash_fwd.cu", "x", needs_sm90a=True)
+    with pytest.raises(ValueError, match=r"kernel x uses sm_90a instructions; cannot build it for sm_80"):
+        _jit.compile_kernel(spec, "sm_80")
+
+
+def test_compile_is_logged(cache, caplog):
+    spec = _tools.kernel_variants("sm_80")[1]
+    with caplog.at_level("INFO", logger="cuattn"):
+        _jit.compile_kernel(spec, "sm_80", use_cache=False)
+    assert any(spec.name in r.getMessage() and "sm_80" in r.getMessage() for r in caplog.records)
+
+
+def test_parse_resources_reads_ptxas_report():
+    log = (
+        "ptxas info    : Compiling entry function '_Z3fooi' for 'sm_80'\n"
+        "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 96 registers, used 1 barriers, 2048 bytes smem, 380 bytes cmem[0]\n"
+        "ptxas info    : Compiling entry function '_Z3bari' for 'sm_80'\n"
+        "ptxas info    : Used 10 registers\n"
+    )
+    res = _jit.parse_resources(log, "_Z3fooi")
+    assert res == _jit.Resources(96, 8, 4, 12, 2048) and res.spills
+    assert _jit.parse_resources(log, "_Z3bari").registers == 10
+    with pytest.raises(cuattn.CompileError, match="no resource report"):
+        _jit.parse_resources(log, "_Z3bazi")
+
+
+def test_build_refuses_an_unknown_kernel_filter(cache):
+    with pytest.raises(ValueError, match=r"no kernel variant matches \['no_such_kernel'\]"):
+        cuattn.build("sm_80", kernels="no_such_kernel")
+
+
+def test_cli_build_and_info(cache):
+    run = subprocess.run(
+        [sys.executable, "-m", "cuattn", "build", "--arch", "sm_80", "--kernels", "__half, 64,"],
+        capture_output=True, text=True, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "flash_fwd_kernel<__half, 64," in run.stdout and "0 failed or spilled" in run.stdout
+    info = subprocess.run([sys.executable, "-m", "cuattn", "info"], capture_output=True, text=True, check=True)
+    for key in ("cuattn", "nvrtc", "cache directory", "cached kernels", "device"):
+        assert key in info.stdout
+
+
+def test_cli_rejects_bad_arguments():
+    run = subprocess.run([sys.executable, "-m", "cuattn", "build", "--kernels", "nothing_matches"],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and "no kernel variant matches" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "cuattn", "frobnicate"], capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and "invalid choice" in run.stderr
+
+
+@pytest.mark.gpu
+def test_functions_are_memoised_per_device(cache):
+    spec = _tools.kernel_variants(_jit.target_arch())[-1]  # the d=256 variant asks for more than 48 KB
+    assert spec.smem_bytes > _jit.DEFAULT_DYNAMIC_SMEM_LIMIT
+    assert _jit.get_function(spec) is _jit.get_function(spec, 0)
+    assert spec.smem_bytes <= _jit.max_shared_memory_per_block()
