@@ -24,15 +24,12 @@ arrays in q's dtype.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import numpy as np
 
-from . import _arrays, _jit, reference
+from . import _arrays, _jit, _masks, reference
 
-LOG2E = 1.0 / math.log(2.0)
-# The kernels keep window bounds and sequence positions in int32.
-MAX_TOTAL_LENGTH = 1 << 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +82,7 @@ def fwd_tile(head_dim: int, arch: str) -> FwdTile:
     return FWD_TILES[head_dim][arch_family(arch)]
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
@@ -102,23 +100,6 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks shared by the GPU and CPU paths
-
-
-def _check_options(window, softcap, scale) -> tuple[int, int]:
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
-    ):
-        raise ValueError(f"window must be a pair (left, right) of ints, -1 meaning unbounded; got {window!r}")
-    left, right = int(window[0]), int(window[1])
-    if left < -1 or right < -1:
-        raise ValueError(f"window entries must be >= -1 (-1 = unbounded), got window = ({left}, {right})")
-    if not math.isfinite(float(softcap)) or float(softcap) < 0:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap}")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite float > 0, got {scale}")
-    return left, right
 
 
 def _check_head_dim(name: str, head_dim: int) -> None:
@@ -199,7 +180,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
-    left, right = _check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale)
     with _arrays.array_context(q=q, k=k, v=v, out=out) as ctx:
         qv, kv, vv, ov = (ctx.view(x) for x in (q, k, v, out))
         _check_qkv(qv, kv, vv, packed=False)
@@ -242,7 +223,7 @@ def attention_varlen(
     not processed. Returns ``out`` ``(total_q, Hq, D)``, and with ``return_lse`` also float32 lse
     ``(Hq, total_q)`` (natural log).
     """
-    left, right = _check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale)
     with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out) as ctx:
         qv, kv, vv, ov, cuq, cuk = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k))
         _check_qkv(qv, kv, vv, packed=True)
@@ -314,34 +295,18 @@ def _host_result(result, q, out, return_lse):
     return (value, lse_f64.astype(np.float32)) if return_lse else value
 
 
-def _window_bounds(causal, window, max_len: int) -> tuple[int, int]:
-    """Kernel window bounds: -1 becomes a bound no row reaches; causal caps the right side at 0."""
-    left, right = window
-    unbounded = max_len
-    left = unbounded if left == -1 else min(left, unbounded)
-    right = unbounded if right == -1 else min(right, unbounded)
-    if causal:
-        right = min(right, 0)
-    return left, right
-
-
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile: FwdTile | None = None):
     """Launch flash_fwd_kernel on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None)."""
     head_dim = int(q.shape[3])
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
-    if seqlen_q + seqlen_k >= MAX_TOTAL_LENGTH:
-        raise ValueError(f"Sq + Sk must stay below {MAX_TOTAL_LENGTH}, got {seqlen_q} + {seqlen_k}")
+    _masks.check_total_length(seqlen_q, seqlen_k)
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
         return
     tile = fwd_tile(head_dim, _jit.target_arch()) if tile is None else tile
-    spec = fwd_spec(q.dtype, head_dim, tile)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if softcap > 0:
-        score_scale, softcap_out = scale / softcap, softcap * LOG2E
-    else:
-        score_scale, softcap_out = scale * LOG2E, 0.0
-    left, right = _window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
+    spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
+    score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
+    left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
 
     qs, ks, vs, os_ = (list(_arrays.element_strides(x)) for x in (q, k, v, out))
     lse_strides = [lse.strides[0] // 4, lse.strides[1] // 4] if lse is not None else [0, 0]

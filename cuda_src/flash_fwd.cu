@@ -21,18 +21,9 @@
 //   start loading K[n-1]; O += P V[n].
 // The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
-#include "common.cuh"
-#include "mma.cuh"
+#include "attention_tile.cuh"
 
 namespace cuattn {
-
-// Shared-memory rows are padded by 16 bytes: D + 8 elements. With the row pitch an odd number of
-// 16-byte units, the eight rows one ldmatrix phase reads fall in eight different bank groups.
-template <int HEAD_DIM>
-struct SmemRow {
-  static constexpr int kPadElems = 8;
-  static constexpr int kStride = HEAD_DIM + kPadElems;
-};
 
 // Copy `ROWS` rows of D elements (row pitch `row_stride` in global memory) into a padded
 // shared tile with 16-byte cp.async, zero-filling rows at or past `valid_rows`.
@@ -63,41 +54,27 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride
   }
 }
 
-// Everything about one launch that is not a pointer or a tile size.
-struct FwdShape {
-  int seqlen_q, seqlen_k;  // this CTA's sequence lengths
-  int offset;              // Sk - Sq: aligns causal and window masks to the bottom-right corner
-  int window_left, window_right;
-  float score_scale;  // scale * log2(e), or scale / softcap with a softcap (always > 0)
-  float softcap_out;  // 0, or softcap * log2(e)
-};
-
+// Each warp owns BLOCK_M / WARPS query rows: an AttentionTile of that many m16 tiles, with the
+// whole key block and the whole head dim.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
-struct FlashFwd {
+struct FlashFwd : AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM / 8> {
+  using Tile = AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM / 8>;
+  using Tile::kMTiles;
+  using Tile::kNTiles;
+  using Tile::kDTiles;
+  using Tile::s;
+  using Tile::o;
   static constexpr int kThreads = WARPS * kWarpSize;
   static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
-  static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles of query rows per warp
-  static constexpr int kNTiles = BLOCK_N / 8;        // n8 tiles of S per warp
-  static constexpr int kDTiles = HEAD_DIM / 8;       // n8 tiles of O per warp
   static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "k16 steps");
 
   using Mm = Mma<T>;
-  using DT = DType<T>;
-
-  float s[kMTiles][kNTiles][4];  // scores of the current key block, then probabilities
-  float o[kMTiles][kDTiles][4];  // unnormalised output accumulator
-  SoftmaxState state[kMTiles][2];  // rows g and g + 8 of each m16 tile; l holds this lane's partial sum
 
   // S = Q K^T for this warp's rows: A fragments from sQ, B fragments from sK (both row-major in D).
   __device__ __forceinline__ void qk(const T* sQ, const T* sK, int warp, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+    this->zero_scores();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
       u32 a[kMTiles][4];
@@ -116,106 +93,6 @@ struct FlashFwd {
         }
       }
     }
-  }
-
-  // With a softcap, turn the raw scores into capped log2-unit scores here (tanh needs them);
-  // without one, leave them raw: the softmax folds the scale into its exp2 as one FMA.
-  // On boundary blocks, set invisible keys to -inf. The mask compares each key's column within
-  // the block against per-row limits, so the per-element work is two compares against
-  // compile-time offsets.
-  template <bool kMasked>
-  __device__ __forceinline__ void cap_and_mask(const FwdShape& sh, int row0, int col0, int lane) {
-    if (!kMasked && sh.softcap_out == 0.f) return;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // key columns (relative to this lane's first column in the block) row i may see: [lo, hi]
-        const int diag = row0 + mt * 16 + lane / 4 + 8 * r + sh.offset - col0 - (lane % 4) * 2;
-        const int hi = min(diag + sh.window_right, sh.seqlen_k - col0 - (lane % 4) * 2 - 1);
-        const int lo = diag - sh.window_left;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float x = s[mt][nt][2 * r + c];
-            if (sh.softcap_out > 0.f) x = tanhf(x * sh.score_scale) * sh.softcap_out;
-            if (kMasked) {
-              const int j = nt * 8 + c;
-              x = (j <= hi && j >= lo) ? x : -infinity();
-            }
-            s[mt][nt][2 * r + c] = x;
-          }
-      }
-  }
-
-  // Online softmax over the new block: move the row max, rescale the running output, and turn
-  // the scores into unnormalised probabilities exp2(scale * x - m). `scale` > 0 (checked on the
-  // host), so the max of the raw scores scales to the max of the scaled ones.
-  //
-  // The max moves lazily: while no row of the warp has grown by more than
-  // kLazyRescaleLog2 (SoftmaxState::needs_rescale), m stays put and the output is not rescaled;
-  // probabilities are then at most 2^kLazyRescaleLog2, far inside fp32 and the P dtype. After
-  // the first blocks the max rarely moves that far, so most blocks skip the rescale.
-  __device__ __forceinline__ float row_max(int mt, int r, float scale) const {
-    float x = -infinity();
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-    // the four lanes of a quad hold the row between them
-    return quad_max(x) * scale;
-  }
-
-  __device__ __forceinline__ void softmax_update(float scale) {
-    bool rescale = false;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale));
-    // Rare path: recompute the row maxes rather than keep them live in registers.
-    if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float factor = state[mt][r].update(row_max(mt, r, scale));
-          // rescale the running output: the row max moved
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o[mt][dt][2 * r] *= factor;
-            o[mt][dt][2 * r + 1] *= factor;
-          }
-        }
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float ref = state[mt][r].reference();
-        float block_sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          const float p0 = exp2f(fmaf(s[mt][nt][2 * r], scale, -ref));
-          const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], scale, -ref));
-          s[mt][nt][2 * r] = p0;
-          s[mt][nt][2 * r + 1] = p1;
-          block_sum += p0 + p1;
-        }
-        state[mt][r].l += block_sum;
-      }
-  }
-
-  // Round the probabilities to T as mma A fragments: two n8 tiles of S make one k16 slice.
-  // Done before the second GEMM so the fp32 scores are dead while V streams in.
-  __device__ __forceinline__ void probabilities_to_fragments(u32 (&p)[kMTiles][BLOCK_N / 16][4]) const {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
-        p[mt][ks][0] = DT::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        p[mt][ks][1] = DT::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        p[mt][ks][2] = DT::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        p[mt][ks][3] = DT::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-      }
   }
 
   // O += P V, V coming in as B fragments through transposing ldmatrix.
@@ -267,21 +144,21 @@ flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total
 
   // Locate this sequence: packed varlen rows start at cu_seqlens, dense ones at b * batch_stride.
   i64 q_start = 0, k_start = 0;
-  FwdShape sh{seqlen_q, seqlen_k, 0, window_left, window_right, score_scale, softcap_out};
   if (cu_seqlens_q != nullptr) {
     q_start = cu_seqlens_q[b];
     k_start = cu_seqlens_k[b];
-    sh.seqlen_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-    sh.seqlen_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+    seqlen_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    seqlen_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
   }
-  sh.offset = sh.seqlen_k - sh.seqlen_q;
-  // capped scores arrive in log2 units already; raw ones take the scale inside exp2
-  const float softmax_scale = softcap_out > 0.f ? 1.f : score_scale;
+  const MaskParams mp{seqlen_k, window_left, window_right, score_scale, softcap_out};
+  // Sk - Sq: aligns causal and window masks to the bottom-right corner
+  const int offset = seqlen_k - seqlen_q;
+  const float softmax_scale = mp.softmax_scale();
 
   // Heaviest causal blocks (the last query rows) are scheduled first.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int m0 = m_block * BLOCK_M;
-  if (m0 >= sh.seqlen_q) return;
+  if (m0 >= seqlen_q) return;
 
   const T* q_ptr = q + b * q_batch_stride + q_start * q_row_stride + h * q_head_stride + m0 * q_row_stride;
   const T* k_ptr = k + b * k_batch_stride + k_start * k_row_stride + h_kv * k_head_stride;
@@ -293,56 +170,50 @@ flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total
   T* sV = sK + BLOCK_N * kStride;          // [BLOCK_N, D + pad]
 
   // Key blocks any row of this CTA can see: [n_begin, n_end) in keys.
-  const int last_row_diag = m0 + BLOCK_M - 1 + sh.offset;
-  const int n_end = min(sh.seqlen_k, last_row_diag + sh.window_right + 1);
-  const int n_begin = max(0, m0 + sh.offset - sh.window_left);
+  const int last_row_diag = m0 + BLOCK_M - 1 + offset;
+  const int n_end = min(seqlen_k, last_row_diag + window_right + 1);
+  const int n_begin = max(0, m0 + offset - window_left);
   const int n_block_min = n_begin / BLOCK_N;
   const int n_block_max = n_end > n_begin ? (n_end + BLOCK_N - 1) / BLOCK_N : n_block_min;
   // Keys every row sees: below the first row's right edge and at or past the last row's left edge.
-  const int clean_end = min(sh.seqlen_k, m0 + sh.offset + sh.window_right + 1);
-  const int clean_begin = last_row_diag - sh.window_left;
+  const int clean_end = min(seqlen_k, m0 + offset + window_right + 1);
+  const int clean_begin = last_row_diag - window_left;
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
 
   Fwd fwd;
-#pragma unroll
-  for (int mt = 0; mt < Fwd::kMTiles; ++mt) {
-    fwd.state[mt][0].init();
-    fwd.state[mt][1].init();
-#pragma unroll
-    for (int dt = 0; dt < Fwd::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fwd.o[mt][dt][e] = 0.f;
-  }
+  fwd.init();
 
   // prologue: Q and the last visible K block travel together
-  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_ptr, q_row_stride, sh.seqlen_q - m0);
+  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_ptr, q_row_stride, seqlen_q - m0);
   if (n_block_max > n_block_min) {
     const int n0 = (n_block_max - 1) * BLOCK_N;
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n0 * k_row_stride, k_row_stride, sh.seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n0 * k_row_stride, k_row_stride, seqlen_k - n0);
   }
   cp_async_commit();
 
   const int row0 = m0 + warp * Fwd::kRowsPerWarp;
+  // the diagonal (query position + Sk - Sq) of this lane's row r of m16 tile mt
+  const auto diag_of = [=](int mt, int r) { return row0 + mt * 16 + lane / 4 + 8 * r + offset; };
   for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
     const int n0 = n_block * BLOCK_N;
     // K[n] has landed, and every warp is done reading V[n+1]: its buffer may be refilled
     cp_async_wait<0>();
     __syncthreads();
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_ptr + n0 * v_row_stride, v_row_stride, sh.seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_ptr + n0 * v_row_stride, v_row_stride, seqlen_k - n0);
     cp_async_commit();
 
     fwd.qk(sQ, sK, warp, lane);
     const bool masked = n0 + BLOCK_N > clean_end || n0 < clean_begin;
     if (masked) {
-      fwd.template cap_and_mask<true>(sh, row0, n0, lane);
+      fwd.template cap_and_mask<true>(mp, diag_of, n0, lane);
     } else {
-      fwd.template cap_and_mask<false>(sh, row0, n0, lane);
+      fwd.template cap_and_mask<false>(mp, diag_of, n0, lane);
     }
     fwd.softmax_update(softmax_scale);
     u32 p[Fwd::kMTiles][BLOCK_N / 16][4];
-    fwd.probabilities_to_fragments(p);
+    fwd.to_fragments(p);
 
     // V[n] has landed, and every warp is done reading K[n]: prefetch K[n-1] behind the second GEMM
     cp_async_wait<0>();
@@ -350,7 +221,7 @@ flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total
     if (n_block > n_block_min) {
       const int n_prev = n0 - BLOCK_N;
       load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n_prev * k_row_stride, k_row_stride,
-                                                sh.seqlen_k - n_prev);
+                                                seqlen_k - n_prev);
     }
     cp_async_commit();
     fwd.pv(p, sV, lane);
@@ -373,10 +244,10 @@ flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total
       const int row = mt * 16 + g + 8 * r;
 #pragma unroll
       for (int dt = 0; dt < Fwd::kDTiles; ++dt) {
-        const u32 packed = DT::pack(fwd.o[mt][dt][2 * r] * inv, fwd.o[mt][dt][2 * r + 1] * inv);
+        const u32 packed = DType<T>::pack(fwd.o[mt][dt][2 * r] * inv, fwd.o[mt][dt][2 * r + 1] * inv);
         *reinterpret_cast<u32*>(sO + row * kStride + dt * 8 + 2 * t) = packed;
       }
-      if (lse != nullptr && t == 0 && row0 + row < sh.seqlen_q) {
+      if (lse != nullptr && t == 0 && row0 + row < seqlen_q) {
         lse[b * lse_batch_stride + h * lse_head_stride + q_start + row0 + row] = st.lse();
       }
     }
@@ -388,7 +259,7 @@ flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total
   for (int idx = lane; idx < Fwd::kRowsPerWarp * kChunksPerRow; idx += kWarpSize) {
     const int row = idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * kElemsPerChunk;
-    if (row0 + row < sh.seqlen_q) {
+    if (row0 + row < seqlen_q) {
       *reinterpret_cast<uint4*>(o_ptr + row * o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sO + row * kStride + col);
     }

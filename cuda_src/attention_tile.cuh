@@ -1,0 +1,176 @@
+// attention_tile.cuh: the per-warp attention tile both tensor-core kernels are built on.
+//
+// A warp owns MT m16 tiles of query rows. For one block of keys it holds the scores
+// s[MT][NT][4] (NT n8 tiles of keys, mma.sync C fragments), the unnormalised output
+// o[MT][DT][4] (DT n8 tiles of the head dim) and one SoftmaxState per row. The verbs are the
+// steps of the online softmax:
+//   cap_and_mask      softcap and causal/window/length mask (masks only on boundary blocks)
+//   softmax_update    move the row max (lazily), rescale the output, exp2 into probabilities
+//   to_fragments      probabilities as fp16/bf16 A fragments for O += P V
+// flash_fwd.cu (rows split over warps) and decode.cu (keys split over warps) call them
+// between their own GEMMs.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuattn {
+
+// Shared-memory rows are padded by 16 bytes: D + 8 elements. With the row pitch an odd number of
+// 16-byte units, the eight rows one ldmatrix phase reads fall in eight different bank groups.
+template <int HEAD_DIM>
+struct SmemRow {
+  static constexpr int kPadElems = 8;
+  static constexpr int kStride = HEAD_DIM + kPadElems;
+};
+
+// What the mask and the score transform need. Query row with diagonal `diag` (its position
+// + Sk - Sq) sees key j iff j < key_end and diag - window_left <= j <= diag + window_right; the
+// host turns `causal` into window_right = 0 and an unbounded side into a bound no row reaches.
+struct MaskParams {
+  int key_end;
+  int window_left, window_right;
+  float score_scale;  // scale * log2(e), or scale / softcap with a softcap (always > 0)
+  float softcap_out;  // 0, or softcap * log2(e)
+
+  // The exp2 multiplier: capped scores arrive in log2 units already, raw ones take the scale.
+  __device__ __forceinline__ float softmax_scale() const { return softcap_out > 0.f ? 1.f : score_scale; }
+};
+
+template <typename T, int MT, int NT, int DT>
+struct AttentionTile {
+  static constexpr int kMTiles = MT;  // m16 tiles of query rows
+  static constexpr int kNTiles = NT;  // n8 tiles of keys in one block
+  static constexpr int kDTiles = DT;  // n8 tiles of the head dim
+  using DTy = DType<T>;
+
+  float s[MT][NT][4];     // scores of the current key block, then probabilities
+  float o[MT][DT][4];     // unnormalised output accumulator
+  SoftmaxState state[MT][2];  // rows g and g + 8 of each m16 tile; l holds this lane's partial sum
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      state[mt][0].init();
+      state[mt][1].init();
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+    }
+  }
+
+  __device__ __forceinline__ void zero_scores() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+  }
+
+  // With a softcap, turn the raw scores into capped log2-unit scores here (tanh needs them);
+  // without one, leave them raw: the softmax folds the scale into its exp2 as one FMA.
+  // On boundary blocks, set invisible keys to -inf. `diag_of(mt, r)` gives the diagonal of the
+  // lane's row r (0: g, 1: g + 8) of m16 tile mt, i.e. query position + Sk - Sq. The mask
+  // compares each key's column within the block against per-row limits, so the per-element
+  // work is two compares against compile-time offsets.
+  template <bool kMasked, class DiagOf>
+  __device__ __forceinline__ void cap_and_mask(const MaskParams& mp, DiagOf diag_of, int col0, int lane) {
+    if (!kMasked && mp.softcap_out == 0.f) return;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // key columns (relative to this lane's first column in the block) the row may see: [lo, hi]
+        const int first_col = col0 + (lane % 4) * 2;
+        const int diag = kMasked ? diag_of(mt, r) - first_col : 0;
+        const int hi = min(diag + mp.window_right, mp.key_end - first_col - 1);
+        const int lo = diag - mp.window_left;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float x = s[mt][nt][2 * r + c];
+            if (mp.softcap_out > 0.f) x = tanhf(x * mp.score_scale) * mp.softcap_out;
+            if (kMasked) {
+              const int j = nt * 8 + c;
+              x = (j <= hi && j >= lo) ? x : -infinity();
+            }
+            s[mt][nt][2 * r + c] = x;
+          }
+      }
+  }
+
+  // Online softmax over the new block: move the row max, rescale the running output, and turn
+  // the scores into unnormalised probabilities exp2(scale * x - m). `scale` > 0 (checked on the
+  // host), so the max of the raw scores scales to the max of the scaled ones.
+  //
+  // The max moves lazily: while no row of the warp has grown by more than
+  // kLazyRescaleLog2 (SoftmaxState::needs_rescale), m stays put and the output is not rescaled;
+  // probabilities are then at most 2^kLazyRescaleLog2, far inside fp32 and the P dtype. After
+  // the first blocks the max rarely moves that far, so most blocks skip the rescale.
+  __device__ __forceinline__ float row_max(int mt, int r, float scale) const {
+    float x = -infinity();
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+    // the four lanes of a quad hold the row between them
+    return quad_max(x) * scale;
+  }
+
+  __device__ __forceinline__ void softmax_update(float scale) {
+    bool rescale = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale));
+    // Rare path: recompute the row maxes rather than keep them live in registers.
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float factor = state[mt][r].update(row_max(mt, r, scale));
+          // rescale the running output: the row max moved
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mt][dt][2 * r] *= factor;
+            o[mt][dt][2 * r + 1] *= factor;
+          }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float ref = state[mt][r].reference();
+        float block_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float p0 = exp2f(fmaf(s[mt][nt][2 * r], scale, -ref));
+          const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], scale, -ref));
+          s[mt][nt][2 * r] = p0;
+          s[mt][nt][2 * r + 1] = p1;
+          block_sum += p0 + p1;
+        }
+        state[mt][r].l += block_sum;
+      }
+  }
+
+  // Round the probabilities to T as mma A fragments: two n8 tiles of S make one k16 slice.
+  // Done before the second GEMM so the fp32 scores are dead while V streams in.
+  __device__ __forceinline__ void to_fragments(u32 (&p)[MT][NT / 2][4]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < NT / 2; ++ks) {
+        p[mt][ks][0] = DTy::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        p[mt][ks][1] = DTy::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        p[mt][ks][2] = DTy::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        p[mt][ks][3] = DTy::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
+  }
+
+};
+
+}  // namespace cuattn
