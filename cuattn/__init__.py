@@ -11,6 +11,7 @@ from . import reference
 from ._errors import CompileError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_varlen
+from .decode import decode, merge_states
 
 __all__ = [
     "CompileError",
@@ -18,6 +19,8 @@ __all__ = [
     "attention",
     "attention_varlen",
     "build",
+    "decode",
     "info",
+    "merge_states",
     "reference",
 ]

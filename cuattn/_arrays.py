@@ -213,7 +213,8 @@ def check_int32(name: str, x) -> None:
 
 def element_strides(x) -> tuple[int, ...]:
     """Strides in elements (CuPy and NumPy report bytes)."""
-    return tuple(int(s) // x.dtype.itemsize for s in x.strides)
+    itemsize = x.dtype.itemsize
+    return tuple(s // itemsize for s in x.strides)
 
 
 def check_kernel_layout(name: str, x) -> None:

@@ -2,7 +2,8 @@
 
 FLOPs and bytes are counted here once: forward attention does 4 * B * H * Sq * Sk * D
 floating-point operations (two GEMMs of 2 * Sq * Sk * D each), halved under a causal mask with
-Sq == Sk; the backward does 2.5x the forward. Times come from CUDA events around many launches
+Sq == Sk; the backward does 2.5x the forward. A decode step reads every cached key and value
+once: 2 * B * L * Hk * D * itemsize bytes, reported as TB/s. Times come from CUDA events around many launches
 after a warm-up, median over repeats.
 """
 
@@ -12,6 +13,11 @@ import math
 import statistics
 
 BACKWARD_FLOP_RATIO = 2.5
+
+
+def kv_bytes(batch, seqlen, num_kv_heads, head_dim, itemsize=2) -> float:
+    """Bytes of K and V a decode step must read: each cached key and value once."""
+    return 2.0 * batch * seqlen * num_kv_heads * head_dim * itemsize
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal=False) -> float:
@@ -66,3 +72,42 @@ def naive_attention_cupy(q, k, v, causal=False):
     p = cupy.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
     return cupy.matmul(p, vh).transpose(0, 2, 1, 3)
+
+
+def time_cupy_graph(fn, *, calls_per_graph: int = 20, repeats: int = 10) -> float:
+    """Median milliseconds per call with ``calls_per_graph`` calls captured in one CUDA graph.
+
+    Replaying a graph removes the host's launch overhead, so this is the GPU time of the work
+    itself (for small decode steps the Python launch path otherwise dominates).
+    """
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(calls_per_graph):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        ms = time_cuda(lambda: graph.launch(stream), warmup=2, repeats=repeats, inner=5)
+    return ms / calls_per_graph
+
+
+def time_torch_graph(fn, *, calls_per_graph: int = 20, repeats: int = 10) -> float:
+    """The same for work that torch launches, captured with torch.cuda.graph."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    torch.cuda.synchronize()
+    return time_cuda(graph.replay, warmup=2, repeats=repeats, inner=5) / calls_per_graph

@@ -343,19 +343,26 @@ def launch(spec: KernelSpec, grid, args, *, stream=None) -> None:
     function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=spec.smem_bytes, stream=stream)
 
 
-def max_shared_memory_per_block(device_id: int | None = None) -> int:
-    """The opt-in dynamic shared-memory limit of a device (232448 bytes on an H100/H200)."""
+_attributes: dict[tuple[int, str], int] = {}
+
+
+def device_attribute(name: str, device_id: int | None = None) -> int:
+    """A CUDA device attribute by CuPy's name ("MultiProcessorCount", ...), memoised: launches ask often."""
     import cupy
 
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
-    attrs = cupy.cuda.Device(device_id).attributes
-    return int(attrs["MaxSharedMemoryPerBlockOptin"])
+    key = (device_id, name)
+    value = _attributes.get(key)
+    if value is None:
+        value = _attributes[key] = int(cupy.cuda.Device(device_id).attributes[name])
+    return value
+
+
+def max_shared_memory_per_block(device_id: int | None = None) -> int:
+    """The opt-in dynamic shared-memory limit of a device (232448 bytes on an H100/H200)."""
+    return device_attribute("MaxSharedMemoryPerBlockOptin", device_id)
 
 
 def multiprocessor_count(device_id: int | None = None) -> int:
-    import cupy
-
-    if device_id is None:
-        device_id = cupy.cuda.runtime.getDevice()
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return device_attribute("MultiProcessorCount", device_id)

@@ -51,6 +51,13 @@ struct DType<__nv_bfloat16> {
   }
 };
 
+// float partial results (split-KV, merge_states) go through the same conversions.
+template <>
+struct DType<float> {
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

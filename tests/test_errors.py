@@ -174,3 +174,73 @@ def test_torch_cpu_tensors_are_refused():
     q = torch.zeros(1, 5, 4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"torch tensors must be on a CUDA device, got cpu"):
         cuattn.attention(q, q, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode and merge_states
+
+
+def decode_arrays(b=2, sq_new=1, hq=8, hk=2, s_max=50, d=64):
+    q = np.zeros((b, sq_new, hq, d), np.float32)
+    k = np.zeros((b, s_max, hk, d), np.float32)
+    return q, k, k.copy(), np.full(b, s_max, np.int32)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: {**a, "q": np.zeros((2, 17, 8, 64), np.float32)}, ValueError,
+         r"q.shape\[1\] \(Sq_new\) must be between 1 and 16, got 17; use cuattn.attention for prefill"),
+        (lambda a: {**a, "q": np.zeros((2, 0, 8, 64), np.float32)}, ValueError, r"q.shape\[1\] \(Sq_new\) must be between 1 and 16, got 0"),
+        (lambda a: {**a, "k_cache": a["k_cache"][:1]}, ValueError, r"k_cache.shape\[0\] \(batch\) must equal q.shape\[0\] = 2, got 1"),
+        (lambda a: {**a, "v_cache": a["v_cache"][:, :40]}, ValueError, r"v_cache.shape\[1\] \(S_max\) must equal k_cache.shape\[1\] = 50, got 40"),
+        (lambda a: {**a, "k_cache": np.zeros((2, 50, 3, 64), np.float32), "v_cache": np.zeros((2, 50, 3, 64), np.float32)},
+         ValueError, r"q.shape\[2\] \(num_heads\) = 8 must be a multiple of k_cache.shape\[2\] \(num_kv_heads\) = 3"),
+        (lambda a: {**a, "cache_seqlens": a["cache_seqlens"].astype(np.int64)}, TypeError, r"cache_seqlens.dtype must be int32, got int64"),
+        (lambda a: {**a, "cache_seqlens": a["cache_seqlens"][:1]}, ValueError, r"cache_seqlens.shape\[0\] \(batch\) must equal q.shape\[0\] = 2, got 1"),
+        (lambda a: {**a, "cache_seqlens": np.array([50, 51], np.int32)}, ValueError, r"cache_seqlens must lie in \[0, S_max = 50\], got \[50, 51\]"),
+        (lambda a: {**a, "num_splits": 0}, ValueError, r"num_splits must be None or an int from 1 to 128, got 0"),
+        (lambda a: {**a, "num_splits": 129}, ValueError, r"num_splits must be None or an int from 1 to 128, got 129"),
+        (lambda a: {**a, "window": (5,)}, ValueError, r"window must be a pair"),
+    ],
+)
+def test_decode_errors(change, error, message):
+    q, k, v, lens = decode_arrays()
+    args = change({"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": lens})
+    with pytest.raises(error, match=message):
+        cuattn.decode(**args)
+
+
+def test_decode_unsupported_head_dim():
+    q, k, v, lens = decode_arrays(d=48)
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 48 is not supported; supported head dims: 32, 64, 96, 128, 256"):
+        cuattn.decode(q, k, v, lens)
+
+
+def test_merge_states_errors():
+    out = np.zeros((2, 5, 4, 64), np.float32)
+    lse = np.zeros((2, 4, 5), np.float32)
+    with pytest.raises(TypeError, match=r"merge_states takes \(out_a, lse_a, out_b, lse_b\) or one list of \(out, lse\) pairs, got 3"):
+        cuattn.merge_states(out, lse, out)
+    with pytest.raises(TypeError, match=r"needs a non-empty list of \(out, lse\) pairs"):
+        cuattn.merge_states([])
+    with pytest.raises(ValueError, match=r"lse_1.shape must be out's shape without D with its last two axes swapped, \(2, 4, 5\), got \(2, 5, 4\)"):
+        cuattn.merge_states(out, lse, out, np.zeros((2, 5, 4), np.float32))
+    with pytest.raises(ValueError, match=r"out_1.shape must equal out_0.shape = \(2, 5, 4, 64\), got \(2, 5, 4, 32\)"):
+        cuattn.merge_states(out, lse, np.zeros((2, 5, 4, 32), np.float32), lse)
+    with pytest.raises(ValueError, match=r"out_0 must have at least 3 axes \(..., S, H, D\), got shape \(4, 64\)"):
+        cuattn.merge_states(np.zeros((4, 64)), np.zeros(4), np.zeros((4, 64)), np.zeros(4))
+
+
+@pytest.mark.gpu
+def test_merge_states_device_dtype_errors():
+    import cupy
+
+    out = cupy.zeros((2, 5, 4, 64), cupy.float32)
+    lse = cupy.zeros((2, 4, 5), cupy.float32)
+    with pytest.raises(TypeError, match=r"lse_1.dtype must be float32, got float64"):
+        cuattn.merge_states(out, lse, out, lse.astype(cupy.float64))
+    with pytest.raises(TypeError, match=r"out_1.dtype must equal out_0.dtype = float32, got float16"):
+        cuattn.merge_states(out, lse, out.astype(cupy.float16), lse)
+    with pytest.raises(TypeError, match=r"out_0.dtype is float64; merge_states takes float16, bfloat16 or float32"):
+        cuattn.merge_states(out.astype(cupy.float64), lse, out.astype(cupy.float64), lse)

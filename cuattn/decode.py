@@ -1,0 +1,422 @@
+"""FlashDecoding: a few new tokens attend to a long KV cache, and the exact merge of partial states.
+
+``decode`` is bandwidth-bound: every step reads the whole cache once. One CTA per (sequence,
+kv head) would leave most of an H200 idle for a single long sequence, so the keys are split
+across CTAs (split-KV); each split writes a float32 partial output and lse, and a combine
+kernel merges them exactly (``cuda_src/decode.cu``). The query heads that share a kv head are
+packed into one tile (GQA packing), so each cache byte is read once per step, not once per
+query head. Choosing the split count needs only shapes and the SM count, never the device's
+``cache_seqlens``: a decode step has no device-to-host copy and can be captured in a CUDA graph.
+
+Layouts (any strides on the leading axes; the last axis is contiguous):
+
+    q              (B, Sq_new, Hq, D)      Sq_new from 1 to 16 (speculative decoding)
+    k_cache, v_cache (B, S_max, Hk, D)     cache_seqlens (B,) int32 on the device
+    out            (B, Sq_new, Hq, D)      lse (B, Hq, Sq_new) float32, natural log
+
+``cache_seqlens[b]`` counts every key of row b, the new tokens' own included (write them into
+the cache first). With ``causal``, new token i of row b sees keys ``j <= cache_seqlens[b] -
+Sq_new + i``. NumPy inputs run the float64 reference on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from . import _arrays, _jit, _masks, reference
+
+MAX_NEW_TOKENS = 16
+MAX_SPLITS = 128
+# A split should stream at least this many keys, or the combine costs more than it saves.
+MIN_KEYS_PER_SPLIT = 256
+DECODE_THREADS = 128
+DECODE_BLOCK_N = 64  # keys per pipeline stage: 4 warps x 16 (kDecodeBlockN in decode.cu)
+SMEM_PAD_ELEMS = 8
+MAX_GRID_Z = 65535
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel choice: one traits table per head dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """max_mt: m16 tiles of packed query rows per CTA (more rows take more CTAs); stages: cp.async ring depth."""
+
+    max_mt: int
+    stages: int
+
+    def smem_bytes(self, head_dim: int, itemsize: int, mt: int) -> int:
+        """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers)."""
+        stride = head_dim + SMEM_PAD_ELEMS
+        q_tile = 16 * mt * stride * itemsize
+        ring = self.stages * 2 * DECODE_BLOCK_N * stride * itemsize
+        merge = 4 * 16 * mt * (head_dim + 2) * 4
+        return q_tile + max(ring, merge)
+
+
+# Chosen so that two CTAs fit on an SM at D = 128 (two stages in flight each) and no variant
+# spills (`python -m cuattn build`); D = 32 keeps one m16 tile because two spill on sm_80.
+DECODE_TILES = {
+    32: DecodeTile(max_mt=1, stages=4),
+    64: DecodeTile(max_mt=2, stages=4),
+    96: DecodeTile(max_mt=2, stages=3),
+    128: DecodeTile(max_mt=2, stages=3),
+    256: DecodeTile(max_mt=1, stages=2),
+}
+SUPPORTED_HEAD_DIMS = tuple(sorted(DECODE_TILES))
+MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
+
+
+@functools.lru_cache(maxsize=None)
+def decode_spec(dtype, head_dim: int, mt: int, paged: bool) -> _jit.KernelSpec:
+    tile = DECODE_TILES[head_dim]
+    kernel = "paged_decode_kernel" if paged else "decode_kernel"
+    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    return _jit.KernelSpec(
+        "decode.cu", f"cuattn::{kernel}<{ctype}, {head_dim}, {mt}, {tile.stages}>",
+        threads=DECODE_THREADS, smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def combine_spec(in_dtype, out_dtype) -> _jit.KernelSpec:
+    tin, tout = MERGE_DTYPES[np.dtype(in_dtype)], MERGE_DTYPES[np.dtype(out_dtype)]
+    return _jit.KernelSpec("decode.cu", f"cuattn::combine_kernel<{tin}, {tout}>", threads=128)
+
+
+def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
+    """Every decode, paged-decode and combine variant the dispatchers can pick."""
+    specs = []
+    for dtype in _arrays.CUDA_TYPES:
+        for d, tile in DECODE_TILES.items():
+            for mt in range(1, tile.max_mt + 1):
+                specs += [decode_spec(dtype, d, mt, paged=False), decode_spec(dtype, d, mt, paged=True)]
+        specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
+    specs.append(combine_spec(np.float32, np.float32))
+    return specs
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int,
+                      ctas_per_sm: int, num_sms: int) -> int:
+    """Splits so that one wave of CTAs fills the GPU, each split streaming enough keys.
+
+    Depends on shapes and the device only (never on the device's cache_seqlens): no sync.
+    """
+    ctas = batch * num_kv_heads * row_chunks
+    resident = ctas_per_sm * num_sms
+    by_occupancy = resident // ctas
+    by_length = max(1, max_seqlen // MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
+           window=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
+
+    Args:
+        q: ``(B, Sq_new, Hq, D)``, Sq_new from 1 to 16, float16 or bfloat16.
+        k_cache, v_cache: ``(B, S_max, Hk, D)``, same dtype, ``Hq % Hk == 0``.
+        cache_seqlens: ``(B,)`` int32, keys in each row's cache (new tokens included). Values
+            are read on the device only; a value above S_max is treated as S_max.
+        num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
+        causal, scale, window, softcap: as in :func:`cuattn.attention`, with
+            Sk = cache_seqlens[b] per row.
+        return_lse: also return lse ``(B, Hq, Sq_new)`` float32 (natural log).
+
+    Returns:
+        ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
+    """
+    left, right = _masks.check_options(window, softcap, scale)
+    with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens) as ctx:
+        qv, kv, vv, lens = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens))
+        check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
+        _check_num_splits(num_splits)
+        if ctx.on_host:
+            if np.any(lens < 0) or np.any(lens > kv.shape[1]):
+                raise ValueError(f"cache_seqlens must lie in [0, S_max = {kv.shape[1]}], got {lens.tolist()}")
+            result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
+                                      softcap=softcap, return_lse=True)
+            return _host_result(result, qv, return_lse)
+
+        _arrays.check_float_dtype("q", qv)
+        _arrays.check_same_dtype("k_cache", kv, "q", qv)
+        _arrays.check_same_dtype("v_cache", vv, "q", qv)
+        for name, x in (("q", qv), ("k_cache", kv), ("v_cache", vv)):
+            _arrays.check_kernel_layout(name, x)
+            _arrays.check_same_device(name, x, "q", qv)
+        _arrays.check_same_device("cache_seqlens", lens, "q", qv)
+        out, lse = launch_decode(
+            qv, kv, vv, lens, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
+            window=(left, right), softcap=softcap, return_lse=return_lse, stream=ctx.stream,
+        )
+        out = ctx.to_caller(out)
+        return (out, ctx.to_caller(lse)) if return_lse else out
+
+
+def merge_states(*args):
+    """Exact merge of attention outputs over disjoint key sets (split-KV, cascade, ring attention).
+
+    Call as ``merge_states(out_a, lse_a, out_b, lse_b)`` or ``merge_states([(out, lse), ...])``.
+    ``out`` is ``(..., S, H, D)`` (float16, bfloat16 or float32) and ``lse`` its float32,
+    natural-log lse of shape ``(..., H, S)``: ``(B, S, H, D)`` with ``(B, H, S)`` as
+    ``attention`` returns them, or ``(T, H, D)`` with ``(H, T)`` as ``attention_varlen`` does.
+    Returns ``(out, lse)`` in the same layouts, out in the inputs' dtype. A part whose lse is
+    -inf (it saw no key) contributes nothing; if every part is empty, out is 0 and lse -inf.
+    """
+    states = _parse_states(args)
+    named = {}
+    for i, (out, lse) in enumerate(states):
+        named[f"out_{i}"], named[f"lse_{i}"] = out, lse
+    with _arrays.array_context(**named) as ctx:
+        views = [(ctx.view(o), ctx.view(l)) for o, l in states]
+        _check_states(views, ctx.on_host)
+        if ctx.on_host:
+            out, lse = reference.merge_states(views)
+            return out.astype(views[0][0].dtype), lse.astype(np.float32)
+        out, lse = _merge_on_device(views, ctx.stream)
+        return ctx.to_caller(out), ctx.to_caller(lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared with paged attention
+
+
+def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, str]) -> None:
+    """Shapes of q and the caches (contiguous or paged), dtype of the length vector."""
+    layout, length_axis = cache_layout
+    _arrays.check_ndim("q", q, "(B, Sq_new, Hq, D)")
+    cache_names = ("k_cache", "v_cache") if length_axis == "S_max" else ("k_pages", "v_pages")
+    _arrays.check_ndim(cache_names[0], k, layout)
+    _arrays.check_ndim(cache_names[1], v, layout)
+    sq_new = int(q.shape[1])
+    if not 1 <= sq_new <= MAX_NEW_TOKENS:
+        raise ValueError(
+            f"q.shape[1] (Sq_new) must be between 1 and {MAX_NEW_TOKENS}, got {sq_new}; "
+            "use cuattn.attention for prefill"
+        )
+    if length_axis == "S_max":
+        _arrays.check_axis(cache_names[0], k, 0, "batch", int(q.shape[0]), "q.shape[0]")
+    _arrays.check_axis(cache_names[0], k, 3, "head_dim", int(q.shape[3]), "q.shape[3]")
+    for axis, axis_name in enumerate(layout.strip("()").split(", ")):
+        _arrays.check_axis(cache_names[1], v, axis, axis_name, int(k.shape[axis]), f"{cache_names[0]}.shape[{axis}]")
+    _arrays.check_positive(cache_names[0], k, 2, "Hk")
+    num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"q.shape[2] (num_heads) = {num_heads} must be a multiple of "
+            f"{cache_names[0]}.shape[2] (num_kv_heads) = {num_kv_heads}"
+        )
+    head_dim = int(q.shape[3])
+    if head_dim not in DECODE_TILES:
+        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        raise ValueError(f"q.shape[-1] (head_dim) = {head_dim} is not supported; supported head dims: {supported}")
+    _arrays.check_ndim(lens_name, lens, "(B)")
+    _arrays.check_axis(lens_name, lens, 0, "batch", int(q.shape[0]), "q.shape[0]")
+    _arrays.check_int32(lens_name, lens)
+    if int(q.shape[0]) > MAX_GRID_Z:
+        raise ValueError(f"q.shape[0] (batch) must be at most {MAX_GRID_Z}, got {q.shape[0]}")
+
+
+def _check_num_splits(num_splits) -> None:
+    if num_splits is None:
+        return
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be None or an int from 1 to {MAX_SPLITS}, got {num_splits!r}")
+
+
+def _host_result(result, q, return_lse):
+    out, lse = result
+    out = out.astype(q.dtype)
+    return (out, lse.astype(np.float32)) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+
+
+_workspaces: dict[tuple[int, int], object] = {}
+
+
+def _workspace(nbytes: int, stream):
+    """A grow-only float32 buffer per (device, stream) for split partials.
+
+    Reusing it keeps allocations off the decode path, so a step captured in a CUDA graph keeps
+    pointing at live memory when it is replayed.
+    """
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr if stream is not None else 0)
+    buf = _workspaces.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
+        _workspaces[key] = buf
+    return buf
+
+
+# Shared memory the driver reserves per CTA on sm_80 and later.
+RESERVED_SMEM_PER_CTA = 1024
+
+
+def _ctas_per_sm(spec: _jit.KernelSpec) -> int:
+    """How many CTAs of a decode variant fit on one SM, by shared memory and threads."""
+    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
+    by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
+    return max(1, min(by_smem, by_threads))
+
+
+def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
+                  return_lse, stream):
+    """Launch (paged_)decode_kernel and, with several splits, combine_kernel. Returns (out, lse or None).
+
+    ``paged`` is None for a contiguous cache, else ``(block_table, block_size)``; ``max_seqlen``
+    is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size).
+    """
+    import cupy
+
+    batch, sq_new, num_heads, head_dim = map(int, q.shape)
+    num_kv_heads = int(k.shape[2])
+    group = num_heads // num_kv_heads
+    rows = group * sq_new
+    tile = DECODE_TILES[head_dim]
+    mt = 1 if rows <= 16 else tile.max_mt
+    row_chunks = math.ceil(rows / (16 * mt))
+    spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, max_seqlen, _ctas_per_sm(spec),
+                                       _jit.multiprocessor_count())
+    out = cupy.empty(q.shape, q.dtype)
+    lse = cupy.empty((batch, num_heads, sq_new), cupy.float32) if return_lse else None
+    if batch == 0:
+        return out, lse
+
+    _masks.check_total_length(sq_new, max_seqlen)
+    score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
+    left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + DECODE_BLOCK_N)
+    part_elems = num_splits * batch * sq_new * num_heads * head_dim
+    lse_elems = num_splits * batch * num_heads * sq_new
+    null = np.uint64(0)
+    part_out = part_lse = null
+    if num_splits > 1:
+        # partials live in the stream's workspace: [splits, B, Sq_new, Hq, D] then [splits, B, Hq, Sq_new]
+        base = _workspace((part_elems + lse_elems) * 4, stream).data.ptr
+        part_out, part_lse = np.uint64(base), np.uint64(base + part_elems * 4)
+    i64, i32, f32 = np.int64, np.int32, np.float32
+    qs, ks, vs, os_ = (_arrays.element_strides(x) for x in (q, k, v, out))
+    lse_strides = (lse.strides[0] // 4, lse.strides[1] // 4) if lse is not None else (0, 0)
+    if paged is None:
+        cache_args = (k, v, lens)
+        stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]))
+    else:
+        table, block_size = paged
+        cache_args = (k, v, table, lens)
+        stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]),
+                       i64(_arrays.element_strides(table)[0]), i32(block_size))
+    args = (
+        q, *cache_args, out, lse if lse is not None else null, part_out, part_lse,
+        *stride_args,
+        i64(os_[0]), i64(os_[1]), i64(os_[2]), i64(lse_strides[0]), i64(lse_strides[1]),
+        i32(batch), i32(sq_new), i32(num_heads), i32(num_kv_heads), i32(row_chunks), i32(num_splits),
+        i32(max_seqlen), f32(score_scale), f32(softcap_out), i32(left), i32(right),
+    )
+    _jit.launch(spec, (num_splits, num_kv_heads * row_chunks, batch), args, stream=stream)
+    if num_splits > 1:
+        dims = (num_splits, batch, sq_new, num_heads, head_dim)
+        part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)
+        lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
+        _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream)
+    return out, lse
+
+
+COMBINE_WARPS = 4
+
+
+def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream) -> None:
+    """Merge parts [P, B, S, H, D] (strides (part, b, s, h)) with lse [P, B, H, S] (strides
+    (part, b, h, s)) into out [B, S, H, D] and lse [B, H, S] (or None).
+
+    ``parts`` and ``part_lse`` are arrays or raw device pointers (np.uint64) into a workspace.
+    """
+    num_parts, batch, seqlen, heads, head_dim = dims
+    rows = batch * seqlen * heads
+    if rows == 0:
+        return
+    i64, i32 = np.int64, np.int32
+    os_ = _arrays.element_strides(out)
+    los = (lse.strides[0] // 4, lse.strides[1] // 4, lse.strides[2] // 4) if lse is not None else (0, 0, 0)
+    args = (
+        parts, part_lse, out, lse if lse is not None else np.uint64(0),
+        i32(num_parts), i32(batch), i32(seqlen), i32(heads), i32(head_dim),
+        *map(i64, part_strides), *map(i64, lse_strides), *map(i64, os_[:3]), *map(i64, los),
+    )
+    spec = combine_spec(np.dtype(parts_dtype), np.dtype(out.dtype))
+    _jit.launch(spec, (math.ceil(rows / COMBINE_WARPS), 1, 1), args, stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_states helpers
+
+
+def _parse_states(args):
+    if len(args) == 4:
+        return [(args[0], args[1]), (args[2], args[3])]
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        states = list(args[0])
+        if not states or not all(isinstance(s, (list, tuple)) and len(s) == 2 for s in states):
+            raise TypeError("merge_states([(out, lse), ...]) needs a non-empty list of (out, lse) pairs")
+        return states
+    raise TypeError(
+        f"merge_states takes (out_a, lse_a, out_b, lse_b) or one list of (out, lse) pairs, "
+        f"got {len(args)} positional arguments"
+    )
+
+
+def _check_states(views, host: bool) -> None:
+    out0, _ = views[0]
+    if out0.ndim < 3:
+        raise ValueError(f"out_0 must have at least 3 axes (..., S, H, D), got shape {tuple(out0.shape)}")
+    expected_lse = tuple(out0.shape[:-3]) + (int(out0.shape[-2]), int(out0.shape[-3]))
+    for i, (out, lse) in enumerate(views):
+        if tuple(out.shape) != tuple(out0.shape):
+            raise ValueError(f"out_{i}.shape must equal out_0.shape = {tuple(out0.shape)}, got {tuple(out.shape)}")
+        if tuple(lse.shape) != expected_lse:
+            raise ValueError(
+                f"lse_{i}.shape must be out's shape without D with its last two axes swapped, "
+                f"{expected_lse}, got {tuple(lse.shape)}"
+            )
+        if host:
+            _arrays.check_host_float_dtype(f"out_{i}", out)
+            continue
+        if np.dtype(out.dtype) not in MERGE_DTYPES:
+            raise TypeError(f"out_{i}.dtype is {_arrays.dtype_name(out.dtype)}; merge_states takes float16, bfloat16 or float32")
+        _arrays.check_same_dtype(f"out_{i}", out, "out_0", out0)
+        if np.dtype(lse.dtype) != np.float32:
+            raise TypeError(f"lse_{i}.dtype must be float32, got {_arrays.dtype_name(lse.dtype)}")
+        _arrays.check_same_device(f"out_{i}", out, "out_0", out0)
+        _arrays.check_same_device(f"lse_{i}", lse, "out_0", out0)
+
+
+def _merge_on_device(views, stream):
+    import cupy
+
+    out0, lse0 = views[0]
+    lead = tuple(int(n) for n in out0.shape[:-3])
+    seqlen, heads, head_dim = (int(n) for n in out0.shape[-3:])
+    batch = int(np.prod(lead)) if lead else 1
+    # stacking copies each part once into [P, B', S, H, D] / [P, B', H, S]
+    parts = cupy.stack([cupy.ascontiguousarray(o).reshape(batch, seqlen, heads, head_dim) for o, _ in views])
+    plse = cupy.stack([cupy.ascontiguousarray(l).reshape(batch, heads, seqlen) for _, l in views])
+    out = cupy.empty((batch, seqlen, heads, head_dim), out0.dtype)
+    lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+    dims = (len(views), batch, seqlen, heads, head_dim)
+    _launch_combine(parts, _arrays.element_strides(parts)[:4], plse, _arrays.element_strides(plse), dims,
+                    parts.dtype, out, lse, stream)
+    return out.reshape(out0.shape), lse.reshape(lse0.shape)

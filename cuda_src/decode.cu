@@ -1,0 +1,416 @@
+// decode.cu: FlashDecoding. A few new query tokens attend to a long KV cache, split across CTAs.
+//
+//   decode_kernel   one CTA per (split, kv head, row chunk, sequence): the query heads that share
+//                   a kv head are packed into the rows of one mma tile (GQA packing), so each
+//                   cache byte is read once per step, not once per query head. The 4 warps take
+//                   16 keys each of every 64-key block streamed through a multi-stage cp.async
+//                   ring, then merge their softmax states through shared memory. With one split
+//                   the CTA writes the final output; with several, a float32 partial output and
+//                   lse per split.
+//   combine_kernel  merges per-split (or any) partial states exactly: merge_states and the
+//                   split-KV combine.
+//
+// Layouts (element strides are arguments; the last axis is contiguous):
+//   q              [B, Sq_new, Hq, D]         out  [B, Sq_new, Hq, D]   lse [B, Hq, Sq_new] fp32
+//   contiguous KV  k, v [B, S_max, Hk, D]     cache_seqlens [B] int32
+//   paged KV       k, v [num_blocks, block_size, Hk, D]   block_table [B, max_blocks] int32
+//   partials       part_out [splits, B, Sq_new, Hq, D] fp32, part_lse [splits, B, Hq, Sq_new] fp32
+//
+// Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
+// Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
+#include "attention_tile.cuh"
+
+namespace cuattn {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
+constexpr int kKeysPerWarp = 16;                                 // one k16 slice of P V per warp
+constexpr int kDecodeBlockN = kDecodeWarps * kKeysPerWarp;      // keys per pipeline stage
+// Q fragments stay in registers when they take at most this many (one m16 tile at D <= 128).
+constexpr int kMaxQFragmentRegisters = 32;
+
+// Where token j of the CTA's sequence and kv head lives in a contiguous cache [B, S_max, Hk, D].
+template <typename T>
+struct ContiguousKV {
+  const T* k;  // already offset to (b, hk)
+  const T* v;
+  i64 k_row_stride, v_row_stride;
+
+  __device__ __forceinline__ void rows(int j, const T*& k_row, const T*& v_row) const {
+    k_row = k + j * k_row_stride;
+    v_row = v + j * v_row_stride;
+  }
+};
+
+// The same through a block table: token j is slot j % block_size of page table[j / block_size].
+template <typename T>
+struct PagedKV {
+  const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
+  const T* v;
+  i64 k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
+  const int* table;  // this sequence's row of the block table
+  int block_size;
+
+  __device__ __forceinline__ void rows(int j, const T*& k_row, const T*& v_row) const {
+    const int page = table[j / block_size];
+    const int slot = j % block_size;
+    k_row = k + page * k_page_stride + slot * k_slot_stride;
+    v_row = v + page * v_page_stride + slot * v_slot_stride;
+  }
+};
+
+// One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
+// or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
+template <typename T, int HEAD_DIM, class KV>
+__device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop) {
+  constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  constexpr int kRowsPerPass = kDecodeThreads / kChunksPerRow;
+  constexpr int kPasses = (kDecodeBlockN + kRowsPerPass - 1) / kRowsPerPass;
+  if (threadIdx.x >= kRowsPerPass * kChunksPerRow) return;
+  const int col = (threadIdx.x % kChunksPerRow) * kElemsPerChunk;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int row = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
+    if (kDecodeBlockN % kRowsPerPass == 0 || row < kDecodeBlockN) {
+      const bool valid = n0 + row < stop;
+      const T* k_row = kv.k;
+      const T* v_row = kv.v;
+      if (valid) kv.rows(n0 + row, k_row, v_row);
+      cp_async_16(sK + row * kStride + col, k_row + col, valid);
+      cp_async_16(sV + row * kStride + col, v_row + col, valid);
+    }
+  }
+}
+
+// Shared memory of one CTA, in bytes: the Q tile, then the larger of the K/V ring and the
+// buffers the four warps merge through. Python mirrors this (cuattn/decode.py, DecodeTile).
+template <typename T, int HEAD_DIM, int MT, int STAGES>
+struct DecodeSmem {
+  static constexpr int kRows = 16 * MT;
+  static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  static constexpr int kQ = kRows * kStride * sizeof(T);
+  static constexpr int kRing = STAGES * 2 * kDecodeBlockN * kStride * sizeof(T);
+  static constexpr int kMerge = kDecodeWarps * kRows * (HEAD_DIM + 2) * sizeof(float);
+  static constexpr int kBytes = kQ + (kRing > kMerge ? kRing : kMerge);
+};
+
+// Everything the decode body needs beyond the KV policy.
+struct DecodeArgs {
+  int seqlen;       // this sequence's cache length (keys [0, seqlen) exist)
+  int sq_new;       // new tokens per sequence
+  int group;        // query heads per kv head
+  int rows;         // group * sq_new: rows of the packed tile
+  int row_base;     // first row of this CTA's chunk
+  int split, num_splits;
+  MaskParams mask;
+};
+
+template <typename T, int HEAD_DIM, int MT, int STAGES, class KV>
+__device__ __forceinline__ void decode_body(
+    const T* q,  // at (b, token 0, head hk * G)
+    i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
+    T* out, i64 o_row_stride, i64 o_head_stride,  // at (b, 0, hk * G); final output (one split)
+    float* lse, i64 lse_head_stride,              // at (b, hk * G, 0); may be null
+    float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G)
+    float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
+  using Smem = DecodeSmem<T, HEAD_DIM, MT, STAGES>;
+  using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
+  using Mm = Mma<T>;
+  constexpr int kStride = Smem::kStride;
+  constexpr int kRows = Smem::kRows;
+  constexpr int kKSteps = HEAD_DIM / 16;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
+  T* sRing = reinterpret_cast<T*>(smem_raw + Smem::kQ);           // [STAGES][2][kDecodeBlockN, D + pad]
+  float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, D] (after the ring drains)
+  float* sMergeM = sMergeO + kDecodeWarps * kRows * HEAD_DIM;      // [warps, kRows]
+  float* sMergeL = sMergeM + kDecodeWarps * kRows;                 // [warps, kRows]
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  // Q rows of this chunk: row r is token r / G of head r % G.
+  {
+    constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+    constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+    for (int idx = threadIdx.x; idx < kRows * kChunksPerRow; idx += kDecodeThreads) {
+      const int row = idx / kChunksPerRow;
+      const int col = (idx % kChunksPerRow) * kElemsPerChunk;
+      const int r = a.row_base + row;
+      const bool valid = r < a.rows;
+      const T* src = valid ? q + (r / a.group) * q_row_stride + (r % a.group) * q_head_stride + col : q;
+      cp_async_16(sQ + row * kStride + col, src, valid);
+    }
+    cp_async_commit();
+  }
+
+  // The keys any row can see, [n_begin, n_end), cut into num_splits chunks of whole blocks.
+  const int offset = a.seqlen - a.sq_new;
+  const int n_end = min(a.seqlen, offset + a.sq_new - 1 + a.mask.window_right + 1);
+  const int n_begin = max(0, offset - a.mask.window_left);
+  const int span = max(0, n_end - n_begin);
+  const int blocks_total = (span + kDecodeBlockN - 1) / kDecodeBlockN;
+  const int blocks_per_split = (blocks_total + a.num_splits - 1) / a.num_splits;
+  const int start = n_begin + a.split * blocks_per_split * kDecodeBlockN;
+  const int stop = min(n_end, start + blocks_per_split * kDecodeBlockN);
+  const int num_blocks = stop > start ? (stop - start + kDecodeBlockN - 1) / kDecodeBlockN : 0;
+  // Keys every row sees: below the first token's right edge, at or past the last token's left edge.
+  const int clean_end = min(stop, offset + a.mask.window_right + 1);
+  const int clean_begin = offset + a.sq_new - 1 - a.mask.window_left;
+  const MaskParams mask{stop, a.mask.window_left, a.mask.window_right, a.mask.score_scale, a.mask.softcap_out};
+
+  // prologue: fill all but one stage of the ring
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < num_blocks) {
+      T* sK = sRing + (2 * st) * kDecodeBlockN * kStride;
+      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop);
+    }
+    cp_async_commit();
+  }
+
+  // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
+  // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
+  constexpr bool kQInRegisters = MT * kKSteps * 4 <= kMaxQFragmentRegisters;
+  cp_async_wait<STAGES - 1>();
+  __syncthreads();
+  u32 qa[kQInRegisters ? MT : 1][kQInRegisters ? kKSteps : 1][4];
+  const auto q_fragment = [&](int mt, int ks, u32(&frag)[4]) {
+    ldmatrix_x4(frag, sQ + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+  };
+  if (kQInRegisters) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) q_fragment(mt, ks, qa[kQInRegisters ? mt : 0][kQInRegisters ? ks : 0]);
+  }
+
+  Tile tile;
+  tile.init();
+  const auto diag_of = [=](int mt, int r) { return (a.row_base + mt * 16 + lane / 4 + 8 * r) / a.group + offset; };
+
+  for (int t = 0; t < num_blocks; ++t) {
+    // block t has landed, and every warp is done with the stage the next load overwrites
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int t_next = t + STAGES - 1;
+    if (t_next < num_blocks) {
+      T* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kStride;
+      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + t_next * kDecodeBlockN, stop);
+    }
+    cp_async_commit();
+
+    // this warp's 16 keys of the block
+    const T* sK = sRing + (2 * (t % STAGES)) * kDecodeBlockN * kStride + warp * kKeysPerWarp * kStride;
+    const T* sV = sK + kDecodeBlockN * kStride;
+    const int n0 = start + t * kDecodeBlockN + warp * kKeysPerWarp;
+
+    // S = Q K^T: matrices keys 0-7 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 0-7, keys 8-15 | d 8-15
+    tile.zero_scores();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      u32 b[4];
+      ldmatrix_x4(b, sK + (lane % 8 + (lane / 16) * 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        u32 from_smem[4];
+        if (!kQInRegisters) q_fragment(mt, ks, from_smem);
+        const u32(&a_frag)[4] = kQInRegisters ? qa[kQInRegisters ? mt : 0][kQInRegisters ? ks : 0] : from_smem;
+        Mm::run(tile.s[mt][0], a_frag, b[0], b[1]);
+        Mm::run(tile.s[mt][1], a_frag, b[2], b[3]);
+      }
+    }
+    if (n0 + kKeysPerWarp > clean_end || n0 < clean_begin) {
+      tile.template cap_and_mask<true>(mask, diag_of, n0, lane);
+    } else {
+      tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
+    }
+    tile.softmax_update(mask.softmax_scale());
+
+    // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
+    u32 p[MT][1][4];
+    tile.to_fragments(p);
+#pragma unroll
+    for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mm::run(tile.o[mt][2 * dp], p[mt][0], b[0], b[1]);
+        Mm::run(tile.o[mt][2 * dp + 1], p[mt][0], b[2], b[3]);
+      }
+    }
+  }
+
+  // Merge the four warps' states (disjoint keys) through shared memory, which the ring no longer needs.
+  cp_async_wait<0>();
+  __syncthreads();
+  const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = mt * 16 + g + 8 * r;
+      const float l = quad_sum(tile.state[mt][r].l);
+      if (tq == 0) {
+        sMergeM[warp * kRows + row] = tile.state[mt][r].m;
+        sMergeL[warp * kRows + row] = l;
+      }
+#pragma unroll
+      for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        float* dst = sMergeO + (warp * kRows + row) * HEAD_DIM + dt * 8 + 2 * tq;
+        dst[0] = tile.o[mt][dt][2 * r];
+        dst[1] = tile.o[mt][dt][2 * r + 1];
+      }
+    }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < kRows * HEAD_DIM; idx += kDecodeThreads) {
+    const int row = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    const int r = a.row_base + row;
+    if (r >= a.rows) continue;
+    SoftmaxState merged{sMergeM[row], sMergeL[row]};
+    float value = sMergeO[row * HEAD_DIM + d];
+#pragma unroll
+    for (int w = 1; w < kDecodeWarps; ++w) {
+      const SoftmaxState other{sMergeM[w * kRows + row], sMergeL[w * kRows + row]};
+      float scale_self, scale_other;
+      merged.merge(other, scale_self, scale_other);
+      value = value * scale_self + sMergeO[(w * kRows + row) * HEAD_DIM + d] * scale_other;
+    }
+    value *= merged.inv_sum();
+    const int token = r / a.group, head = r % a.group;
+    if (a.num_splits == 1) {
+      out[token * o_row_stride + head * o_head_stride + d] = DType<T>::from_float(value);
+      if (lse != nullptr && d == 0) lse[head * lse_head_stride + token] = merged.lse();
+    } else {
+      part_out[token * part_row_stride + head * part_head_stride + d] = value;
+      if (d == 0) part_lse[head * part_lse_head_stride + token] = merged.lse();
+    }
+  }
+}
+
+// grid: x = split, y = kv head * row chunks + chunk, z = sequence
+template <typename T, int HEAD_DIM, int MT, int STAGES>
+__global__ void __launch_bounds__(kDecodeThreads)
+decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
+              const T* __restrict__ k_cache,  // [B, S_max, Hk, D]
+              const T* __restrict__ v_cache,  // [B, S_max, Hk, D]
+              const int* __restrict__ cache_seqlens,  // [B]
+              T* __restrict__ out,            // [B, Sq_new, Hq, D]
+              float* __restrict__ lse,        // [B, Hq, Sq_new] or null
+              float* __restrict__ part_out,   // [splits, B, Sq_new, Hq, D] (splits > 1)
+              float* __restrict__ part_lse,   // [splits, B, Hq, Sq_new] (splits > 1)
+              i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
+              i64 o_sb, i64 o_ss, i64 o_sh, i64 lse_sb, i64 lse_sh,
+              int batch, int sq_new, int num_heads, int num_kv_heads, int row_chunks, int num_splits,
+              int max_seqlen, float score_scale, float softcap_out, int window_left, int window_right) {
+  const int b = blockIdx.z;
+  const int hk = blockIdx.y / row_chunks;
+  const int chunk = blockIdx.y % row_chunks;
+  const int group = num_heads / num_kv_heads;
+  const int h0 = hk * group;
+  const ContiguousKV<T> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
+  // a length past the cache's capacity is clamped to it: never read outside the cache
+  const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
+                     MaskParams{0, window_left, window_right, score_scale, softcap_out}};
+  // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
+  const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
+  decode_body<T, HEAD_DIM, MT, STAGES>(
+      q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
+      out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
+      part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
+      part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
+}
+
+// The same over a paged cache; grid as decode_kernel.
+template <typename T, int HEAD_DIM, int MT, int STAGES>
+__global__ void __launch_bounds__(kDecodeThreads)
+paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
+                    const T* __restrict__ k_pages,  // [num_blocks, block_size, Hk, D]
+                    const T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
+                    const int* __restrict__ block_table,  // [B, max_blocks]
+                    const int* __restrict__ seq_lens,     // [B]
+                    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
+                    float* __restrict__ part_lse,
+                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sp, i64 k_ss, i64 k_sh, i64 v_sp, i64 v_ss, i64 v_sh,
+                    i64 table_stride, int block_size,
+                    i64 o_sb, i64 o_ss, i64 o_sh, i64 lse_sb, i64 lse_sh,
+                    int batch, int sq_new, int num_heads, int num_kv_heads, int row_chunks, int num_splits,
+                    int max_seqlen, float score_scale, float softcap_out, int window_left, int window_right) {
+  const int b = blockIdx.z;
+  const int hk = blockIdx.y / row_chunks;
+  const int chunk = blockIdx.y % row_chunks;
+  const int group = num_heads / num_kv_heads;
+  const int h0 = hk * group;
+  const PagedKV<T> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, k_sp, k_ss, v_sp, v_ss,
+                      block_table + b * table_stride, block_size};
+  // a length past the block table's capacity is clamped to it: never read outside the table
+  const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
+                     MaskParams{0, window_left, window_right, score_scale, softcap_out}};
+  const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
+  decode_body<T, HEAD_DIM, MT, STAGES>(
+      q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
+      out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
+      part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
+      part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
+}
+
+// Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any
+// strides, natural-log lse) into out [B, S, H, D] and lse_out [B, H, S] (may be null). One warp
+// per (b, s, h) row. A part with lse = -inf contributes nothing, whatever its output holds.
+template <typename Tin, typename Tout>
+__global__ void __launch_bounds__(128)
+combine_kernel(const Tin* __restrict__ parts, const float* __restrict__ part_lse, Tout* __restrict__ out,
+               float* __restrict__ lse_out, int num_parts, int batch, int seqlen, int heads, int head_dim,
+               i64 p_part, i64 p_b, i64 p_s, i64 p_h, i64 l_part, i64 l_b, i64 l_h, i64 l_s,
+               i64 o_b, i64 o_s, i64 o_h, i64 lo_b, i64 lo_h, i64 lo_s) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const i64 row = static_cast<i64>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (row >= static_cast<i64>(batch) * seqlen * heads) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int h = static_cast<int>(row % heads);
+  const int s = static_cast<int>((row / heads) % seqlen);
+  const int b = static_cast<int>(row / (static_cast<i64>(heads) * seqlen));
+  const float* lse_row = part_lse + b * l_b + h * l_h + s * l_s;
+  const Tin* part_row = parts + b * p_b + s * p_s + h * p_h;
+
+  // The merged state: each normalised part is a state with m = its lse (log2 units) and l = 1.
+  // Lanes merge every 32nd part in parallel, then the warp merges the lanes' states, so the
+  // latency is a few loads, not one per part.
+  SoftmaxState merged;
+  merged.init();
+  for (int p = lane; p < num_parts; p += kWarpSize) {
+    const float lse_p = lse_row[p * l_part];
+    const SoftmaxState part{lse_p * kLog2e, lse_p == -infinity() ? 0.f : 1.f};
+    float scale_self, scale_other;
+    merged.merge(part, scale_self, scale_other);
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const SoftmaxState other{__shfl_xor_sync(0xffffffffu, merged.m, offset), __shfl_xor_sync(0xffffffffu, merged.l, offset)};
+    float scale_self, scale_other;
+    merged.merge(other, scale_self, scale_other);
+  }
+  const float ref = merged.reference();
+  const float inv = merged.inv_sum();
+  for (int d = lane; d < head_dim; d += kWarpSize) {
+    float acc = 0.f;
+    // unrolled so that several parts' loads are in flight at once
+#pragma unroll 8
+    for (int p = 0; p < num_parts; ++p) {
+      const float lse_p = lse_row[p * l_part];
+      // each part's weight is its share of the merged denominator; empty parts weigh nothing
+      const float value = DType<Tin>::to_float(part_row[p * p_part + d]);
+      acc += lse_p == -infinity() ? 0.f : exp2f(lse_p * kLog2e - ref) * value;
+    }
+    out[b * o_b + s * o_s + h * o_h + d] = DType<Tout>::from_float(acc * inv);
+  }
+  if (lse_out != nullptr && lane == 0) lse_out[b * lo_b + h * lo_h + s * lo_s] = merged.lse();
+}
+
+}  // namespace cuattn

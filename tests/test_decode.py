@@ -1,0 +1,252 @@
+"""FlashDecoding and merge_states on the GPU against the float64 reference (and torch SDPA).
+
+Fresh random inputs every run, ragged cache lengths (0 and 1 included), every split count
+path (one split writes the output directly; several go through the combine kernel), GQA
+packing ratios, strided caches, and a decode step captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import reference
+from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+
+HEAD_DIMS = [32, 64, 96, 128, 256]
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def make_cache(rng, dtype, b, s_max, hk, d, lens):
+    k = randn(rng, (b, s_max, hk, d), dtype)
+    v = randn(rng, (b, s_max, hk, d), dtype)
+    # slots past each row's length hold NaN: the kernel must never read them into the result
+    for i, n in enumerate(lens):
+        k[i, n:] = np.nan
+        v[i, n:] = np.nan
+    return k, v
+
+
+def check_decode(rng, dtype, q, k, v, lens, got, got_lse, **options):
+    ref, ref_lse = reference.decode(q, k, v, lens, return_lse=True, **options)
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"NaN or unwritten output (seed {rng.seed})"
+    for b, n in enumerate(lens):
+        # the straightforward same-precision computation on this row's live cache
+        naive = reference.naive_attention_lowp(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], dtype=dtype,
+                                               causal=options.get("causal", True),
+                                               **{key: val for key, val in options.items() if key != "causal"})[0]
+        budget = error_budget(np.abs(naive - ref[b]).max(initial=0.0), dtype, 2.0, np.abs(ref[b]).max(initial=0.0))
+        err = np.abs(got[b] - ref[b]).max(initial=0.0)
+        assert err <= budget, f"row {b} (len {n}): error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty), f"empty rows differ (seed {rng.seed})"
+    np.testing.assert_allclose(got_lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+def run_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, **options):
+    cupy = _cupy()
+    q = randn(rng, (b, sq_new, hq, d), dtype)
+    k, v = make_cache(rng, dtype, b, s_max, hk, d, lens)
+    lens = np.asarray(lens, np.int32)
+    out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
+                             return_lse=True, **options)
+    options.pop("num_splits", None)
+    check_decode(rng, dtype, q, k, v, lens, out.get(), lse.get(), **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["1split", "3splits", "auto"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_dtype_head_dim_splits(rng, dtype, head_dim, num_splits):
+    run_decode(rng, dtype, 4, 1, 8, 2, head_dim, 700, [700, 1, 0, 333], num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [(32, 8), (8, 1), (4, 4), (16, 1)], ids=["32q8kv", "8q1kv", "mha", "16q1kv"])
+@pytest.mark.parametrize("sq_new", [1, 2, 5, 16])
+def test_decode_gqa_and_speculative_tokens(rng, gqa, sq_new):
+    # Sq_new x group can pass 16 rows (one or two m16 tiles, then several row chunks)
+    run_decode(rng, BF16, 3, sq_new, gqa[0], gqa[1], 128, 1029, [1029, 17, 3], num_splits=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"causal": False}, {"window": (50, 0)}, {"softcap": 20.0},
+                                     {"scale": 0.05, "window": (200, -1)}],
+                         ids=["noncausal", "window", "softcap", "scale-window"])
+def test_decode_options(rng, options):
+    run_decode(rng, DTYPES[0], 2, 4, 8, 2, 64, 2000, [2000, 401], num_splits=5, **options)
+
+
+@pytest.mark.gpu
+def test_decode_long_single_sequence_splits(rng):
+    run_decode(rng, BF16, 1, 1, 32, 8, 128, 32768, [32768 - 77], num_splits=None)
+
+
+@pytest.mark.gpu
+def test_decode_lengths_shorter_than_new_tokens_give_empty_rows(rng):
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (2, 4, 2, 64), np.float16))
+    k = cupy.asarray(randn(rng, (2, 10, 2, 64), np.float16))
+    lens = cupy.asarray(np.array([2, 0], np.int32))
+    out, lse = cuattn.decode(q, k, k, lens, return_lse=True)
+    # row 0: 2 keys, 4 new tokens: tokens 0 and 1 see nothing under causal
+    assert (out[0, :2] == 0).all() and cupy.isneginf(lse[0, :, :2]).all()
+    assert cupy.isfinite(lse[0, :, 2:]).all()
+    assert (out[1] == 0).all() and cupy.isneginf(lse[1]).all()
+
+
+@pytest.mark.gpu
+def test_decode_lengths_past_the_cache_are_clamped(rng):
+    cupy = _cupy()
+    q = randn(rng, (1, 1, 4, 64), np.float16)
+    k = randn(rng, (1, 50, 4, 64), np.float16)
+    out = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(k), cupy.asarray(np.array([999], np.int32)))
+    ref = reference.decode(q, k, k, np.array([50]))
+    assert np.abs(out.get() - ref).max() < 5e-3
+
+
+@pytest.mark.gpu
+def test_decode_strided_cache_views(rng):
+    cupy = _cupy()
+    b, s_max, hk, d = 2, 300, 2, 128
+    big = cupy.asarray(randn(rng, (b, s_max, 2 * hk, d), BF16))
+    k, v = big[:, :, :hk], big[:, :, hk:]
+    assert not k.flags.c_contiguous
+    q = cupy.asarray(randn(rng, (b, 1, 8, d), BF16))
+    lens = cupy.asarray(np.array([300, 123], np.int32))
+    strided = cuattn.decode(q, k, v, lens)
+    dense = cuattn.decode(q, cupy.ascontiguousarray(k), cupy.ascontiguousarray(v), lens)
+    assert cupy.array_equal(strided, dense)
+
+
+@pytest.mark.gpu
+def test_decode_matches_torch_sdpa(rng):
+    torch = pytest.importorskip("torch")
+    b, s, hq, hk, d = 2, 4096, 32, 8, 128
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    out = cuattn.decode(q, k, v, lens)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    ref = reference.decode(*(x.float().cpu().numpy() for x in (q, k, v)), lens.cpu().numpy())
+    ours = np.abs(out.float().cpu().numpy() - ref).max()
+    theirs = np.abs(expected.float().cpu().numpy() - ref).max()
+    assert ours <= 2 * theirs + 1e-2, f"cuattn {ours:.3g} vs torch {theirs:.3g}"
+
+
+@pytest.mark.gpu
+def test_decode_step_replays_in_a_cuda_graph(rng):
+    """No host sync on the launch path: capture one step, change the inputs in place, replay."""
+    cupy = _cupy()
+    b, s_max, hq, hk, d = 2, 4096, 16, 4, 128
+    q = cupy.asarray(randn(rng, (b, 1, hq, d), BF16))
+    k = cupy.asarray(randn(rng, (b, s_max, hk, d), BF16))
+    v = cupy.asarray(randn(rng, (b, s_max, hk, d), BF16))
+    lens = cupy.asarray(np.array([4000, 1500], np.int32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuattn.decode(q, k, v, lens, num_splits=8)  # compile, load and size the workspace first
+        stream.begin_capture()
+        out = cuattn.decode(q, k, v, lens, num_splits=8)
+        graph = stream.end_capture()
+        for step in range(3):
+            q[...] = cupy.asarray(randn(rng, q.shape, BF16))
+            lens[...] = cupy.asarray(np.array([4000 + step, 1500 - 7 * step], np.int32))
+            graph.launch(stream)
+            stream.synchronize()
+            ref = reference.decode(q.get(), k.get(), v.get(), lens.get())
+            assert np.abs(out.get().astype(np.float64) - ref).max() < 3e-2, f"replay {step}"
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_states
+
+
+def _split_attention(rng, dtype, split):
+    q = randn(rng, (2, 37, 4, 64), dtype)
+    k = randn(rng, (2, 200, 2, 64), dtype)
+    v = randn(rng, (2, 200, 2, 64), dtype)
+    return q, k, v, [(k[:, a:b], v[:, a:b]) for a, b in zip(split[:-1], split[1:])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [(0, 90, 200), (0, 0, 200), (0, 17, 150, 200)], ids=["halves", "empty-half", "three"])
+@pytest.mark.parametrize("dtype", DTYPES + [np.dtype(np.float32)], ids=DTYPE_IDS + ["fp32"])
+def test_merge_states_of_key_splits_equals_attention(rng, dtype, split):
+    cupy = _cupy()
+    kernel_dtype = dtype if dtype != np.float32 else np.float16
+    q, k, v, parts = _split_attention(rng, kernel_dtype, split)
+    states = []
+    for kp, vp in parts:
+        out, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(np.ascontiguousarray(kp)),
+                                    cupy.asarray(np.ascontiguousarray(vp)), return_lse=True)
+        states.append((out.astype(dtype), lse))
+    merged, merged_lse = cuattn.merge_states(*states[0], *states[1]) if len(states) == 2 else cuattn.merge_states(states)
+    assert merged.dtype == dtype and merged_lse.dtype == np.float32
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True)
+    assert np.abs(merged.get().astype(np.float64) - ref).max() < 3e-2
+    np.testing.assert_allclose(merged_lse.get(), ref_lse, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_merge_states_all_empty_parts_give_zero_and_minus_inf():
+    cupy = _cupy()
+    out = cupy.full((1, 3, 2, 32), np.nan, np.float32)  # garbage behind lse = -inf must not leak
+    lse = cupy.full((1, 2, 3), -np.inf, np.float32)
+    merged, merged_lse = cuattn.merge_states(out, lse, out, lse)
+    assert (merged == 0).all() and cupy.isneginf(merged_lse).all()
+
+
+@pytest.mark.gpu
+def test_merge_states_varlen_layout_and_torch(rng):
+    torch = pytest.importorskip("torch")
+    out_a = torch.randn(50, 4, 64, device="cuda")
+    out_b = torch.randn(50, 4, 64, device="cuda")
+    lse_a = torch.randn(4, 50, device="cuda")
+    lse_b = torch.randn(4, 50, device="cuda")
+    merged, lse = cuattn.merge_states(out_a, lse_a, out_b, lse_b)
+    assert isinstance(merged, torch.Tensor) and merged.shape == (50, 4, 64) and lse.shape == (4, 50)
+    ref, ref_lse = reference.merge_states(out_a.cpu().numpy(), lse_a.cpu().numpy(), out_b.cpu().numpy(), lse_b.cpu().numpy())
+    np.testing.assert_allclose(merged.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_states_numpy_runs_the_reference(rng):
+    q, k, v, parts = _split_attention(rng, np.float32, (0, 120, 200))
+    states = [cuattn.attention(q, kp, vp, return_lse=True) for kp, vp in parts]
+    merged, lse = cuattn.merge_states(states)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(merged, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_numpy_runs_the_reference(rng):
+    q = randn(rng, (2, 3, 4, 64), np.float32)
+    k = randn(rng, (2, 20, 2, 64), np.float32)
+    lens = np.array([20, 5], np.int32)
+    out, lse = cuattn.decode(q, k, k, lens, return_lse=True)
+    ref, ref_lse = reference.decode(q, k, k, lens, return_lse=True)
+    np.testing.assert_array_equal(out, ref.astype(np.float32))
+    np.testing.assert_array_equal(lse, ref_lse.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, seqlen, ctas_per_sm, expected",
+    [(1, 32, 8, 32768, 2, 33), (8, 32, 8, 8192, 2, 4), (32, 32, 8, 4096, 2, 1), (64, 32, 8, 2048, 2, 1),
+     (1, 8, 8, 300, 2, 1), (1, 1, 1, 1 << 20, 4, 128)],
+)
+def test_split_heuristic(batch, heads, kv_heads, seqlen, ctas_per_sm, expected):
+    from cuattn.decode import choose_num_splits
+
+    assert choose_num_splits(batch, kv_heads, 1, seqlen, ctas_per_sm, 132) == expected
