@@ -12,8 +12,11 @@ from ._errors import CompileError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_varlen
 from .decode import decode, merge_states
+from .paged import BlockManager, PagedKVCache, paged_attention
 
 __all__ = [
+    "BlockManager",
+    "PagedKVCache",
     "CompileError",
     "OutOfBlocksError",
     "attention",
@@ -22,5 +25,6 @@ __all__ = [
     "decode",
     "info",
     "merge_states",
+    "paged_attention",
     "reference",
 ]

@@ -11,7 +11,7 @@ import dataclasses
 import importlib.util
 import platform
 
-from . import _jit, attention, decode
+from . import _jit, attention, decode, paged
 
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 # Per-SM budgets of sm_80 / sm_90, for the occupancy column of the report.
@@ -24,7 +24,7 @@ REGISTER_ALLOCATION_UNIT = 256
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every variant any dispatcher in cuattn can launch on ``arch``."""
-    return attention.kernel_variants(arch) + decode.kernel_variants(arch)
+    return attention.kernel_variants(arch) + decode.kernel_variants(arch) + paged.kernel_variants(arch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,11 +274,12 @@ def _ctas_per_sm(spec: _jit.KernelSpec) -> int:
 
 
 def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  return_lse, stream):
+                  return_lse, stream, split_length: int | None = None):
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel. Returns (out, lse or None).
 
-    ``paged`` is None for a contiguous cache, else ``(block_table, block_size)``; ``max_seqlen``
-    is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size).
+    ``paged`` is None for a contiguous cache, else ``(block_table, block_size, num_blocks)``; ``max_seqlen``
+    is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
+    ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
     """
     import cupy
 
@@ -291,8 +292,8 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
     row_chunks = math.ceil(rows / (16 * mt))
     spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, max_seqlen, _ctas_per_sm(spec),
-                                       _jit.multiprocessor_count())
+        num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
+                                       _ctas_per_sm(spec), _jit.multiprocessor_count())
     out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty((batch, num_heads, sq_new), cupy.float32) if return_lse else None
     if batch == 0:
@@ -316,10 +317,10 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
         cache_args = (k, v, lens)
         stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]))
     else:
-        table, block_size = paged
+        table, block_size, num_blocks = paged
         cache_args = (k, v, table, lens)
         stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]),
-                       i64(_arrays.element_strides(table)[0]), i32(block_size))
+                       i64(_arrays.element_strides(table)[0]), i32(block_size), i32(num_blocks))
     args = (
         q, *cache_args, out, lse if lse is not None else null, part_out, part_lse,
         *stride_args,

@@ -1,0 +1,446 @@
+"""Paged KV cache: a host-side block allocator with copy-on-write, device pages, and paged_attention.
+
+Sequences of unknown length are served from one pool of fixed-size KV blocks, as an operating
+system pages memory (PagedAttention): a sequence's tokens live in whichever blocks were free,
+listed in order in its block table, so memory is never fragmented and never reserved for a
+maximum length. Sequences that fork (parallel sampling, beam search) share their blocks, each
+block carrying a reference count; a shared block is copied only when one of them writes to it.
+
+    BlockManager(num_blocks, block_size)      host (NumPy): tables, refcounts, free list
+    PagedKVCache(num_blocks, block_size, Hk, D, dtype)
+        k_pages, v_pages  (num_blocks, block_size, Hk, D)   device arrays (or NumPy with device="cpu")
+        write(k, v, slot_ids)     new tokens (N, Hk, D) into slots (block * block_size + offset)
+        copy_blocks(pairs)        (src, dst) page copies: the copy-on-write that append asks for
+    paged_attention(q, cache, block_table, seq_lens, ...)   decode over the block table
+
+A decode step: ``slots, copies = manager.append(seq)`` for each live sequence, then
+``cache.copy_blocks(copies)``, ``cache.write(k_new, v_new, slots)``, and
+``paged_attention(q, cache, *manager.block_table(seqs))``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _arrays, _jit, _masks, decode as _decode, reference
+from ._errors import OutOfBlocksError
+
+# Padding of block tables past a sequence's last block; never read (positions past seq_lens).
+TABLE_PAD = -1
+MAX_BLOCK_SIZE = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side allocator
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences, with reference counts for sharing and copy-on-write.
+
+    Sequence ids are any hashable values. Every method that cannot be carried out raises before
+    changing anything: ``OutOfBlocksError`` when the pool is short, ``KeyError`` for an unknown
+    sequence, ``ValueError`` for a bad argument.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.refcount = np.zeros(self.num_blocks, np.int32)  # [num_blocks] tables holding each block
+        # a stack: blocks freed last are reused first (they are likeliest still in L2)
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._tables: dict[object, list[int]] = {}  # seq id -> its blocks in order
+        self._lengths: dict[object, int] = {}  # seq id -> tokens stored
+
+    # -- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def utilization(self) -> float:
+        """Fraction of the pool's blocks in use by at least one sequence."""
+        return self.num_used_blocks / self.num_blocks
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._tables
+
+    def seq_ids(self) -> list:
+        return list(self._tables)
+
+    def seq_len(self, seq_id) -> int:
+        self._require(seq_id)
+        return self._lengths[seq_id]
+
+    def blocks(self, seq_id) -> list[int]:
+        """The physical blocks of a sequence, in token order (a copy)."""
+        self._require(seq_id)
+        return list(self._tables[seq_id])
+
+    def block_table(self, seq_ids) -> tuple[np.ndarray, np.ndarray]:
+        """``(table, seq_lens)`` for a batch: int32 ``(B, max_blocks)`` padded with -1, and int32 ``(B,)``."""
+        seq_ids = list(seq_ids)
+        for seq_id in seq_ids:
+            self._require(seq_id)
+        width = max([len(self._tables[s]) for s in seq_ids] + [1])
+        table = np.full((len(seq_ids), width), TABLE_PAD, np.int32)
+        for row, seq_id in enumerate(seq_ids):
+            blocks = self._tables[seq_id]
+            table[row, :len(blocks)] = blocks
+        lens = np.array([self._lengths[s] for s in seq_ids], np.int32)
+        return table, lens
+
+    # -- changes
+
+    def allocate(self, seq_id, num_tokens: int) -> np.ndarray:
+        """Start sequence ``seq_id`` with room for ``num_tokens`` (its prompt); returns their int32 slot ids."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already exists; free it first or pick another id")
+        num_tokens = self._check_count("num_tokens", num_tokens, minimum=0)
+        needed = self._blocks_for(num_tokens)
+        self._require_free(needed, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
+        blocks = [self._take() for _ in range(needed)]
+        self._tables[seq_id] = blocks
+        self._lengths[seq_id] = num_tokens
+        return self._slots(blocks, 0, num_tokens)
+
+    def append(self, seq_id, num_tokens: int = 1) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Room for ``num_tokens`` more tokens of ``seq_id``.
+
+        Returns the int32 slot ids to write them to, and the ``(src, dst)`` block copies that must
+        run first: when the partly filled last block is shared with another sequence, this
+        sequence gets a private copy of it (copy-on-write) before writing into it.
+        """
+        self._require(seq_id)
+        num_tokens = self._check_count("num_tokens", num_tokens, minimum=1)
+        blocks, length = self._tables[seq_id], self._lengths[seq_id]
+        partial = length % self.block_size != 0
+        copy_on_write = partial and self.refcount[blocks[-1]] > 1
+        needed = self._blocks_for(length + num_tokens) - len(blocks) + int(copy_on_write)
+        self._require_free(needed, f"append {num_tokens} tokens to sequence {seq_id!r}")
+        copies = []
+        if copy_on_write:
+            # the last block is shared and about to be written: swap in a private copy
+            src, dst = blocks[-1], self._take()
+            self.refcount[src] -= 1
+            blocks[-1] = dst
+            copies.append((src, dst))
+        while len(blocks) < self._blocks_for(length + num_tokens):
+            blocks.append(self._take())
+        self._lengths[seq_id] = length + num_tokens
+        return self._slots(blocks, length, num_tokens), copies
+
+    def fork(self, parent, child) -> None:
+        """``child`` shares every block of ``parent`` (reference counts + 1, nothing copied)."""
+        self._require(parent)
+        if child in self._tables:
+            raise ValueError(f"cannot fork onto sequence {child!r}: it already exists")
+        blocks = list(self._tables[parent])
+        for block in blocks:
+            self.refcount[block] += 1
+        self._tables[child] = blocks
+        self._lengths[child] = self._lengths[parent]
+
+    def free(self, seq_id) -> None:
+        """Drop a sequence; blocks no other sequence holds go back to the pool."""
+        if seq_id not in self._tables:
+            raise KeyError(f"cannot free sequence {seq_id!r}: it is not allocated (freed twice?)")
+        for block in reversed(self._tables.pop(seq_id)):
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                self._free.append(block)
+        del self._lengths[seq_id]
+
+    # -- helpers
+
+    def _require(self, seq_id) -> None:
+        if seq_id not in self._tables:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+
+    def _require_free(self, needed: int, what: str) -> None:
+        if needed > len(self._free):
+            raise OutOfBlocksError(
+                f"cannot {what}: needs {needed} free blocks, {len(self._free)} of {self.num_blocks} are free"
+            )
+
+    @staticmethod
+    def _check_count(name: str, value, minimum: int) -> int:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        return int(value)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self.refcount[block] = 1
+        return block
+
+    def _slots(self, blocks: list[int], start: int, count: int) -> np.ndarray:
+        """Slot ids of tokens start .. start + count - 1: block * block_size + offset."""
+        positions = np.arange(start, start + count)
+        return (np.asarray(blocks, np.int64)[positions // self.block_size] * self.block_size
+                + positions % self.block_size).astype(np.int32) if count else np.zeros(0, np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device pages
+
+
+class PagedKVCache:
+    """Key and value pages ``(num_blocks, block_size, Hk, D)`` with the kernels that fill them.
+
+    ``device="cuda"`` (default) keeps the pages in CuPy arrays on the current GPU;
+    ``device="cpu"`` keeps them in NumPy arrays (writes and copies then run in NumPy, and
+    ``paged_attention`` on NumPy queries runs the float64 reference).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda"):
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        if head_dim not in _decode.DECODE_TILES:
+            supported = ", ".join(map(str, _decode.SUPPORTED_HEAD_DIMS))
+            raise ValueError(f"head_dim = {head_dim} is not supported; supported head dims: {supported}")
+        dtype = np.dtype(dtype)
+        if device == "cuda" and dtype not in _arrays.CUDA_TYPES:
+            raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16 or bfloat16")
+        xp = np if device == "cpu" else __import__("cupy")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
+        self.v_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, k, v, slot_ids) -> None:
+        """Store new tokens' keys and values ``(N, Hk, D)`` at ``slot_ids`` ``(N,)`` (-1 = padding, skipped).
+
+        Host slot ids are checked against the pool before launch; device slot ids are not read on
+        the host (no sync), and the kernel skips any outside the pool.
+        """
+        with _arrays.array_context(k=k, v=v) as ctx:
+            kv_, vv_ = ctx.view(k), ctx.view(v)
+            expected = f"(N, Hk = {self.num_kv_heads}, D = {self.head_dim})"
+            for name, x in (("k", kv_), ("v", vv_)):
+                _arrays.check_ndim(name, x, "(N, Hk, D)")
+                _arrays.check_axis(name, x, 1, "Hk", self.num_kv_heads, "the cache's num_kv_heads")
+                _arrays.check_axis(name, x, 2, "D", self.head_dim, "the cache's head_dim")
+            _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
+            slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots)
+            if self.device == "cpu" or ctx.on_host:
+                self._write_host(kv_, vv_, slots)
+                return
+            import cupy
+
+            for name, x in (("k", kv_), ("v", vv_)):
+                if np.dtype(x.dtype) != self.dtype:
+                    raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
+                                    f"got {_arrays.dtype_name(x.dtype)}")
+                _arrays.check_kernel_layout(name, x)
+            slots = cupy.asarray(slots, dtype=cupy.int32)
+            self._launch_write(kv_, vv_, slots, ctx.stream)
+
+    def copy_blocks(self, pairs) -> None:
+        """Run ``(src, dst)`` page copies (both K and V) in one launch; an empty list does nothing."""
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2) if len(pairs) else np.zeros((0, 2), np.int32)
+        if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
+            raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got {pairs.tolist()}")
+        if not pairs.size:
+            return
+        if self.device == "cpu":
+            for src, dst in pairs:
+                self.k_pages[dst] = self.k_pages[src]
+                self.v_pages[dst] = self.v_pages[src]
+            return
+        import cupy
+
+        spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::copy_blocks_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
+                               threads=COPY_THREADS)
+        ks, vs = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
+        chunks = self.block_size * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
+        args = (self.k_pages, self.v_pages, cupy.asarray(pairs), *map(np.int64, ks[:3]), *map(np.int64, vs[:3]),
+                np.int32(self.block_size), np.int32(self.num_kv_heads), np.int32(self.head_dim))
+        with cupy.cuda.Device(self.k_pages.device.id):
+            _jit.launch(spec, (len(pairs), math.ceil(chunks / COPY_THREADS), 1), args,
+                        stream=cupy.cuda.get_current_stream())
+
+    def _write_host(self, k, v, slots) -> None:
+        keep = slots >= 0
+        slots = np.asarray(slots)[keep]
+        xp = np if self.device == "cpu" else __import__("cupy")
+        pages, offsets = slots // self.block_size, slots % self.block_size
+        self.k_pages[pages, offsets] = xp.asarray(k)[keep]
+        self.v_pages[pages, offsets] = xp.asarray(v)[keep]
+
+    def _launch_write(self, k, v, slots, stream) -> None:
+        num_tokens = int(k.shape[0])
+        if num_tokens == 0:
+            return
+        spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::cache_write_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
+                               threads=COPY_THREADS)
+        ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
+        kp, vp = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
+        chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
+        i64, i32 = np.int64, np.int32
+        args = (k, v, slots, self.k_pages, self.v_pages, i64(ks[0]), i64(ks[1]), i64(vs[0]), i64(vs[1]),
+                *map(i64, kp[:3]), *map(i64, vp[:3]), i32(num_tokens), i32(self.num_kv_heads), i32(self.head_dim),
+                i32(self.block_size), i32(self.num_blocks))
+        _jit.launch(spec, (math.ceil(chunks / COPY_THREADS), 1, 1), args, stream=stream)
+
+
+COPY_THREADS = 256
+
+
+def _slot_array(slot_ids, num_tokens: int, num_slots: int):
+    """Host slot ids are checked here; device ones pass through unread."""
+    if _arrays.array_kind(slot_ids) != "numpy" and not isinstance(slot_ids, (list, tuple)):
+        return slot_ids
+    slots = np.asarray(slot_ids)
+    if slots.ndim != 1 or slots.shape[0] != num_tokens:
+        raise ValueError(f"slot_ids must be 1-D (N,) with N = k.shape[0] = {num_tokens}, got shape {slots.shape}")
+    if slots.dtype.kind not in "iu":
+        raise TypeError(f"slot_ids.dtype must be an integer type, got {slots.dtype}")
+    bad = (slots < -1) | (slots >= num_slots)
+    if bad.any():
+        raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1 (padding); got {slots[bad][:8].tolist()}")
+    return slots.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the pages
+
+
+def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
+    """The cache kernels (the paged attention variants are listed with decode's)."""
+    return [_jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{ctype}>", threads=COPY_THREADS)
+            for ctype in _arrays.CUDA_TYPES.values() for name in ("cache_write_kernel", "copy_blocks_kernel")]
+
+
+def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
+                    scale=None, window=(-1, -1), softcap=0.0, return_lse=False, check=True):
+    """Decode or short chunked prefill (``Sq_new <= 16``) of a batch over a paged KV cache.
+
+    Args:
+        q: ``(B, Sq_new, Hq, D)``.
+        cache: a :class:`PagedKVCache`, or a ``(k_pages, v_pages)`` pair of arrays
+            ``(num_blocks, block_size, Hk, D)`` from any framework (NumPy too); any block size
+            from 1 to 256.
+        block_table: int32 ``(B, max_blocks)``: sequence b's token t is in page
+            ``block_table[b, t // block_size]``. NumPy tables are uploaded.
+        seq_lens: int32 ``(B,)`` tokens per sequence, the new tokens' own included.
+        max_seq_len: optional bound on ``seq_lens`` for choosing the split count; default the
+            table's capacity (or the largest host length).
+        check: refuse, before launch, block ids outside the pool and lengths beyond the table's
+            capacity. Device tables and lengths are then copied to the host (a sync); pass
+            ``check=False`` to skip that (e.g. inside a CUDA graph): lengths are then clamped to
+            the capacity and block ids to the pool on the device.
+        num_splits, causal, scale, window, softcap, return_lse: as in :func:`cuattn.decode`.
+
+    Returns:
+        ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
+    """
+    left, right = _masks.check_options(window, softcap, scale)
+    if isinstance(cache, PagedKVCache):
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+        # a GPU cache's CuPy pages serve queries from any GPU framework
+        named = {"q": q} if cache.device == "cuda" else {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+    else:
+        k_pages, v_pages = _cache_pair(cache)
+        named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+    with _arrays.array_context(**named) as ctx:
+        if ctx.on_host and _arrays.array_kind(k_pages) != "numpy":
+            raise TypeError("q is a NumPy array but the cache is on the GPU; pass device arrays, or build the "
+                            "cache with device='cpu'")
+        qv = ctx.view(q)
+        kv, vv = (k_pages, v_pages) if "k_pages" not in named else (ctx.view(k_pages), ctx.view(v_pages))
+        table_host = _arrays.array_kind(block_table) == "numpy" or isinstance(block_table, (list, tuple))
+        lens_host = _arrays.array_kind(seq_lens) == "numpy" or isinstance(seq_lens, (list, tuple))
+        table = np.asarray(block_table) if table_host else ctx.view(_same_kind(block_table, ctx))
+        lens = np.asarray(seq_lens) if lens_host else ctx.view(_same_kind(seq_lens, ctx))
+        _decode.check_decode_args(qv, kv, vv, lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
+        _arrays.check_ndim("block_table", table, "(B, max_blocks)")
+        _arrays.check_axis("block_table", table, 0, "batch", int(qv.shape[0]), "q.shape[0]")
+        _arrays.check_int32("block_table", table)
+        _decode._check_num_splits(num_splits)
+        num_blocks, block_size = int(kv.shape[0]), int(kv.shape[1])
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        capacity = int(table.shape[1]) * block_size
+        host_lens = None
+        if check or ctx.on_host:
+            host_table = table if table_host else table.get()
+            host_lens = lens if lens_host else lens.get()
+            _check_table(host_table, host_lens, num_blocks, block_size)
+        if ctx.on_host:
+            result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,
+                                               window=(left, right), softcap=softcap, return_lse=True)
+            return _decode._host_result(result, qv, return_lse)
+
+        import cupy
+
+        _arrays.check_float_dtype("q", qv)
+        for name, x in (("k_pages", kv), ("v_pages", vv)):
+            _arrays.check_same_dtype(name, x, "q", qv)
+            _arrays.check_kernel_layout(name, x)
+            _arrays.check_same_device(name, x, "q", qv)
+        _arrays.check_kernel_layout("q", qv)
+        if max_seq_len is None:
+            max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
+        elif not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
+        table_d = cupy.asarray(table, dtype=cupy.int32)
+        lens_d = cupy.asarray(lens, dtype=cupy.int32)
+        out, lse = _decode.launch_decode(
+            qv, kv, vv, lens_d, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
+            causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=return_lse,
+            stream=ctx.stream, split_length=min(int(max_seq_len), capacity),
+        )
+        out = ctx.to_caller(out)
+        return (out, ctx.to_caller(lse)) if return_lse else out
+
+
+def _cache_pair(cache):
+    if not (isinstance(cache, (tuple, list)) and len(cache) == 2):
+        raise TypeError(f"cache must be a PagedKVCache or a (k_pages, v_pages) pair, got {type(cache).__name__}")
+    return cache
+
+
+def _same_kind(x, ctx):
+    kind = _arrays.array_kind(x)
+    if kind != ctx.kind:
+        raise TypeError(f"block_table and seq_lens must be NumPy arrays or come from q's framework ({ctx.kind}), got {kind}")
+    return x
+
+
+def _check_table(table, lens, num_blocks: int, block_size: int) -> None:
+    """Every block a sequence uses must be in the pool; no length may pass its table row."""
+    capacity = table.shape[1] * block_size
+    if lens.size and (lens.min() < 0 or lens.max() > capacity):
+        worst = int(np.argmax(np.abs(lens - np.clip(lens, 0, capacity))))
+        raise ValueError(
+            f"seq_lens[{worst}] = {int(lens[worst])} is beyond the block table's capacity "
+            f"(max_blocks {table.shape[1]} x block_size {block_size} = {capacity} tokens)"
+        )
+    used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // block_size)
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(table[b, j])} is outside the pool of {num_blocks} blocks "
+            f"(sequence {b} has {int(lens[b])} tokens)"
+        )

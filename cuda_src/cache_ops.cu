@@ -1,0 +1,60 @@
+// cache_ops.cu: writes into the paged KV cache and copy-on-write block copies.
+//
+//   cache_write_kernel  new tokens' keys and values k, v [N, Hk, D] into their slots of
+//                       k_pages, v_pages [num_blocks, block_size, Hk, D]; slot s is offset
+//                       s % block_size of page s / block_size. Slot -1 marks padding and is
+//                       skipped (as is any slot outside the pool). One thread moves 16 bytes.
+//   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
+//                       a copy of page src: one launch for all pairs, 16-byte vectors.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuattn {
+
+// grid.x covers N * Hk * D / 8 chunks
+template <typename T>
+__global__ void __launch_bounds__(256)
+cache_write_kernel(const T* __restrict__ k, const T* __restrict__ v,  // [N, Hk, D]
+                   const int* __restrict__ slot_ids,                  // [N]
+                   T* __restrict__ k_pages, T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
+                   i64 k_sn, i64 k_sh, i64 v_sn, i64 v_sh,
+                   i64 kp_sp, i64 kp_ss, i64 kp_sh, i64 vp_sp, i64 vp_ss, i64 vp_sh,
+                   int num_tokens, int num_kv_heads, int head_dim, int block_size, int num_blocks) {
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  const int chunks_per_row = head_dim / kElemsPerChunk;
+  const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<i64>(num_tokens) * num_kv_heads * chunks_per_row) return;
+  const int col = static_cast<int>(idx % chunks_per_row) * kElemsPerChunk;
+  const int h = static_cast<int>((idx / chunks_per_row) % num_kv_heads);
+  const int n = static_cast<int>(idx / (static_cast<i64>(chunks_per_row) * num_kv_heads));
+  const int slot = slot_ids[n];
+  if (slot < 0 || slot >= num_blocks * block_size) return;  // padding
+  const int page = slot / block_size, offset = slot % block_size;
+  *reinterpret_cast<uint4*>(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col) =
+      *reinterpret_cast<const uint4*>(k + n * k_sn + h * k_sh + col);
+  *reinterpret_cast<uint4*>(v_pages + page * vp_sp + offset * vp_ss + h * vp_sh + col) =
+      *reinterpret_cast<const uint4*>(v + n * v_sn + h * v_sh + col);
+}
+
+// grid: x = pair, y covers one page's block_size * Hk * D / 8 chunks
+template <typename T>
+__global__ void __launch_bounds__(256)
+copy_blocks_kernel(T* __restrict__ k_pages, T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
+                   const int* __restrict__ pairs,                     // [P, 2]: (src, dst)
+                   i64 kp_sp, i64 kp_ss, i64 kp_sh, i64 vp_sp, i64 vp_ss, i64 vp_sh,
+                   int block_size, int num_kv_heads, int head_dim) {
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  const int chunks_per_row = head_dim / kElemsPerChunk;
+  const int idx = blockIdx.y * blockDim.x + threadIdx.x;
+  if (idx >= block_size * num_kv_heads * chunks_per_row) return;
+  const int col = (idx % chunks_per_row) * kElemsPerChunk;
+  const int h = (idx / chunks_per_row) % num_kv_heads;
+  const int offset = idx / (chunks_per_row * num_kv_heads);
+  const i64 src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+  *reinterpret_cast<uint4*>(k_pages + dst * kp_sp + offset * kp_ss + h * kp_sh + col) =
+      *reinterpret_cast<const uint4*>(k_pages + src * kp_sp + offset * kp_ss + h * kp_sh + col);
+  *reinterpret_cast<uint4*>(v_pages + dst * vp_sp + offset * vp_ss + h * vp_sh + col) =
+      *reinterpret_cast<const uint4*>(v_pages + src * vp_sp + offset * vp_ss + h * vp_sh + col);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,330 @@
+"""Paged KV cache: the BlockManager against a model (hypothesis), the cache kernels, paged_attention.
+
+The state machine drives random allocate / append / fork / free sequences and, after every
+step, checks the invariants: refcounts equal the number of tables holding each block, no block
+is both free and used, free + used is the pool, and no append writes into a block another
+sequence still holds. It also keeps a simulated pool of token ids, applies the copy-on-write
+copies and the writes as a cache would, and checks that every sequence reads back its own tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cuattn
+from cuattn import reference
+from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 4
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.manager = cuattn.BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.tokens: dict[int, list[int]] = {}  # model: seq id -> its token ids
+        self.pool = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, np.int64)  # simulated cache: slot -> token id
+        self.next_seq = 0
+        self.next_token = 0
+
+    def _new_tokens(self, n):
+        ids = list(range(self.next_token, self.next_token + n))
+        self.next_token += n
+        return ids
+
+    def _snapshot(self):
+        m = self.manager
+        return (m.refcount.tolist(), list(m._free), {k: list(v) for k, v in m._tables.items()}, dict(m._lengths))
+
+    @rule(n=st.integers(0, 12))
+    def allocate(self, n):
+        seq = self.next_seq
+        self.next_seq += 1
+        before = self._snapshot()
+        try:
+            slots = self.manager.allocate(seq, n)
+        except cuattn.OutOfBlocksError:
+            assert self._snapshot() == before
+            return
+        ids = self._new_tokens(n)
+        self.pool[slots] = ids
+        self.tokens[seq] = ids
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def append(self, data, n):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._snapshot()
+        try:
+            slots, copies = self.manager.append(seq, n)
+        except cuattn.OutOfBlocksError:
+            assert self._snapshot() == before
+            return
+        for src, dst in copies:  # run the copy-on-write first, as a cache would
+            self.pool[dst * BLOCK_SIZE:(dst + 1) * BLOCK_SIZE] = self.pool[src * BLOCK_SIZE:(src + 1) * BLOCK_SIZE]
+        # no write may land in a block another sequence still holds
+        written_blocks = np.unique(slots // BLOCK_SIZE)
+        assert (self.manager.refcount[written_blocks] == 1).all(), "append writes into a shared block"
+        ids = self._new_tokens(n)
+        self.pool[slots] = ids
+        self.tokens[seq] = self.tokens[seq] + ids
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self.next_seq
+        self.next_seq += 1
+        self.manager.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.manager.free(seq)
+        del self.tokens[seq]
+        with pytest.raises(KeyError, match="not allocated"):
+            self.manager.free(seq)
+
+    @invariant()
+    def refcounts_match_tables(self):
+        counts = np.zeros(NUM_BLOCKS, np.int64)
+        for seq in self.tokens:
+            for block in self.manager.blocks(seq):
+                counts[block] += 1
+        assert np.array_equal(counts, self.manager.refcount)
+
+    @invariant()
+    def free_and_used_partition_the_pool(self):
+        free = set(self.manager._free)
+        assert len(free) == self.manager.num_free_blocks  # no block listed twice
+        used = {b for seq in self.tokens for b in self.manager.blocks(seq)}
+        assert not free & used
+        assert len(free) + len(used) == NUM_BLOCKS
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        if not self.tokens:
+            return
+        seqs = sorted(self.tokens)
+        table, lens = self.manager.block_table(seqs)
+        for row, seq in enumerate(seqs):
+            assert lens[row] == len(self.tokens[seq])
+            t = np.arange(lens[row])
+            slots = table[row, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+            assert self.pool[slots].tolist() == self.tokens[seq]
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_block_manager_errors():
+    m = cuattn.BlockManager(4, 2)
+    m.allocate("a", 3)
+    with pytest.raises(ValueError, match=r"sequence 'a' already exists"):
+        m.allocate("a", 1)
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"cannot allocate 5 tokens for sequence 'b': needs 3 free blocks, 2 of 4 are free"):
+        m.allocate("b", 5)
+    assert "b" not in m and m.num_free_blocks == 2
+    with pytest.raises(KeyError, match=r"unknown sequence 'zzz'"):
+        m.append("zzz")
+    with pytest.raises(ValueError, match=r"cannot fork onto sequence 'a': it already exists"):
+        m.fork("a", "a")
+    with pytest.raises(KeyError, match=r"unknown sequence 'nope'"):
+        m.fork("nope", "c")
+    with pytest.raises(ValueError, match=r"num_tokens must be an int >= 1, got 0"):
+        m.append("a", 0)
+    m.free("a")
+    with pytest.raises(KeyError, match=r"cannot free sequence 'a': it is not allocated \(freed twice\?\)"):
+        m.free("a")
+    with pytest.raises(ValueError, match=r"block_size must be an int from 1 to 256, got 300"):
+        cuattn.BlockManager(4, 300)
+    with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got 0"):
+        cuattn.BlockManager(0, 16)
+
+
+def test_append_out_of_blocks_changes_nothing():
+    m = cuattn.BlockManager(3, 2)
+    m.allocate("a", 3)
+    m.fork("a", "b")
+    before = (m.refcount.copy(), m.num_free_blocks, m.blocks("b"), m.seq_len("b"))
+    # b's last block is shared and partial: appending 3 needs a copy plus one more block (2 > 1 free)
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"needs 2 free blocks, 1 of 3 are free"):
+        m.append("b", 3)
+    assert (m.refcount.copy(), m.num_free_blocks, m.blocks("b"), m.seq_len("b"))[1:] == before[1:]
+    assert np.array_equal(m.refcount, before[0])
+
+
+def test_utilization_and_table_padding():
+    m = cuattn.BlockManager(8, 4)
+    m.allocate(0, 9)
+    m.allocate(1, 1)
+    table, lens = m.block_table([0, 1])
+    assert table.dtype == np.int32 and lens.tolist() == [9, 1]
+    assert table.shape == (2, 3) and (table[1, 1:] == -1).all()
+    assert m.utilization() == 4 / 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Pages and paged attention
+
+
+def paged_setup(rng, dtype, lens, block_size, hk, d, device, num_blocks=None, fork=False):
+    """A manager and cache holding random K/V for sequences of `lens`, blocks shuffled in the pool."""
+    total = sum(-(-n // block_size) for n in lens) + 4
+    num_blocks = num_blocks or total * 2
+    manager = cuattn.BlockManager(num_blocks, block_size)
+    manager._free = list(rng.permutation(num_blocks))  # physical order unrelated to token order
+    cache = cuattn.PagedKVCache(num_blocks, block_size, hk, d, dtype, device=device)
+    xp = np if device == "cpu" else __import__("cupy")
+    for seq, n in enumerate(lens):
+        if fork and seq > 0:
+            # later sequences share sequence 0's prompt (written once), then diverge
+            manager.fork(0, seq)
+            slots, copies = manager.append(seq, n - manager.seq_len(seq)) if n > manager.seq_len(seq) else (np.zeros(0, np.int32), [])
+            cache.copy_blocks(copies)
+        else:
+            slots = manager.allocate(seq, n)
+        k = randn(rng, (len(slots), hk, d), dtype)
+        v = randn(rng, (len(slots), hk, d), dtype)
+        cache.write(xp.asarray(k), xp.asarray(v), slots)
+    return manager, cache
+
+
+def test_paged_attention_numpy_matches_reference(rng):
+    lens = [5, 17, 1]
+    manager, cache = paged_setup(rng, np.float32, lens, 4, 2, 64, "cpu")
+    q = randn(rng, (3, 2, 8, 64), np.float32)
+    table, seq_lens = manager.block_table(range(3))
+    out, lse = cuattn.paged_attention(q, cache, table, seq_lens, return_lse=True)
+    ref, ref_lse = reference.paged_attention(q, cache.k_pages, cache.v_pages, table, seq_lens, return_lse=True)
+    np.testing.assert_array_equal(out, ref.astype(np.float32))
+    np.testing.assert_array_equal(lse, ref_lse.astype(np.float32))
+
+
+def test_paged_attention_errors():
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    q = np.zeros((2, 1, 4, 64), np.float32)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    lens = np.array([8, 5], np.int32)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 is beyond the block table's capacity \(max_blocks 2 x block_size 4 = 8 tokens\)"):
+        cuattn.paged_attention(q, cache, table, np.array([9, 5], np.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 8 is outside the pool of 8 blocks \(sequence 1 has 5 tokens\)"):
+        cuattn.paged_attention(q, cache, np.array([[0, 1], [2, 8]], np.int32), lens)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1 is outside the pool"):
+        cuattn.paged_attention(q, cache, np.array([[0, 1], [-1, 3]], np.int32), lens)
+    # padding past a sequence's blocks is never read, so -1 there is fine
+    cuattn.paged_attention(q, cache, np.array([[0, 1], [2, -1]], np.int32), np.array([8, 4], np.int32))
+    with pytest.raises(TypeError, match=r"block_table.dtype must be int32, got int64"):
+        cuattn.paged_attention(q, cache, table.astype(np.int64), lens)
+    with pytest.raises(ValueError, match=r"block_table.shape\[0\] \(batch\) must equal q.shape\[0\] = 2, got 1"):
+        cuattn.paged_attention(q, cache, table[:1], lens)
+    with pytest.raises(TypeError, match=r"cache must be a PagedKVCache or a \(k_pages, v_pages\) pair, got int"):
+        cuattn.paged_attention(q, 3, table, lens)
+    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 32\) or be -1 \(padding\); got \[32\]"):
+        cache.write(np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.float32), np.array([32]))
+    with pytest.raises(ValueError, match=r"k.shape\[1\] \(Hk\) must equal the cache's num_kv_heads = 2, got 3"):
+        cache.write(np.zeros((1, 3, 64), np.float32), np.zeros((1, 3, 64), np.float32), np.array([0]))
+    with pytest.raises(ValueError, match=r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"):
+        cache.copy_blocks([(0, 9)])
+    with pytest.raises(ValueError, match=r"head_dim = 80 is not supported"):
+        cuattn.PagedKVCache(8, 4, 2, 80, np.float16, device="cpu")
+
+
+def test_cpu_cache_write_skips_padding_and_copies_blocks(rng):
+    cache = cuattn.PagedKVCache(4, 2, 1, 32, np.float32, device="cpu")
+    k = randn(rng, (3, 1, 32), np.float32)
+    cache.write(k, -k, np.array([5, -1, 0]))
+    np.testing.assert_array_equal(cache.k_pages[2, 1], k[0])
+    np.testing.assert_array_equal(cache.k_pages[0, 0], k[2])
+    assert (cache.k_pages[0, 1] == 0).all()
+    cache.copy_blocks([(2, 3)])
+    np.testing.assert_array_equal(cache.v_pages[3], cache.v_pages[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
+    import cupy
+
+    gpu = cuattn.PagedKVCache(16, 5, 2, 128, dtype)
+    cpu = cuattn.PagedKVCache(16, 5, 2, 128, dtype, device="cpu")
+    k = randn(rng, (40, 2, 128), dtype)
+    v = randn(rng, (40, 2, 128), dtype)
+    slots = rng.permutation(80)[:40].astype(np.int32)
+    slots[::7] = -1
+    gpu.write(cupy.asarray(k), cupy.asarray(v), slots)
+    cpu.write(k, v, slots)
+    pairs = [(int(a), int(b)) for a, b in zip(rng.permutation(16)[:3], range(13, 16))]
+    gpu.copy_blocks(pairs)
+    cpu.copy_blocks(pairs)
+    assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 16, 48, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
+    import cupy
+
+    lens = [700, 1, 0, 333, 1024]
+    hq, hk, d = 8, 2, 128
+    manager, cache = paged_setup(rng, dtype, lens, block_size, hk, d, "cuda")
+    q = randn(rng, (len(lens), 1, hq, d), dtype)
+    table, seq_lens = manager.block_table(range(len(lens)))
+    out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True)
+    # the same cache gathered into contiguous rows, through the contiguous decode kernel
+    k_cache = reference.gather_pages(cache.k_pages.get(), table, seq_lens).astype(dtype)
+    v_cache = reference.gather_pages(cache.v_pages.get(), table, seq_lens).astype(dtype)
+    dense, dense_lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
+                                     cupy.asarray(seq_lens), return_lse=True)
+    ref, ref_lse = reference.paged_attention(q, cache.k_pages.get(), cache.v_pages.get(), table, seq_lens, return_lse=True)
+    got = out.get().astype(np.float64)
+    naive_err = max(np.abs(reference.naive_attention_lowp(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                                                          causal=True, dtype=dtype)[0] - ref[b]).max(initial=0)
+                    for b, n in enumerate(lens))
+    assert np.abs(got - ref).max() <= error_budget(naive_err, dtype, 2.0, np.abs(ref).max()), f"seed {rng.seed}"
+    assert np.abs(got - dense.get().astype(np.float64)).max() <= error_budget(naive_err, dtype, 2.0, 1.0)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse.get()), empty)
+    np.testing.assert_allclose(lse.get()[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_forked_sequences_share_a_prefix_written_once(rng):
+    import cupy
+
+    lens = [300, 310, 301, 500]
+    manager, cache = paged_setup(rng, BF16, lens, 16, 2, 64, "cuda", fork=True)
+    shared = set(manager.blocks(0)[:300 // 16])
+    assert all(shared <= set(manager.blocks(s)) for s in range(1, 4)), "forks keep the full prompt blocks"
+    q = randn(rng, (4, 3, 4, 64), BF16)
+    table, seq_lens = manager.block_table(range(4))
+    out = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, num_splits=4)
+    ref = reference.paged_attention(q, cache.k_pages.get(), cache.v_pages.get(), table, seq_lens)
+    assert np.abs(out.get().astype(np.float64) - ref).max() < 4e-2
+
+
+@pytest.mark.gpu
+def test_paged_attention_torch_query_and_unchecked_device_table(rng):
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    manager, cache = paged_setup(rng, np.float16, [90, 33], 8, 1, 64, "cuda")
+    table, seq_lens = manager.block_table([0, 1])
+    q = torch.randn(2, 2, 4, 64, device="cuda", dtype=torch.float16)
+    out = cuattn.paged_attention(q, cache, torch.from_numpy(table).cuda(), torch.from_numpy(seq_lens).cuda(),
+                                 check=False, max_seq_len=90)
+    assert isinstance(out, torch.Tensor)
+    ref = reference.paged_attention(q.cpu().numpy(), cache.k_pages.get(), cache.v_pages.get(), table, seq_lens)
+    assert np.abs(out.cpu().numpy().astype(np.float64) - ref).max() < 5e-3
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 999 is outside the pool"):
+        bad = table.copy()
+        bad[0, 0] = 999
+        cuattn.paged_attention(q, cache, torch.from_numpy(bad).cuda(), torch.from_numpy(seq_lens).cuda())
+    assert cupy.isfinite(cache.k_pages).all()
