@@ -327,10 +327,11 @@ def get_function(spec: KernelSpec, device_id: int | None = None):
     return function
 
 
-def launch(spec: KernelSpec, grid, args, *, stream=None) -> None:
+def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None = None) -> None:
     """Launch a variant with its block size and dynamic shared memory on ``stream``.
 
-    The kernel's dynamic shared-memory limit is raised on first use when it asks for more than 48 KB.
+    ``shared_mem`` overrides the spec's dynamic shared memory for kernels whose need depends on
+    the call (up to 48 KB). The kernel's limit is raised on first use when the spec asks for more.
     """
     import cupy
 
@@ -340,7 +341,8 @@ def launch(spec: KernelSpec, grid, args, *, stream=None) -> None:
     if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT and key not in _smem_opt_in:
         function.max_dynamic_shared_size_bytes = spec.smem_bytes
         _smem_opt_in.add(key)
-    function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=spec.smem_bytes, stream=stream)
+    smem = spec.smem_bytes if shared_mem is None else shared_mem
+    function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=smem, stream=stream)
 
 
 _attributes: dict[tuple[int, str], int] = {}

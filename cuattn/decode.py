@@ -86,7 +86,7 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool) -> _jit.KernelSpec:
 @functools.lru_cache(maxsize=None)
 def combine_spec(in_dtype, out_dtype) -> _jit.KernelSpec:
     tin, tout = MERGE_DTYPES[np.dtype(in_dtype)], MERGE_DTYPES[np.dtype(out_dtype)]
-    return _jit.KernelSpec("decode.cu", f"cuattn::combine_kernel<{tin}, {tout}>", threads=128)
+    return _jit.KernelSpec("decode.cu", f"cuattn::combine_kernel<{tin}, {tout}>", threads=COMBINE_THREADS)
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
@@ -337,7 +337,9 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
     return out, lse
 
 
-COMBINE_WARPS = 4
+COMBINE_THREADS = 128
+# combine_kernel keeps one float weight per part in (default, 48 KB) dynamic shared memory
+MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4
 
 
 def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream) -> None:
@@ -359,7 +361,8 @@ def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtyp
         *map(i64, part_strides), *map(i64, lse_strides), *map(i64, os_[:3]), *map(i64, los),
     )
     spec = combine_spec(np.dtype(parts_dtype), np.dtype(out.dtype))
-    _jit.launch(spec, (math.ceil(rows / COMBINE_WARPS), 1, 1), args, stream=stream)
+    # one CTA per row; the parts' weights take num_parts floats of dynamic shared memory
+    _jit.launch(spec, (rows, 1, 1), args, stream=stream, shared_mem=4 * num_parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +385,8 @@ def _parse_states(args):
 
 def _check_states(views, host: bool) -> None:
     out0, _ = views[0]
+    if len(views) > MAX_MERGE_PARTS:
+        raise ValueError(f"merge_states takes at most {MAX_MERGE_PARTS} parts, got {len(views)}; merge in rounds")
     if out0.ndim < 3:
         raise ValueError(f"out_0 must have at least 3 axes (..., S, H, D), got shape {tuple(out0.shape)}")
     expected_lse = tuple(out0.shape[:-3]) + (int(out0.shape[-2]), int(out0.shape[-3]))

@@ -256,10 +256,18 @@ class PagedKVCache:
             self._launch_write(kv_, vv_, slots, ctx.stream)
 
     def copy_blocks(self, pairs) -> None:
-        """Run ``(src, dst)`` page copies (both K and V) in one launch; an empty list does nothing."""
+        """Run ``(src, dst)`` page copies (both K and V) in one launch; an empty list does nothing.
+
+        The copies run in parallel, so each destination appears once and is no pair's source
+        (``BlockManager.append`` always hands out fresh destinations).
+        """
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2) if len(pairs) else np.zeros((0, 2), np.int32)
         if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
             raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got {pairs.tolist()}")
+        dst = pairs[:, 1]
+        if len(np.unique(dst)) != len(dst) or np.isin(dst, pairs[:, 0]).any():
+            # the copies run in parallel: a block both written and read, or written twice, has no order
+            raise ValueError(f"a destination block may appear once and never as a source: {pairs.tolist()}")
         if not pairs.size:
             return
         if self.device == "cpu":

@@ -29,20 +29,26 @@ constexpr int kDecodeBlockN = kDecodeWarps * kKeysPerWarp;      // keys per pipe
 // Q fragments stay in registers when they take at most this many (one m16 tile at D <= 128).
 constexpr int kMaxQFragmentRegisters = 32;
 
-// Where token j of the CTA's sequence and kv head lives in a contiguous cache [B, S_max, Hk, D].
+// Where token j of the CTA's sequence and kv head lives. A policy splits the lookup in two:
+// `locate(j)` (any global reads it needs, issued one pipeline stage ahead so their latency hides
+// behind the GEMMs) and `rows(cursor, j, ...)` (pure arithmetic, right before the copy).
+
+// A contiguous cache [B, S_max, Hk, D]: nothing to look up.
 template <typename T>
 struct ContiguousKV {
   const T* k;  // already offset to (b, hk)
   const T* v;
   i64 k_row_stride, v_row_stride;
 
-  __device__ __forceinline__ void rows(int j, const T*& k_row, const T*& v_row) const {
+  __device__ __forceinline__ int locate(int) const { return 0; }
+
+  __device__ __forceinline__ void rows(int, int j, const T*& k_row, const T*& v_row) const {
     k_row = k + j * k_row_stride;
     v_row = v + j * v_row_stride;
   }
 };
 
-// The same through a block table: token j is slot j % block_size of page table[j / block_size].
+// A paged cache: token j is slot j % block_size of page table[j / block_size].
 template <typename T>
 struct PagedKV {
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
@@ -52,38 +58,66 @@ struct PagedKV {
   int block_size;
   int num_blocks;
 
-  __device__ __forceinline__ void rows(int j, const T*& k_row, const T*& v_row) const {
-    // ids outside the pool are refused on the host; clamping here keeps an unchecked table
-    // from reading outside the pool
-    const int page = min(max(table[j / block_size], 0), num_blocks - 1);
+  // the page, as the table holds it (the value is not used until rows(), so the read can be
+  // in flight meanwhile)
+  __device__ __forceinline__ int locate(int j) const { return table[j / block_size]; }
+
+  __device__ __forceinline__ void rows(int entry, int j, const T*& k_row, const T*& v_row) const {
+    // ids outside the pool are refused on the host; clamping here keeps an unchecked table from
+    // reading outside the pool
+    const int page = min(max(entry, 0), num_blocks - 1);
     const int slot = j % block_size;
     k_row = k + page * k_page_stride + slot * k_slot_stride;
     v_row = v + page * v_page_stride + slot * v_slot_stride;
   }
 };
 
+constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
+
+// How the 128 threads copy one stage: each keeps one 16-byte column and walks kPasses rows. A
+// pass covers a power-of-two number of whole rows, so the passes tile the 64-row stage exactly;
+// with D = 96 (12 chunks a row, 8 rows a pass) a quarter of the threads idle.
+template <typename T, int HEAD_DIM>
+struct StageCopy {
+  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  static constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  static constexpr int kRowsPerPass = floor_pow2(kDecodeThreads / kChunksPerRow);
+  static constexpr int kPasses = kDecodeBlockN / kRowsPerPass;
+  static_assert(kDecodeBlockN % kRowsPerPass == 0, "passes tile the stage");
+
+  static __device__ __forceinline__ bool active() { return threadIdx.x < kRowsPerPass * kChunksPerRow; }
+  static __device__ __forceinline__ int row(int pass) { return threadIdx.x / kChunksPerRow + pass * kRowsPerPass; }
+};
+
+// Look up where this thread's rows of the stage starting at key n0 live.
+template <typename T, int HEAD_DIM, class KV>
+__device__ __forceinline__ void locate_stage(const KV& kv, int n0, int stop, int (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
+  using Copy = StageCopy<T, HEAD_DIM>;
+#pragma unroll
+  for (int pass = 0; pass < Copy::kPasses; ++pass) {
+    const int j = n0 + Copy::row(pass);
+    cursor[pass] = Copy::active() && j < stop ? kv.locate(j) : 0;
+  }
+}
+
 // One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
 // or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
 template <typename T, int HEAD_DIM, class KV>
-__device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop) {
+__device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop,
+                                              const int (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
+  using Copy = StageCopy<T, HEAD_DIM>;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
-  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
-  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
-  constexpr int kRowsPerPass = kDecodeThreads / kChunksPerRow;
-  constexpr int kPasses = (kDecodeBlockN + kRowsPerPass - 1) / kRowsPerPass;
-  if (threadIdx.x >= kRowsPerPass * kChunksPerRow) return;
-  const int col = (threadIdx.x % kChunksPerRow) * kElemsPerChunk;
+  if (!Copy::active()) return;
+  const int col = (threadIdx.x % Copy::kChunksPerRow) * Copy::kElemsPerChunk;
 #pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int row = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
-    if (kDecodeBlockN % kRowsPerPass == 0 || row < kDecodeBlockN) {
-      const bool valid = n0 + row < stop;
-      const T* k_row = kv.k;
-      const T* v_row = kv.v;
-      if (valid) kv.rows(n0 + row, k_row, v_row);
-      cp_async_16(sK + row * kStride + col, k_row + col, valid);
-      cp_async_16(sV + row * kStride + col, v_row + col, valid);
-    }
+  for (int pass = 0; pass < Copy::kPasses; ++pass) {
+    const int row = Copy::row(pass);
+    const bool valid = n0 + row < stop;
+    const T* k_row = kv.k;
+    const T* v_row = kv.v;
+    if (valid) kv.rows(cursor[pass], n0 + row, k_row, v_row);
+    cp_async_16(sK + row * kStride + col, k_row + col, valid);
+    cp_async_16(sV + row * kStride + col, v_row + col, valid);
   }
 }
 
@@ -165,15 +199,19 @@ __device__ __forceinline__ void decode_body(
   const int clean_begin = offset + a.sq_new - 1 - a.mask.window_left;
   const MaskParams mask{stop, a.mask.window_left, a.mask.window_right, a.mask.score_scale, a.mask.softcap_out};
 
-  // prologue: fill all but one stage of the ring
+  // prologue: fill all but one stage of the ring, then look up the rows of the next one
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
       T* sK = sRing + (2 * st) * kDecodeBlockN * kStride;
-      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop);
+      int first[StageCopy<T, HEAD_DIM>::kPasses];
+      locate_stage<T, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop, first);
+      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop, first);
     }
     cp_async_commit();
   }
+  int cursor[StageCopy<T, HEAD_DIM>::kPasses];
+  if (STAGES - 1 < num_blocks) locate_stage<T, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop, cursor);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
@@ -202,7 +240,10 @@ __device__ __forceinline__ void decode_body(
     const int t_next = t + STAGES - 1;
     if (t_next < num_blocks) {
       T* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kStride;
-      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + t_next * kDecodeBlockN, stop);
+      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + t_next * kDecodeBlockN, stop, cursor);
+      // look up the stage after (a paged cache reads its block table): the reads complete
+      // while this block's GEMMs run
+      if (t_next + 1 < num_blocks) locate_stage<T, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop, cursor);
     }
     cp_async_commit();
 
@@ -364,8 +405,10 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
 }
 
 // Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any
-// strides, natural-log lse) into out [B, S, H, D] and lse_out [B, H, S] (may be null). One warp
-// per (b, s, h) row. A part with lse = -inf contributes nothing, whatever its output holds.
+// strides, natural-log lse) into out [B, S, H, D] and lse_out [B, H, S] (may be null).
+// One CTA per (b, s, h) row: warp 0 merges the parts' states and leaves each part's weight in
+// shared memory (dynamic, [P] floats); then every thread owns a column d and sums the weighted
+// parts, several loads in flight. A part with lse = -inf weighs 0, whatever its output holds.
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(128)
 combine_kernel(const Tin* __restrict__ parts, const float* __restrict__ part_lse, Tout* __restrict__ out,
@@ -373,47 +416,53 @@ combine_kernel(const Tin* __restrict__ parts, const float* __restrict__ part_lse
                i64 p_part, i64 p_b, i64 p_s, i64 p_h, i64 l_part, i64 l_b, i64 l_h, i64 l_s,
                i64 o_b, i64 o_s, i64 o_h, i64 lo_b, i64 lo_h, i64 lo_s) {
   constexpr float kLog2e = 1.4426950408889634f;
-  const i64 row = static_cast<i64>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
-  if (row >= static_cast<i64>(batch) * seqlen * heads) return;
-  const int lane = threadIdx.x % kWarpSize;
+  extern __shared__ float weights[];  // [P]
+  const i64 row = blockIdx.x;
   const int h = static_cast<int>(row % heads);
   const int s = static_cast<int>((row / heads) % seqlen);
   const int b = static_cast<int>(row / (static_cast<i64>(heads) * seqlen));
   const float* lse_row = part_lse + b * l_b + h * l_h + s * l_s;
   const Tin* part_row = parts + b * p_b + s * p_s + h * p_h;
 
-  // The merged state: each normalised part is a state with m = its lse (log2 units) and l = 1.
-  // Lanes merge every 32nd part in parallel, then the warp merges the lanes' states, so the
-  // latency is a few loads, not one per part.
-  SoftmaxState merged;
-  merged.init();
-  for (int p = lane; p < num_parts; p += kWarpSize) {
-    const float lse_p = lse_row[p * l_part];
-    const SoftmaxState part{lse_p * kLog2e, lse_p == -infinity() ? 0.f : 1.f};
-    float scale_self, scale_other;
-    merged.merge(part, scale_self, scale_other);
-  }
+  if (threadIdx.x < kWarpSize) {
+    // each normalised part is a state with m = its lse (log2 units) and l = 1 (0 when empty);
+    // lanes merge every 32nd part, then the warp merges the lanes' states
+    const int lane = threadIdx.x;
+    SoftmaxState merged;
+    merged.init();
+    for (int p = lane; p < num_parts; p += kWarpSize) {
+      const float lse_p = lse_row[p * l_part];
+      const SoftmaxState part{lse_p * kLog2e, lse_p == -infinity() ? 0.f : 1.f};
+      float scale_self, scale_other;
+      merged.merge(part, scale_self, scale_other);
+    }
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const SoftmaxState other{__shfl_xor_sync(0xffffffffu, merged.m, offset), __shfl_xor_sync(0xffffffffu, merged.l, offset)};
-    float scale_self, scale_other;
-    merged.merge(other, scale_self, scale_other);
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      const SoftmaxState other{__shfl_xor_sync(0xffffffffu, merged.m, offset),
+                               __shfl_xor_sync(0xffffffffu, merged.l, offset)};
+      float scale_self, scale_other;
+      merged.merge(other, scale_self, scale_other);
+    }
+    // each part's weight is its share of the merged denominator
+    const float ref = merged.reference();
+    const float inv = merged.inv_sum();
+    for (int p = lane; p < num_parts; p += kWarpSize) {
+      const float lse_p = lse_row[p * l_part];
+      weights[p] = lse_p == -infinity() ? 0.f : exp2f(lse_p * kLog2e - ref) * inv;
+    }
+    if (lse_out != nullptr && lane == 0) lse_out[b * lo_b + h * lo_h + s * lo_s] = merged.lse();
   }
-  const float ref = merged.reference();
-  const float inv = merged.inv_sum();
-  for (int d = lane; d < head_dim; d += kWarpSize) {
+  __syncthreads();
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.f;
-    // unrolled so that several parts' loads are in flight at once
 #pragma unroll 8
     for (int p = 0; p < num_parts; ++p) {
-      const float lse_p = lse_row[p * l_part];
-      // each part's weight is its share of the merged denominator; empty parts weigh nothing
-      const float value = DType<Tin>::to_float(part_row[p * p_part + d]);
-      acc += lse_p == -infinity() ? 0.f : exp2f(lse_p * kLog2e - ref) * value;
+      // an empty part's output is never read: it may hold anything
+      const float w = weights[p];
+      if (w != 0.f) acc += w * DType<Tin>::to_float(part_row[p * p_part + d]);
     }
-    out[b * o_b + s * o_s + h * o_h + d] = DType<Tout>::from_float(acc * inv);
+    out[b * o_b + s * o_s + h * o_h + d] = DType<Tout>::from_float(acc);
   }
-  if (lse_out != nullptr && lane == 0) lse_out[b * lo_b + h * lo_h + s * lo_s] = merged.lse();
 }
 
 }  // namespace cuattn

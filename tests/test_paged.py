@@ -232,6 +232,10 @@ def test_paged_attention_errors():
         cache.write(np.zeros((1, 3, 64), np.float32), np.zeros((1, 3, 64), np.float32), np.array([0]))
     with pytest.raises(ValueError, match=r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"):
         cache.copy_blocks([(0, 9)])
+    with pytest.raises(ValueError, match=r"a destination block may appear once and never as a source: \[\[0, 1\], \[1, 2\]\]"):
+        cache.copy_blocks([(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match=r"a destination block may appear once"):
+        cache.copy_blocks([(0, 3), (1, 3)])
     with pytest.raises(ValueError, match=r"head_dim = 80 is not supported"):
         cuattn.PagedKVCache(8, 4, 2, 80, np.float16, device="cpu")
 
@@ -260,7 +264,8 @@ def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
     slots[::7] = -1
     gpu.write(cupy.asarray(k), cupy.asarray(v), slots)
     cpu.write(k, v, slots)
-    pairs = [(int(a), int(b)) for a, b in zip(rng.permutation(16)[:3], range(13, 16))]
+    # copy-on-write pairs: fresh destinations, never another pair's source
+    pairs = [(int(a), int(b)) for a, b in zip(rng.permutation(13)[:3], range(13, 16))]
     gpu.copy_blocks(pairs)
     cpu.copy_blocks(pairs)
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
