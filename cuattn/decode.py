@@ -338,8 +338,9 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
 
 
 COMBINE_THREADS = 128
+COMBINE_UNROLL = 8  # `#pragma unroll 8` over the parts in combine_kernel
 # combine_kernel keeps one float weight per part in (default, 48 KB) dynamic shared memory
-MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4
+MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4 - COMBINE_UNROLL
 
 
 def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream) -> None:
@@ -361,8 +362,10 @@ def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtyp
         *map(i64, part_strides), *map(i64, lse_strides), *map(i64, os_[:3]), *map(i64, los),
     )
     spec = combine_spec(np.dtype(parts_dtype), np.dtype(out.dtype))
-    # one CTA per row; the parts' weights take num_parts floats of dynamic shared memory
-    _jit.launch(spec, (rows, 1, 1), args, stream=stream, shared_mem=4 * num_parts)
+    # one CTA per row; the parts' weights take num_parts floats of dynamic shared memory, rounded
+    # up to whole groups of the unrolled loop, whose reads the compiler may vectorise
+    weight_slots = -(-num_parts // COMBINE_UNROLL) * COMBINE_UNROLL
+    _jit.launch(spec, (rows, 1, 1), args, stream=stream, shared_mem=4 * weight_slots)
 
 
 # ---------------------------------------------------------------------------------------------

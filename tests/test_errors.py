@@ -228,8 +228,8 @@ def test_merge_states_errors():
         cuattn.merge_states(out, lse, out, np.zeros((2, 5, 4), np.float32))
     with pytest.raises(ValueError, match=r"out_1.shape must equal out_0.shape = \(2, 5, 4, 64\), got \(2, 5, 4, 32\)"):
         cuattn.merge_states(out, lse, np.zeros((2, 5, 4, 32), np.float32), lse)
-    with pytest.raises(ValueError, match=r"merge_states takes at most 12288 parts, got 12289; merge in rounds"):
-        cuattn.merge_states([(out, lse)] * 12289)
+    with pytest.raises(ValueError, match=r"merge_states takes at most 12280 parts, got 12281; merge in rounds"):
+        cuattn.merge_states([(out, lse)] * 12281)
     with pytest.raises(ValueError, match=r"out_0 must have at least 3 axes \(..., S, H, D\), got shape \(4, 64\)"):
         cuattn.merge_states(np.zeros((4, 64)), np.zeros(4), np.zeros((4, 64)), np.zeros(4))
 
