@@ -389,6 +389,8 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
         capacity = int(table.shape[1]) * block_size
+        if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
         host_lens = None
         if check or ctx.on_host:
             host_table = table if table_host else table.get()
@@ -409,8 +411,6 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         _arrays.check_kernel_layout("q", qv)
         if max_seq_len is None:
             max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
-        elif not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
         table_d = cupy.asarray(table, dtype=cupy.int32)
         lens_d = cupy.asarray(lens, dtype=cupy.int32)
         out, lse = _decode.launch_decode(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: run from the repository root on a CUDA machine with its own python3 and nothing
 # installed (pytest's pythonpath makes the checkout importable). Runs
-#   1. `python -m cuattn info` and `build` for this GPU's arch,
+#   1. `python -m cuattn info` and `build --arch sm_90a` (spills under this machine's NVRTC),
 #   2. the whole pytest suite, GPU tests included,
 #   3. compute-sanitizer memcheck and racecheck over the small GPU tests,
 #   4. the benchmarks (pytest-benchmark, JSON),
@@ -30,6 +30,8 @@ run() {
 }
 
 run info "$PY" -m cuattn info
+# the machine's own NVRTC may allocate registers differently from CI's: check spills here too
+run build "$PY" -m cuattn build --arch sm_90a
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
     run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench "$@"
 fi

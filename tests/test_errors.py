@@ -211,6 +211,12 @@ def test_decode_errors(change, error, message):
         cuattn.decode(**args)
 
 
+def test_decode_batch_beyond_grid_limit():
+    q, k, v, lens = decode_arrays(b=65536, hq=1, hk=1, s_max=1, d=32)
+    with pytest.raises(ValueError, match=r"q.shape\[0\] \(batch\) must be at most 65535, got 65536"):
+        cuattn.decode(q, k, v, lens)
+
+
 def test_decode_unsupported_head_dim():
     q, k, v, lens = decode_arrays(d=48)
     with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 48 is not supported; supported head dims: 32, 64, 96, 128, 256"):

@@ -240,6 +240,28 @@ def test_paged_attention_errors():
         cuattn.PagedKVCache(8, 4, 2, 80, np.float16, device="cpu")
 
 
+def test_paged_cache_and_argument_errors():
+    with pytest.raises(ValueError, match=r"device must be 'cuda' or 'cpu', got 'tpu'"):
+        cuattn.PagedKVCache(8, 4, 2, 64, np.float16, device="tpu")
+    with pytest.raises(TypeError, match=r"dtype is float32; the paged kernels take float16 or bfloat16"):
+        cuattn.PagedKVCache(8, 4, 2, 64, np.float32)
+    with pytest.raises(ValueError, match=r"block_size must be from 1 to 256, got 0"):
+        cuattn.PagedKVCache(8, 0, 2, 64, np.float16, device="cpu")
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    k = np.zeros((2, 2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"slot_ids must be 1-D \(N,\) with N = k.shape\[0\] = 2, got shape \(3,\)"):
+        cache.write(k, k, np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match=r"slot_ids.dtype must be an integer type, got float64"):
+        cache.write(k, k, np.array([0.0, 1.0]))
+    q = np.zeros((1, 1, 4, 64), np.float32)
+    table, lens = np.array([[0, 1]], np.int32), np.array([5], np.int32)
+    with pytest.raises(ValueError, match=r"max_seq_len must be None or an int >= 1, got 0"):
+        cuattn.paged_attention(q, cache, table, lens, max_seq_len=0)
+    pages = np.zeros((4, 300, 2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got 300"):
+        cuattn.paged_attention(q, (pages, pages), table, lens)
+
+
 def test_cpu_cache_write_skips_padding_and_copies_blocks(rng):
     cache = cuattn.PagedKVCache(4, 2, 1, 32, np.float32, device="cpu")
     k = randn(rng, (3, 1, 32), np.float32)
