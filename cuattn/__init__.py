@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 from . import reference
 from ._errors import CompileError, OutOfBlocksError
 from ._tools import build, info
-from .attention import attention, attention_varlen
+from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .decode import decode, merge_states
 from .paged import BlockManager, PagedKVCache, paged_attention
 
@@ -20,7 +20,9 @@ __all__ = [
     "CompileError",
     "OutOfBlocksError",
     "attention",
+    "attention_backward",
     "attention_varlen",
+    "attention_varlen_backward",
     "build",
     "decode",
     "info",

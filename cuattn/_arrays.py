@@ -93,6 +93,9 @@ class ArrayContext:
             return x
         import cupy
 
+        if self.kind == "torch" and x.requires_grad:
+            # the kernels do not record autograd history (cuattn.torch does): share the storage
+            x = x.detach()
         return cupy.from_dlpack(x)
 
     def to_caller(self, x):

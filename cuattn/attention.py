@@ -94,8 +94,9 @@ def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every forward variant the dispatcher can pick on ``arch`` (for ``cuattn.build``)."""
-    return [fwd_spec(dtype, d, fwd_tile(d, arch)) for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS]
+    """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``)."""
+    forward = [fwd_spec(dtype, d, fwd_tile(d, arch)) for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS]
+    return forward + bwd_kernel_variants(arch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,3 +342,244 @@ GRID_YZ_LIMIT = 65535
 def _split_grid(count: int) -> tuple[int, int]:
     y = min(count, GRID_YZ_LIMIT)
     return y, (count + y - 1) // y
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    """Tiles of the backward kernels for one head dim.
+
+    flash_bwd_kernel: BLOCK_N keys per CTA, BLOCK_M queries per step, `warps` warps laid out
+    `s_warps_n` along the keys of S^T (the rest along queries), `kv_warps_n` along the keys of
+    dK/dV (the rest along D), `dq_warps_m` along the queries of dQ (the rest along D); Q and dO in
+    `stages` shared buffers; `min_blocks` CTAs per SM for the register allocator.
+    flash_bwd_dq_kernel (deterministic dQ): `dq_block_m` queries per CTA, `dq_block_n` keys per
+    step, `dq_warps` warps of 16 query rows each.
+    """
+
+    block_m: int
+    block_n: int
+    warps: int
+    s_warps_n: int
+    kv_warps_n: int
+    dq_warps_m: int
+    stages: int
+    min_blocks: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+
+    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+        """K, V [BLOCK_N, D + 8]; Q, dO [stages, BLOCK_M, D + 8]; P^T, dS^T [BLOCK_N, BLOCK_M + 8];
+        lse, delta [stages, BLOCK_M] fp32."""
+        pad = FwdTile.PAD_ELEMS
+        tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
+        return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
+
+    def dq_smem_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Q, dO [BLOCK_M, D + 8]; K, V [2, BLOCK_N, D + 8]."""
+        return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + FwdTile.PAD_ELEMS) * itemsize
+
+
+# One row per head dim and arch family. Warp tiles of 32 x 32 where the tile allows (each
+# shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers
+# across the 8 warps, which is what bounds BLOCK_N (64 at D = 256). Hopper's 227 KB of shared
+# memory per CTA holds two Q/dO stages at D = 128; sm_80's 163 KB holds one.
+# `python -m cuattn build` checks the spills and the fit.
+_BWD_D32 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 64, 4)
+_BWD_D64 = BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4)
+_BWD_D96 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
+_BWD_D256 = BwdTile(64, 64, 8, 2, 2, 4, 1, 1, 64, 32, 4)
+BWD_TILES = {
+    32: {SM80: _BWD_D32, SM90: _BWD_D32},
+    64: {SM80: _BWD_D64, SM90: _BWD_D64},
+    96: {SM80: _BWD_D96, SM90: _BWD_D96},
+    128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4), SM90: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4)},
+    256: {SM80: _BWD_D256, SM90: _BWD_D256},
+}
+
+
+def bwd_tile(head_dim: int, arch: str) -> BwdTile:
+    return BWD_TILES[head_dim][arch_family(arch)]
+
+
+PREPROCESS_WARPS = 4
+CONVERT_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) -> tuple[_jit.KernelSpec, ...]:
+    """(preprocess, main, convert or deterministic dQ) kernels of the backward."""
+    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    t = tile
+    itemsize = np.dtype(dtype).itemsize
+    main = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.s_warps_n}, "
+            f"{t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {'false' if deterministic else 'true'}>")
+    if deterministic:
+        last = _jit.KernelSpec(
+            "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
+            threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(head_dim, itemsize))
+    else:
+        last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>", threads=CONVERT_THREADS)
+    return (
+        _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_preprocess_kernel<{ctype}>", threads=PREPROCESS_WARPS * 32),
+        _jit.KernelSpec("flash_bwd.cu", main, threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize)),
+        last,
+    )
+
+
+def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
+    specs = {spec for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for det in (False, True)
+             for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det)}
+    return sorted(specs, key=lambda spec: spec.name)
+
+
+def _check_bwd_args(dout, out, lse, q, lse_shape: tuple, host: bool) -> None:
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name}.shape must equal q.shape = {tuple(q.shape)}, got {tuple(x.shape)}")
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse.shape must be {lse_shape} (the forward's lse), got {tuple(lse.shape)}")
+    if host:
+        for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+            _arrays.check_host_float_dtype(name, x)
+        return
+    _arrays.check_same_dtype("dout", dout, "q", q)
+    _arrays.check_same_dtype("out", out, "q", q)
+    if np.dtype(lse.dtype) != np.float32:
+        raise TypeError(f"lse.dtype must be float32 (the forward's lse), got {_arrays.dtype_name(lse.dtype)}")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=(-1, -1), softcap=0.0,
+                       deterministic=False):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2 backward).
+
+    ``out`` and ``lse`` (natural log, ``(B, Hq, Sq)``) are the forward's; every option must match
+    the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
+    No N x N buffer: the extra device memory is a float32 dQ accumulator ``(B, Sq, Hq, D)`` and
+    ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``. The default accumulates dQ with atomics, whose
+    order varies between runs.
+    """
+    left, right = _masks.check_options(window, softcap, scale)
+    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
+        dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
+        _check_qkv(qv, kv, vv, packed=False)
+        _check_dtypes(qv, kv, vv, ctx.on_host)
+        batch, seqlen_q, num_heads, _ = map(int, qv.shape)
+        _check_bwd_args(dov, ov, lv, qv, (batch, num_heads, seqlen_q), ctx.on_host)
+        if ctx.on_host:
+            grads = reference.attention_backward(dov, qv, kv, vv, ov, lv, causal=causal, scale=scale,
+                                                 window=(left, right), softcap=softcap)
+            return tuple(g.astype(x.dtype) for g, x in zip(grads, (qv, kv, vv)))
+        _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
+        grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
+                            seqlen_k=int(kv.shape[1]), causal=causal, scale=scale, window=(left, right),
+                            softcap=softcap, deterministic=bool(deterministic), stream=ctx.stream)
+        return tuple(ctx.to_caller(g) for g in grads)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, scale=None, window=(-1, -1), softcap=0.0, deterministic=False):
+    """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``."""
+    left, right = _masks.check_options(window, softcap, scale)
+    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k) as ctx:
+        dov, qv, kv, vv, ov, lv, cuq, cuk = (ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
+        _check_qkv(qv, kv, vv, packed=True)
+        _check_dtypes(qv, kv, vv, ctx.on_host)
+        total_q, num_heads, _ = map(int, qv.shape)
+        _check_bwd_args(dov, ov, lv, qv, (num_heads, total_q), ctx.on_host)
+        for name, cu in (("cu_seqlens_q", cuq), ("cu_seqlens_k", cuk)):
+            _arrays.check_ndim(name, cu, "(B + 1)")
+            _arrays.check_int32(name, cu)
+        _arrays.check_axis("cu_seqlens_k", cuk, 0, "B + 1", int(cuq.shape[0]), "cu_seqlens_q.shape[0]")
+        if ctx.on_host:
+            _check_host_cu_seqlens(cuq, qv.shape[0], max_seqlen_q, "q")
+            _check_host_cu_seqlens(cuk, kv.shape[0], max_seqlen_k, "k")
+            grads = reference.attention_varlen_backward(dov, qv, kv, vv, ov, lv, cuq, cuk, max_seqlen_q, max_seqlen_k,
+                                                        causal=causal, scale=scale, window=(left, right), softcap=softcap)
+            return tuple(g.astype(x.dtype) for g, x in zip(grads, (qv, kv, vv)))
+        import cupy
+
+        _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
+        grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None],
+                            cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk), batch=int(cuq.shape[0]) - 1,
+                            seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), causal=causal, scale=scale,
+                            window=(left, right), softcap=softcap, deterministic=bool(deterministic),
+                            stream=ctx.stream)
+        return tuple(ctx.to_caller(g[0]) for g in grads)
+
+
+def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
+                window, softcap, deterministic, stream):
+    """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
+
+    Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
+    Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
+    in registers in a fixed order (no atomics: bit-identical run to run, about 1.4x the work).
+    """
+    import cupy
+
+    varlen = cu_seqlens_q is not None
+    rows_q, num_heads, head_dim = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
+    num_kv_heads = int(k.shape[2])
+    dq = cupy.empty(q.shape, q.dtype)
+    dk = cupy.empty(k.shape, k.dtype)
+    dv = cupy.empty(v.shape, v.dtype)
+    if q.size == 0 or k.size == 0:
+        dq[...] = 0
+        dk[...] = 0
+        dv[...] = 0
+        return dq, dk, dv
+    _masks.check_total_length(seqlen_q, seqlen_k)
+    tile = bwd_tile(head_dim, _jit.target_arch())
+    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic)
+    lse = cupy.ascontiguousarray(lse)
+    delta = cupy.empty(lse.shape, cupy.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
+    # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly
+    dq_accum = None if deterministic else cupy.zeros((int(q.shape[0]), rows_q, num_heads, head_dim), cupy.float32)
+    i64, i32, f32 = np.int64, np.int32, np.float32
+    strides = {name: list(_arrays.element_strides(x)) for name, x in
+               (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
+    lse_s = [lse.strides[0] // 4, lse.strides[1] // 4]
+    acc_sb = rows_q * num_heads * head_dim
+    if varlen:
+        # packed rows: a sequence starts at its cu_seqlens offset, not at b * batch_stride
+        for s in (*strides.values(), lse_s):
+            s[0] = 0
+        acc_sb = 0
+    null = np.uint64(0)
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)
+
+    # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
+    pre_batch = 1 if varlen else batch
+    rows = pre_batch * rows_q * num_heads
+    _jit.launch(pre, (-(-rows // PREPROCESS_WARPS), 1, 1), (
+        out, dout, delta, *map(i64, strides["o"][:3]), *map(i64, strides["do"][:3]), i64(lse_s[0]), i64(lse_s[1]),
+        i32(pre_batch), i32(rows_q), i32(num_heads), i32(head_dim)), stream=stream)
+
+    score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
+    softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else float(scale)
+    left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_n)
+    qkv_strides = (*map(i64, strides["q"][:3]), *map(i64, strides["k"][:3]), *map(i64, strides["v"][:3]),
+                   *map(i64, strides["do"][:3]))
+    shape_args = (i32(batch), i32(num_heads), i32(num_kv_heads), i32(seqlen_q), i32(seqlen_k))
+    mask_args = (f32(score_scale), f32(softcap_out), f32(softmax_scale), i32(left), i32(right))
+    _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
+        q, k, v, dout, lse, delta, null if deterministic else dq_accum, dk, dv, *cu, *qkv_strides,
+        *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
+        *shape_args, *mask_args), stream=stream)
+
+    if deterministic:
+        _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
+            q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
+            i64(lse_s[1]), *shape_args, *mask_args), stream=stream)
+        return dq, dk, dv
+    total = int(dq_accum.size)
+    _jit.launch(last, (-(-total // CONVERT_THREADS), 1, 1), (
+        dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads), i32(head_dim),
+        f32(softmax_scale)), stream=stream)
+    return dq, dk, dv

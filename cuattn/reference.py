@@ -370,3 +370,51 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
         p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
         out[bi] = _heads_first(rounded(p @ vh).astype(np.float64))
     return out
+
+
+def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
+                                  window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype):
+    """The straightforward same-precision backward that sets the gradient tests' error budget.
+
+    Emulates the textbook backward in ``dtype``: the forward's scores and probabilities and the
+    backward's dV, dP, dS, dQ and dK each computed in float32 from ``dtype``-rounded operands
+    and rounded to ``dtype``. Returns float64 ``(dq, dk, dv)`` shaped like q, k, v.
+    """
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+
+    def rounded(x):
+        return np.asarray(x).astype(dtype).astype(np.float32)
+
+    dout, q, k, v = (rounded(x) for x in (dout, q, k, v))
+    scale, window = _options(q, scale, window)
+    scale = np.float32(scale)
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    mask = visible(sq, sk, causal, window)
+    ke, ve = _expand_kv(k, hq), _expand_kv(v, hq)
+    dq = np.empty(q.shape, np.float64)
+    dk = np.empty(ke.shape, np.float64)
+    dv = np.empty(ve.shape, np.float64)
+    for bi in range(b):
+        qh, kh, vh, doh = (_heads_first(x[bi]) for x in (q, ke, ve, dout))
+        s_raw = rounded(scale * (qh @ kh.transpose(0, 2, 1)))
+        s = rounded(np.float32(softcap) * np.tanh(s_raw / np.float32(softcap))) if softcap > 0 else s_raw
+        s = np.where(mask, s, -np.inf)
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        e = np.exp(s - _finite_or_zero(m).astype(np.float32))
+        denom = e.sum(axis=-1, keepdims=True)
+        p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
+        oh = rounded(p @ vh)
+        dv[bi] = _heads_first(rounded(p.transpose(0, 2, 1) @ doh))
+        dp = rounded(doh @ vh.transpose(0, 2, 1))
+        di = np.sum(doh * oh, axis=-1, keepdims=True)
+        ds = p * (dp - di)
+        if softcap > 0:
+            ds = ds * (1.0 - np.tanh(s_raw / np.float32(softcap)) ** 2)
+        ds = rounded(ds)
+        dq[bi] = _heads_first(rounded(scale * (ds @ kh)))
+        dk[bi] = _heads_first(rounded(scale * (ds.transpose(0, 2, 1) @ qh)))
+    return dq, _reduce_kv(dk, hk), _reduce_kv(dv, hk)

@@ -2,7 +2,8 @@
 //
 //   cp.async 16-byte global->shared copies (with zero fill for rows past the end), commit/wait;
 //   ldmatrix x4 (plain and transposed) from shared memory into mma.sync operand fragments;
-//   mma.sync.aligned.m16n8k16 with fp16/bf16 operands and fp32 accumulators.
+//   mma.sync.aligned.m16n8k16 with fp16/bf16 operands and fp32 accumulators;
+//   warp_gemm: a warp's [MT m16 x NT n8] accumulator += A B over K, both operands in shared memory.
 //
 // Fragment layouts of m16n8k16 (g = lane / 4, t = lane % 4), which the kernels rely on:
 //   A (16x16, row-major)  a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)
@@ -80,5 +81,73 @@ struct Mma<__nv_bfloat16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
+
+// Operand fragments from a padded shared tile with row pitch STRIDE elements. "Row-major" names
+// how the operand sits in memory: A [row][k] or its transpose [k][row]; B [n][k] (k contiguous,
+// e.g. K rows for Q K^T) or [k][n] (n contiguous, e.g. V rows for P V).
+template <int STRIDE, typename T>
+__device__ __forceinline__ void load_a(u32 (&a)[4], const T* tile, int row0, int k0, int lane) {
+  ldmatrix_x4(a, tile + (row0 + lane % 16) * STRIDE + k0 + (lane / 16) * 8);
+}
+
+template <int STRIDE, typename T>
+__device__ __forceinline__ void load_a_from_kr(u32 (&a)[4], const T* tile, int row0, int k0, int lane) {
+  ldmatrix_x4_trans(a, tile + (k0 + lane % 8 + (lane / 16) * 8) * STRIDE + row0 + ((lane / 8) % 2) * 8);
+}
+
+// b[0], b[1]: n8 tile at n0; b[2], b[3]: n8 tile at n0 + 8.
+template <int STRIDE, typename T>
+__device__ __forceinline__ void load_b_from_nk(u32 (&b)[4], const T* tile, int n0, int k0, int lane) {
+  ldmatrix_x4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * STRIDE + k0 + ((lane / 8) % 2) * 8);
+}
+
+template <int STRIDE, typename T>
+__device__ __forceinline__ void load_b_from_kn(u32 (&b)[4], const T* tile, int n0, int k0, int lane) {
+  ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + n0 + (lane / 16) * 8);
+}
+
+// One k16 step's operands of a warp tile: MT A fragments and NT / 2 B fragment pairs.
+template <typename T, int MT, int NT, bool A_KR, bool B_KN, int SA, int SB>
+__device__ __forceinline__ void load_step_fragments(u32 (&a)[MT][4], u32 (&b)[NT / 2][4], const T* a_tile, int row0,
+                                                    const T* b_tile, int n0, int k0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    if constexpr (A_KR) load_a_from_kr<SA>(a[mt], a_tile, row0 + mt * 16, k0, lane);
+    else load_a<SA>(a[mt], a_tile, row0 + mt * 16, k0, lane);
+  }
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np) {
+    if constexpr (B_KN) load_b_from_kn<SB>(b[np], b_tile, n0 + np * 16, k0, lane);
+    else load_b_from_nk<SB>(b[np], b_tile, n0 + np * 16, k0, lane);
+  }
+}
+
+// c[MT][NT] += A[row0 .. row0 + 16 MT, 0 .. K) B[0 .. K, n0 .. n0 + 8 NT): each B fragment pair
+// feeds all MT row tiles and each A fragment all NT column tiles, so a 32 x 32 warp tile reads
+// 4 ldmatrix.x4 per 8 mma. The fragments of step k + 1 are loaded before the mma of step k
+// (two register buffers), so ldmatrix latency hides behind tensor-core work even with only two
+// warps per scheduler. A_KR / B_KN pick the memory order (see load_a* / load_b*).
+template <typename T, int MT, int NT, int K, bool A_KR, bool B_KN, int SA, int SB>
+__device__ __forceinline__ void warp_gemm(float (&c)[MT][NT][4], const T* a_tile, int row0, const T* b_tile, int n0,
+                                          int lane) {
+  static_assert(NT % 2 == 0 && K % 16 == 0, "warp_gemm: n16 x k16 steps");
+  constexpr int kSteps = K / 16;
+  u32 a[2][MT][4], b[2][NT / 2][4];
+  load_step_fragments<T, MT, NT, A_KR, B_KN, SA, SB>(a[0], b[0], a_tile, row0, b_tile, n0, 0, lane);
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int cur = step % 2;
+    if (step + 1 < kSteps)
+      load_step_fragments<T, MT, NT, A_KR, B_KN, SA, SB>(a[1 - cur], b[1 - cur], a_tile, row0, b_tile, n0,
+                                                         (step + 1) * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma<T>::run(c[mt][2 * np], a[cur][mt], b[cur][np][0], b[cur][np][1]);
+        Mma<T>::run(c[mt][2 * np + 1], a[cur][mt], b[cur][np][2], b[cur][np][3]);
+      }
+  }
+}
 
 }  // namespace cuattn

@@ -8,10 +8,15 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# these need a framework's CUDA build; the others fall back to the CPU reference path
+GPU_ONLY = {"torch_training.py", "jax_attention.py"}
+EXAMPLES = [
+    pytest.param(path, id=path.name, marks=[pytest.mark.gpu] if path.name in GPU_ONLY else [])
+    for path in sorted((ROOT / "examples").glob("*.py"))
+]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("path", EXAMPLES)
 def test_example_runs(path):
     # the checkout must be importable also where cuattn is not installed (the GPU machine)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -1,0 +1,72 @@
+"""torch adapter: ``cuattn.torch.attention`` as a differentiable op (forward and backward kernels).
+
+    import cuattn.torch
+    out = cuattn.torch.attention(q, k, v, causal=True)   # q (B, Sq, Hq, D), k, v (B, Sk, Hk, D)
+    out.sum().backward()                                  # q.grad, k.grad, v.grad
+
+The op is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
+``attention_bwd``) with fake implementations, so ``torch.compile`` traces through it instead of
+breaking the graph. torch is imported only when this module is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import attention as _forward, attention_backward as _backward_kernels
+
+_LIB = "cuattn"
+
+
+@torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward(q, k, v, causal=causal, scale=scale, window=(window_left, window_right),
+                                    softcap=softcap, return_lse=True)
+    return out, lse
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, scale, window_left, window_right, softcap):
+    batch, seqlen_q, num_heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
+                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_kernels(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                         window=(window_left, window_right), softcap=softcap)
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (causal, scale, window_left, window_right, softcap)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # the kernels need a contiguous head dim; autograd may hand over an expanded gradient
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0):
+    """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, _ = _attention_fwd(q, k, v, bool(causal), scale, int(window[0]), int(window[1]), float(softcap))
+    return out

@@ -1,0 +1,545 @@
+// flash_bwd.cu: FlashAttention backward by recomputation (mma.sync m16n8k16, sm_80+).
+//
+// Given q, k, v, out, dout and the forward's natural-log lse, computes dq, dk, dv without an
+// N x N buffer: probabilities are recomputed tile by tile as P = exp(s - lse).
+//
+//   bwd_preprocess_kernel   delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]   (fp32)
+//   flash_bwd_kernel        one CTA per (key block, sequence, kv head): K and V of BLOCK_N keys
+//                           stay in shared memory, dK and dV accumulate in registers over every
+//                           query block of every query head of the kv head's group (so GQA sums
+//                           happen in registers, with no per-query-head copy of k and v).
+//                           ATOMIC_DQ: dQ goes to a float32 accumulator with atomicAdd (order
+//                           varies run to run); otherwise dQ is left to flash_bwd_dq_kernel.
+//   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
+//                           recomputes P and dP over the key blocks and sums dQ in registers.
+//   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
+//
+// Per query block the main kernel runs five warp GEMMs on shared tiles (warp tiles of 32 x 32
+// where the tile allows, so each fragment read from shared memory feeds several mma):
+//   S^T  = K Q^T    [BLOCK_N x BLOCK_M]  P^T = exp2(S^T * scale * log2e - lse * log2e), masked
+//   dP^T = V dO^T   [BLOCK_N x BLOCK_M]  dS^T = P^T (dP^T - delta) (x (1 - tanh^2) with a softcap)
+//   P^T and dS^T -> shared memory (fp16/bf16)
+//   dV  += P^T dO   [BLOCK_N x D]        dK += dS^T Q   [BLOCK_N x D]   (registers)
+//   dQ   = dS K     [BLOCK_M x D]        atomicAdd to the fp32 accumulator
+// Q and dO of the next query block stream in with cp.async while the current one computes.
+//
+// Layouts (element strides are arguments; the last axis is contiguous):
+//   q, out, dout, dq   [B, Sq, Hq, D]    k, v, dk, dv [B, Sk, Hk, D]    lse, delta [B, Hq, Sq]
+//   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host
+// Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
+#include "attention_tile.cuh"
+
+namespace cuattn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Copy ROWS rows of D elements into a padded shared tile with cp.async, zero past `valid_rows`.
+template <typename T, int ROWS, int HEAD_DIM, int THREADS>
+__device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_stride, int valid_rows) {
+  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+#pragma unroll
+  for (int idx = threadIdx.x; idx < ROWS * kChunksPerRow; idx += THREADS) {
+    const int row = idx / kChunksPerRow;
+    const int col = (idx % kChunksPerRow) * kElemsPerChunk;
+    const bool valid = row < valid_rows;
+    cp_async_16(smem + row * SmemRow<HEAD_DIM>::kStride + col, valid ? gmem + row * row_stride + col : gmem, valid);
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&c)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.f;
+}
+
+// Store a warp's fp32 [MT m16 x NT n8] accumulator to a padded shared tile as T pairs.
+template <typename T, int MT, int NT, int STRIDE>
+__device__ __forceinline__ void store_tile(T* tile, const float (&c)[MT][NT][4], int row0, int col0, int lane) {
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      T* at = tile + (row0 + mt * 16 + g) * STRIDE + col0 + nt * 8 + 2 * tq;
+      *reinterpret_cast<u32*>(at) = DType<T>::pack(c[mt][nt][0], c[mt][nt][1]);
+      *reinterpret_cast<u32*>(at + 8 * STRIDE) = DType<T>::pack(c[mt][nt][2], c[mt][nt][3]);
+    }
+}
+
+// dst[0] += x, dst[1] += y (dst 8-byte aligned). Hopper has a vector float2 atomic: half the
+// L2 atomic operations, which bound the dQ accumulation.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+// delta = rowsum(dout * out): one warp per (b, i, h) row.
+template <typename T>
+__global__ void __launch_bounds__(128)
+bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
+                      i64 o_sb, i64 o_ss, i64 o_sh, i64 do_sb, i64 do_ss, i64 do_sh, i64 d_sb, i64 d_sh,
+                      int batch, int seqlen_q, int num_heads, int head_dim) {
+  const i64 row = static_cast<i64>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= static_cast<i64>(batch) * seqlen_q * num_heads) return;
+  const int h = static_cast<int>(row % num_heads);
+  const int i = static_cast<int>((row / num_heads) % seqlen_q);
+  const int b = static_cast<int>(row / (static_cast<i64>(num_heads) * seqlen_q));
+  // varlen: row i of "sequence 0" is packed token i (batch strides are 0)
+  float acc = 0.f;
+  for (int d = lane; d < head_dim; d += kWarpSize)
+    acc += DType<T>::to_float(out[b * o_sb + i * o_ss + h * o_sh + d]) *
+           DType<T>::to_float(dout[b * do_sb + i * do_ss + h * do_sh + d]);
+  acc = warp_sum(acc);
+  if (lane == 0) delta[b * d_sb + h * d_sh + i] = acc;
+}
+
+// The per-(b, head) geometry both recomputing kernels share: sequence offsets (varlen), lengths
+// and the mask, with the visible key range of a query row [diag - left, diag + right] where
+// diag = row + Sk - Sq (bottom-right alignment).
+struct BwdProblem {
+  i64 q_start, k_start;
+  int seqlen_q, seqlen_k, offset;
+  int window_left, window_right;
+  float score_scale, softcap_out;
+
+  __device__ __forceinline__ BwdProblem(const int* cu_q, const int* cu_k, int b, int sq, int sk, int left, int right,
+                                        float scale, float cap)
+      : q_start(0), k_start(0), seqlen_q(sq), seqlen_k(sk), window_left(left), window_right(right),
+        score_scale(scale), softcap_out(cap) {
+    if (cu_q != nullptr) {
+      q_start = cu_q[b];
+      k_start = cu_k[b];
+      seqlen_q = cu_q[b + 1] - cu_q[b];
+      seqlen_k = cu_k[b + 1] - cu_k[b];
+    }
+    offset = seqlen_k - seqlen_q;
+  }
+
+  // Whether some (query, key) of the tile is invisible: only such tiles pay for the mask.
+  __device__ __forceinline__ bool tile_needs_mask(int m0, int rows, int n0, int cols) const {
+    return m0 + rows > seqlen_q || n0 + cols > seqlen_k || n0 + cols - 1 > m0 + offset + window_right ||
+           n0 < m0 + rows - 1 + offset - window_left;
+  }
+
+  __device__ __forceinline__ bool visible(int query, int key) const {
+    const int diag = query + offset;
+    return query < seqlen_q && key < seqlen_k && key <= diag + window_right && key >= diag - window_left;
+  }
+
+  // P = exp2(scaled (capped) score - lse2) for one element; lse2 = lse * log2(e), +inf on empty rows.
+  __device__ __forceinline__ float probability(float s, float lse2) const {
+    const float x = softcap_out > 0.f ? tanhf(s * score_scale) * softcap_out : s * score_scale;
+    return exp2f(x - lse2);
+  }
+
+  // dS = P (dP - delta), times the softcap's derivative 1 - tanh^2 (tanh recovered from P).
+  __device__ __forceinline__ float score_grad(float p, float dp, float delta, float lse2) const {
+    float grad = p * (dp - delta);
+    if (softcap_out > 0.f && p > 0.f) {
+      const float t = (__log2f(p) + lse2) / softcap_out;
+      grad *= 1.f - t * t;
+    }
+    return grad;
+  }
+};
+
+// lse2 of a query row as the kernels use it: padding rows and empty rows (lse = -inf) get +inf,
+// so exp2(s - lse2) = 0, never NaN.
+__device__ __forceinline__ float bwd_lse2(const float* lse, i64 at, bool valid) {
+  const float l = valid ? lse[at] : -infinity();
+  return l == -infinity() ? infinity() : l * kLog2e;
+}
+
+// Warp layouts: S_WARPS_N warps along the keys of S^T (the rest along queries), KV_WARPS_N along
+// the keys of dK/dV (the rest along D), DQ_WARPS_M along the queries of dQ (the rest along D).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int S_WARPS_N, int KV_WARPS_N,
+          int DQ_WARPS_M, int STAGES, int MIN_BLOCKS, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(NUM_WARPS * kWarpSize, MIN_BLOCKS)
+flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 const T* __restrict__ dout,
+                 const float* __restrict__ lse,    // [B, Hq, Sq] natural log
+                 const float* __restrict__ delta,  // [B, Hq, Sq]
+                 float* __restrict__ dq_accum,     // [B, Sq, Hq, D] contiguous (varlen: [total_q, Hq, D])
+                 T* __restrict__ dk, T* __restrict__ dv,  // [B, Sk, Hk, D]
+                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
+                 i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                 i64 lse_sb, i64 lse_sh, i64 acc_sb,
+                 int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
+                 float score_scale, float softcap_out, float dk_scale, int window_left, int window_right) {
+  using DT = DType<T>;
+  constexpr int kThreads = NUM_WARPS * kWarpSize;
+  constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  constexpr int kPStride = BLOCK_M + SmemRow<HEAD_DIM>::kPadElems;  // sP, sdS rows: BLOCK_M queries + pad
+  // S^T / dP^T warp tile: kSKeys keys x kSQueries queries
+  constexpr int kSKeys = BLOCK_N / S_WARPS_N, kSQueries = BLOCK_M / (NUM_WARPS / S_WARPS_N);
+  // dK / dV warp tile: kKvKeys keys x kKvCols of D
+  constexpr int kKvKeys = BLOCK_N / KV_WARPS_N, kKvCols = HEAD_DIM / (NUM_WARPS / KV_WARPS_N);
+  // dQ warp tile: kDqRows queries x kDqCols of D
+  constexpr int kDqRows = BLOCK_M / DQ_WARPS_M, kDqCols = HEAD_DIM / (NUM_WARPS / DQ_WARPS_M);
+  static_assert(kSKeys % 16 == 0 && kSQueries % 16 == 0 && kKvKeys % 16 == 0 && kKvCols % 16 == 0 &&
+                    kDqRows % 16 == 0 && kDqCols % 16 == 0,
+                "warp tiles are whole m16 x n16 steps");
+
+  const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
+  const int b = static_cast<int>(bhk / num_kv_heads);
+  const int hk = static_cast<int>(bhk % num_kv_heads);
+  const int group = num_heads / num_kv_heads;
+  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
+                      softcap_out);
+  const int n0 = blockIdx.x * BLOCK_N;
+  if (n0 >= pb.seqlen_k) return;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);        // [BLOCK_N, D + pad]
+  T* sV = sK + BLOCK_N * kStride;                // [BLOCK_N, D + pad]
+  T* sQ = sV + BLOCK_N * kStride;                // [STAGES, BLOCK_M, D + pad]
+  T* sdO = sQ + STAGES * BLOCK_M * kStride;      // [STAGES, BLOCK_M, D + pad]
+  T* sP = sdO + STAGES * BLOCK_M * kStride;      // [BLOCK_N, BLOCK_M + pad]: P^T, keys by queries
+  T* sdS = sP + BLOCK_N * kPStride;              // [BLOCK_N, BLOCK_M + pad]: dS^T
+  float* sLse = reinterpret_cast<float*>(sdS + BLOCK_N * kPStride);  // [STAGES, BLOCK_M] lse * log2(e)
+  float* sDelta = sLse + STAGES * BLOCK_M;                            // [STAGES, BLOCK_M]
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
+  const int s_key0 = (warp % S_WARPS_N) * kSKeys, s_query0 = (warp / S_WARPS_N) * kSQueries;
+  const int kv_key0 = (warp % KV_WARPS_N) * kKvKeys, kv_col0 = (warp / KV_WARPS_N) * kKvCols;
+  const int dq_row0 = (warp % DQ_WARPS_M) * kDqRows, dq_col0 = (warp / DQ_WARPS_M) * kDqCols;
+
+  // K and V of this block stay for the whole CTA
+  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
+                                                pb.seqlen_k - n0);
+  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
+                                                pb.seqlen_k - n0);
+
+  float dK[kKvKeys / 16][kKvCols / 8][4], dV[kKvKeys / 16][kKvCols / 8][4];  // fp32, this warp's tile
+  zero(dK);
+  zero(dV);
+
+  // Query rows that see any of keys [n0, n0 + BLOCK_N): i + offset + right >= n0 and
+  // i + offset - left <= n0 + BLOCK_N - 1.
+  const int m_begin = max(0, n0 - pb.offset - pb.window_right);
+  const int m_end = min(pb.seqlen_q, n0 + BLOCK_N - 1 - pb.offset + pb.window_left + 1);
+  const int m_block_begin = m_begin / BLOCK_M;
+  const int m_blocks = m_end > m_begin ? (m_end + BLOCK_M - 1) / BLOCK_M - m_block_begin : 0;
+  const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
+
+  // Q, dO (cp.async) and lse, delta of step `step` into stage `stage`
+  auto load_step = [&](int step, int stage) {
+    const int h = hk * group + step / m_blocks;
+    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
+    bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ + stage * BLOCK_M * kStride,
+                                                  q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
+                                                  pb.seqlen_q - m0);
+    bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO + stage * BLOCK_M * kStride,
+                                                  dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
+                                                  pb.seqlen_q - m0);
+    for (int i = threadIdx.x; i < BLOCK_M; i += kThreads) {
+      const bool valid = m0 + i < pb.seqlen_q;
+      const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
+      sLse[stage * BLOCK_M + i] = bwd_lse2(lse, at, valid);
+      sDelta[stage * BLOCK_M + i] = valid ? delta[at] : 0.f;
+    }
+  };
+
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = STAGES > 1 ? step % STAGES : 0;
+    const int h = hk * group + step / m_blocks;
+    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
+    if constexpr (STAGES > 1) {
+      // prefetch the next step's Q and dO into the other stage while this one computes
+      if (step + 1 < steps) {
+        load_step(step + 1, (step + 1) % STAGES);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    } else {
+      // one stage: the previous step's final barrier freed it
+      if (step > 0) {
+        load_step(step, 0);
+        cp_async_commit();
+      }
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* cQ = sQ + stage * BLOCK_M * kStride;
+    const T* cdO = sdO + stage * BLOCK_M * kStride;
+    const float* cLse = sLse + stage * BLOCK_M;
+    const float* cDelta = sDelta + stage * BLOCK_M;
+
+    // S^T = K Q^T and dP^T = V dO^T on this warp's keys x queries
+    float s[kSKeys / 16][kSQueries / 8][4], dp[kSKeys / 16][kSQueries / 8][4];
+    zero(s);
+    warp_gemm<T, kSKeys / 16, kSQueries / 8, HEAD_DIM, false, false, kStride, kStride>(s, sK, s_key0, cQ, s_query0,
+                                                                                        lane);
+    zero(dp);
+    warp_gemm<T, kSKeys / 16, kSQueries / 8, HEAD_DIM, false, false, kStride, kStride>(dp, sV, s_key0, cdO, s_query0,
+                                                                                        lane);
+
+    // P^T and dS^T: mask only tiles that cross a boundary
+    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+    for (int mt = 0; mt < kSKeys / 16; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kSQueries / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + s_key0 + mt * 16 + g + (e / 2) * 8;
+          const int col = s_query0 + nt * 8 + 2 * tq + (e % 2);
+          const float lse2 = cLse[col];
+          float p = pb.probability(s[mt][nt][e], lse2);
+          if (masked && !pb.visible(m0 + col, key)) p = 0.f;
+          s[mt][nt][e] = p;
+          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], cDelta[col], lse2);
+        }
+    store_tile<T, kSKeys / 16, kSQueries / 8, kPStride>(sP, s, s_key0, s_query0, lane);
+    store_tile<T, kSKeys / 16, kSQueries / 8, kPStride>(sdS, dp, s_key0, s_query0, lane);
+    __syncthreads();
+
+    // dV += P^T dO and dK += dS^T Q over this block's queries
+    warp_gemm<T, kKvKeys / 16, kKvCols / 8, BLOCK_M, false, true, kPStride, kStride>(dV, sP, kv_key0, cdO, kv_col0,
+                                                                                      lane);
+    warp_gemm<T, kKvKeys / 16, kKvCols / 8, BLOCK_M, false, true, kPStride, kStride>(dK, sdS, kv_key0, cQ, kv_col0,
+                                                                                      lane);
+
+    if constexpr (ATOMIC_DQ) {
+      // dQ = dS K over this block's keys (dS read transposed from sdS), added to the accumulator;
+      // wide warp tiles go in column chunks so the dQ registers fit beside dK and dV
+      constexpr int kDqChunk = kDqCols > 64 ? 32 : kDqCols;
+#pragma unroll
+      for (int c0 = dq_col0; c0 < dq_col0 + kDqCols; c0 += kDqChunk) {
+        float dq[kDqRows / 16][kDqChunk / 8][4];
+        zero(dq);
+        warp_gemm<T, kDqRows / 16, kDqChunk / 8, BLOCK_N, true, true, kPStride, kStride>(dq, sdS, dq_row0, sK, c0,
+                                                                                          lane);
+#pragma unroll
+        for (int mt = 0; mt < kDqRows / 16; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int query = m0 + dq_row0 + mt * 16 + g + 8 * r;
+            if (query >= pb.seqlen_q) continue;
+            float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + c0 + 2 * tq;
+#pragma unroll
+            for (int nt = 0; nt < kDqChunk / 8; ++nt) atomic_add_pair(dst + nt * 8, dq[mt][nt][2 * r], dq[mt][nt][2 * r + 1]);
+          }
+      }
+    }
+    // every warp is done with this stage's Q, dO, sP and sdS before they are overwritten
+    __syncthreads();
+  }
+
+  // (a block no query sees issued only its K and V copies)
+  cp_async_wait<0>();
+
+  // dK (times the softmax scale) and dV of this warp's tile
+#pragma unroll
+  for (int mt = 0; mt < kKvKeys / 16; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = n0 + kv_key0 + mt * 16 + g + 8 * r;
+      if (key >= pb.seqlen_k) continue;
+      T* dk_row = dk + b * dk_sb + (pb.k_start + key) * dk_ss + hk * dk_sh + kv_col0 + 2 * tq;
+      T* dv_row = dv + b * dv_sb + (pb.k_start + key) * dv_ss + hk * dv_sh + kv_col0 + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < kKvCols / 8; ++nt) {
+        *reinterpret_cast<u32*>(dk_row + nt * 8) = DT::pack(dK[mt][nt][2 * r] * dk_scale, dK[mt][nt][2 * r + 1] * dk_scale);
+        *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
+      }
+    }
+}
+
+// Deterministic dQ: one CTA per (query block, sequence, query head); warp w owns query rows
+// w * 16 MT .. and all BLOCK_N keys of each key block, so dS leaves the S/dP registers straight
+// as A fragments of dQ += dS K, and dQ sums in registers in a fixed key order.
+//   S = Q K^T, P = exp2(S * scale * log2e - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K
+// K and V blocks are double-buffered with cp.async.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * kWarpSize)
+flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout,
+                    const float* __restrict__ lse,    // [B, Hq, Sq] natural log
+                    const float* __restrict__ delta,  // [B, Hq, Sq]
+                    T* __restrict__ dq,               // [B, Sq, Hq, D]
+                    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
+                    i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, i64 lse_sb, i64 lse_sh,
+                    int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
+                    float score_scale, float softcap_out, float dq_scale, int window_left, int window_right) {
+  using DT = DType<T>;
+  constexpr int kThreads = NUM_WARPS * kWarpSize;
+  constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  constexpr int kMT = BLOCK_M / NUM_WARPS / 16;  // m16 tiles of query rows per warp
+  constexpr int kNT = BLOCK_N / 8;               // n8 tiles of keys per block
+  constexpr int kDT = HEAD_DIM / 8;              // n8 tiles of D
+  static_assert(kMT >= 1 && BLOCK_M == kMT * 16 * NUM_WARPS && kNT % 2 == 0, "dQ tiling");
+
+  const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  if (bh >= static_cast<i64>(batch) * num_heads) return;
+  const int b = static_cast<int>(bh / num_heads);
+  const int h = static_cast<int>(bh % num_heads);
+  const int hk = h / (num_heads / num_kv_heads);
+  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
+                      softcap_out);
+  const int m0 = blockIdx.x * BLOCK_M;
+  if (m0 >= pb.seqlen_q) return;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M, D + pad]
+  T* sdO = sQ + BLOCK_M * kStride;         // [BLOCK_M, D + pad]
+  T* sK = sdO + BLOCK_M * kStride;         // [2, BLOCK_N, D + pad]
+  T* sV = sK + 2 * BLOCK_N * kStride;      // [2, BLOCK_N, D + pad]
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
+  const int row0 = warp * kMT * 16;
+
+  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
+                                                pb.seqlen_q - m0);
+  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh,
+                                                do_ss, pb.seqlen_q - m0);
+
+  // lse2 and delta of this lane's rows g and g + 8 of each m16 tile
+  float row_lse2[kMT][2], row_delta[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int query = m0 + row0 + mt * 16 + g + 8 * r;
+      const bool valid = query < pb.seqlen_q;
+      const i64 at = b * lse_sb + h * lse_sh + pb.q_start + query;
+      row_lse2[mt][r] = bwd_lse2(lse, at, valid);
+      row_delta[mt][r] = valid ? delta[at] : 0.f;
+    }
+
+  // Key blocks any row of this query block sees: [m0 + offset - left, m0 + BLOCK_M - 1 + offset + right]
+  const int key_begin = max(0, m0 + pb.offset - pb.window_left);
+  const int key_end = min(pb.seqlen_k, m0 + BLOCK_M - 1 + pb.offset + pb.window_right + 1);
+  const int n_block_begin = key_begin / BLOCK_N;
+  const int n_blocks = key_end > key_begin ? (key_end + BLOCK_N - 1) / BLOCK_N - n_block_begin : 0;
+
+  auto load_kv = [&](int i, int stage) {
+    const int n0 = (n_block_begin + i) * BLOCK_N;
+    bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK + stage * BLOCK_N * kStride,
+                                                  k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
+                                                  pb.seqlen_k - n0);
+    bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV + stage * BLOCK_N * kStride,
+                                                  v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
+                                                  pb.seqlen_k - n0);
+  };
+  if (n_blocks > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  float acc[kMT][kDT][4];  // dQ rows of this warp, fp32
+  zero(acc);
+  for (int i = 0; i < n_blocks; ++i) {
+    const int stage = i % 2;
+    const int n0 = (n_block_begin + i) * BLOCK_N;
+    // prefetch the next K and V block while this one computes
+    if (i + 1 < n_blocks) {
+      load_kv(i + 1, (i + 1) % 2);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* cK = sK + stage * BLOCK_N * kStride;
+    const T* cV = sV + stage * BLOCK_N * kStride;
+
+    float s[kMT][kNT][4], dp[kMT][kNT][4];
+    zero(s);
+    warp_gemm<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(s, sQ, row0, cK, 0, lane);
+    zero(dp);
+    warp_gemm<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(dp, sdO, row0, cV, 0, lane);
+
+    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2;
+          const int query = m0 + row0 + mt * 16 + g + 8 * r;
+          const int key = n0 + nt * 8 + 2 * tq + (e % 2);
+          float p = pb.probability(s[mt][nt][e], row_lse2[mt][r]);
+          if (masked && !pb.visible(query, key)) p = 0.f;
+          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], row_delta[mt][r], row_lse2[mt][r]);
+        }
+
+    // dQ += dS K: dS as A fragments straight from registers, K [key][d] as B
+#pragma unroll
+    for (int ks = 0; ks < kNT / 2; ++ks) {
+      u32 a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = DT::pack(dp[mt][2 * ks][0], dp[mt][2 * ks][1]);
+        a[mt][1] = DT::pack(dp[mt][2 * ks][2], dp[mt][2 * ks][3]);
+        a[mt][2] = DT::pack(dp[mt][2 * ks + 1][0], dp[mt][2 * ks + 1][1]);
+        a[mt][3] = DT::pack(dp[mt][2 * ks + 1][2], dp[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dpair = 0; dpair < kDT / 2; ++dpair) {
+        u32 bk[4];
+        load_b_from_kn<kStride>(bk, cK, dpair * 16, ks * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Mma<T>::run(acc[mt][2 * dpair], a[mt], bk[0], bk[1]);
+          Mma<T>::run(acc[mt][2 * dpair + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+    // every warp is done with this stage before the prefetch two blocks on overwrites it
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int query = m0 + row0 + mt * 16 + g + 8 * r;
+      if (query >= pb.seqlen_q) continue;
+      T* dst = dq + b * dq_sb + (pb.q_start + query) * dq_ss + h * dq_sh + 2 * tq;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+        *reinterpret_cast<u32*>(dst + dt * 8) = DT::pack(acc[mt][dt][2 * r] * dq_scale, acc[mt][dt][2 * r + 1] * dq_scale);
+    }
+}
+
+// dq = scale * dq_accum in q's dtype; one thread per element.
+template <typename T>
+__global__ void __launch_bounds__(256)
+bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // [B, Sq, Hq, D] contiguous
+                      T* __restrict__ dq,                  // [B, Sq, Hq, D] strided
+                      i64 dq_sb, i64 dq_ss, i64 dq_sh, int batch, int seqlen_q, int num_heads, int head_dim,
+                      float scale) {
+  const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const i64 total = static_cast<i64>(batch) * seqlen_q * num_heads * head_dim;
+  if (idx >= total) return;
+  const int d = static_cast<int>(idx % head_dim);
+  const int h = static_cast<int>((idx / head_dim) % num_heads);
+  const int i = static_cast<int>((idx / (static_cast<i64>(head_dim) * num_heads)) % seqlen_q);
+  const int b = static_cast<int>(idx / (static_cast<i64>(head_dim) * num_heads * seqlen_q));
+  dq[b * dq_sb + i * dq_ss + h * dq_sh + d] = DType<T>::from_float(dq_accum[idx] * scale);
+}
+
+}  // namespace cuattn

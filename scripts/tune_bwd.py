@@ -1,0 +1,52 @@
+"""Time the backward's tile candidates (atomic and deterministic dQ) on the current GPU.
+
+python scripts/tune_bwd.py [D ...]   (one line per (shape, tile, mode) with TFLOP/s at 2.5x forward FLOPs)
+
+Candidates replace the dispatcher's BWD_TILES entry for this arch while they run, so the whole
+public path (preprocess, main kernel, dQ) is what gets timed.
+"""
+
+import itertools
+import sys
+
+import cupy
+
+import cuattn
+from cuattn import _bench, _jit
+from cuattn import attention as _  # noqa: F401  (the module, for its tile table)
+
+attention_module = sys.modules["cuattn.attention"]
+BwdTile = attention_module.BwdTile
+
+CANDIDATES = {
+    64: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)],
+    128: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4), BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4)],
+}
+
+
+def main(argv):
+    head_dims = [int(x) for x in argv] or sorted(CANDIDATES)
+    total_tokens, hidden = 32768, 2048
+    dtype = cupy.dtype("bfloat16")
+    family = attention_module.arch_family(_jit.target_arch())
+    for d, n, causal in itertools.product(head_dims, [4096, 16384], [False, True]):
+        b, h = total_tokens // n, hidden // d
+        q, k, v, dout = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype) for _ in range(4))
+        out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
+        flops = _bench.BACKWARD_FLOP_RATIO * _bench.attention_flops(b, h, n, n, d, causal)
+        default = attention_module.BWD_TILES[d][family]
+        for tile, deterministic in itertools.product(CANDIDATES.get(d, [default]), [False, True]):
+            attention_module.BWD_TILES[d][family] = tile
+            try:
+                ms = _bench.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                        deterministic=deterministic))
+            finally:
+                attention_module.BWD_TILES[d][family] = default
+            star = "*" if tile == default else " "
+            mode = "deterministic" if deterministic else "atomic"
+            print(f"d={d:3d} n={n:5d} causal={causal!s:5} {mode:13s} {tile}{star} {ms:8.3f} ms "
+                  f"{flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,200 @@
+"""Backward on the GPU against the float64 reference backward (DESIGN.md's 3x rule) and torch autograd.
+
+Fresh random inputs every run; the forward's own out and lse feed the backward, as in training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import reference
+from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+
+HEAD_DIMS = [32, 64, 96, 128, 256]
+MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "window": {"window": (37, 5)},
+    "softcap-causal": {"causal": True, "softcap": 30.0},
+}
+
+
+def run_backward(rng, dtype, b, sq, sk, hq, hk, d, deterministic=False, **options):
+    import cupy
+
+    q, k, v = (randn(rng, shape, dtype) for shape in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = randn(rng, (b, sq, hq, d), dtype)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, **options)
+    dq, dk, dv = cuattn.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, **options)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, **options)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=dtype, **options)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naive):
+        got = got.get().astype(np.float64)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (seed {rng.seed})"
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), dtype, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_dtype_head_dim_mask(rng, dtype, head_dim, mask, deterministic):
+    run_backward(rng, dtype, 2, 113, 203, 4, 2, head_dim, deterministic=deterministic, **MASKS[mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (100, 3), "softcap": 20.0}], ids=["causal", "window-softcap"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
+    import cupy
+
+    q, k, v, dout = (cupy.asarray(randn(rng, shape, BF16)) for shape in
+                     ((2, 777, 8, head_dim), (2, 1031, 2, head_dim), (2, 1031, 2, head_dim), (2, 777, 8, head_dim)))
+    out, lse = cuattn.attention(q, k, v, return_lse=True, **options)
+    first = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+    for _ in range(3):
+        again = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs between runs"
+    # and the atomic default agrees with it to rounding
+    atomic = cuattn.attention_backward(dout, q, k, v, out, lse, **options)
+    for a, b in zip(first, atomic):
+        assert float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max()) < 0.05
+
+
+LENGTHS = [(1, 1), (17, 17), (203, 113), (113, 203), (1023, 1023), (130, 257)]
+GQA = [(4, 4), (8, 2), (8, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", GQA, ids=[f"{a}q{b}kv" for a, b in GQA])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
+def test_backward_lengths_and_gqa(rng, lengths, causal, gqa):
+    run_backward(rng, BF16, 1, lengths[0], lengths[1], gqa[0], gqa[1], 128, causal=causal)
+
+
+@pytest.mark.gpu
+def test_backward_strided_views_match_contiguous(rng):
+    import cupy
+
+    b, h, s, d = 2, 4, 129, 64
+    q, k, v, do = (cupy.asarray(randn(rng, (b, h, s, d), np.float16)).transpose(0, 2, 1, 3) for _ in range(4))
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    strided = cuattn.attention_backward(do, q, k, v, out, lse, causal=True)
+    dense = cuattn.attention_backward(*(cupy.ascontiguousarray(x) for x in (do, q, k, v, out)), lse, causal=True)
+    for a, b_ in zip(strided, dense):
+        assert np.abs(a.get().astype(np.float64) - b_.get().astype(np.float64)).max() < 2e-3
+
+
+@pytest.mark.gpu
+def test_varlen_backward_matches_per_sequence_reference(rng):
+    import cupy
+
+    lens_q, lens_k = [1, 17, 113, 0, 203], [5, 17, 300, 9, 203]
+    hq, hk, d = 4, 2, 64
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), np.float16)
+    k = randn(rng, (cu_k[-1], hk, d), np.float16)
+    v = randn(rng, (cu_k[-1], hk, d), np.float16)
+    dout = randn(rng, q.shape, np.float16)
+    args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lens_q), max(lens_k))
+    out, lse = cuattn.attention_varlen(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *args, causal=True,
+                                       return_lse=True)
+    grads = cuattn.attention_varlen_backward(cupy.asarray(dout), cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
+                                             out, lse, *args, causal=True)
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                  return_lse=True)
+    refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                               causal=True)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert np.abs(got.get().astype(np.float64) - ref).max() < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_backward_matches_torch_autograd(rng):
+    torch = pytest.importorskip("torch")
+    b, s, hq, hk, d = 2, 257, 8, 2, 128
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    expected.backward(dout)
+    with torch.no_grad():
+        out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        dq, dk, dv = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    to64 = lambda x: x.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    ref_out, ref_lse = reference.attention(to64(q), to64(k), to64(v), causal=True, return_lse=True)
+    refs = reference.attention_backward(to64(dout), to64(q), to64(k), to64(v), ref_out, ref_lse, causal=True)
+    for name, ours, theirs, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q.grad, k.grad, v.grad), refs):
+        ours_err = np.abs(to64(ours) - ref).max()
+        torch_err = np.abs(to64(theirs) - ref).max()
+        assert ours_err <= 3 * torch_err + 1e-2, f"{name}: cuattn {ours_err:.3g} vs torch {torch_err:.3g}"
+
+
+def test_backward_numpy_runs_the_reference(rng):
+    q = randn(rng, (1, 9, 4, 32), np.float32)
+    k = randn(rng, (1, 11, 2, 32), np.float32)
+    dout = randn(rng, q.shape, np.float32)
+    out, lse = cuattn.attention(q, k, k, causal=True, return_lse=True)
+    grads = cuattn.attention_backward(dout, q, k, k, out, lse, causal=True)
+    refs = reference.attention_backward(dout, q, k, k, out, lse, causal=True)
+    for got, ref in zip(grads, refs):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, ref.astype(np.float32))
+
+
+def test_naive_lowp_backward_is_close_but_not_exact(rng):
+    q = randn(rng, (1, 40, 2, 64), np.float32)
+    k = randn(rng, (1, 50, 1, 64), np.float32)
+    dout = randn(rng, q.shape, np.float32)
+    out, lse = reference.attention(q, k, k, causal=True, return_lse=True)
+    refs = reference.attention_backward(dout, q, k, k, out, lse, causal=True)
+    low = reference.naive_attention_backward_lowp(dout, q, k, k, causal=True, dtype=np.float16)
+    for a, b in zip(low, refs):
+        err = np.abs(a - b).max()
+        assert 0 < err < 5e-2
+
+
+def test_backward_errors():
+    q = np.zeros((1, 5, 4, 64), np.float32)
+    k = np.zeros((1, 7, 2, 64), np.float32)
+    lse = np.zeros((1, 4, 5), np.float32)
+    with pytest.raises(ValueError, match=r"dout.shape must equal q.shape = \(1, 5, 4, 64\), got \(1, 4, 4, 64\)"):
+        cuattn.attention_backward(q[:, :4], q, k, k, q, lse)
+    with pytest.raises(ValueError, match=r"lse.shape must be \(1, 4, 5\) \(the forward's lse\), got \(1, 5, 4\)"):
+        cuattn.attention_backward(q, q, k, k, q, lse.transpose(0, 2, 1))
+    q48, k48 = np.zeros((1, 5, 4, 48), np.float32), np.zeros((1, 7, 2, 48), np.float32)
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 48 is not supported; supported head dims: 32, 64, 96, 128, 256"):
+        cuattn.attention_backward(q48, q48, k48, k48, q48, lse)
+
+
+@pytest.mark.gpu
+def test_backward_device_errors():
+    import cupy
+
+    q = cupy.zeros((1, 5, 4, 64), cupy.float16)
+    k = cupy.zeros((1, 7, 2, 64), cupy.float16)
+    lse = cupy.zeros((1, 4, 5), cupy.float32)
+    with pytest.raises(TypeError, match=r"lse.dtype must be float32 \(the forward's lse\), got float16"):
+        cuattn.attention_backward(q, q, k, k, q, lse.astype(cupy.float16))
+    with pytest.raises(TypeError, match=r"dout.dtype must equal q.dtype = float16, got float32"):
+        cuattn.attention_backward(q.astype(cupy.float32), q, k, k, q, lse)
+
+
+def test_backward_tiles_cover_the_forward_head_dims():
+    import importlib
+
+    attention_module = importlib.import_module("cuattn.attention")
+
+    assert set(attention_module.BWD_TILES) == set(attention_module.FWD_TILES)
