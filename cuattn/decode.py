@@ -101,17 +101,47 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     return specs
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int,
-                      ctas_per_sm: int, num_sms: int) -> int:
-    """Splits so that one wave of CTAs fills the GPU, each split streaming enough keys.
+def fast_divisor(divisor: int) -> tuple[np.uint32, np.int32]:
+    """(mul, shift) with n // divisor == umulhi(n, mul) >> shift for 0 <= n < 2**31 (FastDivisor
+    in common.cuh): the round-up multiplier 2**(31 + ceil(log2 d)) / d. Divisor 1 is mul = 0."""
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    if divisor == 1:
+        return np.uint32(0), np.int32(0)
+    log2_ceil = (divisor - 1).bit_length()
+    mul = ((1 << (31 + log2_ceil)) + divisor - 1) // divisor
+    return np.uint32(mul), np.int32(log2_ceil - 1)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int, wave_ctas: int) -> int:
+    """Splits so that one wave of ``wave_ctas`` CTAs fills the GPU, each split streaming enough keys.
 
     Depends on shapes and the device only (never on the device's cache_seqlens): no sync.
     """
     ctas = batch * num_kv_heads * row_chunks
-    resident = ctas_per_sm * num_sms
-    by_occupancy = resident // ctas
+    by_occupancy = wave_ctas // ctas
     by_length = max(1, max_seqlen // MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+# Shared memory the driver reserves per CTA on sm_80 and later.
+RESERVED_SMEM_PER_CTA = 1024
+
+
+def _ctas_per_sm(spec: _jit.KernelSpec) -> int:
+    """How many CTAs of a decode variant fit on one SM, by shared memory and threads."""
+    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
+    by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
+    return max(1, min(by_smem, by_threads))
+
+
+def wave_ctas(spec: _jit.KernelSpec, paged: bool) -> int:
+    """CTAs one wave should hold. A contiguous cache streams fastest with one CTA per SM
+    (scripts/tune_decode.py on the H200, D = 128: B = 1, L = 32k 3.15 TB/s at 16 splits against
+    2.89 at 32; BENCHMARKS.md). A paged CTA also waits on block-table reads, and two CTAs per SM
+    hide them: with one, paged decode fell from 0.94-0.99 of contiguous to 0.70-0.83."""
+    per_sm = _ctas_per_sm(spec) if paged else 1
+    return per_sm * _jit.multiprocessor_count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,17 +292,6 @@ def _workspace(nbytes: int, stream):
     return buf
 
 
-# Shared memory the driver reserves per CTA on sm_80 and later.
-RESERVED_SMEM_PER_CTA = 1024
-
-
-def _ctas_per_sm(spec: _jit.KernelSpec) -> int:
-    """How many CTAs of a decode variant fit on one SM, by shared memory and threads."""
-    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
-    by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
-    return max(1, min(by_smem, by_threads))
-
-
 def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
                   return_lse, stream, split_length: int | None = None):
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel. Returns (out, lse or None).
@@ -293,7 +312,7 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
     spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
-                                       _ctas_per_sm(spec), _jit.multiprocessor_count())
+                                       wave_ctas(spec, paged is not None))
     out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty((batch, num_heads, sq_new), cupy.float32) if return_lse else None
     if batch == 0:
@@ -320,7 +339,8 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
         table, block_size, num_blocks = paged
         cache_args = (k, v, table, lens)
         stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]),
-                       i64(_arrays.element_strides(table)[0]), i32(block_size), i32(num_blocks))
+                       i64(_arrays.element_strides(table)[0]), i32(block_size),
+                       *fast_divisor(block_size), i32(num_blocks))
     args = (
         q, *cache_args, out, lse if lse is not None else null, part_out, part_lse,
         *stride_args,

@@ -139,4 +139,18 @@ struct SoftmaxState {
   __device__ __forceinline__ float lse() const { return l > 0.f ? (m + __log2f(l)) * kLn2 : -infinity(); }
 };
 
+// n / d and n % d for a divisor known only at run time, without the ~20-instruction integer
+// division: q = umulhi(n, mul) >> shift with the host's round-up multiplier (exact for
+// 0 <= n < 2^31; cuattn.decode.fast_divisor computes mul and shift, d = 1 is passed as mul = 0).
+struct FastDivisor {
+  int divisor;
+  u32 mul;
+  int shift;
+
+  __device__ __forceinline__ int div(int n) const {
+    return mul == 0 ? n : static_cast<int>(__umulhi(static_cast<u32>(n), mul) >> shift);
+  }
+  __device__ __forceinline__ int mod(int n, int quotient) const { return n - quotient * divisor; }
+};
+
 }  // namespace cuattn

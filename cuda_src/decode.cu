@@ -55,18 +55,18 @@ struct PagedKV {
   const T* v;
   i64 k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
   const int* table;  // this sequence's row of the block table
-  int block_size;
+  FastDivisor block_size;  // any size: j / block_size costs a multiply-high, not a division
   int num_blocks;
 
   // the page, as the table holds it (the value is not used until rows(), so the read can be
   // in flight meanwhile)
-  __device__ __forceinline__ int locate(int j) const { return table[j / block_size]; }
+  __device__ __forceinline__ int locate(int j) const { return table[block_size.div(j)]; }
 
   __device__ __forceinline__ void rows(int entry, int j, const T*& k_row, const T*& v_row) const {
     // ids outside the pool are refused on the host; clamping here keeps an unchecked table from
     // reading outside the pool
     const int page = min(max(entry, 0), num_blocks - 1);
-    const int slot = j % block_size;
+    const int slot = block_size.mod(j, block_size.div(j));
     k_row = k + page * k_page_stride + slot * k_slot_stride;
     v_row = v + page * v_page_stride + slot * v_slot_stride;
   }
@@ -382,7 +382,7 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
                     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
                     float* __restrict__ part_lse,
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sp, i64 k_ss, i64 k_sh, i64 v_sp, i64 v_ss, i64 v_sh,
-                    i64 table_stride, int block_size, int num_blocks,
+                    i64 table_stride, int block_size, u32 block_size_mul, int block_size_shift, int num_blocks,
                     i64 o_sb, i64 o_ss, i64 o_sh, i64 lse_sb, i64 lse_sh,
                     int batch, int sq_new, int num_heads, int num_kv_heads, int row_chunks, int num_splits,
                     int max_seqlen, float score_scale, float softcap_out, int window_left, int window_right) {
@@ -392,7 +392,8 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
   const PagedKV<T> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, k_sp, k_ss, v_sp, v_ss,
-                      block_table + b * table_stride, block_size, num_blocks};
+                      block_table + b * table_stride, FastDivisor{block_size, block_size_mul, block_size_shift},
+                      num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out}};

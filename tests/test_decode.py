@@ -242,11 +242,29 @@ def test_decode_numpy_runs_the_reference(rng):
 
 
 @pytest.mark.parametrize(
-    "batch, heads, kv_heads, seqlen, ctas_per_sm, expected",
-    [(1, 32, 8, 32768, 2, 33), (8, 32, 8, 8192, 2, 4), (32, 32, 8, 4096, 2, 1), (64, 32, 8, 2048, 2, 1),
-     (1, 8, 8, 300, 2, 1), (1, 1, 1, 1 << 20, 4, 128)],
+    "batch, heads, kv_heads, seqlen, wave, expected",
+    [(1, 32, 8, 32768, 132, 16), (8, 32, 8, 8192, 132, 2), (32, 32, 8, 4096, 132, 1), (64, 32, 8, 2048, 132, 1),
+     (1, 32, 8, 32768, 264, 33), (8, 32, 8, 8192, 264, 4), (1, 8, 8, 300, 132, 1), (1, 1, 1, 1 << 20, 264, 128)],
 )
-def test_split_heuristic(batch, heads, kv_heads, seqlen, ctas_per_sm, expected):
+def test_split_heuristic(batch, heads, kv_heads, seqlen, wave, expected):
     from cuattn.decode import choose_num_splits
 
-    assert choose_num_splits(batch, kv_heads, 1, seqlen, ctas_per_sm, 132) == expected
+    assert choose_num_splits(batch, kv_heads, 1, seqlen, wave) == expected
+
+
+@pytest.mark.parametrize("divisor", list(range(1, 300)) + [1000, 4096, 65535])
+def test_fast_divisor_matches_integer_division(divisor):
+    from cuattn.decode import fast_divisor
+
+    mul, shift = (int(x) for x in fast_divisor(divisor))
+    n = np.concatenate([np.arange(0, 4096), np.random.default_rng(divisor).integers(0, 2**31, 4096),
+                        [2**31 - 1, 2**31 - 2, 2**24, 2**24 + 1]]).astype(np.uint64)
+    quotient = n if mul == 0 else ((n * np.uint64(mul)) >> np.uint64(32)) >> np.uint64(shift)
+    np.testing.assert_array_equal(quotient, n // np.uint64(divisor))
+
+
+def test_fast_divisor_refuses_zero():
+    from cuattn.decode import fast_divisor
+
+    with pytest.raises(ValueError, match="divisor must be >= 1, got 0"):
+        fast_divisor(0)
