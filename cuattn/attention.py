@@ -387,15 +387,16 @@ class BwdTile:
 # One row per head dim and arch family. Warp tiles of 32 x 32 where the tile allows (each
 # shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers
 # across the 8 warps, which is what bounds BLOCK_N (64 at D = 256). Hopper's 227 KB of shared
-# memory per CTA holds two Q/dO stages at D = 128; sm_80's 163 KB holds one.
+# memory per CTA holds two Q/dO stages at D = 128; sm_80's 163 KB holds one. At D = 64 Hopper
+# runs two CTAs of 128 registers per thread per SM (sm_80 spills there). scripts/tune_bwd.py
+# measured the candidates (BENCHMARKS.md).
 # `python -m cuattn build` checks the spills and the fit.
-_BWD_D32 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 64, 4)
-_BWD_D64 = BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4)
+_BWD_D32 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D96 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D256 = BwdTile(64, 64, 8, 2, 2, 4, 1, 1, 64, 32, 4)
 BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
-    64: {SM80: _BWD_D64, SM90: _BWD_D64},
+    64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), SM90: BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)},
     96: {SM80: _BWD_D96, SM90: _BWD_D96},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4), SM90: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4)},
     256: {SM80: _BWD_D256, SM90: _BWD_D256},

@@ -287,11 +287,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // S^T = K Q^T and dP^T = V dO^T on this warp's keys x queries
     float s[kSKeys / 16][kSQueries / 8][4], dp[kSKeys / 16][kSQueries / 8][4];
     zero(s);
-    warp_gemm<T, kSKeys / 16, kSQueries / 8, HEAD_DIM, false, false, kStride, kStride>(s, sK, s_key0, cQ, s_query0,
-                                                                                        lane);
     zero(dp);
-    warp_gemm<T, kSKeys / 16, kSQueries / 8, HEAD_DIM, false, false, kStride, kStride>(dp, sV, s_key0, cdO, s_query0,
-                                                                                        lane);
+    warp_gemm_pair<T, kSKeys / 16, kSQueries / 8, HEAD_DIM, false, false, kStride, kStride>(
+        s, sK, cQ, dp, sV, cdO, s_key0, s_query0, lane);
 
     // P^T and dS^T: mask only tiles that cross a boundary
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
@@ -314,10 +312,8 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     __syncthreads();
 
     // dV += P^T dO and dK += dS^T Q over this block's queries
-    warp_gemm<T, kKvKeys / 16, kKvCols / 8, BLOCK_M, false, true, kPStride, kStride>(dV, sP, kv_key0, cdO, kv_col0,
-                                                                                      lane);
-    warp_gemm<T, kKvKeys / 16, kKvCols / 8, BLOCK_M, false, true, kPStride, kStride>(dK, sdS, kv_key0, cQ, kv_col0,
-                                                                                      lane);
+    warp_gemm_pair<T, kKvKeys / 16, kKvCols / 8, BLOCK_M, false, true, kPStride, kStride>(
+        dV, sP, cdO, dK, sdS, cQ, kv_key0, kv_col0, lane);
 
     if constexpr (ATOMIC_DQ) {
       // dQ = dS K over this block's keys (dS read transposed from sdS), added to the accumulator;
@@ -466,9 +462,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
     float s[kMT][kNT][4], dp[kMT][kNT][4];
     zero(s);
-    warp_gemm<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(s, sQ, row0, cK, 0, lane);
     zero(dp);
-    warp_gemm<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(dp, sdO, row0, cV, 0, lane);
+    warp_gemm_pair<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(s, sQ, cK, dp, sdO, cV, row0, 0, lane);
 
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
 #pragma unroll

@@ -150,4 +150,30 @@ __device__ __forceinline__ void warp_gemm(float (&c)[MT][NT][4], const T* a_tile
   }
 }
 
+// Two independent GEMMs of the same shape in one k loop: c1 += A1 B1 and c2 += A2 B2. Twice the
+// independent accumulators per k16 step, so back-to-back mma never wait on each other's result
+// (mma.sync has a fixed latency several times its issue interval). Used where the two products
+// share their operands' layouts (S^T and dP^T; dV and dK in the backward).
+template <typename T, int MT, int NT, int K, bool A_KR, bool B_KN, int SA, int SB>
+__device__ __forceinline__ void warp_gemm_pair(float (&c1)[MT][NT][4], const T* a1_tile, const T* b1_tile,
+                                               float (&c2)[MT][NT][4], const T* a2_tile, const T* b2_tile, int row0,
+                                               int n0, int lane) {
+  static_assert(NT % 2 == 0 && K % 16 == 0, "warp_gemm_pair: n16 x k16 steps");
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    u32 a1[MT][4], b1[NT / 2][4], a2[MT][4], b2[NT / 2][4];
+    load_step_fragments<T, MT, NT, A_KR, B_KN, SA, SB>(a1, b1, a1_tile, row0, b1_tile, n0, k0, lane);
+    load_step_fragments<T, MT, NT, A_KR, B_KN, SA, SB>(a2, b2, a2_tile, row0, b2_tile, n0, k0, lane);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma<T>::run(c1[mt][2 * np], a1[mt], b1[np][0], b1[np][1]);
+        Mma<T>::run(c2[mt][2 * np], a2[mt], b2[np][0], b2[np][1]);
+        Mma<T>::run(c1[mt][2 * np + 1], a1[mt], b1[np][2], b1[np][3]);
+        Mma<T>::run(c2[mt][2 * np + 1], a2[mt], b2[np][2], b2[np][3]);
+      }
+  }
+}
+
 }  // namespace cuattn

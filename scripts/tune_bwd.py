@@ -1,6 +1,7 @@
 """Time the backward's tile candidates (atomic and deterministic dQ) on the current GPU.
 
-python scripts/tune_bwd.py [D ...]   (one line per (shape, tile, mode) with TFLOP/s at 2.5x forward FLOPs)
+python scripts/tune_bwd.py [--atomic-only] [D ...]
+(one line per (shape, tile, mode) with TFLOP/s at 2.5x forward FLOPs)
 
 Candidates replace the dispatcher's BWD_TILES entry for this arch while they run, so the whole
 public path (preprocess, main kernel, dQ) is what gets timed.
@@ -19,13 +20,16 @@ attention_module = sys.modules["cuattn.attention"]
 BwdTile = attention_module.BwdTile
 
 CANDIDATES = {
-    64: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)],
-    128: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4), BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4)],
+    64: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4),
+         BwdTile(64, 64, 8, 2, 2, 2, 2, 2, 64, 32, 4), BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)],
+    128: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4), BwdTile(64, 64, 8, 2, 2, 2, 1, 2, 64, 64, 4),
+          BwdTile(128, 64, 8, 2, 4, 4, 1, 1, 64, 64, 4)],
 }
 
 
 def main(argv):
-    head_dims = [int(x) for x in argv] or sorted(CANDIDATES)
+    modes = [False] if "--atomic-only" in argv else [False, True]
+    head_dims = [int(x) for x in argv if x != "--atomic-only"] or sorted(CANDIDATES)
     total_tokens, hidden = 32768, 2048
     dtype = cupy.dtype("bfloat16")
     family = attention_module.arch_family(_jit.target_arch())
@@ -35,7 +39,7 @@ def main(argv):
         out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
         flops = _bench.BACKWARD_FLOP_RATIO * _bench.attention_flops(b, h, n, n, d, causal)
         default = attention_module.BWD_TILES[d][family]
-        for tile, deterministic in itertools.product(CANDIDATES.get(d, [default]), [False, True]):
+        for tile, deterministic in itertools.product(CANDIDATES.get(d, [default]), modes):
             attention_module.BWD_TILES[d][family] = tile
             try:
                 ms = _bench.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
@@ -44,7 +48,9 @@ def main(argv):
                 attention_module.BWD_TILES[d][family] = default
             star = "*" if tile == default else " "
             mode = "deterministic" if deterministic else "atomic"
-            print(f"d={d:3d} n={n:5d} causal={causal!s:5} {mode:13s} {tile}{star} {ms:8.3f} ms "
+            shape = (f"{tile.block_m}x{tile.block_n} w{tile.warps} s{tile.s_warps_n} kv{tile.kv_warps_n} "
+                     f"dq{tile.dq_warps_m} st{tile.stages} cta{tile.min_blocks}")
+            print(f"d={d:3d} n={n:5d} causal={causal!s:5} {mode:13s} {shape}{star} {ms:8.3f} ms "
                   f"{flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
 
 
