@@ -1,4 +1,6 @@
-"""Command line: ``python -m cuattn info`` and ``python -m cuattn build --arch sm_80,sm_90a``."""
+"""Command line: ``python -m cuattn info``, ``python -m cuattn build --arch sm_80,sm_90a`` and
+``python -m cuattn bench [forward|backward|decode|paged|all] [--dtype bf16|fp16] [--json FILE]
+[--plot FILE.png] [--quick]``."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from . import _tools
+from . import _benchcli, _tools
 
 
 def main(argv=None) -> int:
@@ -22,7 +24,12 @@ def main(argv=None) -> int:
                        help="only variants whose name contains this (repeatable)")
     build.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
     build.add_argument("-v", "--verbose", action="store_true", help="log each compile")
+    bench = _benchcli.add_parser(commands)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        return _benchcli.main(bench, args, argv)
 
     if args.command == "info":
         print(_tools.format_info(_tools.info()))

@@ -5,6 +5,10 @@ floating-point operations (two GEMMs of 2 * Sq * Sk * D each), halved under a ca
 Sq == Sk; the backward does 2.5x the forward. A decode step reads every cached key and value
 once: 2 * B * L * Hk * D * itemsize bytes, reported as TB/s. Times come from CUDA events around many launches
 after a warm-up, median over repeats.
+
+The physical ceilings the figures are read against are measured here too: the device's copy
+bandwidth (one large device-to-device copy, bytes read plus bytes written) and the dense GEMM rate
+of cuBLAS through ``cupy.matmul`` (2 * M * N * K FLOPs).
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import math
 import statistics
 
 BACKWARD_FLOP_RATIO = 2.5
+# 1 GiB per buffer: far beyond any L2 (50 MiB on H100/H200), so the copy streams from device memory.
+COPY_BYTES = 1 << 30
+# The GEMM ceiling's M = N = K: large enough that cuBLAS runs at its peak tile efficiency.
+GEMM_SIZE = 8192
 
 
 def kv_bytes(batch, seqlen, num_kv_heads, head_dim, itemsize=2) -> float:
@@ -24,6 +32,11 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal=False) ->
     """Forward FLOPs, DESIGN.md's convention: 4 * B * H * Sq * Sk * D, halved for causal."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     return flops / 2 if causal else flops
+
+
+def gemm_flops(m, n, k) -> float:
+    """FLOPs of one (m x k) @ (k x n) product: a multiply and an add per term."""
+    return 2.0 * m * n * k
 
 
 def time_cuda(fn, *, warmup: int = 3, repeats: int = 10, inner: int | None = None, target_ms: float = 20.0) -> float:
@@ -111,3 +124,67 @@ def time_torch_graph(fn, *, calls_per_graph: int = 20, repeats: int = 10) -> flo
             fn()
     torch.cuda.synchronize()
     return time_cuda(graph.replay, warmup=2, repeats=repeats, inner=5) / calls_per_graph
+
+
+def naive_attention_backward_cupy(dout, q, k, v, out, causal=False):
+    """The backward of :func:`naive_attention_cupy` in the inputs' precision: recompute P, then
+    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D),
+    every N x N intermediate in memory."""
+    import cupy
+
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = q.dtype.type(1.0 / math.sqrt(d))
+    qh, kh, vh, oh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, out, dout))
+    s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        i = cupy.arange(sq)[:, None]
+        j = cupy.arange(sk)[None, :]
+        s = cupy.where(j <= i + sk - sq, s, q.dtype.type(-math.inf))
+    s = s - s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    dv = cupy.matmul(p.transpose(0, 1, 3, 2), doh)
+    dp = cupy.matmul(doh, vh.transpose(0, 1, 3, 2))
+    ds = p * (dp - (doh * oh).sum(axis=-1, keepdims=True))
+    dq = cupy.matmul(ds, kh) * scale
+    dk = cupy.matmul(ds.transpose(0, 1, 3, 2), qh) * scale
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
+    """The device's copy bandwidth in TB/s: one ``nbytes`` device-to-device cudaMemcpyAsync,
+    counting the bytes read and the bytes written (2 * nbytes per copy)."""
+    import cupy
+
+    src = cupy.empty(nbytes, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    ms = time_cuda(lambda: dst.data.copy_from_device_async(src.data, nbytes))
+    return 2.0 * nbytes / ms / 1e9
+
+
+def gemm_rate(size: int = GEMM_SIZE, dtype=None) -> tuple[float, str]:
+    """Dense GEMM TFLOP/s of ``cupy.matmul`` (cuBLAS) on ``size x size`` matrices, and the dtype used.
+
+    ``dtype`` defaults to bfloat16 (CuPy 14.2's cuBLAS dtype table takes it); a CuPy whose
+    matmul refuses it (TypeError: "dtype is not supported") is measured in float16 instead, which
+    runs on the same tensor cores at the same rate.
+    """
+    import cupy
+    import numpy as np
+
+    from ._arrays import BFLOAT16, FLOAT16, dtype_name
+
+    candidates = list(dict.fromkeys([np.dtype(BFLOAT16 if dtype is None else dtype), FLOAT16]))
+    refusals = []
+    for candidate in candidates:
+        a, b = (cupy.random.standard_normal((size, size), dtype=cupy.float32).astype(candidate) for _ in range(2))
+        out = cupy.empty((size, size), dtype=candidate)
+        try:
+            cupy.matmul(a, b, out=out)
+        except Exception as exc:  # CuPy's dtype table raises TypeError, cuBLAS its own CUBLASError
+            refusals.append(f"{dtype_name(candidate)}: {type(exc).__name__}: {exc}")
+            continue
+        ms = time_cuda(lambda: cupy.matmul(a, b, out=out))
+        return gemm_flops(size, size, size) / ms / 1e9, dtype_name(candidate)
+    raise TypeError(f"cupy.matmul refuses every GEMM dtype tried: {'; '.join(refusals)}")

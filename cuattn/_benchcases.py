@@ -1,0 +1,500 @@
+"""The standard benchmark sweep: its shapes, its inputs and the timed call of each implementation.
+
+The pytest-benchmark suite (``tests/bench``) and ``python -m cuattn bench`` both run these cases,
+so a figure in a pytest-benchmark JSON and one in the CLI's table come from the same inputs, the
+same calls and the same timing (``cuattn._bench``). Four families:
+
+- ``forward``: 32k tokens in total (B = 32768 / N), H * D = 2048, N in {1k, 4k, 16k}, D in
+  {64, 128}, causal or not (FlashAttention's benchmark shapes). TFLOP/s by DESIGN.md's count,
+  4 * B * H * N * N * D, halved for causal.
+- ``backward``: the same shapes, 2.5x the forward's FLOPs. Only the backward is timed: cuattn's
+  ``attention_backward`` from the forward's out and lse; torch's ``autograd.grad`` of one SDPA
+  forward kept alive with ``retain_graph``; the naive CuPy backward from the naive forward's out.
+- ``decode``: GQA 32 query / 8 KV heads, D = 128, one new token over full caches at (B, L)
+  pairs. TB/s of K and V read, timed on CUDA-graph replays (the GPU's time); the plain eager
+  call's time is recorded beside it.
+- ``paged``: the decode shapes through ``paged_attention`` with block_size 16, every sequence's
+  blocks shuffled across the pool, beside cuattn's contiguous decode on the same cache laid out
+  contiguously (both measured in one case, on the same data).
+
+Implementations: ``cuattn``; torch SDPA restricted to its ``torch-flash`` (FlashAttention-2) or
+``torch-cudnn`` backend, where torch is importable and the backend takes the shape; and
+``naive-cupy`` (matmul, softmax, matmul with every N x N intermediate in memory), always in
+float16 because its matmuls are cuBLAS half-precision GEMMs. A case that cannot run raises
+:class:`SkipCase` with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable
+
+import numpy as np
+
+from . import _bench
+from ._arrays import BFLOAT16, FLOAT16, dtype_name
+
+# Forward and backward: FlashAttention's benchmark grid.
+TOTAL_TOKENS = 32768
+HIDDEN = 2048  # H * D
+SEQLENS = (1024, 4096, 16384)
+HEAD_DIMS = (64, 128)
+MASKS = (False, True)  # causal
+ATTENTION_GRID = list(itertools.product(SEQLENS, HEAD_DIMS, MASKS))
+ATTENTION_IMPLS = ("cuattn", "torch-flash", "torch-cudnn", "naive-cupy")
+
+# Decode and paged decode: GQA 32 / 8, D = 128, one new token, the decode issue's (B, L) pairs.
+DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
+DECODE_GRID = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
+DECODE_IMPLS = ("cuattn", "torch-flash", "torch-cudnn")
+BLOCK_SIZE = 16
+PAGED_IMPLS = ("paged", "contiguous")
+
+# --quick: a few small shapes of every family, for smoke tests (seconds, not minutes).
+QUICK_TOTAL_TOKENS = 4096
+QUICK_ATTENTION_GRID = list(itertools.product((512, 1024), (128,), MASKS))
+QUICK_DECODE_GRID = [(1, 2048), (4, 4096)]
+
+# naive CuPy keeps B * H score matrices of N x N (and several temporaries of that size): past
+# this N they no longer fit in device memory.
+NAIVE_MAX_SEQLEN = 4096
+NAIVE_DTYPE = FLOAT16
+TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
+
+# pytest-benchmark's own rounds of the synchronised call (the CUDA-event figures in extra_info
+# are the ones to read; these give `pytest-benchmark compare` a wall-clock figure per case id).
+BENCHMARK_ROUNDS = 5
+
+BYTES_PER_MIB, BYTES_PER_GIB = 2**20, 2**30
+
+TFLOPS = "TFLOP/s"
+TBPS = "TB/s"
+
+
+class SkipCase(Exception):
+    """This implementation cannot run this case here (no torch, a backend refuses the shape, too
+    large for the naive baseline); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Logical shape of one case.
+
+    ``seqlen`` is N (Sq = Sk) for forward and backward, the cached keys L for decode and paged.
+    """
+
+    batch: int
+    seqlen: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = False
+    block_size: int = 0  # paged decode only
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A kind of benchmark: its unit, the implementations it compares and its shapes."""
+
+    name: str
+    unit: str
+    impls: tuple[str, ...]  # table columns; the first is the one the ratio columns divide
+    measured_together: bool  # paged: one case measures every implementation on the same data
+    title: str
+
+    def shapes(self, quick: bool = False) -> list[Shape]:
+        if self.name in ("forward", "backward"):
+            tokens, grid = (QUICK_TOTAL_TOKENS, QUICK_ATTENTION_GRID) if quick else (TOTAL_TOKENS, ATTENTION_GRID)
+            return [attention_shape(n, d, causal, tokens) for n, d, causal in grid]
+        grid = QUICK_DECODE_GRID if quick else DECODE_GRID
+        block_size = BLOCK_SIZE if self.name == "paged" else 0
+        return [decode_shape(b, seqlen, block_size) for b, seqlen in grid]
+
+    def shape_id(self, shape: Shape) -> str:
+        """The shape's part of the pytest id: ``N4096-d128-causal`` or ``B8-L8192``."""
+        if self.name in ("forward", "backward"):
+            return f"N{shape.seqlen}-d{shape.head_dim}-{'causal' if shape.causal else 'full'}"
+        return f"B{shape.batch}-L{shape.seqlen}"
+
+    def cases(self, quick: bool = False) -> list[Case]:
+        groups = [self.impls] if self.measured_together else [(impl,) for impl in self.impls]
+        return [Case(self.name, shape, group) for shape in self.shapes(quick) for group in groups]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One unit of measurement: a family, a shape and the implementations measured together."""
+
+    family: str
+    shape: Shape
+    impls: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {FAMILIES[self.family].shape_id(self.shape)} {'/'.join(self.impls)}"
+
+
+@dataclasses.dataclass
+class Result:
+    """One implementation's figures on one shape (or why there are none).
+
+    ``rate`` is in the family's unit (TFLOP/s or TB/s) and ``ms`` the time per call it comes from
+    (graph-replay time for decode and paged). ``info`` is what the pytest-benchmark case records
+    in ``extra_info`` (shapes, dtype, times, rates).
+    """
+
+    family: str
+    impl: str
+    shape: Shape
+    dtype: str
+    ms: float | None = None
+    rate: float | None = None
+    info: dict = dataclasses.field(default_factory=dict)
+    skipped: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.rate is not None and not self.skipped and not self.error
+
+    @property
+    def unit(self) -> str:
+        return FAMILIES[self.family].unit
+
+    def record(self) -> dict:
+        """A JSON-ready dict: identity, shape, figures, status."""
+        status = "error" if self.error else "skipped" if self.skipped else "ok"
+        return {
+            "family": self.family, "impl": self.impl, "id": FAMILIES[self.family].shape_id(self.shape),
+            **dataclasses.asdict(self.shape), "dtype": self.dtype, "unit": self.unit, "ms": self.ms,
+            "rate": self.rate, "status": status, "reason": self.error or self.skipped, "info": self.info,
+        }
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A case with its inputs built: ``fn`` is the call pytest-benchmark times (the caller
+    synchronises), ``measure`` times every implementation of the case with CUDA events."""
+
+    case: Case
+    fn: Callable[[], object]
+    measure: Callable[[], list[Result]]
+
+
+FAMILIES = {
+    "forward": Family("forward", TFLOPS, ATTENTION_IMPLS, False,
+                      "attention forward, Sq = Sk = N, H * D = 2048, FLOPs 4 * B * H * N * N * D (halved for causal)"),
+    "backward": Family("backward", TFLOPS, ATTENTION_IMPLS, False,
+                       "attention backward (dq, dk, dv from out and lse), Sq = Sk = N, H * D = 2048, "
+                       "FLOPs 2.5x the forward's"),
+    "decode": Family("decode", TBPS, DECODE_IMPLS, False,
+                     f"one new token over full caches, GQA {DECODE_Q_HEADS}/{DECODE_KV_HEADS}, D = {DECODE_HEAD_DIM}, "
+                     "K and V bytes read per CUDA-graph-timed step"),
+    "paged": Family("paged", TBPS, PAGED_IMPLS, True,
+                    f"paged_attention (block_size {BLOCK_SIZE}, shuffled blocks) vs contiguous decode on the same "
+                    f"cache, GQA {DECODE_Q_HEADS}/{DECODE_KV_HEADS}, D = {DECODE_HEAD_DIM}, CUDA-graph timed"),
+}
+
+
+def attention_shape(n: int, head_dim: int, causal: bool, total_tokens: int = TOTAL_TOKENS) -> Shape:
+    """Forward/backward shape: ``total_tokens`` tokens in sequences of N, H * D = 2048, MHA."""
+    heads = HIDDEN // head_dim
+    return Shape(total_tokens // n, n, heads, heads, head_dim, causal)
+
+
+def decode_shape(batch: int, seqlen: int, block_size: int = 0) -> Shape:
+    """Decode shape: GQA 32 / 8, D = 128, full caches of ``seqlen`` keys."""
+    return Shape(batch, seqlen, DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, False, block_size)
+
+
+def impl_dtype(impl: str, dtype) -> np.dtype:
+    """The dtype an implementation runs in: the sweep's, except naive CuPy's float16."""
+    return NAIVE_DTYPE if impl == "naive-cupy" else np.dtype(dtype)
+
+
+def prepare(case: Case, dtype=BFLOAT16) -> Prepared:
+    """Build the case's inputs and calls; raise SkipCase where it cannot run here."""
+    return _PREPARERS[case.family](case, np.dtype(dtype))
+
+
+def run_case(case: Case, dtype=BFLOAT16) -> list[Result]:
+    """Prepare and measure one case: one Result per implementation, skipped ones with the reason."""
+    try:
+        return prepare(case, dtype).measure()
+    except SkipCase as exc:
+        return [Result(case.family, impl, case.shape, dtype_name(impl_dtype(impl, dtype)), skipped=str(exc))
+                for impl in case.impls]
+
+
+def extra_info(case: Case, results: list[Result]) -> dict:
+    """What the pytest-benchmark case records: the one result's info, or for paged decode both
+    layouts' figures under ``paged_`` / ``contiguous_`` keys and their ratio."""
+    if case.family != "paged":
+        (result,) = results
+        return dict(result.info)
+    by_impl = {r.impl: r for r in results}
+    paged, contiguous = by_impl["paged"], by_impl["contiguous"]
+    s = paged.shape
+    return dict(
+        batch=s.batch, seqlen=s.seqlen, block_size=s.block_size, q_heads=s.q_heads, kv_heads=s.kv_heads,
+        head_dim=s.head_dim, dtype=paged.dtype, kv_bytes=paged.info["kv_bytes"],
+        paged_graph_ms=paged.info["graph_ms"], paged_eager_ms=paged.info["eager_ms"], paged_tbps=paged.rate,
+        contiguous_graph_ms=contiguous.info["graph_ms"], contiguous_eager_ms=contiguous.info["eager_ms"],
+        contiguous_tbps=contiguous.rate, ratio=paged.rate / contiguous.rate,
+    )
+
+
+def summary(results: list[Result]) -> str:
+    """One line per result for the pytest log: shape, time and rate."""
+    lines = []
+    for r in results:
+        s = r.shape
+        if r.family in ("forward", "backward"):
+            lines.append(f"{r.impl:12s} N={s.seqlen:6d} d={s.head_dim:3d} causal={s.causal!s:5s} "
+                         f"{r.ms:8.3f} ms {r.rate:7.1f} TFLOP/s")
+        else:
+            lines.append(f"{r.impl:12s} B={s.batch:3d} L={s.seqlen:7d} {r.info['kv_bytes'] / BYTES_PER_MIB:8.1f} MiB "
+                         f"graph {r.info['graph_ms'] * 1e3:8.1f} us {r.rate:5.2f} TB/s | "
+                         f"eager {r.info['eager_ms'] * 1e3:8.1f} us {r.info['eager_tbps']:5.2f} TB/s")
+    return "\n".join(lines)
+
+
+def run_benchmark(benchmark, case: Case, skip: Callable[[str], None], dtype=BFLOAT16) -> list[Result]:
+    """The pytest-benchmark test of one case: skip (``skip`` is ``pytest.skip``, passed in so that
+    cuattn does not import pytest) where it cannot run, record its figures in
+    ``benchmark.extra_info``, print one line per implementation, then let pytest-benchmark time
+    the same call synchronised."""
+    import cupy
+
+    try:
+        prepared = prepare(case, dtype)
+        results = prepared.measure()
+    except SkipCase as exc:
+        skip(str(exc))
+    benchmark.extra_info.update(extra_info(case, results))
+    print("\n" + summary(results))
+
+    def synchronised():
+        prepared.fn()
+        cupy.cuda.get_current_stream().synchronize()
+
+    benchmark.pedantic(synchronised, rounds=BENCHMARK_ROUNDS, iterations=1, warmup_rounds=1)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and calls
+
+
+def _randn(shape, dtype):
+    import cupy
+
+    return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise SkipCase(f"torch is not importable ({exc})") from None
+    if not torch.cuda.is_available():
+        raise SkipCase("torch sees no CUDA device (a CPU-only build?)")
+    return torch
+
+
+def _sdpa(impl: str, tq, tk, tv, **options) -> Callable[[], object]:
+    """A call of torch SDPA restricted to the implementation's backend (imports resolved here,
+    outside the timed call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
+
+    def run():
+        with sdpa_kernel([backend]):
+            return scaled_dot_product_attention(tq, tk, tv, **options)
+
+    return run
+
+
+def _refused(impl: str, call: Callable[[], object]):
+    """Run ``call`` once; a backend that refuses the shape (torch raises RuntimeError, out of
+    memory included) becomes a skip naming the first line of its message."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SkipCase(f"{impl} does not run this shape: {first_line}") from None
+
+
+def _check_naive(impl: str, shape: Shape) -> None:
+    if impl == "naive-cupy" and shape.seqlen > NAIVE_MAX_SEQLEN:
+        score_bytes = shape.batch * shape.q_heads * shape.seqlen**2 * NAIVE_DTYPE.itemsize
+        raise SkipCase(f"naive CuPy runs up to N = {NAIVE_MAX_SEQLEN}: at N = {shape.seqlen} its score matrices "
+                       f"alone take {score_bytes / BYTES_PER_GIB:.0f} GiB and the softmax makes several copies")
+
+
+def _attention_info(impl: str, shape: Shape, dtype: np.dtype, ms: float, tflops: float) -> dict:
+    return dict(impl=impl, batch=shape.batch, heads=shape.q_heads, seqlen=shape.seqlen, head_dim=shape.head_dim,
+                causal=shape.causal, dtype=dtype_name(dtype), ms=ms, tflops=tflops)
+
+
+def _prepare_forward(case: Case, dtype: np.dtype) -> Prepared:
+    import cupy
+
+    import cuattn
+
+    (impl,) = case.impls
+    s = case.shape
+    _check_naive(impl, s)
+    torch = _torch() if impl in TORCH_BACKENDS else None
+    dtype = impl_dtype(impl, dtype)
+    q, k, v = (_randn((s.batch, s.seqlen, s.q_heads, s.head_dim), dtype) for _ in range(3))
+    if impl == "cuattn":
+        out = cupy.empty_like(q)
+        fn = lambda: cuattn.attention(q, k, v, causal=s.causal, out=out)
+    elif impl == "naive-cupy":
+        fn = lambda: _bench.naive_attention_cupy(q, k, v, causal=s.causal)
+    else:
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        fn = _sdpa(impl, tq, tk, tv, is_causal=s.causal)
+        _refused(impl, fn)
+
+    def measure():
+        ms = _bench.time_cuda(fn)
+        tflops = _bench.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal) / ms / 1e9
+        info = _attention_info(impl, s, dtype, ms, tflops)
+        return [Result(case.family, impl, s, dtype_name(dtype), ms, tflops, info)]
+
+    return Prepared(case, fn, measure)
+
+
+def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
+    import cupy
+
+    import cuattn
+
+    (impl,) = case.impls
+    s = case.shape
+    _check_naive(impl, s)
+    torch = _torch() if impl in TORCH_BACKENDS else None
+    dtype = impl_dtype(impl, dtype)
+    q, k, v, dout = (_randn((s.batch, s.seqlen, s.q_heads, s.head_dim), dtype) for _ in range(4))
+    if impl == "cuattn":
+        out, lse = cuattn.attention(q, k, v, causal=s.causal, return_lse=True)
+        fn = lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=s.causal)
+    elif impl == "naive-cupy":
+        out = _bench.naive_attention_cupy(q, k, v, causal=s.causal)
+        fn = lambda: _bench.naive_attention_backward_cupy(dout, q, k, v, out, causal=s.causal)
+    else:
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+        tdo = torch.from_dlpack(dout).transpose(1, 2)
+        tout = _refused(impl, _sdpa(impl, tq, tk, tv, is_causal=s.causal))
+        fn = lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True)
+        _refused(impl, fn)
+
+    def measure():
+        ms = _bench.time_cuda(fn)
+        forward_flops = _bench.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal)
+        tflops = _bench.BACKWARD_FLOP_RATIO * forward_flops / ms / 1e9
+        info = _attention_info(impl, s, dtype, ms, tflops)
+        if impl == "cuattn":
+            # every allocation of one backward call beyond dq, dk, dv (DESIGN.md: dQ accumulator + delta)
+            pool = cupy.get_default_memory_pool()
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+            before = pool.total_bytes()
+            grads = fn()
+            info["extra_bytes"] = pool.total_bytes() - before - sum(g.nbytes for g in grads)
+            del grads
+        return [Result(case.family, impl, s, dtype_name(dtype), ms, tflops, info)]
+
+    return Prepared(case, fn, measure)
+
+
+def _decode_figures(fn, nbytes: float, *, torch_graph: bool) -> dict:
+    eager_ms = _bench.time_cuda(fn)
+    graph_ms = _bench.time_torch_graph(fn) if torch_graph else _bench.time_cupy_graph(fn)
+    return dict(graph_ms=graph_ms, eager_ms=eager_ms, kv_bytes=nbytes, tbps=nbytes / graph_ms / 1e9,
+                eager_tbps=nbytes / eager_ms / 1e9)
+
+
+def _prepare_decode(case: Case, dtype: np.dtype) -> Prepared:
+    import cupy
+
+    import cuattn
+
+    (impl,) = case.impls
+    s = case.shape
+    torch = _torch() if impl in TORCH_BACKENDS else None
+    q = _randn((s.batch, 1, s.q_heads, s.head_dim), dtype)
+    k = _randn((s.batch, s.seqlen, s.kv_heads, s.head_dim), dtype)
+    v = _randn((s.batch, s.seqlen, s.kv_heads, s.head_dim), dtype)
+    lens = cupy.full((s.batch,), s.seqlen, np.int32)
+    if impl == "cuattn":
+        fn = lambda: cuattn.decode(q, k, v, lens)
+    else:
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        fn = _sdpa(impl, tq, tk, tv, enable_gqa=True)
+        _refused(impl, fn)
+
+    def measure():
+        nbytes = _bench.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
+        figures = _decode_figures(fn, nbytes, torch_graph=impl != "cuattn")
+        info = dict(impl=impl, batch=s.batch, seqlen=s.seqlen, q_heads=s.q_heads, kv_heads=s.kv_heads,
+                    head_dim=s.head_dim, dtype=dtype_name(dtype), **figures)
+        return [Result(case.family, impl, s, dtype_name(dtype), figures["graph_ms"], figures["tbps"], info)]
+
+    return Prepared(case, fn, measure)
+
+
+def _prepare_paged(case: Case, dtype: np.dtype) -> Prepared:
+    import cupy
+
+    import cuattn
+
+    s = case.shape
+    blocks_per_seq = s.seqlen // s.block_size
+    num_blocks = s.batch * blocks_per_seq
+    page_shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)  # [num_blocks, block_size, Hk, D]
+    k_pages, v_pages = _randn(page_shape, dtype), _randn(page_shape, dtype)
+    # blocks shuffled across the pool, as after a while of serving
+    table = cupy.asarray(np.random.default_rng().permutation(num_blocks).reshape(s.batch, blocks_per_seq)
+                         .astype(np.int32))  # [B, max_blocks]
+    lens = cupy.full((s.batch,), s.seqlen, np.int32)
+    q = _randn((s.batch, 1, s.q_heads, s.head_dim), dtype)
+    # the same cache laid out contiguously, for the baseline: [B, L, Hk, D]
+    k_cache = k_pages[table].reshape(s.batch, s.seqlen, s.kv_heads, s.head_dim)
+    v_cache = v_pages[table].reshape(s.batch, s.seqlen, s.kv_heads, s.head_dim)
+
+    def paged():
+        # check=False: no host copy of the table, so the call can be captured in a CUDA graph
+        return cuattn.paged_attention(q, (k_pages, v_pages), table, lens, check=False, max_seq_len=s.seqlen)
+
+    def contiguous():
+        return cuattn.decode(q, k_cache, v_cache, lens)
+
+    calls = {"paged": paged, "contiguous": contiguous}
+
+    def measure():
+        nbytes = _bench.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
+        results = []
+        for impl in case.impls:
+            fn = calls[impl]
+            graph_ms = _bench.time_cupy_graph(fn)
+            eager_ms = _bench.time_cuda(fn)
+            info = dict(graph_ms=graph_ms, eager_ms=eager_ms, kv_bytes=nbytes, tbps=nbytes / graph_ms / 1e9,
+                        eager_tbps=nbytes / eager_ms / 1e9)
+            results.append(Result(case.family, impl, s, dtype_name(dtype), graph_ms, info["tbps"], info))
+        return results
+
+    return Prepared(case, paged, measure)
+
+
+_PREPARERS = {
+    "forward": _prepare_forward,
+    "backward": _prepare_backward,
+    "decode": _prepare_decode,
+    "paged": _prepare_paged,
+}

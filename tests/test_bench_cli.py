@@ -1,0 +1,345 @@
+"""`python -m cuattn bench`: its argument errors, tables, JSON record, plot panels and progress bar.
+
+The CPU tests feed fabricated results to the pure functions of `cuattn._benchcli` (and run the
+whole command with the measuring parts replaced), so they check formatting and records without
+a GPU. The GPU test runs a real tiny sweep in a subprocess and reads back its JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cuattn import _benchcases, _benchcli
+from cuattn.__main__ import main
+
+CEILINGS = {"copy_tbps": 4.22, "copy_bytes": 1 << 30, "gemm_tflops": 743.0, "gemm_dtype": "bfloat16",
+            "gemm_size": 8192}
+ENVIRONMENT = {
+    "device": {"name": "NVIDIA H200", "compute_capability": "9.0", "sms": 132, "memory_gib": 139.8,
+               "arch": "sm_90a", "driver_cuda": "13.0", "runtime_cuda": "13.0"},
+    "versions": {"cuattn": "0.1.0", "python": "3.12.3", "numpy": "2.5.2", "cupy": "14.2.0", "ml_dtypes": "0.6.0",
+                 "torch": "2.11.0", "nvrtc": "13.0"},
+}
+N_SMALL, N_LARGE, HEAD_DIM = 1024, 16384, 128
+NAIVE_SKIP = "naive CuPy runs up to N = 4096"
+
+
+def result(family, impl, shape, rate=None, *, dtype="bfloat16", skipped="", error=""):
+    ms = None if rate is None else 1.0 / rate
+    return _benchcases.Result(family, impl, shape, dtype, ms, rate, {"ms": ms}, skipped, error)
+
+
+def forward_results():
+    """Two shapes x four implementations; naive CuPy skipped at 16k."""
+    small = _benchcases.attention_shape(N_SMALL, HEAD_DIM, False)
+    large = _benchcases.attention_shape(N_LARGE, HEAD_DIM, True)
+    return [
+        result("forward", "cuattn", small, 316.7),
+        result("forward", "torch-flash", small, 318.7),
+        result("forward", "torch-cudnn", small, 542.6),
+        result("forward", "naive-cupy", small, 11.8, dtype="float16"),
+        result("forward", "cuattn", large, 340.3),
+        result("forward", "torch-flash", large, 323.1),
+        result("forward", "torch-cudnn", large, 567.1),
+        result("forward", "naive-cupy", large, dtype="float16", skipped=NAIVE_SKIP),
+    ]
+
+
+def decode_results():
+    shape = _benchcases.decode_shape(1, 32768)
+    return [
+        result("decode", "cuattn", shape, 2.95),
+        result("decode", "torch-flash", shape, skipped="torch is not importable (No module named 'torch')"),
+        result("decode", "torch-cudnn", shape, error="RuntimeError: boom"),
+    ]
+
+
+def paged_results():
+    shape = _benchcases.decode_shape(8, 8192, _benchcases.BLOCK_SIZE)
+    return [result("paged", "paged", shape, 2.46), result("paged", "contiguous", shape, 3.66)]
+
+
+def table_row(table: str, *starts: str) -> list[str]:
+    """The cells of the table row whose first cells are ``starts``."""
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:len(starts)] == list(starts):
+            return cells
+    raise AssertionError(f"no row starting {starts} in\n{table}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors: exit 2 with a message naming the argument, never a traceback
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "sideways"], "argument family: invalid choice: 'sideways'"),
+    (["bench", "--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32' (choose from 'bf16', 'fp16')"),
+    (["bench", "decode", "--quick", "--plot"], "argument --plot: expected one argument"),
+    (["bench", "decode", "--repeat", "3"], "unrecognized arguments: --repeat 3"),
+])
+def test_argparse_refusals(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m cuattn") and message in err
+
+
+def test_plot_without_matplotlib_names_the_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--plot", str(tmp_path / "bench.png")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err and "cuattn[plot]" in err
+
+
+def test_plot_needs_an_image_suffix(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--plot", str(tmp_path / "bench.txt")])
+    assert exit_info.value.code == 2
+    assert "--plot must name a .png, .pdf or .svg file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_folder_must_exist(capsys, tmp_path, option):
+    missing = tmp_path / "no_such_folder" / "bench.png"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", option, str(missing)])
+    assert exit_info.value.code == 2
+    assert f"{option} {missing}: its folder {missing.parent} does not exist" in capsys.readouterr().err
+
+
+def test_no_gpu_is_an_argument_error_before_any_measuring(capsys, monkeypatch):
+    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "getDeviceCount() == 0")
+
+    def must_not_run():
+        raise AssertionError("measured without a GPU")
+
+    monkeypatch.setattr(_benchcli, "environment", must_not_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--quick"])
+    assert exit_info.value.code == 2
+    assert "bench measures on a CUDA device and found none: getDeviceCount() == 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def test_forward_table_has_a_column_per_impl_and_ratios():
+    table = _benchcli.format_table("forward", forward_results(), "bfloat16")
+    lines = table.splitlines()
+    assert lines[0].startswith("forward (TFLOP/s, bfloat16; naive-cupy in float16):")
+    header = [c.strip() for c in lines[2].strip().strip("|").split("|")]
+    assert header == ["N", "D", "mask", "B x H", "cuattn", "torch-flash", "torch-cudnn", "naive-cupy",
+                      "cuattn/torch-flash", "cuattn/torch-cudnn", "cuattn/naive-cupy"]
+    assert table_row(table, "1024", "128", "full") == [
+        "1024", "128", "full", "32 x 16", "316.7", "318.7", "542.6", "11.8", "0.99", "0.58", "27x"]
+    assert table_row(table, "16384", "128", "causal") == [
+        "16384", "128", "causal", "2 x 16", "340.3", "323.1", "567.1", "skip", "1.05", "0.60", ""]
+    assert f"skipped: naive-cupy at N16384-d128-causal: {NAIVE_SKIP}" in lines
+    # every line of the table has the same width: the columns are aligned
+    assert len({len(line) for line in lines if line.startswith("|")}) == 1
+
+
+def test_decode_table_marks_skips_and_errors():
+    table = _benchcli.format_table("decode", decode_results(), "bfloat16")
+    assert table_row(table, "1", "32768") == ["1", "32768", "128", "2.95", "skip", "error", "", ""]
+    assert "skipped: torch-flash at B1-L32768: torch is not importable (No module named 'torch')" in table
+    assert "error: torch-cudnn at B1-L32768: RuntimeError: boom" in table
+
+
+def test_paged_table_divides_paged_by_contiguous():
+    table = _benchcli.format_table("paged", paged_results(), "bfloat16")
+    header = [c.strip() for c in table.splitlines()[2].strip().strip("|").split("|")]
+    assert header[-3:] == ["paged", "contiguous", "paged/contiguous"]
+    assert table_row(table, "8", "8192") == ["8", "8192", "256", "2.46", "3.66", "0.67"]
+
+
+@pytest.mark.parametrize("subject, baseline, expected", [(3.0, 2.0, "1.50"), (340.0, 11.8, "29x"), (1.0, None, "")])
+def test_format_ratio(subject, baseline, expected):
+    shape = _benchcases.decode_shape(1, 1024)
+    a = result("decode", "cuattn", shape, subject)
+    b = result("decode", "torch-flash", shape, baseline, skipped="" if baseline else "no torch")
+    assert _benchcli.format_ratio(a, b) == expected
+
+
+def test_ceilings_line():
+    line = _benchcli.format_ceilings(CEILINGS)
+    assert "device copy 4.22 TB/s" in line and "bfloat16 GEMM 743.0 TFLOP/s (cupy.matmul 8192 x 8192 x 8192)" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON record
+
+
+def test_json_record_round_trips(tmp_path):
+    results = forward_results() + decode_results() + paged_results()
+    record = _benchcli.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
+                                    command="python -m cuattn bench all", dtype="bfloat16", quick=False,
+                                    date="2026-11-29T12:00:00+00:00")
+    path = tmp_path / "bench.json"
+    _benchcli.write_json(path, record)
+    loaded = json.loads(path.read_text())
+    assert loaded["format"] == _benchcli.JSON_FORMAT and loaded["date"] == "2026-11-29T12:00:00+00:00"
+    assert loaded["device"]["name"] == "NVIDIA H200" and loaded["versions"]["nvrtc"] == "13.0"
+    assert loaded["ceilings"] == CEILINGS
+    assert len(loaded["cases"]) == len(results)
+    first = loaded["cases"][0]
+    assert {k: first[k] for k in ("family", "impl", "id", "batch", "seqlen", "q_heads", "head_dim", "causal",
+                                  "dtype", "unit", "rate", "status")} == {
+        "family": "forward", "impl": "cuattn", "id": "N1024-d128-full", "batch": 32, "seqlen": 1024,
+        "q_heads": 16, "head_dim": 128, "causal": False, "dtype": "bfloat16", "unit": "TFLOP/s",
+        "rate": 316.7, "status": "ok"}
+    statuses = {(c["family"], c["impl"], c["id"]): (c["status"], c["reason"]) for c in loaded["cases"]}
+    assert statuses["forward", "naive-cupy", "N16384-d128-causal"] == ("skipped", NAIVE_SKIP)
+    assert statuses["decode", "torch-cudnn", "B1-L32768"] == ("error", "RuntimeError: boom")
+    assert loaded["cases"][-1]["block_size"] == _benchcases.BLOCK_SIZE
+
+
+def test_from_json_prints_the_same_tables_without_a_gpu(capsys, monkeypatch, tmp_path):
+    results = forward_results() + decode_results() + paged_results()
+    record = _benchcli.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
+                                    command="python -m cuattn bench all", dtype="bfloat16", quick=False,
+                                    date="2026-11-29T12:00:00+00:00")
+    path = tmp_path / "bench.json"
+    _benchcli.write_json(path, record)
+    # replaying must not look for a device
+    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "no GPU here")
+    assert main(["bench", "--from-json", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    for family in ("forward", "decode", "paged"):
+        assert _benchcli.format_table(family, results, "bfloat16") in out
+    assert main(["bench", "decode", "--from-json", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "decode (TB/s" in out and "forward (TFLOP/s" not in out
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{}", r"not a cuattn bench record \(ValueError: format must be 'cuattn-bench/1', got None\)"),
+    ("not json", r"not a cuattn bench record \(JSONDecodeError"),
+])
+def test_from_json_refuses_what_is_not_a_record(capsys, tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--from-json", str(path)])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_from_json_needs_the_file(capsys, tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--from-json", str(missing)])
+    assert exit_info.value.code == 2
+    assert f"--from-json {missing}: no such file" in capsys.readouterr().err
+
+
+def test_json_refuses_a_nan_rather_than_writing_invalid_json(tmp_path):
+    shape = _benchcases.decode_shape(1, 1024)
+    record = _benchcli.build_record([result("decode", "cuattn", shape, math.nan)], ceilings=CEILINGS,
+                                    environment=ENVIRONMENT, command="", dtype="bfloat16", quick=True)
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        _benchcli.write_json(tmp_path / "bench.json", record)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot panels and drawing
+
+
+def test_plot_panels_one_per_family_head_dim_and_mask():
+    panels = _benchcli.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
+    assert [p.title for p in panels] == [
+        "forward, D = 128, full", "forward, D = 128, causal", "decode, GQA 32/8, D = 128",
+        "paged decode (block 16) vs contiguous, GQA 32/8, D = 128"]
+    full, causal, decode, paged = panels
+    assert full.series == {"cuattn": [(N_SMALL, 316.7)], "torch-flash": [(N_SMALL, 318.7)],
+                           "torch-cudnn": [(N_SMALL, 542.6)], "naive-cupy": [(N_SMALL, 11.8)]}
+    assert "naive-cupy" not in causal.series  # skipped: no point
+    assert full.ceiling == ("bfloat16 GEMM 743", 743.0) and full.unit == "TFLOP/s"
+    assert decode.ceiling == ("copy 4.22", 4.22) and list(decode.series) == ["cuattn"]
+    assert decode.xticks == [(32768, "32768\nB=1")]
+    assert paged.series == {"paged": [(8192, 2.46)], "contiguous": [(8192, 3.66)]}
+
+
+def test_draw_plot_writes_an_image(tmp_path):
+    # matplotlib is in the test extra, so this runs in CI; a bare GPU machine may lack it
+    pytest.importorskip("matplotlib", reason="matplotlib is optional (cuattn[plot]); CI installs it")
+    path = tmp_path / "bench.png"
+    panels = _benchcli.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
+    _benchcli.draw_plot(panels, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar and the whole command on fabricated measurements
+
+
+def test_progress_writes_a_line_per_case_off_a_terminal():
+    stream = io.StringIO()
+    progress = _benchcli.Progress(2, stream, width=4)
+    progress.step("decode B1-L1024 cuattn")
+    progress.step("decode B1-L1024 torch-flash")
+    progress.finish()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[....] 1/2") and lines[0].endswith("decode B1-L1024 cuattn")
+    assert lines[1].startswith("[##..] 2/2") and lines[2].startswith("2/2 cases in")
+
+
+def test_command_end_to_end_on_fabricated_measurements(capsys, monkeypatch, tmp_path):
+    """Everything but the measuring: argument checks, tables on stdout, progress on stderr, the
+    JSON record, and exit code 1 because one case failed."""
+    def fake_run_case(case, dtype):
+        if case.impls == ("torch-cudnn",):
+            raise RuntimeError("the backend fell over")
+        return [result(case.family, impl, case.shape, 1.5) for impl in case.impls]
+
+    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(_benchcli, "environment", lambda: ENVIRONMENT)
+    monkeypatch.setattr(_benchcli, "measure_ceilings", lambda dtype: CEILINGS)
+    monkeypatch.setattr(_benchcli, "_release_memory", lambda: None)
+    monkeypatch.setattr(_benchcases, "run_case", fake_run_case)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "decode", "--quick", "--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    shapes = _benchcases.FAMILIES["decode"].shapes(quick=True)
+    assert "python -m cuattn bench decode --quick --json" in out and "device copy 4.22 TB/s" in out
+    assert table_row(out, str(shapes[0].batch), str(shapes[0].seqlen))[3:] == ["1.50", "1.50", "error", "1.00", ""]
+    assert f"{len(shapes) * len(_benchcases.DECODE_IMPLS)}/{len(shapes) * len(_benchcases.DECODE_IMPLS)} cases" in err
+    assert "error: decode torch-cudnn B1-L2048: RuntimeError: the backend fell over" in err
+    record = json.loads(path.read_text())
+    assert record["quick"] is True and record["dtype"] == "bfloat16"
+    assert [c["status"] for c in record["cases"]] == ["ok", "ok", "error"] * len(shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: a real tiny sweep
+
+
+@pytest.mark.gpu
+def test_bench_decode_quick_writes_its_json(tmp_path):
+    path = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "cuattn", "bench", "decode", "--quick", "--json", str(path)],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "decode (TB/s, bfloat16)" in run.stdout and "ceilings: device copy" in run.stdout
+    record = json.loads(path.read_text())
+    assert record["device"]["name"] and record["versions"]["nvrtc"]
+    assert record["ceilings"]["copy_tbps"] > 0 and record["ceilings"]["gemm_tflops"] > 0
+    shapes = _benchcases.FAMILIES["decode"].shapes(quick=True)
+    assert len(record["cases"]) == len(shapes) * len(_benchcases.DECODE_IMPLS)
+    for case in record["cases"]:
+        assert case["family"] == "decode" and case["status"] in ("ok", "skipped"), case
+        assert case["status"] == "ok" or case["reason"], case
+        if case["impl"] == "cuattn":
+            assert case["status"] == "ok" and case["rate"] > 0 and case["info"]["graph_ms"] > 0
