@@ -22,36 +22,39 @@ _LIB = "cuattn"
 
 @torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_left: int, window_right: int, softcap: float,
+                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` only reaches the backward (through setup_context's inputs)
     out, lse = _forward(q, k, v, causal=causal, scale=scale, window=(window_left, window_right),
-                                    softcap=softcap, return_lse=True)
+                        softcap=softcap, return_lse=True)
     return out, lse
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, scale, window_left, window_right, softcap):
+def _attention_fwd_fake(q, k, v, causal, scale, window_left, window_right, softcap, deterministic):
+    # the kernels return fresh contiguous arrays whatever the inputs' strides
     batch, seqlen_q, num_heads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
-                   softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_kernels(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                         window=(window_left, window_right), softcap=softcap)
+                             window=(window_left, window_right), softcap=softcap, deterministic=deterministic)
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, window_left, window_right, softcap = inputs
+    q, k, v, causal, scale, window_left, window_right, softcap, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, scale, window_left, window_right, softcap)
+    ctx.options = (causal, scale, window_left, window_right, softcap, deterministic)
 
 
 def _backward(ctx, dout, _dlse):
@@ -59,14 +62,19 @@ def _backward(ctx, dout, _dlse):
     # the kernels need a contiguous head dim; autograd may hand over an expanded gradient
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0):
-    """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``."""
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, deterministic=False):
+    """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
+
+    ``deterministic=True`` makes the backward bit-reproducible (see
+    :func:`cuattn.attention_backward`).
+    """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, _ = _attention_fwd(q, k, v, bool(causal), scale, int(window[0]), int(window[1]), float(softcap))
+    out, _ = _attention_fwd(q, k, v, bool(causal), scale, int(window[0]), int(window[1]), float(softcap),
+                            bool(deterministic))
     return out
