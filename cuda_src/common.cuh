@@ -22,6 +22,7 @@ static_assert(sizeof(u32) == 4 && sizeof(i64) == 8, "fixed-width types");
 // +inf as a bit pattern: NVRTC has no constexpr infinity
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 constexpr float kLn2 = 0.69314718055994530942f;
+constexpr float kLog2e = 1.4426950408889634f;  // 1 / ln 2: natural-log lse to the kernels' log2 domain
 constexpr int kWarpSize = 32;
 // mma.sync rows are spread over the four lanes of a quad that share lane / 4.
 constexpr int kQuadSize = 4;

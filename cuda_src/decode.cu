@@ -416,7 +416,6 @@ combine_kernel(const Tin* __restrict__ parts, const float* __restrict__ part_lse
                float* __restrict__ lse_out, int num_parts, int batch, int seqlen, int heads, int head_dim,
                i64 p_part, i64 p_b, i64 p_s, i64 p_h, i64 l_part, i64 l_b, i64 l_h, i64 l_s,
                i64 o_b, i64 o_s, i64 o_h, i64 lo_b, i64 lo_h, i64 lo_s) {
-  constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ float weights[];  // [P rounded up to a multiple of 8]: the unrolled loop may read whole groups
   const i64 row = blockIdx.x;
   const int h = static_cast<int>(row % heads);

@@ -31,8 +31,6 @@
 
 namespace cuattn {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // Copy ROWS rows of D elements into a padded shared tile with cp.async, zero past `valid_rows`.
 template <typename T, int ROWS, int HEAD_DIM, int THREADS>
 __device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_stride, int valid_rows) {
