@@ -339,6 +339,13 @@ def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None 
     function = get_function(spec, device_id)
     key = (device_id, spec)
     if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT and key not in _smem_opt_in:
+        limit = max_shared_memory_per_block(device_id)
+        if spec.smem_bytes > limit:
+            # e.g. the A100/H100 tiles on a GPU with 99 KB per block (sm_86, sm_89, sm_120)
+            raise ValueError(
+                f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per block; device {device_id} "
+                f"({target_arch(device_id)}) allows {limit}: this head dim has no tile for this GPU"
+            )
         function.max_dynamic_shared_size_bytes = spec.smem_bytes
         _smem_opt_in.add(key)
     smem = spec.smem_bytes if shared_mem is None else shared_mem

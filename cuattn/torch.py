@@ -18,6 +18,7 @@ import torch
 from .attention import attention as _forward, attention_backward as _backward_kernels
 
 _LIB = "cuattn"
+_ROW_ALIGN_BYTES = 16  # the kernels' cp.async and ldmatrix rows
 
 
 @torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
@@ -57,10 +58,17 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (causal, scale, window_left, window_right, softcap, deterministic)
 
 
+def _kernel_readable(x: torch.Tensor) -> bool:
+    """What the kernels read (cuattn._arrays.check_kernel_layout): a unit last stride and rows
+    that start on 16-byte boundaries."""
+    elems = _ROW_ALIGN_BYTES // x.element_size()
+    return x.stride(-1) == 1 and all(s % elems == 0 for s in x.stride()[:-1]) and x.data_ptr() % _ROW_ALIGN_BYTES == 0
+
+
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    # the kernels need a contiguous head dim; autograd may hand over an expanded gradient
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    # autograd may hand over an expanded (stride 0) or sliced gradient: copy only then
+    dout = dout if _kernel_readable(dout) else dout.contiguous()
     dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None
 

@@ -21,7 +21,8 @@
 //   P^T and dS^T -> shared memory (fp16/bf16)
 //   dV  += P^T dO   [BLOCK_N x D]        dK += dS^T Q   [BLOCK_N x D]   (registers)
 //   dQ   = dS K     [BLOCK_M x D]        atomicAdd to the fp32 accumulator
-// Q and dO of the next query block stream in with cp.async while the current one computes.
+// With STAGES = 2, Q and dO of the next query block stream in with cp.async while the current
+// one computes; with one stage (where shared memory is short) each block's load is waited for.
 //
 // Layouts (element strides are arguments; the last axis is contiguous):
 //   q, out, dout, dq   [B, Sq, Hq, D]    k, v, dk, dv [B, Sk, Hk, D]    lse, delta [B, Hq, Sq]
@@ -178,7 +179,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
-  constexpr int kPStride = BLOCK_M + SmemRow<HEAD_DIM>::kPadElems;  // sP, sdS rows: BLOCK_M queries + pad
+  constexpr int kPStride = SmemRow<BLOCK_M>::kStride;  // sP, sdS rows: BLOCK_M queries + pad
   // S^T / dP^T warp tile: kSKeys keys x kSQueries queries
   constexpr int kSKeys = BLOCK_N / S_WARPS_N, kSQueries = BLOCK_M / (NUM_WARPS / S_WARPS_N);
   // dK / dV warp tile: kKvKeys keys x kKvCols of D
@@ -188,6 +189,8 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   static_assert(kSKeys % 16 == 0 && kSQueries % 16 == 0 && kKvKeys % 16 == 0 && kKvCols % 16 == 0 &&
                     kDqRows % 16 == 0 && kDqCols % 16 == 0,
                 "warp tiles are whole m16 x n16 steps");
+  // the loop prefetches one query block ahead: a third stage would only take shared memory
+  static_assert(STAGES == 1 || STAGES == 2, "one or two Q/dO stages");
 
   const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
@@ -316,7 +319,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     if constexpr (ATOMIC_DQ) {
       // dQ = dS K over this block's keys (dS read transposed from sdS), added to the accumulator;
       // wide warp tiles go in column chunks so the dQ registers fit beside dK and dV
-      constexpr int kDqChunk = kDqCols > 64 ? 32 : kDqCols;
+      constexpr int kDqWideTile = 64, kDqChunkColumns = 32;
+      constexpr int kDqChunk = kDqCols > kDqWideTile ? kDqChunkColumns : kDqCols;
+      static_assert(kDqCols % kDqChunk == 0, "dQ column chunks tile the warp's columns");
 #pragma unroll
       for (int c0 = dq_col0; c0 < dq_col0 + kDqCols; c0 += kDqChunk) {
         float dq[kDqRows / 16][kDqChunk / 8][4];

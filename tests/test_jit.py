@@ -135,3 +135,17 @@ def test_functions_are_memoised_per_device(cache):
     assert spec.smem_bytes > _jit.DEFAULT_DYNAMIC_SMEM_LIMIT
     assert _jit.get_function(spec) is _jit.get_function(spec, 0)
     assert spec.smem_bytes <= _jit.max_shared_memory_per_block()
+
+
+def test_launch_refuses_a_tile_larger_than_the_device_allows(monkeypatch):
+    """A 99 KB-per-block GPU (sm_86, sm_89, sm_120) gets a clear error, not a driver fault."""
+    cupy = pytest.importorskip("cupy")
+    small_gpu_limit = 101376
+    spec = _jit.KernelSpec("flash_bwd.cu", "cuattn::some_kernel<128>", threads=256, smem_bytes=141824)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(_jit, "get_function", lambda spec, device_id=None: object())
+    monkeypatch.setattr(_jit, "max_shared_memory_per_block", lambda device_id=None: small_gpu_limit)
+    monkeypatch.setattr(_jit, "target_arch", lambda device_id=None: "sm_89")
+    with pytest.raises(ValueError, match=r"cuattn::some_kernel<128> needs 141824 bytes of shared memory per block; "
+                                         r"device 0 \(sm_89\) allows 101376: this head dim has no tile for this GPU"):
+        _jit.launch(spec, (1, 1, 1), ())

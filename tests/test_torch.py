@@ -62,3 +62,20 @@ def test_compiles_without_a_graph_break(rng):
     torch.compile(loss, fullgraph=True)(*compiled_inputs).backward()
     for a, b in zip(eager, compiled_inputs):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_an_expanded_or_sliced_gradient_is_accepted(rng):
+    """out.sum() hands back a stride-0 gradient; a slice of a wider tensor an unaligned one."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    q, k, v = _leaves(torch, rng.seed, [(1, 65, 2, 64)] * 3)
+    cuattn.torch.attention(q, k, v, causal=True).sum().backward()
+    expected = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    wide = torch.cat([cuattn.torch.attention(q, k, v, causal=True), torch.zeros(1, 65, 2, 3, device="cuda",
+                                                                                  dtype=torch.bfloat16)], dim=-1)
+    wide[..., :64].sum().backward()
+    for a, b in zip((q, k, v), expected):
+        assert torch.allclose(a.grad.float(), b.float(), atol=1e-2)
