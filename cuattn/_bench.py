@@ -73,18 +73,26 @@ def naive_attention_cupy(q, k, v, causal=False):
     """matmul, softmax, matmul in the inputs' precision with CuPy: the baseline that writes N x N."""
     import cupy
 
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
     qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)) * q.dtype.type(1.0 / math.sqrt(d))
+    p = _naive_probabilities(qh, kh, causal)
+    return cupy.matmul(p, vh).transpose(0, 2, 1, 3)
+
+
+def _naive_probabilities(qh, kh, causal):
+    """softmax(Q K^T / sqrt(D)) of [B, H, S, D] views in their precision, [B, H, Sq, Sk] in memory
+    (causal: bottom-right aligned)."""
+    import cupy
+
+    sq, sk, d = qh.shape[2], kh.shape[2], qh.shape[3]
+    s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)) * qh.dtype.type(1.0 / math.sqrt(d))
     if causal:
         i = cupy.arange(sq)[:, None]
         j = cupy.arange(sk)[None, :]
-        s = cupy.where(j <= i + sk - sq, s, q.dtype.type(-math.inf))
+        s = cupy.where(j <= i + sk - sq, s, qh.dtype.type(-math.inf))
     s = s - s.max(axis=-1, keepdims=True)
     p = cupy.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    return cupy.matmul(p, vh).transpose(0, 2, 1, 3)
+    return p
 
 
 def time_cupy_graph(fn, *, calls_per_graph: int = 20, repeats: int = 10) -> float:
@@ -132,18 +140,9 @@ def naive_attention_backward_cupy(dout, q, k, v, out, causal=False):
     every N x N intermediate in memory."""
     import cupy
 
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    scale = q.dtype.type(1.0 / math.sqrt(d))
+    scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
     qh, kh, vh, oh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, out, dout))
-    s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)) * scale
-    if causal:
-        i = cupy.arange(sq)[:, None]
-        j = cupy.arange(sk)[None, :]
-        s = cupy.where(j <= i + sk - sq, s, q.dtype.type(-math.inf))
-    s = s - s.max(axis=-1, keepdims=True)
-    p = cupy.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
+    p = _naive_probabilities(qh, kh, causal)
     dv = cupy.matmul(p.transpose(0, 1, 3, 2), doh)
     dp = cupy.matmul(doh, vh.transpose(0, 1, 3, 2))
     ds = p * (dp - (doh * oh).sum(axis=-1, keepdims=True))

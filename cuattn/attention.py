@@ -533,9 +533,10 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     varlen = cu_seqlens_q is not None
     rows_q, num_heads, head_dim = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
     num_kv_heads = int(k.shape[2])
-    # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0
+    # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
+    # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = cupy.zeros if varlen else cupy.empty
-    dq = alloc(q.shape, q.dtype)  # [B, Sq, Hq, D]
+    dq = (alloc if deterministic else cupy.empty)(q.shape, q.dtype)  # [B, Sq, Hq, D]
     dk = alloc(k.shape, k.dtype)  # [B, Sk, Hk, D]
     dv = alloc(v.shape, v.dtype)  # [B, Sk, Hk, D]
     if q.size == 0 or k.size == 0:

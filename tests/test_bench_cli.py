@@ -182,13 +182,19 @@ def test_ceilings_line():
 # JSON record
 
 
-def test_json_record_round_trips(tmp_path):
+def written_record(tmp_path):
+    """The fabricated results of every family, written as a JSON record: (results, path)."""
     results = forward_results() + decode_results() + paged_results()
     record = _benchcli.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
                                     command="python -m cuattn bench all", dtype="bfloat16", quick=False,
                                     date="2026-11-29T12:00:00+00:00")
     path = tmp_path / "bench.json"
     _benchcli.write_json(path, record)
+    return results, path
+
+
+def test_json_record_round_trips(tmp_path):
+    results, path = written_record(tmp_path)
     loaded = json.loads(path.read_text())
     assert loaded["format"] == _benchcli.JSON_FORMAT and loaded["date"] == "2026-11-29T12:00:00+00:00"
     assert loaded["device"]["name"] == "NVIDIA H200" and loaded["versions"]["nvrtc"] == "13.0"
@@ -207,12 +213,7 @@ def test_json_record_round_trips(tmp_path):
 
 
 def test_from_json_prints_the_same_tables_without_a_gpu(capsys, monkeypatch, tmp_path):
-    results = forward_results() + decode_results() + paged_results()
-    record = _benchcli.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
-                                    command="python -m cuattn bench all", dtype="bfloat16", quick=False,
-                                    date="2026-11-29T12:00:00+00:00")
-    path = tmp_path / "bench.json"
-    _benchcli.write_json(path, record)
+    results, path = written_record(tmp_path)
     # replaying must not look for a device
     monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "no GPU here")
     assert main(["bench", "--from-json", str(path)]) == 0
