@@ -366,6 +366,8 @@ class BwdTile:
     `stages` shared buffers; `min_blocks` CTAs per SM for the register allocator.
     flash_bwd_dq_kernel (deterministic dQ): `dq_block_m` queries per CTA, `dq_block_n` keys per
     step, `dq_warps` warps of 16 query rows each.
+    `wgmma`: the main kernel is flash_bwd_sm90_kernel instead (sm_90a; two warpgroups, BLOCK_N =
+    128, two Q/dO stages; only block_m counts, the warp layout fields do not apply).
     """
 
     block_m: int
@@ -379,10 +381,20 @@ class BwdTile:
     dq_block_m: int
     dq_block_n: int
     dq_warps: int
+    wgmma: bool = False
+
+    SM90_BLOCK_N = 128
+    SM90_STAGES = 2
+    SM90_ALIGN = 1024  # swizzled tiles start on 1024-byte boundaries: slack to round the base up
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """K, V [BLOCK_N, D + 8]; Q, dO [stages, BLOCK_M, D + 8]; P^T, dS^T [BLOCK_N, BLOCK_M + 8];
-        lse, delta [stages, BLOCK_M] fp32."""
+        lse, delta [stages, BLOCK_M] fp32. wgmma (BwdSm90Smem): unpadded swizzled K, V, two Q/dO
+        stages, dS^T, lse and delta, and the alignment slack."""
+        if self.wgmma:
+            tiles = (2 * self.SM90_BLOCK_N + 2 * self.SM90_STAGES * self.block_m) * head_dim * itemsize
+            stats = 2 * self.SM90_STAGES * self.block_m * 4
+            return tiles + self.SM90_BLOCK_N * self.block_m * itemsize + stats + self.SM90_ALIGN
         pad = FwdTile.PAD_ELEMS
         tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
         return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
@@ -406,7 +418,8 @@ BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
     64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), SM90: BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)},
     96: {SM80: _BWD_D96, SM90: _BWD_D96},
-    128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4), SM90: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4)},
+    128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4),
+          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True)},
     256: {SM80: _BWD_D256, SM90: _BWD_D256},
 }
 
@@ -425,8 +438,17 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     t = tile
     itemsize = np.dtype(dtype).itemsize
-    main = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.s_warps_n}, "
-            f"{t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {'false' if deterministic else 'true'}>")
+    atomic = "false" if deterministic else "true"
+    if t.wgmma:
+        main = _jit.KernelSpec(
+            "flash_bwd.cu", f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}>",
+            threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=True)
+    else:
+        main = _jit.KernelSpec(
+            "flash_bwd.cu",
+            f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.s_warps_n}, "
+            f"{t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}>",
+            threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize))
     if deterministic:
         last = _jit.KernelSpec(
             "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
@@ -435,7 +457,7 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
         last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>", threads=CONVERT_THREADS)
     return (
         _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_preprocess_kernel<{ctype}>", threads=PREPROCESS_WARPS * 32),
-        _jit.KernelSpec("flash_bwd.cu", main, threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize)),
+        main,
         last,
     )
 

@@ -29,6 +29,7 @@
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
 #include "attention_tile.cuh"
+#include "wgmma.cuh"
 
 namespace cuattn {
 
@@ -362,6 +363,294 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
       }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// sm_90a: the main kernel on warpgroup MMA (wgmma).
+//
+// Two warpgroups per CTA and BLOCK_N = 128 keys: warpgroup w owns keys [64 w, 64 w + 64) of the
+// block for S^T, dP^T, dV and dK. P^T and dS^T leave the S^T / dP^T accumulators straight as
+// the register A operand of dV += P^T dO and dK += dS^T Q, with no shared-memory round trip;
+// dS^T also goes to shared memory for dQ = dS K, which the two warpgroups split by D
+// (BLOCK_M = 64) or by query rows (BLOCK_M = 128). Per query block:
+//   S^T  = K Q^T, dP^T = V dO^T        ss, both operands K-major, two commit groups
+//   P^T, dS^T in registers             the exponentials start while dP^T is in flight
+//   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the same tiles
+//   dS^T -> shared; dQ = dS K          ss, both operands MN-major; atomicAdd to dq_accum
+// All tiles are 128-byte swizzled (wgmma.cuh). Q, dO, lse and delta of the next query block
+// stream in with cp.async while this one computes.
+constexpr int kBwdSm90BlockN = 128;
+constexpr int kBwdSm90Warpgroups = 2;
+constexpr int kBwdSm90Threads = kBwdSm90Warpgroups * kWarpgroupThreads;
+constexpr int kBwdSm90Stages = 2;  // Q/dO/lse/delta buffers: this step's and the next one's
+
+// Copy ROWS rows of COLS elements into a SwizzledTile with cp.async, zero past `valid_rows`.
+template <typename T, int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* gmem, i64 row_stride, int valid_rows) {
+  using Tile = SwizzledTile<ROWS, COLS>;
+  constexpr int kChunksPerRow = COLS * sizeof(T) / kCopyBytes;
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+#pragma unroll
+  for (int idx = threadIdx.x; idx < ROWS * kChunksPerRow; idx += THREADS) {
+    const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    cp_async_16(tile + Tile::chunk_offset(row, chunk), valid ? gmem + row * row_stride + chunk * kElemsPerChunk : gmem,
+                valid);
+  }
+}
+
+// Shared memory of flash_bwd_sm90_kernel, byte offsets from a 1024-byte-aligned base. Python
+// mirrors kBytes (cuattn/attention.py, BwdSm90Tile).
+template <int HEAD_DIM, int BLOCK_M>
+struct BwdSm90Smem {
+  static constexpr int STAGES = kBwdSm90Stages;
+  using KTile = SwizzledTile<kBwdSm90BlockN, HEAD_DIM>;  // K, V   [BLOCK_N, D]
+  using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;         // Q, dO  [BLOCK_M, D] per stage
+  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;   // dS^T   [BLOCK_N, BLOCK_M]
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + KTile::kBytes;
+  static constexpr int kQ = kV + KTile::kBytes;
+  static constexpr int kdO = kQ + STAGES * QTile::kBytes;
+  static constexpr int kdS = kdO + STAGES * QTile::kBytes;
+  static constexpr int kLse = kdS + STile::kBytes;                     // [STAGES, BLOCK_M] fp32, natural log
+  static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
+  // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
+  static constexpr int kBytes = kDelta + STAGES * BLOCK_M * sizeof(float) + kSwizzleAtomBytes;
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(kBwdSm90Threads, 1)
+flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      const T* __restrict__ dout,
+                      const float* __restrict__ lse,    // [B, Hq, Sq] natural log
+                      const float* __restrict__ delta,  // [B, Hq, Sq]
+                      float* __restrict__ dq_accum,     // [B, Sq, Hq, D] contiguous (varlen: [total_q, Hq, D])
+                      T* __restrict__ dk, T* __restrict__ dv,  // [B, Sk, Hk, D]
+                      const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
+                      i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss,
+                      i64 dv_sh, i64 lse_sb, i64 lse_sh, i64 acc_sb,
+                      int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
+                      float score_scale, float softcap_out, float dk_scale, int window_left, int window_right) {
+  using DT = DType<T>;
+  using Smem = BwdSm90Smem<HEAD_DIM, BLOCK_M>;
+  using KTile = typename Smem::KTile;
+  using QTile = typename Smem::QTile;
+  using STile = typename Smem::STile;
+  constexpr int BLOCK_N = kBwdSm90BlockN;
+  constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Warpgroups;
+  // dQ of one warpgroup: all BLOCK_M rows and half of D, or half of the rows and all of D
+  constexpr bool kDqSplitsD = BLOCK_M == kWgmmaM;
+  constexpr int kDqCols = kDqSplitsD ? HEAD_DIM / kBwdSm90Warpgroups : HEAD_DIM;
+  using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
+  using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
+  using DQ = Wgmma<T, kDqCols>;   // dQ: 64 queries x kDqCols
+  static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per warpgroup");
+  static_assert(BLOCK_M == kWgmmaM || BLOCK_M == kBwdSm90Warpgroups * kWgmmaM, "BLOCK_M = 64 or 128");
+
+  const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
+  const int b = static_cast<int>(bhk / num_kv_heads);
+  const int hk = static_cast<int>(bhk % num_kv_heads);
+  const int group = num_heads / num_kv_heads;
+  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
+                      softcap_out);
+  const int n0 = blockIdx.x * BLOCK_N;
+  if (n0 >= pb.seqlen_k) return;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 raw_addr = smem_address(smem_raw);
+  const u32 smem0 = (raw_addr + kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
+  unsigned char* base = smem_raw + (smem0 - raw_addr);
+  const u32 sK = smem0 + Smem::kK, sV = smem0 + Smem::kV, sdS = smem0 + Smem::kdS;
+  float* sLse = reinterpret_cast<float*>(base + Smem::kLse);
+  float* sDelta = reinterpret_cast<float*>(base + Smem::kDelta);
+
+  const int wg = threadIdx.x / kWarpgroupThreads;
+  const int wg_warp = (threadIdx.x / kWarpSize) % kWarpsPerWarpgroup;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
+  const int key0 = wg * kKeysPerWarpgroup;  // this warpgroup's keys within the block
+  const int dq_row0 = kDqSplitsD ? 0 : wg * kWgmmaM, dq_col0 = kDqSplitsD ? wg * kDqCols : 0;
+
+  // K and V of this block stay for the whole CTA
+  load_swizzled<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads>(base + Smem::kK,
+                                                       k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
+                                                       pb.seqlen_k - n0);
+  load_swizzled<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads>(base + Smem::kV,
+                                                       v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
+                                                       pb.seqlen_k - n0);
+
+  float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this warpgroup's 64 keys x D
+#pragma unroll
+  for (int i = 0; i < KV::kAccumulators; ++i) dK[i] = dV[i] = 0.f;
+
+  // Query rows that see any of keys [n0, n0 + BLOCK_N) (as in flash_bwd_kernel)
+  const int m_begin = max(0, n0 - pb.offset - pb.window_right);
+  const int m_end = min(pb.seqlen_q, n0 + BLOCK_N - 1 - pb.offset + pb.window_left + 1);
+  const int m_block_begin = m_begin / BLOCK_M;
+  const int m_blocks = m_end > m_begin ? (m_end + BLOCK_M - 1) / BLOCK_M - m_block_begin : 0;
+  const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
+
+  // Q, dO, lse and delta of step `step` into stage `stage`, all cp.async (rows past the end read
+  // 0: such rows only appear in tiles that take the mask, which zeroes their probabilities)
+  auto load_step = [&](int step, int stage) {
+    const int h = hk * group + step / m_blocks;
+    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
+    load_swizzled<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads>(base + Smem::kQ + stage * QTile::kBytes,
+                                                         q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
+                                                         pb.seqlen_q - m0);
+    load_swizzled<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads>(
+        base + Smem::kdO + stage * QTile::kBytes, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
+        pb.seqlen_q - m0);
+    for (int i = threadIdx.x; i < BLOCK_M; i += kBwdSm90Threads) {
+      const bool valid = m0 + i < pb.seqlen_q;
+      const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
+      cp_async_4(sLse + stage * BLOCK_M + i, valid ? lse + at : lse, valid);
+      cp_async_4(sDelta + stage * BLOCK_M + i, valid ? delta + at : delta, valid);
+    }
+  };
+
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step % kBwdSm90Stages;
+    const int h = hk * group + step / m_blocks;
+    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
+    // this step's tiles have landed (the only group in flight) and are visible to wgmma; the
+    // barrier also means every warpgroup finished the previous step, so its stage and the dS^T
+    // tile may now be overwritten: prefetch the next step there
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (step + 1 < steps) load_step(step + 1, (step + 1) % kBwdSm90Stages);
+    cp_async_commit();
+    const u32 cQ = smem0 + Smem::kQ + stage * QTile::kBytes;
+    const u32 cdO = smem0 + Smem::kdO + stage * QTile::kBytes;
+    const float* cLse = sLse + stage * BLOCK_M;
+    const float* cDelta = sDelta + stage * BLOCK_M;
+
+    // S^T = K Q^T and dP^T = V dO^T on this warpgroup's 64 keys x BLOCK_M queries, as two
+    // groups: the exponentials of P^T run while dP^T is still in the tensor cores
+    float s[SdP::kAccumulators], dp[SdP::kAccumulators];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
+      SdP::template ss<0, 0>(s, kmajor_descriptor<KTile>(sK, key0, ks), kmajor_descriptor<QTile>(cQ, 0, ks), ks > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
+      SdP::template ss<0, 0>(dp, kmajor_descriptor<KTile>(sV, key0, ks), kmajor_descriptor<QTile>(cdO, 0, ks), ks > 0);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary; packed into the
+    // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
+    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+    const int key_row = n0 + key0 + wg_warp * 16 + g;
+    float lse2[BLOCK_M / 8][2];
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float l = cLse[8 * j + 2 * tq + c];
+        lse2[j][c] = l == -infinity() ? infinity() : l * kLog2e;  // empty rows: P = 0, never NaN
+      }
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = pb.probability(s[4 * j + e], lse2[j][e % 2]);
+        if (masked && !pb.visible(m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2))) p = 0.f;
+        s[4 * j + e] = p;
+      }
+    u32 pa[BLOCK_M / kWgmmaK][4];
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[j][r] = DT::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+
+    // dS^T = P^T (dP^T - delta), packed the same way
+    wgmma_wait<0>();
+    fence_registers(dp);
+    u32 dsa[BLOCK_M / kWgmmaK][4];
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * tq + e % 2;
+        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], cDelta[col], lse2[j][e % 2]);
+      }
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) dsa[j][r] = DT::pack(dp[8 * j + 2 * r], dp[8 * j + 2 * r + 1]);
+
+    // dV += P^T dO and dK += dS^T Q: 64 keys x D over this block's queries
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+      KV::template rs<1>(dV, pa[j], mnmajor_descriptor<QTile>(cdO, 0, j), 1);
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+      KV::template rs<1>(dK, dsa[j], mnmajor_descriptor<QTile>(cQ, 0, j), 1);
+    wgmma_commit();
+
+    if constexpr (ATOMIC_DQ) {
+      // dS^T to shared memory: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = key0 + wg_warp * 16 + g + 8 * (r % 2);
+          const int col = 16 * j + 8 * (r / 2) + 2 * tq;
+          *reinterpret_cast<u32*>(base + Smem::kdS + STile::offset(row, col)) = dsa[j][r];
+        }
+      fence_proxy_async();
+      __syncthreads();
+      // dQ = dS K over this block's keys: dS read MN-major from dS^T, K MN-major ([key][d])
+      float dq[DQ::kAccumulators];
+#pragma unroll
+      for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
+        DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(sdS, dq_row0, ks),
+                              mnmajor_descriptor<KTile>(sK, dq_col0, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int query = m0 + dq_row0 + wg_warp * 16 + g + 8 * r;
+        if (query >= pb.seqlen_q) continue;
+        float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j) atomic_add_pair(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+      }
+    } else {
+      wgmma_wait<0>();
+    }
+    // the A fragments and accumulators are free again only now
+    fence_registers(pa);
+    fence_registers(dsa);
+    fence_registers(dV);
+    fence_registers(dK);
+  }
+  cp_async_wait<0>();
+
+  // dK (times the softmax scale) and dV of this warpgroup's 64 keys
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;
+    if (key >= pb.seqlen_k) continue;
+    T* dk_row = dk + b * dk_sb + (pb.k_start + key) * dk_ss + hk * dk_sh + 2 * tq;
+    T* dv_row = dv + b * dv_sb + (pb.k_start + key) * dv_ss + hk * dv_sh + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+      *reinterpret_cast<u32*>(dk_row + 8 * j) = DT::pack(dK[4 * j + 2 * r] * dk_scale, dK[4 * j + 2 * r + 1] * dk_scale);
+      *reinterpret_cast<u32*>(dv_row + 8 * j) = DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
+    }
+  }
 }
 
 // Deterministic dQ: one CTA per (query block, sequence, query head); warp w owns query rows

@@ -33,6 +33,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                "r"(src_bytes));
 }
 
+// 4-byte async copy (one float), zero when `valid == false`: per-row statistics beside a tile.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? static_cast<int>(sizeof(float)) : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most N committed groups are still in flight.

@@ -22,8 +22,8 @@ BwdTile = attention_module.BwdTile
 CANDIDATES = {
     64: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4),
          BwdTile(64, 64, 8, 2, 2, 2, 2, 2, 64, 32, 4), BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)],
-    128: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4), BwdTile(64, 64, 8, 2, 2, 2, 1, 2, 64, 64, 4),
-          BwdTile(128, 64, 8, 2, 4, 4, 1, 1, 64, 64, 4)],
+    128: [BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True), BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4),
+          BwdTile(64, 64, 8, 2, 2, 2, 1, 2, 64, 64, 4), BwdTile(128, 64, 8, 2, 4, 4, 1, 1, 64, 64, 4)],
 }
 
 
@@ -48,7 +48,8 @@ def main(argv):
                 attention_module.BWD_TILES[d][family] = default
             star = "*" if tile == default else " "
             mode = "deterministic" if deterministic else "atomic"
-            shape = (f"{tile.block_m}x{tile.block_n} w{tile.warps} s{tile.s_warps_n} kv{tile.kv_warps_n} "
+            shape = (f"{tile.block_m}x{tile.block_n} wgmma" if tile.wgmma else
+                     f"{tile.block_m}x{tile.block_n} w{tile.warps} s{tile.s_warps_n} kv{tile.kv_warps_n} "
                      f"dq{tile.dq_warps_m} st{tile.stages} cta{tile.min_blocks}")
             print(f"d={d:3d} n={n:5d} causal={causal!s:5} {mode:13s} {shape}{star} {ms:8.3f} ms "
                   f"{flops / ms / 1e9:7.1f} TFLOP/s", flush=True)

@@ -1,0 +1,180 @@
+// wgmma.cuh: sm_90a warpgroup MMA (wgmma.mma_async) and the shared-memory tiles it reads.
+//
+// A warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x 16] B[16 x N]
+// per instruction, asynchronously: issue several, commit them as a group, wait for the group.
+// A comes from shared memory (a descriptor) or from registers; B always from shared memory.
+//
+// Shared tiles: SwizzledTile<ROWS, COLS> holds [ROWS][COLS] 16-bit elements as COLS / 64 panels
+// of [ROWS][64] (128-byte rows); within a panel, 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) (the 128-byte swizzle: the 8 rows one access phase touches hit 8 different bank
+// groups). The same bytes serve as a K-major operand (rows = M or N, columns = K) and as an
+// MN-major one (rows = K, columns = M or N); only the descriptor differs:
+//   K-major:  8-row groups 1024 B apart (SBO); a k16 step moves 32 B within the 128-byte row,
+//             k = 64 starts the next panel.
+//   MN-major: 64 M/N columns per panel, panels kPanelBytes apart (LBO); 8-row (k) groups 1024 B
+//             apart (SBO); a k16 step moves 16 rows = 2048 B.
+// Every tile starts on a 1024-byte boundary, so the swizzle pattern's phase is the row index.
+//
+// Register layouts (warp w of the warpgroup, g = lane / 4, t = lane % 4):
+//   accumulator of m64nN: d[4 j + e], j < N / 8: row 16 w + g + 8 (e / 2), column 8 j + 2 t + e % 2
+//   A from registers, one k16 step: a[0] (16 w + g, 2 t..), a[1] (16 w + g + 8, 2 t..),
+//     a[2] (16 w + g, 2 t + 8..), a[3] (16 w + g + 8, 2 t + 8..): the mma.sync A fragment, so
+//     accumulator columns 16 s .. 16 s + 15 pack straight into the A operand of k step s.
+#pragma once
+
+#include "mma.cuh"
+
+namespace cuattn {
+
+using u64 = unsigned long long;
+static_assert(sizeof(u64) == 8, "64-bit descriptor");
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kWarpsPerWarpgroup = 4;
+constexpr int kWgmmaM = 64;                // rows of one wgmma
+constexpr int kWgmmaK = 16;                // k of one wgmma with 16-bit operands
+constexpr int kSwizzleRowBytes = 128;      // one swizzled row: 64 16-bit elements
+constexpr int kSwizzlePanelCols = 64;
+constexpr int kSwizzleAtomBytes = 1024;    // 8 rows of 128 B: the swizzle pattern's period
+constexpr int kChunksPerSwizzleRow = kSwizzleRowBytes / kCopyBytes;
+
+template <int ROWS, int COLS>
+struct SwizzledTile {
+  static_assert(ROWS % 8 == 0 && COLS % kSwizzlePanelCols == 0, "whole swizzle atoms");
+  static constexpr int kPanelBytes = ROWS * kSwizzleRowBytes;
+  static constexpr int kBytes = ROWS * COLS * 2;
+
+  // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row`.
+  static __device__ __forceinline__ int chunk_offset(int row, int chunk) {
+    return (chunk / kChunksPerSwizzleRow) * kPanelBytes + row * kSwizzleRowBytes +
+           (((chunk % kChunksPerSwizzleRow) ^ (row % 8)) * kCopyBytes);
+  }
+  // Byte offset of element (row, col).
+  static __device__ __forceinline__ int offset(int row, int col) {
+    return chunk_offset(row, col / 8) + (col % 8) * 2;
+  }
+};
+
+// The descriptor of a 128-byte-swizzled operand at shared address `addr` (PTX ISA, "matrix
+// descriptor"): address, LBO and SBO in 16-byte units, swizzle mode 1 = 128 B.
+__device__ __forceinline__ u64 wgmma_descriptor(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+  constexpr u64 kSwizzle128 = 1;
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (kSwizzle128 << 62);
+}
+
+// K-major operand: rows [row0, row0 + 64 or N) of a SwizzledTile, k16 step `step` of its columns.
+template <class Tile>
+__device__ __forceinline__ u64 kmajor_descriptor(u32 tile, int row0, int step) {
+  const int col = step * kWgmmaK;
+  const u32 addr = tile + (col / kSwizzlePanelCols) * Tile::kPanelBytes + row0 * kSwizzleRowBytes +
+                   (col % kSwizzlePanelCols) * 2;
+  return wgmma_descriptor(addr, kCopyBytes, kSwizzleAtomBytes);
+}
+
+// MN-major operand: columns [col0, col0 + 64 or N) (col0 a multiple of 64), k16 step `step` of its rows.
+template <class Tile>
+__device__ __forceinline__ u64 mnmajor_descriptor(u32 tile, int col0, int step) {
+  const u32 addr = tile + (col0 / kSwizzlePanelCols) * Tile::kPanelBytes + step * kWgmmaK * kSwizzleRowBytes;
+  return wgmma_descriptor(addr, Tile::kPanelBytes, kSwizzleAtomBytes);
+}
+
+// the 32 fp32 accumulator registers of an m64n64 tile, as asm operands %0-%31
+#define CUATTN_ACC32_LIST "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
+#define CUATTN_ACC32_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// the 64 fp32 accumulator registers of an m64n128 tile, as asm operands %0-%63
+#define CUATTN_ACC64_LIST "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}"
+#define CUATTN_ACC64_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+template <typename T, int N>
+struct Wgmma;
+
+// One specialisation per (dtype, N): ss (A and B from shared memory) and rs (A from registers).
+// `accumulate` = 0 overwrites D (no zeroing pass), 1 adds; TRANS_A / TRANS_B = 1 read an
+// MN-major operand.
+#define CUATTN_DEFINE_WGMMA(TYPE, PTX_TYPES, N, ACC, SS_TAIL, RS_TAIL)                                        \
+  template <>                                                                                                   \
+  struct Wgmma<TYPE, N> {                                                                                       \
+    static constexpr int kAccumulators = ACC;                                                                   \
+    template <int TRANS_A, int TRANS_B>                                                                         \
+    static __device__ __forceinline__ void ss(float (&d)[ACC], u64 desc_a, u64 desc_b, int accumulate) {       \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_TAIL                                                 \
+                   : CUATTN_ACC##ACC##_OPERANDS(d)                                                              \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));                   \
+    }                                                                                                           \
+    template <int TRANS_B>                                                                                      \
+    static __device__ __forceinline__ void rs(float (&d)[ACC], const u32 (&a)[4], u64 desc_b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_TAIL                                                 \
+                   : CUATTN_ACC##ACC##_OPERANDS(d)                                                              \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));  \
+    }                                                                                                           \
+  };
+
+// operands after the accumulators: ss  %ACC desc_a, +1 desc_b, +2 accumulate, +3 trans_a, +4 trans_b;
+//                                   rs  %ACC..+3 a, +4 desc_b, +5 accumulate, +6 trans_b
+#define CUATTN_WGMMA_SS(N, PTX_TYPES, ACC_LIST, A, B, P, TA, TB) \
+  #P ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPES " " ACC_LIST ", %" #A ", %" #B ", p, 1, 1, %" #TA ", %" #TB ";\n}\n"
+#define CUATTN_WGMMA_RS(N, PTX_TYPES, ACC_LIST, A0, A1, A2, A3, B, P, TB)                                    \
+  #P ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPES " " ACC_LIST ", {%" #A0 ", %" #A1 \
+  ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, %" #TB ";\n}\n"
+
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 64, 32,
+                    CUATTN_WGMMA_SS(64, "bf16.bf16", CUATTN_ACC32_LIST, 32, 33, 34, 35, 36),
+                    CUATTN_WGMMA_RS(64, "bf16.bf16", CUATTN_ACC32_LIST, 32, 33, 34, 35, 36, 37, 38))
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 128, 64,
+                    CUATTN_WGMMA_SS(128, "bf16.bf16", CUATTN_ACC64_LIST, 64, 65, 66, 67, 68),
+                    CUATTN_WGMMA_RS(128, "bf16.bf16", CUATTN_ACC64_LIST, 64, 65, 66, 67, 68, 69, 70))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 64, 32,
+                    CUATTN_WGMMA_SS(64, "f16.f16", CUATTN_ACC32_LIST, 32, 33, 34, 35, 36),
+                    CUATTN_WGMMA_RS(64, "f16.f16", CUATTN_ACC32_LIST, 32, 33, 34, 35, 36, 37, 38))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 128, 64,
+                    CUATTN_WGMMA_SS(128, "f16.f16", CUATTN_ACC64_LIST, 64, 65, 66, 67, 68),
+                    CUATTN_WGMMA_RS(128, "f16.f16", CUATTN_ACC64_LIST, 64, 65, 66, 67, 68, 69, 70))
+
+// Registers written by ordinary instructions are about to feed wgmma (accumulators, A fragments).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Close the wgmma issued since the last commit into one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N committed groups are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Ordinary shared-memory writes (st.shared, cp.async) become visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Pin registers in place: nothing reads an accumulator before the wgmma_wait above it, and
+// nothing writes one that a running wgmma still reads.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int S>
+__device__ __forceinline__ void fence_registers(u32 (&r)[S][4]) {
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[s][i])::"memory");
+}
+
+}  // namespace cuattn

@@ -1,0 +1,157 @@
+"""wgmma.cuh on the GPU: each operand form the sm_90a backward uses, against NumPy matmuls.
+
+One warpgroup runs one GEMM on tiles copied into 128-byte-swizzled shared memory (or, for A,
+into registers in the documented fragment layout) and writes its accumulator out through the
+documented accumulator layout, so a wrong swizzle, descriptor or fragment layout fails here
+with a plain matrix mismatch rather than as a wrong gradient.
+  ss_kk  C[64 x 64]  = A[64 x 128] B[64 x 128]^T   A, B K-major (S^T = K Q^T)
+  rs_mn  C[64 x 128] = A[64 x 64] B[64 x 128]      A from registers, B MN-major (dV = P^T dO)
+  ss_mn  C[64 x 64]  = A[128 x 64]^T B[128 x 128][:, 64:128]   A, B MN-major (dQ = dS K)
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import BF16
+
+SRC_DIR = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+
+SOURCE = r"""
+#include "wgmma.cuh"
+using namespace cuattn;
+using T = __nv_bfloat16;
+
+// rows x cols row-major global -> SwizzledTile<ROWS, COLS> at byte offset `at` of shared memory
+template <int ROWS, int COLS>
+__device__ void to_tile(unsigned char* smem, const T* g) {
+  using Tile = SwizzledTile<ROWS, COLS>;
+  for (int idx = threadIdx.x; idx < ROWS * COLS / 8; idx += kWarpgroupThreads) {
+    const int row = idx / (COLS / 8), chunk = idx % (COLS / 8);
+    *reinterpret_cast<uint4*>(smem + Tile::chunk_offset(row, chunk)) =
+        *reinterpret_cast<const uint4*>(g + row * COLS + chunk * 8);
+  }
+}
+
+// accumulator of an m64nN tile -> C [64][N] row-major
+template <int ACC>
+__device__ void store_acc(float* c, const float (&d)[ACC]) {
+  constexpr int N = ACC * 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = 0; i < ACC; ++i) {
+    const int j = i / 4, e = i % 4;
+    c[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + e % 2] = d[i];
+  }
+}
+
+__device__ unsigned char* aligned_smem() {
+  extern __shared__ __align__(16) unsigned char raw[];
+  const u32 addr = smem_address(raw);
+  return raw + (((addr + kSwizzleAtomBytes - 1) & ~(kSwizzleAtomBytes - 1)) - addr);
+}
+
+extern "C" __global__ void ss_kk(const T* a, const T* b, float* c) {  // a [64][128], b [64][128]
+  using ATile = SwizzledTile<64, 128>;
+  unsigned char* smem = aligned_smem();
+  to_tile<64, 128>(smem, a);
+  to_tile<64, 128>(smem + ATile::kBytes, b);
+  fence_proxy_async();
+  __syncthreads();
+  const u32 sa = smem_address(smem), sb = sa + ATile::kBytes;
+  float d[32];
+  wgmma_fence();
+  for (int ks = 0; ks < 8; ++ks)
+    Wgmma<T, 64>::ss<0, 0>(d, kmajor_descriptor<ATile>(sa, 0, ks), kmajor_descriptor<ATile>(sb, 0, ks), ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(d);
+  store_acc(c, d);
+}
+
+extern "C" __global__ void rs_mn(const T* a, const T* b, float* c) {  // a [64][64], b [64][128]
+  using BTile = SwizzledTile<64, 128>;
+  unsigned char* smem = aligned_smem();
+  to_tile<64, 128>(smem, b);
+  fence_proxy_async();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  u32 frag[4][4];
+  for (int s = 0; s < 4; ++s)
+    for (int r = 0; r < 4; ++r) {
+      const T* at = a + (16 * warp + g + 8 * (r % 2)) * 64 + 16 * s + 8 * (r / 2) + 2 * t;
+      frag[s][r] = *reinterpret_cast<const u32*>(at);
+    }
+  float d[64];
+  wgmma_fence();
+  for (int s = 0; s < 4; ++s)
+    Wgmma<T, 128>::rs<1>(d, frag[s], mnmajor_descriptor<BTile>(smem_address(smem), 0, s), s > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(d);
+  store_acc(c, d);
+}
+
+extern "C" __global__ void ss_mn(const T* a, const T* b, float* c) {  // a [128][64] (k, m), b [128][128] (k, n)
+  using ATile = SwizzledTile<128, 64>;
+  using BTile = SwizzledTile<128, 128>;
+  unsigned char* smem = aligned_smem();
+  to_tile<128, 64>(smem, a);
+  to_tile<128, 128>(smem + ATile::kBytes, b);
+  fence_proxy_async();
+  __syncthreads();
+  const u32 sa = smem_address(smem), sb = sa + ATile::kBytes;
+  float d[32];
+  wgmma_fence();
+  for (int ks = 0; ks < 8; ++ks)
+    Wgmma<T, 64>::ss<1, 1>(d, mnmajor_descriptor<ATile>(sa, 0, ks), mnmajor_descriptor<BTile>(sb, 64, ks), ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(d);
+  store_acc(c, d);
+}
+"""
+
+SMEM_BYTES = 96 * 1024
+
+
+def _module():
+    import cupy
+
+    from cuattn import _jit
+
+    if _jit.target_arch() != "sm_90a":
+        pytest.skip("wgmma needs an sm_90 GPU")
+    include = _jit.cuda_include_dir()
+    options = ("-arch=sm_90a", "-std=c++17", f"-I{SRC_DIR}", *([f"-I{include}"] if include else []))
+    return cupy.RawModule(code=SOURCE, options=options, backend="nvrtc")
+
+
+CASES = {
+    # name: (A shape, B shape, reference from the NumPy arrays)
+    "ss_kk": ((64, 128), (64, 128), lambda a, b: a @ b.T),
+    "rs_mn": ((64, 64), (64, 128), lambda a, b: a @ b),
+    "ss_mn": ((128, 64), (128, 128), lambda a, b: a.T @ b[:, 64:]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_wgmma_operand_forms(rng, name):
+    import cupy
+
+    a_shape, b_shape, reference = CASES[name]
+    kernel = _module().get_function(name)
+    kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
+    a = rng.standard_normal(a_shape).astype(BF16)
+    b = rng.standard_normal(b_shape).astype(BF16)
+    want = reference(a.astype(np.float64), b.astype(np.float64))
+    c = cupy.full(want.shape, np.nan, cupy.float32)  # poisoned: every element must be written
+    # bf16 travels as its raw 16-bit pattern
+    kernel((1,), (128,), (cupy.asarray(a.view(np.uint16)), cupy.asarray(b.view(np.uint16)), c),
+           shared_mem=SMEM_BYTES)
+    got = cupy.asnumpy(c)
+    # fp32 accumulation of exact bf16 products: only summation-order rounding
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"seed {rng.seed}")
