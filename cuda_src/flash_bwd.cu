@@ -384,19 +384,49 @@ constexpr int kBwdSm90Warpgroups = 2;
 constexpr int kBwdSm90Threads = kBwdSm90Warpgroups * kWarpgroupThreads;
 constexpr int kBwdSm90Stages = 2;  // Q/dO/lse/delta buffers: this step's and the next one's
 
-// Copy ROWS rows of COLS elements into a SwizzledTile with cp.async, zero past `valid_rows`.
+// cp.async copies of [ROWS, COLS] row blocks into a SwizzledTile by all THREADS threads. Each
+// thread keeps one 16-byte column chunk and walks the rows kRowsPerPass apart; a pass is a
+// multiple of 8 rows, so the thread's swizzled offset moves by a constant per pass and the
+// address arithmetic is set up once per kernel, not per copy.
 template <typename T, int ROWS, int COLS, int THREADS>
-__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* gmem, i64 row_stride, int valid_rows) {
+struct SwizzledLoader {
   using Tile = SwizzledTile<ROWS, COLS>;
-  constexpr int kChunksPerRow = COLS * sizeof(T) / kCopyBytes;
-  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
-#pragma unroll
-  for (int idx = threadIdx.x; idx < ROWS * kChunksPerRow; idx += THREADS) {
-    const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-    const bool valid = row < valid_rows;
-    cp_async_16(tile + Tile::chunk_offset(row, chunk), valid ? gmem + row * row_stride + chunk * kElemsPerChunk : gmem,
-                valid);
+  static constexpr int kChunksPerRow = COLS * sizeof(T) / kCopyBytes;
+  static constexpr int kRowsPerPass = THREADS / kChunksPerRow;
+  static constexpr int kPasses = ROWS / kRowsPerPass;
+  static_assert(THREADS % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 && ROWS % kRowsPerPass == 0,
+                "passes of whole swizzle atoms tile the block");
+  int row0, column, smem_offset;
+
+  __device__ __forceinline__ SwizzledLoader() {
+    const int chunk = threadIdx.x % kChunksPerRow;
+    row0 = threadIdx.x / kChunksPerRow;
+    column = chunk * (kCopyBytes / static_cast<int>(sizeof(T)));
+    smem_offset = Tile::chunk_offset(row0, chunk);
   }
+
+  // rows [0, ROWS) from `gmem` (row pitch `row_stride` elements); rows at or past `valid_rows` read 0
+  __device__ __forceinline__ void load(unsigned char* tile, const T* gmem, i64 row_stride, int valid_rows) const {
+    const T* src = gmem + row0 * row_stride + column;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const bool valid = row0 + pass * kRowsPerPass < valid_rows;
+      cp_async_16(tile + smem_offset + pass * kRowsPerPass * kSwizzleRowBytes, valid ? src : gmem, valid);
+      src += kRowsPerPass * row_stride;
+    }
+  }
+};
+
+// dst[0..3] += v (dst 16-byte aligned): Hopper's vector atomic, a quarter of the scalar operations.
+__device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+  atomicAdd(dst, v.x);
+  atomicAdd(dst + 1, v.y);
+  atomicAdd(dst + 2, v.z);
+  atomicAdd(dst + 3, v.w);
+#endif
 }
 
 // Shared memory of flash_bwd_sm90_kernel, byte offsets from a 1024-byte-aligned base. Python
@@ -474,12 +504,11 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int dq_row0 = kDqSplitsD ? 0 : wg * kWgmmaM, dq_col0 = kDqSplitsD ? wg * kDqCols : 0;
 
   // K and V of this block stay for the whole CTA
-  load_swizzled<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads>(base + Smem::kK,
-                                                       k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
-                                                       pb.seqlen_k - n0);
-  load_swizzled<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads>(base + Smem::kV,
-                                                       v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                       pb.seqlen_k - n0);
+  {
+    const SwizzledLoader<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads> kv_loader;
+    kv_loader.load(base + Smem::kK, k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss, pb.seqlen_k - n0);
+    kv_loader.load(base + Smem::kV, v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss, pb.seqlen_k - n0);
+  }
 
   float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this warpgroup's 64 keys x D
 #pragma unroll
@@ -491,18 +520,25 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int m_block_begin = m_begin / BLOCK_M;
   const int m_blocks = m_end > m_begin ? (m_end + BLOCK_M - 1) / BLOCK_M - m_block_begin : 0;
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
+  // Every key block of a head adds into the same dQ rows: starting each CTA at a different query
+  // block spreads the atomics over the accumulator instead of queueing them on the same lines.
+  const int m_rotation = m_blocks > 0 ? static_cast<int>(blockIdx.x % m_blocks) : 0;
+  const auto step_m0 = [&](int step) {
+    int m = step % m_blocks + m_rotation;
+    m = m >= m_blocks ? m - m_blocks : m;
+    return (m_block_begin + m) * BLOCK_M;
+  };
 
   // Q, dO, lse and delta of step `step` into stage `stage`, all cp.async (rows past the end read
   // 0: such rows only appear in tiles that take the mask, which zeroes their probabilities)
+  const SwizzledLoader<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads> q_loader;
   auto load_step = [&](int step, int stage) {
     const int h = hk * group + step / m_blocks;
-    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
-    load_swizzled<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads>(base + Smem::kQ + stage * QTile::kBytes,
-                                                         q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                                                         pb.seqlen_q - m0);
-    load_swizzled<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads>(
-        base + Smem::kdO + stage * QTile::kBytes, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
-        pb.seqlen_q - m0);
+    const int m0 = step_m0(step);
+    q_loader.load(base + Smem::kQ + stage * QTile::kBytes, q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
+                  pb.seqlen_q - m0);
+    q_loader.load(base + Smem::kdO + stage * QTile::kBytes,
+                  dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss, pb.seqlen_q - m0);
     for (int i = threadIdx.x; i < BLOCK_M; i += kBwdSm90Threads) {
       const bool valid = m0 + i < pb.seqlen_q;
       const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
@@ -517,7 +553,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   for (int step = 0; step < steps; ++step) {
     const int stage = step % kBwdSm90Stages;
     const int h = hk * group + step / m_blocks;
-    const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
+    const int m0 = step_m0(step);
     // this step's tiles have landed (the only group in flight) and are visible to wgmma; the
     // barrier also means every warpgroup finished the previous step, so its stage and the dS^T
     // tile may now be overwritten: prefetch the next step there
@@ -619,13 +655,27 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq);
+      // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
+      // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
+      const bool odd = tq % 2;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int query = m0 + dq_row0 + wg_warp * 16 + g + 8 * r;
-        if (query >= pb.seqlen_q) continue;
-        float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 + 2 * tq;
+        float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 +
+                     2 * (tq & ~1);
 #pragma unroll
-        for (int j = 0; j < kDqCols / 8; ++j) atomic_add_pair(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        for (int j = 0; j < kDqCols / 8; j += 2) {
+          const float* even_tile = dq + 4 * j + 2 * r;
+          const float* odd_tile = dq + 4 * (j + 1) + 2 * r;
+          // the pair this lane adds, and the one it hands its partner (selects, not a runtime
+          // index: the accumulator must stay in registers)
+          const float mine0 = odd ? odd_tile[0] : even_tile[0], mine1 = odd ? odd_tile[1] : even_tile[1];
+          const float give0 = odd ? even_tile[0] : odd_tile[0], give1 = odd ? even_tile[1] : odd_tile[1];
+          const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
+          const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
+          const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
+          if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
+        }
       }
     } else {
       wgmma_wait<0>();
