@@ -38,10 +38,20 @@ def _attention_fwd_fake(q, k, v, causal, scale, window_left, window_right, softc
     return q.new_empty(q.shape), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
 
 
+def _kernel_readable(x: torch.Tensor) -> bool:
+    """What the kernels read (cuattn._arrays.check_kernel_layout): a unit last stride and rows
+    that start on 16-byte boundaries."""
+    elems = _ROW_ALIGN_BYTES // x.element_size()
+    return x.stride(-1) == 1 and all(s % elems == 0 for s in x.stride()[:-1]) and x.data_ptr() % _ROW_ALIGN_BYTES == 0
+
+
 @torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float, window_left: int, window_right: int,
                    softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # autograd may hand over an expanded (stride 0) or sliced gradient: copy only then. (Here, in
+    # the op's eager body, not in the traced backward: fake tensors have no data pointer.)
+    dout = dout if _kernel_readable(dout) else dout.contiguous()
     return _backward_kernels(dout, q, k, v, out, lse, causal=causal, scale=scale,
                              window=(window_left, window_right), softcap=softcap, deterministic=deterministic)
 
@@ -58,17 +68,8 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (causal, scale, window_left, window_right, softcap, deterministic)
 
 
-def _kernel_readable(x: torch.Tensor) -> bool:
-    """What the kernels read (cuattn._arrays.check_kernel_layout): a unit last stride and rows
-    that start on 16-byte boundaries."""
-    elems = _ROW_ALIGN_BYTES // x.element_size()
-    return x.stride(-1) == 1 and all(s % elems == 0 for s in x.stride()[:-1]) and x.data_ptr() % _ROW_ALIGN_BYTES == 0
-
-
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    # autograd may hand over an expanded (stride 0) or sliced gradient: copy only then
-    dout = dout if _kernel_readable(dout) else dout.contiguous()
     dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None
 

@@ -1,7 +1,9 @@
 """Graph-timed paged decode TB/s over num_splits (GQA 32/8, D 128, bf16, block_size 16, shuffled blocks).
 
-python scripts/tune_paged.py [B:L ...]   (default 1:32768 64:2048); each shape is drawn twice with
-fresh shuffles, to show how much the placement of the blocks moves the figure.
+python scripts/tune_paged.py [--sequential] [B:L ...]   (default 1:32768 64:2048); each shape is
+drawn twice with fresh shuffles, to show how much the placement of the blocks moves the figure.
+--sequential: each sequence's blocks in pool order instead (a freshly filled pool), to tell the
+cost of scattered pages (TLB reach, DRAM locality) from the cost of the lookup itself.
 """
 
 import sys
@@ -17,12 +19,14 @@ SPLITS = [None, 1, 2, 4, 8, 16, 24, 33, 48, 64]
 
 
 def main(argv):
-    shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv] or [(1, 32768), (64, 2048)]
+    sequential = "--sequential" in argv
+    shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if arg != "--sequential"] or [(1, 32768), (64, 2048)]
     bf16 = cupy.dtype("bfloat16")
     for (batch, seqlen), draw in ((shape, draw) for shape in shapes for draw in range(2)):
         blocks = batch * seqlen // BLOCK
         pages = [cupy.random.standard_normal((blocks, BLOCK, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2)]
-        table = cupy.asarray(np.random.default_rng().permutation(blocks).reshape(batch, -1).astype(np.int32))
+        order = np.arange(blocks) if sequential else np.random.default_rng().permutation(blocks)
+        table = cupy.asarray(order.reshape(batch, -1).astype(np.int32))
         lens = cupy.full((batch,), seqlen, np.int32)
         q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
         nbytes = _bench.kv_bytes(batch, seqlen, HK, D)
@@ -33,7 +37,8 @@ def main(argv):
             ms = _bench.time_cupy_graph(lambda: cuattn.paged_attention(
                 q, tuple(pages), table, lens, check=False, max_seq_len=seqlen, num_splits=splits))
             line.append(f"{'auto' if splits is None else splits}:{nbytes / ms / 1e9:.2f}")
-        print(f"B={batch:3d} L={seqlen:7d} draw {draw}: " + " ".join(line), flush=True)
+        placement = "sequential" if sequential else f"draw {draw}"
+        print(f"B={batch:3d} L={seqlen:7d} {placement}: " + " ".join(line), flush=True)
 
 
 if __name__ == "__main__":
