@@ -404,19 +404,20 @@ class BwdTile:
         return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + FwdTile.PAD_ELEMS) * itemsize
 
 
-# One row per head dim and arch family. Warp tiles of 32 x 32 where the tile allows (each
-# shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers
-# across the 8 warps, which is what bounds BLOCK_N (64 at D = 256). Hopper's 227 KB of shared
-# memory per CTA holds two Q/dO stages at D = 128; sm_80's 163 KB holds one. At D = 64 Hopper
-# runs two CTAs of 128 registers per thread per SM (sm_80 spills there). scripts/tune_bwd.py
-# measured the candidates (BENCHMARKS.md).
+# One row per head dim and arch family. Hopper runs D = 64 and 128 on the wgmma kernel
+# (flash_bwd_sm90_kernel: 64 queries x 128 keys, two warpgroups; 1.5-1.9x the mma.sync kernel
+# there). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
+# fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
+# warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
+# holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
 # `python -m cuattn build` checks the spills and the fit.
 _BWD_D32 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D96 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D256 = BwdTile(64, 64, 8, 2, 2, 4, 1, 1, 64, 32, 4)
 BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
-    64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), SM90: BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)},
+    64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4),
+         SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
     96: {SM80: _BWD_D96, SM90: _BWD_D96},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4),
           SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True)},

@@ -368,11 +368,13 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // ---------------------------------------------------------------------------------------------
 // sm_90a: the main kernel on warpgroup MMA (wgmma).
 //
-// Two warpgroups per CTA and BLOCK_N = 128 keys: warpgroup w owns keys [64 w, 64 w + 64) of the
-// block for S^T, dP^T, dV and dK. P^T and dS^T leave the S^T / dP^T accumulators straight as
-// the register A operand of dV += P^T dO and dK += dS^T Q, with no shared-memory round trip;
-// dS^T also goes to shared memory for dQ = dS K, which the two warpgroups split by D
-// (BLOCK_M = 64) or by query rows (BLOCK_M = 128). Per query block:
+// Two warpgroups per CTA, BLOCK_N = 128 keys and BLOCK_M = 64 queries: warpgroup w owns keys
+// [64 w, 64 w + 64) of the block for S^T, dP^T, dV and dK. P^T and dS^T leave the S^T / dP^T
+// accumulators straight as the register A operand of dV += P^T dO and dK += dS^T Q, with no
+// shared-memory round trip; dS^T also goes to shared memory for dQ = dS K. At D = 128 the two
+// warpgroups split dQ by D (each sums over all 128 keys, after a CTA barrier); at D = 64 each
+// adds its own 64 keys' share of all of dQ (twice the atomics, but only a warpgroup barrier and
+// no n32 tile). Per query block:
 //   S^T  = K Q^T, dP^T = V dO^T        ss, both operands K-major, two commit groups
 //   P^T, dS^T in registers             the exponentials start while dP^T is in flight
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the same tiles
@@ -469,14 +471,16 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   using STile = typename Smem::STile;
   constexpr int BLOCK_N = kBwdSm90BlockN;
   constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Warpgroups;
-  // dQ of one warpgroup: all BLOCK_M rows and half of D, or half of the rows and all of D
-  constexpr bool kDqSplitsD = BLOCK_M == kWgmmaM;
-  constexpr int kDqCols = kDqSplitsD ? HEAD_DIM / kBwdSm90Warpgroups : HEAD_DIM;
+  // dQ of one warpgroup: half of D over all keys, or (D = 64) all of D over its own keys
+  constexpr bool kDqOwnKeys = HEAD_DIM <= kSwizzlePanelCols;
+  constexpr int kDqCols = kDqOwnKeys ? HEAD_DIM : HEAD_DIM / kBwdSm90Warpgroups;
+  constexpr int kDqKeys = kDqOwnKeys ? kKeysPerWarpgroup : BLOCK_N;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
   using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
   using DQ = Wgmma<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per warpgroup");
-  static_assert(BLOCK_M == kWgmmaM || BLOCK_M == kBwdSm90Warpgroups * kWgmmaM, "BLOCK_M = 64 or 128");
+  static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dV, dK and dQ tiles of n64 or n128");
 
   const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
@@ -501,7 +505,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
   const int key0 = wg * kKeysPerWarpgroup;  // this warpgroup's keys within the block
-  const int dq_row0 = kDqSplitsD ? 0 : wg * kWgmmaM, dq_col0 = kDqSplitsD ? wg * kDqCols : 0;
+  const int dq_key0 = kDqOwnKeys ? key0 : 0, dq_col0 = kDqOwnKeys ? 0 : wg * kDqCols;
 
   // K and V of this block stay for the whole CTA
   {
@@ -579,13 +583,8 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
       SdP::template ss<0, 0>(dp, kmajor_descriptor<KTile>(sV, key0, ks), kmajor_descriptor<QTile>(cdO, 0, ks), ks > 0);
     wgmma_commit();
-    wgmma_wait<1>();
-    fence_registers(s);
-
-    // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary; packed into the
-    // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
-    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
-    const int key_row = n0 + key0 + wg_warp * 16 + g;
+    // this lane's query columns' lse2 while the GEMMs run (after the wait, the shared loads
+    // would sit on the critical path)
     float lse2[BLOCK_M / 8][2];
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
@@ -594,6 +593,13 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         const float l = cLse[8 * j + 2 * tq + c];
         lse2[j][c] = l == -infinity() ? infinity() : l * kLog2e;  // empty rows: P = 0, never NaN
       }
+    wgmma_wait<1>();
+    fence_registers(s);
+
+    // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary; packed into the
+    // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
+    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+    const int key_row = n0 + key0 + wg_warp * 16 + g;
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
@@ -608,17 +614,20 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
       for (int r = 0; r < 4; ++r) pa[j][r] = DT::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
 
-    // dS^T = P^T (dP^T - delta), packed the same way
+    // dS^T = P^T (dP^T - delta), packed the same way (delta read before the wait, as lse2)
+    float row_delta[BLOCK_M / 8][2];
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) row_delta[j][c] = cDelta[8 * j + 2 * tq + c];
     wgmma_wait<0>();
     fence_registers(dp);
     u32 dsa[BLOCK_M / kWgmmaK][4];
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * j + 2 * tq + e % 2;
-        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], cDelta[col], lse2[j][e % 2]);
-      }
+      for (int e = 0; e < 4; ++e)
+        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2[j][e % 2]);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
@@ -644,14 +653,18 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
           const int col = 16 * j + 8 * (r / 2) + 2 * tq;
           *reinterpret_cast<u32*>(base + Smem::kdS + STile::offset(row, col)) = dsa[j][r];
         }
+      // every dS^T row the dQ GEMM reads is written and visible to wgmma: the whole tile, or
+      // (own keys) this warpgroup's rows
       fence_proxy_async();
-      __syncthreads();
-      // dQ = dS K over this block's keys: dS read MN-major from dS^T, K MN-major ([key][d])
+      if constexpr (kDqOwnKeys) warpgroup_barrier(wg);
+      else __syncthreads();
+      // dQ = dS K over keys [dq_key0, dq_key0 + kDqKeys): dS read MN-major from dS^T, K MN-major ([key][d])
+      const u32 dS_keys = sdS + dq_key0 * kSwizzleRowBytes, k_keys = sK + dq_key0 * kSwizzleRowBytes;
       float dq[DQ::kAccumulators];
 #pragma unroll
-      for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
-        DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(sdS, dq_row0, ks),
-                              mnmajor_descriptor<KTile>(sK, dq_col0, ks), ks > 0);
+      for (int ks = 0; ks < kDqKeys / kWgmmaK; ++ks)
+        DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks),
+                              mnmajor_descriptor<KTile>(k_keys, dq_col0, ks), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq);
@@ -660,7 +673,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       const bool odd = tq % 2;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int query = m0 + dq_row0 + wg_warp * 16 + g + 8 * r;
+        const int query = m0 + wg_warp * 16 + g + 8 * r;
         float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 +
                      2 * (tq & ~1);
 #pragma unroll

@@ -20,7 +20,7 @@ attention_module = sys.modules["cuattn.attention"]
 BwdTile = attention_module.BwdTile
 
 CANDIDATES = {
-    64: [BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4),
+    64: [BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True), BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4), BwdTile(128, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4),
          BwdTile(64, 64, 8, 2, 2, 2, 2, 2, 64, 32, 4), BwdTile(128, 64, 8, 2, 2, 4, 1, 2, 64, 32, 4)],
     128: [BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True), BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 64, 4),
           BwdTile(64, 64, 8, 2, 2, 2, 1, 2, 64, 64, 4), BwdTile(128, 64, 8, 2, 4, 4, 1, 1, 64, 64, 4)],

@@ -4,6 +4,8 @@ python scripts/tune_paged.py [--sequential] [B:L ...]   (default 1:32768 64:2048
 drawn twice with fresh shuffles, to show how much the placement of the blocks moves the figure.
 --sequential: each sequence's blocks in pool order instead (a freshly filled pool), to tell the
 cost of scattered pages (TLB reach, DRAM locality) from the cost of the lookup itself.
+--stages=N: override the D = 128 decode tile's cp.async ring depth for this run (fewer stages,
+less shared memory, more CTAs per SM).
 """
 
 import sys
@@ -14,13 +16,21 @@ import numpy as np
 import cuattn
 from cuattn import _bench
 
+decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
+
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 SPLITS = [None, 1, 2, 4, 8, 16, 24, 33, 48, 64]
 
 
 def main(argv):
     sequential = "--sequential" in argv
-    shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if arg != "--sequential"] or [(1, 32768), (64, 2048)]
+    for arg in argv:
+        if arg.startswith("--stages="):
+            tile = decode_module.DECODE_TILES[D]
+            decode_module.DECODE_TILES[D] = decode_module.DecodeTile(tile.max_mt, int(arg.split("=")[1]))
+            decode_module.decode_spec.cache_clear()
+            print(f"D = {D} decode tile: {decode_module.DECODE_TILES[D]}")
+    shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or [(1, 32768), (64, 2048)]
     bf16 = cupy.dtype("bfloat16")
     for (batch, seqlen), draw in ((shape, draw) for shape in shapes for draw in range(2)):
         blocks = batch * seqlen // BLOCK
