@@ -347,7 +347,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         q: ``(B, Sq_new, Hq, D)``.
         cache: a :class:`PagedKVCache`, or a ``(k_pages, v_pages)`` pair of arrays
             ``(num_blocks, block_size, Hk, D)`` from any framework (NumPy too); any block size
-            from 1 to 256.
+            from 1 to 256; page and slot strides below 2^31 elements.
         block_table: int32 ``(B, max_blocks)``: sequence b's token t is in page
             ``block_table[b, t // block_size]``. NumPy tables are uploaded.
         seq_lens: int32 ``(B,)`` tokens per sequence, the new tokens' own included.
@@ -408,6 +408,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             _arrays.check_same_dtype(name, x, "q", qv)
             _arrays.check_kernel_layout(name, x)
             _arrays.check_same_device(name, x, "q", qv)
+            _check_page_strides(name, _arrays.element_strides(x))
         _arrays.check_kernel_layout("q", qv)
         if max_seq_len is None:
             max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
@@ -433,6 +434,19 @@ def _same_kind(x, ctx):
     if kind != ctx.kind:
         raise TypeError(f"block_table and seq_lens must be NumPy arrays or come from q's framework ({ctx.kind}), got {kind}")
     return x
+
+
+# The kernel offsets a row by page * page_stride + slot * slot_stride with 32-bit strides.
+MAX_PAGE_STRIDE = 2**31 - 1
+
+
+def _check_page_strides(name: str, strides) -> None:
+    """Strides (elements) of a page and of a slot must fit in 32 bits (any pool laid out as
+    (num_blocks, block_size, Hk, D) does: block_size * Hk * D is far below 2^31)."""
+    for axis in (0, 1):
+        if abs(int(strides[axis])) > MAX_PAGE_STRIDE:
+            raise ValueError(f"{name}: the stride of axis {axis} is {int(strides[axis])} elements; paged_attention "
+                             f"needs page and slot strides of at most {MAX_PAGE_STRIDE}")
 
 
 def _check_table(table, lens, num_blocks: int, block_size: int) -> None:

@@ -32,6 +32,10 @@ constexpr int kMaxQFragmentRegisters = 32;
 // Where token j of the CTA's sequence and kv head lives. A policy splits the lookup in two:
 // `locate(j)` (any global reads it needs, issued one pipeline stage ahead so their latency hides
 // behind the GEMMs) and `rows(cursor, j, ...)` (pure arithmetic, right before the copy).
+struct RowCursor {
+  int page;  // as the block table holds it (paged); unused for a contiguous cache
+  int slot;  // j % block_size (paged)
+};
 
 // A contiguous cache [B, S_max, Hk, D]: nothing to look up.
 template <typename T>
@@ -40,9 +44,9 @@ struct ContiguousKV {
   const T* v;
   i64 k_row_stride, v_row_stride;
 
-  __device__ __forceinline__ int locate(int) const { return 0; }
+  __device__ __forceinline__ RowCursor locate(int) const { return RowCursor{0, 0}; }
 
-  __device__ __forceinline__ void rows(int, int j, const T*& k_row, const T*& v_row) const {
+  __device__ __forceinline__ void rows(RowCursor, int j, const T*& k_row, const T*& v_row) const {
     k_row = k + j * k_row_stride;
     v_row = v + j * v_row_stride;
   }
@@ -53,22 +57,28 @@ template <typename T>
 struct PagedKV {
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
   const T* v;
-  i64 k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
+  // element strides of a page and of a slot; the host checks they fit in 32 bits, so each
+  // offset is one 32 x 32 -> 64-bit multiply-add
+  int k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
   const int* table;  // this sequence's row of the block table
   FastDivisor block_size;  // any size: j / block_size costs a multiply-high, not a division
   int num_blocks;
 
   // the page, as the table holds it (the value is not used until rows(), so the read can be
-  // in flight meanwhile)
-  __device__ __forceinline__ int locate(int j) const { return table[block_size.div(j)]; }
+  // in flight meanwhile), and the slot, while the quotient is at hand
+  __device__ __forceinline__ RowCursor locate(int j) const {
+    const int index = block_size.div(j);
+    return RowCursor{table[index], block_size.mod(j, index)};
+  }
 
-  __device__ __forceinline__ void rows(int entry, int j, const T*& k_row, const T*& v_row) const {
+  // The address arithmetic sits between the copies of every row (a decode CTA issues little
+  // else), so it is kept short: the slot comes from locate(), the multiplies are 32-bit.
+  __device__ __forceinline__ void rows(RowCursor cursor, int, const T*& k_row, const T*& v_row) const {
     // ids outside the pool are refused on the host; clamping here keeps an unchecked table from
     // reading outside the pool
-    const int page = min(max(entry, 0), num_blocks - 1);
-    const int slot = block_size.mod(j, block_size.div(j));
-    k_row = k + page * k_page_stride + slot * k_slot_stride;
-    v_row = v + page * v_page_stride + slot * v_slot_stride;
+    const i64 page = min(max(cursor.page, 0), num_blocks - 1);
+    k_row = k + (page * k_page_stride + cursor.slot * k_slot_stride);
+    v_row = v + (page * v_page_stride + cursor.slot * v_slot_stride);
   }
 };
 
@@ -91,12 +101,13 @@ struct StageCopy {
 
 // Look up where this thread's rows of the stage starting at key n0 live.
 template <typename T, int HEAD_DIM, class KV>
-__device__ __forceinline__ void locate_stage(const KV& kv, int n0, int stop, int (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
+__device__ __forceinline__ void locate_stage(const KV& kv, int n0, int stop,
+                                             RowCursor (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
   using Copy = StageCopy<T, HEAD_DIM>;
 #pragma unroll
   for (int pass = 0; pass < Copy::kPasses; ++pass) {
     const int j = n0 + Copy::row(pass);
-    cursor[pass] = Copy::active() && j < stop ? kv.locate(j) : 0;
+    cursor[pass] = Copy::active() && j < stop ? kv.locate(j) : RowCursor{0, 0};
   }
 }
 
@@ -104,7 +115,7 @@ __device__ __forceinline__ void locate_stage(const KV& kv, int n0, int stop, int
 // or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
 template <typename T, int HEAD_DIM, class KV>
 __device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop,
-                                              const int (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
+                                              const RowCursor (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
   using Copy = StageCopy<T, HEAD_DIM>;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
   if (!Copy::active()) return;
@@ -204,13 +215,13 @@ __device__ __forceinline__ void decode_body(
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
       T* sK = sRing + (2 * st) * kDecodeBlockN * kStride;
-      int first[StageCopy<T, HEAD_DIM>::kPasses];
+      RowCursor first[StageCopy<T, HEAD_DIM>::kPasses];
       locate_stage<T, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop, first);
       load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop, first);
     }
     cp_async_commit();
   }
-  int cursor[StageCopy<T, HEAD_DIM>::kPasses];
+  RowCursor cursor[StageCopy<T, HEAD_DIM>::kPasses];
   if (STAGES - 1 < num_blocks) locate_stage<T, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop, cursor);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
@@ -391,9 +402,9 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const PagedKV<T> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, k_sp, k_ss, v_sp, v_ss,
-                      block_table + b * table_stride, FastDivisor{block_size, block_size_mul, block_size_shift},
-                      num_blocks};
+  const PagedKV<T> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
+                      static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
+                      FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out}};

@@ -13,6 +13,8 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job (same arguments) on warpgroup
+//                           MMA for D = 64 and 128; described above its definition
 //
 // Per query block the main kernel runs five warp GEMMs on shared tiles (warp tiles of 32 x 32
 // where the tile allows, so each fragment read from shared memory feeds several mma):

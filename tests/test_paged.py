@@ -355,3 +355,14 @@ def test_paged_attention_torch_query_and_unchecked_device_table(rng):
         bad[0, 0] = 999
         cuattn.paged_attention(q, cache, torch.from_numpy(bad).cuda(), torch.from_numpy(seq_lens).cuda())
     assert cupy.isfinite(cache.k_pages).all()
+
+
+def test_page_strides_must_fit_32_bits():
+    """The kernel multiplies 32-bit page and slot strides; a wider view is refused by name."""
+    from cuattn import paged as paged_module
+
+    paged_module._check_page_strides("k_pages", (2**31 - 1, 1024, 128, 1))
+    with pytest.raises(ValueError, match=r"k_pages: the stride of axis 0 is 2147483648 elements; paged_attention needs"):
+        paged_module._check_page_strides("k_pages", (2**31, 1024, 128, 1))
+    with pytest.raises(ValueError, match=r"v_pages: the stride of axis 1 is 4294967296 elements"):
+        paged_module._check_page_strides("v_pages", (1024, 2**32, 128, 1))
