@@ -405,8 +405,8 @@ class BwdTile:
 
 
 # One row per head dim and arch family. Hopper runs D = 64 and 128 on the wgmma kernel
-# (flash_bwd_sm90_kernel: 64 queries x 128 keys, two warpgroups; 1.5-1.9x the mma.sync kernel
-# there). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
+# (flash_bwd_sm90_kernel: 64 queries x 128 keys, two warpgroups; 1.3x the mma.sync kernel at
+# D = 64, 1.7-1.9x at D = 128). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
 # fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
@@ -441,15 +441,12 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
     itemsize = np.dtype(dtype).itemsize
     atomic = "false" if deterministic else "true"
     if t.wgmma:
-        main = _jit.KernelSpec(
-            "flash_bwd.cu", f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}>",
-            threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=True)
+        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}>"
     else:
-        main = _jit.KernelSpec(
-            "flash_bwd.cu",
-            f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.s_warps_n}, "
-            f"{t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}>",
-            threads=t.warps * 32, smem_bytes=t.smem_bytes(head_dim, itemsize))
+        main_name = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
+                     f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}>")
+    main = _jit.KernelSpec("flash_bwd.cu", main_name, threads=t.warps * 32,
+                           smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=t.wgmma)
     if deterministic:
         last = _jit.KernelSpec(
             "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
