@@ -33,6 +33,8 @@ MAX_NEW_TOKENS = 16
 MAX_SPLITS = 128
 # A split should stream at least this many keys, or the combine costs more than it saves.
 MIN_KEYS_PER_SPLIT = 256
+# Two CTAs share an SM (paged caches) only when each split streams at least this many keys.
+SHARED_SM_MIN_KEYS_PER_SPLIT = 2048
 DECODE_THREADS = 128
 DECODE_BLOCK_N = 64  # keys per pipeline stage: 4 warps x 16 (kDecodeBlockN in decode.cu)
 SMEM_PAD_ELEMS = 8
@@ -113,35 +115,43 @@ def fast_divisor(divisor: int) -> tuple[np.uint32, np.int32]:
     return np.uint32(mul), np.int32(log2_ceil - 1)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int, wave_ctas: int) -> int:
-    """Splits so that one wave of ``wave_ctas`` CTAs fills the GPU, each split streaming enough keys.
+def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int, sms: int,
+                      ctas_per_sm: int = 1) -> int:
+    """Splits so that one wave of CTAs fills the GPU, each split streaming enough keys.
+
+    A contiguous cache streams fastest with one CTA per SM (``ctas_per_sm = 1``;
+    scripts/tune_decode.py on the H200, D = 128: B = 1, L = 32k 3.15 TB/s at 16 splits against
+    2.89 at 32). A paged CTA starts with two dependent round trips (its first block-table entries,
+    then its first pages), and a second CTA per SM (``ctas_per_sm = 2``) hides that start, but only
+    once each split streams ``SHARED_SM_MIN_KEYS_PER_SPLIT`` keys; shorter splits go back to one
+    CTA per SM (scripts/tune_paged.py: B = 8, L = 8k 3.49 TB/s at 4 splits against 3.41 at 2;
+    B = 1, L = 32k 2.89 at 16 splits against 2.75 at 33; BENCHMARKS.md).
 
     Depends on shapes and the device only (never on the device's cache_seqlens): no sync.
     """
     ctas = batch * num_kv_heads * row_chunks
-    by_occupancy = wave_ctas // ctas
-    by_length = max(1, max_seqlen // MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+    def splits(wave_ctas: int) -> int:
+        by_occupancy = wave_ctas // ctas
+        by_length = max(1, max_seqlen // MIN_KEYS_PER_SPLIT)
+        return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+    if ctas_per_sm > 1:
+        shared = splits(ctas_per_sm * sms)
+        if max_seqlen >= shared * SHARED_SM_MIN_KEYS_PER_SPLIT:
+            return shared
+    return splits(sms)
 
 
 # Shared memory the driver reserves per CTA on sm_80 and later.
 RESERVED_SMEM_PER_CTA = 1024
 
 
-def _ctas_per_sm(spec: _jit.KernelSpec) -> int:
+def ctas_per_sm(spec: _jit.KernelSpec) -> int:
     """How many CTAs of a decode variant fit on one SM, by shared memory and threads."""
     by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
     by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
     return max(1, min(by_smem, by_threads))
-
-
-def wave_ctas(spec: _jit.KernelSpec, paged: bool) -> int:
-    """CTAs one wave should hold. A contiguous cache streams fastest with one CTA per SM
-    (scripts/tune_decode.py on the H200, D = 128: B = 1, L = 32k 3.15 TB/s at 16 splits against
-    2.89 at 32; BENCHMARKS.md). A paged CTA also waits on block-table reads, and two CTAs per SM
-    hide them: with one, paged decode fell from 0.94-0.99 of contiguous to 0.70-0.83."""
-    per_sm = _ctas_per_sm(spec) if paged else 1
-    return per_sm * _jit.multiprocessor_count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +322,7 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
     spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
-                                       wave_ctas(spec, paged is not None))
+                                       _jit.multiprocessor_count(), ctas_per_sm(spec) if paged is not None else 1)
     out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty((batch, num_heads, sq_new), cupy.float32) if return_lse else None
     if batch == 0:

@@ -29,106 +29,163 @@ constexpr int kDecodeBlockN = kDecodeWarps * kKeysPerWarp;      // keys per pipe
 // Q fragments stay in registers when they take at most this many (one m16 tile at D <= 128).
 constexpr int kMaxQFragmentRegisters = 32;
 
-// Where token j of the CTA's sequence and kv head lives. A policy splits the lookup in two:
-// `locate(j)` (any global reads it needs, issued one pipeline stage ahead so their latency hides
-// behind the GEMMs) and `rows(cursor, j, ...)` (pure arithmetic, right before the copy).
-struct RowCursor {
-  int page;  // as the block table holds it (paged); unused for a contiguous cache
-  int slot;  // j % block_size (paged)
+// How the 128 threads copy one stage: each keeps one 16-byte column of a run of kRun consecutive
+// rows (so a paged cache is looked up once per run, not once per row). The runs tile the 64-row
+// stage exactly; with D = 96 (12 chunks a row, 8 runs of 8 rows) a quarter of the threads idle.
+constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
+
+template <typename T, int HEAD_DIM>
+struct StageCopy {
+  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  static constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  static constexpr int kRuns = floor_pow2(kDecodeThreads / kChunksPerRow);
+  static constexpr int kRun = kDecodeBlockN / kRuns;  // rows a thread copies per stage
+  static_assert(kDecodeBlockN % kRuns == 0, "runs tile the stage");
+
+  static __device__ __forceinline__ bool active() { return threadIdx.x < kRuns * kChunksPerRow; }
+  static __device__ __forceinline__ int first_row() { return threadIdx.x / kChunksPerRow * kRun; }
 };
 
+// Where tokens j0 .. j0 + RUN - 1 of the CTA's sequence and kv head live. A policy splits the
+// lookup in two: `locate(j0, stop)` (any global reads it needs, issued one pipeline stage ahead
+// so their latency hides behind the GEMMs) and `for_each_row(cursor, j0, stop, col, copy)`
+// (arithmetic only, unless pages are shorter than a run), which calls copy(i, k_row, v_row) with
+// the addresses of column `col` of row i. Rows at or past `stop` are not read, but still get an
+// address inside the cache, so that copy() needs no select per row.
+
 // A contiguous cache [B, S_max, Hk, D]: nothing to look up.
-template <typename T>
+template <typename T, int RUN>
 struct ContiguousKV {
+  struct Cursor {};
   const T* k;  // already offset to (b, hk)
   const T* v;
   i64 k_row_stride, v_row_stride;
 
-  __device__ __forceinline__ RowCursor locate(int) const { return RowCursor{0, 0}; }
+  __device__ __forceinline__ Cursor locate(int, int) const { return Cursor{}; }
 
-  __device__ __forceinline__ void rows(RowCursor, int j, const T*& k_row, const T*& v_row) const {
-    k_row = k + j * k_row_stride;
-    v_row = v + j * v_row_stride;
+  template <class Copy>
+  __device__ __forceinline__ void for_each_row(Cursor, int j0, int stop, int col, Copy&& copy) const {
+    if (j0 + RUN <= stop) {
+      // a whole run: one address computation, then a row stride per row
+      const T* k_row = k + j0 * k_row_stride + col;
+      const T* v_row = v + j0 * v_row_stride + col;
+#pragma unroll
+      for (int i = 0; i < RUN; ++i, k_row += k_row_stride, v_row += v_row_stride) copy(i, k_row, v_row);
+      return;
+    }
+    // the last run: rows past `stop` (perhaps past the cache's capacity) point at the last row
+#pragma unroll
+    for (int i = 0; i < RUN; ++i) {
+      const int j = min(j0 + i, stop - 1);
+      copy(i, k + j * k_row_stride + col, v + j * v_row_stride + col);
+    }
   }
 };
 
-// A paged cache: token j is slot j % block_size of page table[j / block_size].
-template <typename T>
+// A paged cache: token j is slot j % block_size of page table[j / block_size]. A run starting at
+// slot s stays in its page when s + RUN <= block_size (always, when block_size is a multiple of
+// RUN: runs start at multiples of RUN); otherwise it spills into the next page, whose id locate()
+// also fetches, and, only with pages shorter than a run, into pages looked up row by row.
+template <typename T, int RUN>
 struct PagedKV {
+  struct Cursor {
+    int page;       // of token j0, as the block table holds it
+    int next_page;  // the page after it, when the run reaches it
+    int slot;       // j0 % block_size
+  };
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
   const T* v;
   // element strides of a page and of a slot; the host checks they fit in 32 bits, so each
   // offset is one 32 x 32 -> 64-bit multiply-add
   int k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
-  const int* table;  // this sequence's row of the block table
+  const int* table;        // this sequence's row of the block table
   FastDivisor block_size;  // any size: j / block_size costs a multiply-high, not a division
   int num_blocks;
 
-  // the page, as the table holds it (the value is not used until rows(), so the read can be
-  // in flight meanwhile), and the slot, while the quotient is at hand
-  __device__ __forceinline__ RowCursor locate(int j) const {
-    const int index = block_size.div(j);
-    return RowCursor{table[index], block_size.mod(j, index)};
+  // The ids are not used until for_each_row(), so the reads stay in flight meanwhile. The next
+  // page is read only when a row of the run before `stop` lies in it (the table may end there).
+  __device__ __forceinline__ Cursor locate(int j0, int stop) const {
+    const int index = block_size.div(j0);
+    const int slot = block_size.mod(j0, index);
+    const bool spills = slot + RUN > block_size.divisor && (index + 1) * block_size.divisor < stop;
+    return Cursor{table[index], spills ? table[index + 1] : 0, slot};
   }
 
-  // The address arithmetic sits between the copies of every row (a decode CTA issues little
-  // else), so it is kept short: the slot comes from locate(), the multiplies are 32-bit.
-  __device__ __forceinline__ void rows(RowCursor cursor, int, const T*& k_row, const T*& v_row) const {
-    // ids outside the pool are refused on the host; clamping here keeps an unchecked table from
-    // reading outside the pool
-    const i64 page = min(max(cursor.page, 0), num_blocks - 1);
-    k_row = k + (page * k_page_stride + cursor.slot * k_slot_stride);
-    v_row = v + (page * v_page_stride + cursor.slot * v_slot_stride);
+  // Column `col` of a slot. Ids outside the pool are refused on the host; clamping here keeps an
+  // unchecked table from reading outside the pool.
+  __device__ __forceinline__ void address(int page, int slot, int col, const T*& k_row, const T*& v_row) const {
+    const i64 p = min(max(page, 0), num_blocks - 1);
+    k_row = k + (p * k_page_stride + slot * k_slot_stride + col);
+    v_row = v + (p * v_page_stride + slot * v_slot_stride + col);
   }
-};
 
-constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
-
-// How the 128 threads copy one stage: each keeps one 16-byte column and walks kPasses rows. A
-// pass covers a power-of-two number of whole rows, so the passes tile the 64-row stage exactly;
-// with D = 96 (12 chunks a row, 8 rows a pass) a quarter of the threads idle.
-template <typename T, int HEAD_DIM>
-struct StageCopy {
-  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
-  static constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
-  static constexpr int kRowsPerPass = floor_pow2(kDecodeThreads / kChunksPerRow);
-  static constexpr int kPasses = kDecodeBlockN / kRowsPerPass;
-  static_assert(kDecodeBlockN % kRowsPerPass == 0, "passes tile the stage");
-
-  static __device__ __forceinline__ bool active() { return threadIdx.x < kRowsPerPass * kChunksPerRow; }
-  static __device__ __forceinline__ int row(int pass) { return threadIdx.x / kChunksPerRow + pass * kRowsPerPass; }
-};
-
-// Look up where this thread's rows of the stage starting at key n0 live.
-template <typename T, int HEAD_DIM, class KV>
-__device__ __forceinline__ void locate_stage(const KV& kv, int n0, int stop,
-                                             RowCursor (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
-  using Copy = StageCopy<T, HEAD_DIM>;
+  template <class Copy>
+  __device__ __forceinline__ void for_each_row(const Cursor& c, int j0, int stop, int col, Copy&& copy) const {
+    if (c.slot + RUN <= block_size.divisor) {
+      // the whole run in one page (rows past `stop` included): one address computation, then a
+      // slot stride per row
+      const T* k_row;
+      const T* v_row;
+      address(c.page, c.slot, col, k_row, v_row);
 #pragma unroll
-  for (int pass = 0; pass < Copy::kPasses; ++pass) {
-    const int j = n0 + Copy::row(pass);
-    cursor[pass] = Copy::active() && j < stop ? kv.locate(j) : RowCursor{0, 0};
+      for (int i = 0; i < RUN; ++i, k_row += k_slot_stride, v_row += v_slot_stride) copy(i, k_row, v_row);
+      return;
+    }
+    // a run across pages (never with block sizes that are multiples of RUN): kept rolled, out of
+    // the way of the registers the fast path and the GEMMs use
+#pragma unroll 1
+    for (int i = 0; i < RUN; ++i) {
+      int slot = c.slot + i;
+      int page = c.page;
+      if (slot >= 2 * block_size.divisor) {
+        // pages shorter than half a run: this row's page is read here, with its latency (and
+        // only for a row before the end: the table may end there)
+        const int index = block_size.div(j0 + i);
+        slot = block_size.mod(j0 + i, index);
+        page = j0 + i < stop ? table[index] : 0;
+      } else if (slot >= block_size.divisor) {
+        slot -= block_size.divisor;
+        page = c.next_page;
+      }
+      const T* k_row;
+      const T* v_row;
+      address(page, slot, col, k_row, v_row);
+      copy(i, k_row, v_row);
+    }
   }
+};
+
+// Look up where this thread's run of the stage starting at key n0 lives.
+template <typename T, int HEAD_DIM, class KV>
+__device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0, int stop) {
+  using Copy = StageCopy<T, HEAD_DIM>;
+  const int j0 = n0 + Copy::first_row();
+  return Copy::active() && j0 < stop ? kv.locate(j0, stop) : typename KV::Cursor{};
 }
 
 // One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
 // or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
 template <typename T, int HEAD_DIM, class KV>
 __device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop,
-                                              const RowCursor (&cursor)[StageCopy<T, HEAD_DIM>::kPasses]) {
+                                              const typename KV::Cursor& cursor) {
   using Copy = StageCopy<T, HEAD_DIM>;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
   if (!Copy::active()) return;
   const int col = (threadIdx.x % Copy::kChunksPerRow) * Copy::kElemsPerChunk;
+  const int j0 = n0 + Copy::first_row();
+  T* k_dst = sK + Copy::first_row() * kStride + col;
+  T* v_dst = sV + Copy::first_row() * kStride + col;
+  const int valid_rows = stop - j0;
+  const auto copy = [&](int i, const T* k_row, const T* v_row) {
+    cp_async_16(k_dst + i * kStride, k_row, i < valid_rows);
+    cp_async_16(v_dst + i * kStride, v_row, i < valid_rows);
+  };
+  if (valid_rows > 0) {
+    kv.for_each_row(cursor, j0, stop, col, copy);
+  } else {
+    // a run wholly past the end: zero its rows without a lookup
 #pragma unroll
-  for (int pass = 0; pass < Copy::kPasses; ++pass) {
-    const int row = Copy::row(pass);
-    const bool valid = n0 + row < stop;
-    const T* k_row = kv.k;
-    const T* v_row = kv.v;
-    if (valid) kv.rows(cursor[pass], n0 + row, k_row, v_row);
-    cp_async_16(sK + row * kStride + col, k_row + col, valid);
-    cp_async_16(sV + row * kStride + col, v_row + col, valid);
+    for (int i = 0; i < Copy::kRun; ++i) copy(i, kv.k, kv.v);
   }
 }
 
@@ -215,14 +272,13 @@ __device__ __forceinline__ void decode_body(
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
       T* sK = sRing + (2 * st) * kDecodeBlockN * kStride;
-      RowCursor first[StageCopy<T, HEAD_DIM>::kPasses];
-      locate_stage<T, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop, first);
+      const typename KV::Cursor first = locate_stage<T, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
       load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop, first);
     }
     cp_async_commit();
   }
-  RowCursor cursor[StageCopy<T, HEAD_DIM>::kPasses];
-  if (STAGES - 1 < num_blocks) locate_stage<T, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop, cursor);
+  typename KV::Cursor cursor{};
+  if (STAGES - 1 < num_blocks) cursor = locate_stage<T, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
@@ -254,7 +310,7 @@ __device__ __forceinline__ void decode_body(
       load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + t_next * kDecodeBlockN, stop, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
-      if (t_next + 1 < num_blocks) locate_stage<T, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop, cursor);
+      if (t_next + 1 < num_blocks) cursor = locate_stage<T, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
     }
     cp_async_commit();
 
@@ -369,7 +425,7 @@ decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const ContiguousKV<T> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
+  const ContiguousKV<T, StageCopy<T, HEAD_DIM>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out}};
@@ -402,7 +458,7 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const PagedKV<T> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
+  const PagedKV<T, StageCopy<T, HEAD_DIM>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
                       static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
                       FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table

@@ -242,14 +242,15 @@ def test_decode_numpy_runs_the_reference(rng):
 
 
 @pytest.mark.parametrize(
-    "batch, heads, kv_heads, seqlen, wave, expected",
-    [(1, 32, 8, 32768, 132, 16), (8, 32, 8, 8192, 132, 2), (32, 32, 8, 4096, 132, 1), (64, 32, 8, 2048, 132, 1),
-     (1, 32, 8, 32768, 264, 33), (8, 32, 8, 8192, 264, 4), (1, 8, 8, 300, 132, 1), (1, 1, 1, 1 << 20, 264, 128)],
+    "batch, kv_heads, seqlen, per_sm, expected",
+    [(1, 8, 32768, 1, 16), (8, 8, 8192, 1, 2), (32, 8, 4096, 1, 1), (64, 8, 2048, 1, 1), (1, 8, 300, 1, 1),
+     # two CTAs per SM (paged) when each split still streams 2048 keys, else one
+     (8, 8, 8192, 2, 4), (8, 8, 131072, 2, 4), (1, 1, 1 << 20, 2, 128), (1, 8, 32768, 2, 16), (1, 8, 8192, 2, 16)],
 )
-def test_split_heuristic(batch, heads, kv_heads, seqlen, wave, expected):
+def test_split_heuristic(batch, kv_heads, seqlen, per_sm, expected):
     from cuattn.decode import choose_num_splits
 
-    assert choose_num_splits(batch, kv_heads, 1, seqlen, wave) == expected
+    assert choose_num_splits(batch, kv_heads, 1, seqlen, 132, per_sm) == expected
 
 
 @pytest.mark.parametrize("divisor", list(range(1, 300)) + [1000, 4096, 65535])

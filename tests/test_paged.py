@@ -293,14 +293,11 @@ def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [1, 16, 48, 256])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
+def check_paged_against_decode(rng, dtype, block_size, d):
     import cupy
 
     lens = [700, 1, 0, 333, 1024]
-    hq, hk, d = 8, 2, 128
+    hq, hk = 8, 2
     manager, cache = paged_setup(rng, dtype, lens, block_size, hk, d, "cuda")
     q = randn(rng, (len(lens), 1, hq, d), dtype)
     table, seq_lens = manager.block_table(range(len(lens)))
@@ -320,6 +317,23 @@ def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse.get()), empty)
     np.testing.assert_allclose(lse.get()[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3)
+
+
+# Each thread copies a run of consecutive rows (8 at D = 128, 4 at D = 64, 16 at D = 256) and
+# looks its page up once per run: 16, 48 and 256 keep every run in one page; 12 and 100 make some
+# runs cross into the next page; 1, 3 and 5 make runs cross several pages.
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 5, 12, 16, 48, 100, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
+    check_paged_against_decode(rng, dtype, block_size, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [3, 12])
+@pytest.mark.parametrize("d", [32, 64, 96, 256])
+def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
+    check_paged_against_decode(rng, BF16, block_size, d)
 
 
 @pytest.mark.gpu
