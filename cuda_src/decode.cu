@@ -84,7 +84,7 @@ struct ContiguousKV {
 
 // A paged cache: token j is slot j % block_size of page table[j / block_size]. A run starting at
 // slot s stays in its page when s + RUN <= block_size (always, when block_size is a multiple of
-// RUN: runs start at multiples of RUN); otherwise it spills into the next page, whose id locate()
+// RUN: runs start at multiples of RUN, decode_body aligns the first stage); otherwise it spills into the next page, whose id locate()
 // also fetches, and, only with pages shorter than a run, into pages looked up row by row.
 template <typename T, int RUN>
 struct PagedKV {
@@ -253,9 +253,11 @@ __device__ __forceinline__ void decode_body(
   }
 
   // The keys any row can see, [n_begin, n_end), cut into num_splits chunks of whole blocks.
+  // n_begin is rounded down to a block (the window's mask hides the extra keys) so that every
+  // stage, and every thread's run of rows, starts where a page of a multiple of the run starts.
   const int offset = a.seqlen - a.sq_new;
   const int n_end = min(a.seqlen, offset + a.sq_new - 1 + a.mask.window_right + 1);
-  const int n_begin = max(0, offset - a.mask.window_left);
+  const int n_begin = max(0, offset - a.mask.window_left) / kDecodeBlockN * kDecodeBlockN;
   const int span = max(0, n_end - n_begin);
   const int blocks_total = (span + kDecodeBlockN - 1) / kDecodeBlockN;
   const int blocks_per_split = (blocks_total + a.num_splits - 1) / a.num_splits;

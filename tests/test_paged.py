@@ -293,7 +293,7 @@ def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
 
 
-def check_paged_against_decode(rng, dtype, block_size, d):
+def check_paged_against_decode(rng, dtype, block_size, d, **options):
     import cupy
 
     lens = [700, 1, 0, 333, 1024]
@@ -301,16 +301,17 @@ def check_paged_against_decode(rng, dtype, block_size, d):
     manager, cache = paged_setup(rng, dtype, lens, block_size, hk, d, "cuda")
     q = randn(rng, (len(lens), 1, hq, d), dtype)
     table, seq_lens = manager.block_table(range(len(lens)))
-    out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True)
+    out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True, **options)
     # the same cache gathered into contiguous rows, through the contiguous decode kernel
     k_cache = reference.gather_pages(cache.k_pages.get(), table, seq_lens).astype(dtype)
     v_cache = reference.gather_pages(cache.v_pages.get(), table, seq_lens).astype(dtype)
     dense, dense_lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
-                                     cupy.asarray(seq_lens), return_lse=True)
-    ref, ref_lse = reference.paged_attention(q, cache.k_pages.get(), cache.v_pages.get(), table, seq_lens, return_lse=True)
+                                     cupy.asarray(seq_lens), return_lse=True, **options)
+    ref, ref_lse = reference.paged_attention(q, cache.k_pages.get(), cache.v_pages.get(), table, seq_lens,
+                                             return_lse=True, **options)
     got = out.get().astype(np.float64)
     naive_err = max(np.abs(reference.naive_attention_lowp(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                                                          causal=True, dtype=dtype)[0] - ref[b]).max(initial=0)
+                                                          causal=True, dtype=dtype, **options)[0] - ref[b]).max(initial=0)
                     for b, n in enumerate(lens))
     assert np.abs(got - ref).max() <= error_budget(naive_err, dtype, 2.0, np.abs(ref).max()), f"seed {rng.seed}"
     assert np.abs(got - dense.get().astype(np.float64)).max() <= error_budget(naive_err, dtype, 2.0, 1.0)
@@ -334,6 +335,15 @@ def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
 @pytest.mark.parametrize("d", [32, 64, 96, 256])
 def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
     check_paged_against_decode(rng, BF16, block_size, d)
+
+
+# A sliding window starts the visible keys anywhere; the kernel starts its first stage at the
+# block below, so runs still begin at page boundaries.
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [12, 16])
+@pytest.mark.parametrize("window", [(50, 0), (333, -1)])
+def test_paged_attention_sliding_window(rng, block_size, window):
+    check_paged_against_decode(rng, BF16, block_size, 128, window=window)
 
 
 @pytest.mark.gpu
