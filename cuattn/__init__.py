@@ -8,7 +8,7 @@ arrays run the float64 reference on the CPU.
 __version__ = "0.1.0"
 
 from . import reference
-from ._errors import CompileError, OutOfBlocksError
+from ._errors import CompileError, NoDeviceError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .decode import decode, merge_states
@@ -18,6 +18,7 @@ __all__ = [
     "BlockManager",
     "PagedKVCache",
     "CompileError",
+    "NoDeviceError",
     "OutOfBlocksError",
     "attention",
     "attention_backward",

@@ -7,7 +7,7 @@ caller's current stream (torch's through ``cupy.cuda.ExternalStream``), and conv
 to the caller's framework, again without a copy. NumPy arrays stay on the host: the public
 functions run the float64 reference for them.
 
-The checks here produce the error messages DESIGN.md asks for: they name the argument, the axis,
+The checks here produce cuattn's error messages (README, "Errors"): they name the argument, the axis,
 what was expected and what came.
 """
 
@@ -199,6 +199,15 @@ def check_host_float_dtype(name: str, x) -> None:
     dtype = np.dtype(x.dtype)
     if dtype.kind != "f" and dtype != BFLOAT16:
         raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected a floating-point dtype")
+
+
+def check_dtypes(named: dict, host: bool) -> None:
+    """Every array in ``named`` has the first one's dtype: float16 or bfloat16 for the kernels,
+    any float dtype for the host reference (which computes in float64 either way)."""
+    (ref_name, ref), *rest = named.items()
+    (check_host_float_dtype if host else check_float_dtype)(ref_name, ref)
+    for name, x in rest:
+        check_same_dtype(name, x, ref_name, ref)
 
 
 def check_same_dtype(name: str, x, ref_name: str, ref) -> None:

@@ -29,7 +29,7 @@ def kv_bytes(batch, seqlen, num_kv_heads, head_dim, itemsize=2) -> float:
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal=False) -> float:
-    """Forward FLOPs, DESIGN.md's convention: 4 * B * H * Sq * Sk * D, halved for causal."""
+    """Forward FLOPs, cuattn's one convention: 4 * B * H * Sq * Sk * D, halved for causal."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     return flops / 2 if causal else flops
 

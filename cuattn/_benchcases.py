@@ -5,7 +5,7 @@ so a figure in a pytest-benchmark JSON and one in the CLI's table come from the 
 same calls and the same timing (``cuattn._bench``). Four families:
 
 - ``forward``: 32k tokens in total (B = 32768 / N), H * D = 2048, N in {1k, 4k, 16k}, D in
-  {64, 128}, causal or not (FlashAttention's benchmark shapes). TFLOP/s by DESIGN.md's count,
+  {64, 128}, causal or not (FlashAttention's benchmark shapes). TFLOP/s by `_bench`'s count,
   4 * B * H * N * N * D, halved for causal.
 - ``backward``: the same shapes, 2.5x the forward's FLOPs. Only the backward is timed: cuattn's
   ``attention_backward`` from the forward's out and lse; torch's ``autograd.grad`` of one SDPA
@@ -400,7 +400,7 @@ def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
         tflops = _bench.BACKWARD_FLOP_RATIO * forward_flops / ms / 1e9
         info = _attention_info(impl, s, dtype, ms, tflops)
         if impl == "cuattn":
-            # every allocation of one backward call beyond dq, dk, dv (DESIGN.md: dQ accumulator + delta)
+            # every allocation of one backward call beyond dq, dk, dv (the README's budget: dQ accumulator + delta)
             pool = cupy.get_default_memory_pool()
             cupy.cuda.Device().synchronize()
             pool.free_all_blocks()

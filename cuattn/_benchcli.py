@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _bench, _benchcases
+from . import _bench, _benchcases, _jit
 from ._arrays import BFLOAT16, FLOAT16, dtype_name
 
 FAMILY_ORDER = ("forward", "backward", "decode", "paged")
@@ -84,16 +84,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def gpu_unavailable_reason() -> str | None:
-    """None when CuPy sees a CUDA device; otherwise why not."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return f"CuPy is not installed ({exc}); install cuattn[cuda12] or cuattn[cuda13]"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, no device: CuPy raises its runtime error type
-        return f"{type(exc).__name__}: {exc}"
-    return None if count > 0 else "getDeviceCount() == 0"
+    """None when CuPy sees a CUDA device; otherwise the one-line reason every entry point gives."""
+    return _jit.gpu_unavailable_reason()
 
 
 def import_matplotlib():
@@ -131,7 +123,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         return
     reason = gpu_unavailable_reason()
     if reason is not None:
-        parser.error(f"bench measures on a CUDA device and found none: {reason}")
+        parser.error(f"bench measures on a CUDA device: {reason}")
 
 
 def main(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:

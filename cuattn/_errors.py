@@ -15,3 +15,8 @@ class CompileError(RuntimeError):
 
 class OutOfBlocksError(RuntimeError):
     """The paged KV cache has too few free blocks for a request; nothing was changed."""
+
+
+class NoDeviceError(RuntimeError):
+    """A GPU entry point was called where no CUDA device or driver can be used; the message says
+    what is missing and how to run on the CPU instead."""

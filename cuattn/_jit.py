@@ -16,7 +16,9 @@ works for any architecture NVRTC knows, which is how CI checks every variant for
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -25,10 +27,9 @@ import re
 import tempfile
 import threading
 import time
-from importlib import resources
 from pathlib import Path
 
-from ._errors import CompileError
+from ._errors import CompileError, NoDeviceError
 
 logger = logging.getLogger("cuattn")
 
@@ -37,6 +38,13 @@ DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 # mma.sync.m16n8k16 with bf16 operands, ldmatrix and cp.async need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = 80
 SOURCE_SUFFIXES = (".cu", ".cuh")
+# Targets with "a" suffixes: arch-specific instruction sets (wgmma, setmaxnreg on sm_90a).
+ARCH_SPECIFIC_TARGETS = ("sm_90a",)
+# Shown by every "no GPU" message: what works without one.
+CPU_PATH_HINT = (
+    "cuattn's kernels need an NVIDIA GPU of compute capability 8.0 or newer; without one, pass NumPy "
+    "arrays to run the float64 reference on the CPU (and PagedKVCache(..., device='cpu'))"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +90,24 @@ class CompiledKernel:
 
 
 def source_dir() -> Path:
-    """The folder holding the kernels: $CUATTN_SOURCE_DIR, a source checkout, or the wheel's copy."""
+    """The folder holding the kernels: $CUATTN_SOURCE_DIR, the installed package's copy, or a checkout's.
+
+    A wheel installs the sources as ``cuattn/cuda_src/`` beside this file; a source checkout (and
+    an editable install of it) keeps them in ``cuda_src/`` beside the package folder. NVRTC takes
+    an include folder on disk, so the answer is always a real directory.
+    """
     override = os.environ.get("CUATTN_SOURCE_DIR")
     if override:
         return Path(override)
-    checkout = Path(__file__).resolve().parent.parent / "cuda_src"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(resources.files("cuattn.cuda_src")))
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "cuda_src", package.parent / "cuda_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"cuattn's kernel sources are missing: neither {package / 'cuda_src'} (an installed wheel) nor "
+        f"{package.parent / 'cuda_src'} (a source checkout) holds common.cuh; reinstall cuattn, or point "
+        "CUATTN_SOURCE_DIR at a copy of cuda_src/"
+    )
 
 
 def sources_hash(directory: Path | None = None) -> str:
@@ -159,6 +177,88 @@ def cache_key(spec: KernelSpec, arch: str, src_hash: str | None = None) -> str:
     src_hash = sources_hash() if src_hash is None else src_hash
     fields = [src_hash, spec.source, spec.name, arch, *compile_options(arch), repr(nvrtc_version())]
     return hashlib.sha256("\n".join(fields).encode()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and devices
+
+
+def supported_archs() -> tuple[str, ...]:
+    """The targets ``build`` accepts: NVRTC's archs from sm_80 up, and the arch-specific ones."""
+    try:
+        numbers = [n for n in _nvrtc().getSupportedArchs() if n >= MIN_COMPUTE_CAPABILITY]
+    except (ImportError, AttributeError):  # no NVRTC to ask: the archs cuattn is built and tested for
+        numbers = [MIN_COMPUTE_CAPABILITY, 90]
+    archs = [f"sm_{n}" for n in sorted(numbers)]
+    for target in ARCH_SPECIFIC_TARGETS:
+        if target[:-1] in archs:
+            archs.insert(archs.index(target[:-1]) + 1, target)
+    return tuple(archs)
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if it is a target cuattn can build for, else a ValueError listing the ones it can."""
+    accepted = supported_archs()
+    if arch not in accepted:
+        raise ValueError(
+            f"arch {arch!r} is not a target cuattn builds for; accepted (compute capability 8.0 and newer, "
+            f"as this NVRTC knows them): {', '.join(accepted)}"
+        )
+    return arch
+
+
+def _driver_library_loads() -> bool:
+    """Whether the NVIDIA driver's CUDA library is installed (CuPy's runtime cannot tell this apart
+    from a driver that is too old: both come back as cudaErrorInsufficientDriver)."""
+    name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA device is usable through CuPy; otherwise one line: what is missing, and the CPU path.
+
+    The same sentence is raised by every device entry point (:func:`require_gpu`), printed by
+    ``python -m cuattn info`` and given as the GPU tests' skip reason.
+    """
+    try:
+        import cupy
+    except ImportError:
+        return ("no CUDA device can be used: CuPy is not installed (pip install 'cuattn[cuda12]' or "
+                f"'cuattn[cuda13]'); {CPU_PATH_HINT}")
+    if not _driver_library_loads():
+        return f"no NVIDIA driver was found (libcuda cannot be loaded), so no CUDA device can be used; {CPU_PATH_HINT}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"no CUDA device can be used ({_runtime_error_hint(cupy, exc)}); {CPU_PATH_HINT}"
+    if count == 0:
+        return f"no CUDA device was found (the NVIDIA driver reports none); {CPU_PATH_HINT}"
+    return None
+
+
+def _runtime_error_hint(cupy, exc) -> str:
+    """Why CuPy's runtime refused, said for a person: a too-old driver names both CUDA versions."""
+    if "InsufficientDriver" not in str(exc):
+        return str(exc)
+    try:
+        driver = cupy.cuda.runtime.driverGetVersion()
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception:  # the versions are a courtesy; the error itself is the answer
+        return str(exc)
+    return (f"the NVIDIA driver supports CUDA {driver // 1000}.{driver % 1000 // 10} but CuPy was built for "
+            f"CUDA {runtime // 1000}.{runtime % 1000 // 10}: update the driver, or install cuattn[cuda12]")
+
+
+def require_gpu() -> None:
+    """Raise :class:`cuattn.NoDeviceError` with :func:`gpu_unavailable_reason` where there is no device."""
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise NoDeviceError(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +372,17 @@ _functions: dict[tuple[int, KernelSpec], object] = {}
 _smem_opt_in: set[tuple[int, KernelSpec]] = set()
 
 
+def current_device() -> int:
+    """CuPy's current device; where there is none, :class:`NoDeviceError` says why in one line."""
+    import cupy
+
+    try:
+        return cupy.cuda.runtime.getDevice()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        require_gpu()
+        raise
+
+
 def device_arch(spec: KernelSpec, device_id: int) -> str:
     """The target for a device: sm_XY from its compute capability, sm_90a where a kernel needs it."""
     import cupy
@@ -293,10 +404,8 @@ def device_arch(spec: KernelSpec, device_id: int) -> str:
 
 def target_arch(device_id: int | None = None) -> str:
     """The arch kernels are built for on a device (memoised: asked on every launch)."""
-    import cupy
-
     if device_id is None:
-        device_id = cupy.cuda.runtime.getDevice()
+        device_id = current_device()
     arch = _archs.get(device_id)
     if arch is None:
         arch = _archs[device_id] = device_arch(KernelSpec("", ""), device_id)
@@ -311,7 +420,7 @@ def get_function(spec: KernelSpec, device_id: int | None = None):
     import cupy
 
     if device_id is None:
-        device_id = cupy.cuda.runtime.getDevice()
+        device_id = current_device()
     key = (device_id, spec)
     function = _functions.get(key)
     if function is not None:
@@ -335,7 +444,7 @@ def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None 
     """
     import cupy
 
-    device_id = cupy.cuda.runtime.getDevice()
+    device_id = current_device()
     function = get_function(spec, device_id)
     key = (device_id, spec)
     if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT and key not in _smem_opt_in:
@@ -360,7 +469,7 @@ def device_attribute(name: str, device_id: int | None = None) -> int:
     import cupy
 
     if device_id is None:
-        device_id = cupy.cuda.runtime.getDevice()
+        device_id = current_device()
     key = (device_id, name)
     value = _attributes.get(key)
     if value is None:

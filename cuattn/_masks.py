@@ -17,8 +17,12 @@ LOG2E = 1.0 / math.log(2.0)
 MAX_TOTAL_LENGTH = 1 << 30
 
 
-def check_options(window, softcap, scale) -> tuple[int, int]:
-    """Validate window, softcap and scale; returns the window as a pair of ints."""
+def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
+    """Validate window, softcap, scale and the boolean ``flags`` (causal, return_lse, ...) by
+    name; returns the window as a pair of ints. Host and device paths both call this first."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2

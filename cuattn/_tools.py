@@ -55,20 +55,31 @@ def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
     return min(by_regs, by_smem, MAX_THREADS_PER_SM // spec.threads)
 
 
+def parse_archs(arch) -> list[str]:
+    """A list of targets from "sm_80,sm_90a" or a sequence, each checked before anything compiles."""
+    archs = [a.strip() for a in arch.split(",")] if isinstance(arch, str) else [str(a).strip() for a in arch]
+    if not archs or not all(archs):
+        raise ValueError(f"arch must name at least one target, e.g. sm_80,sm_90a; got {arch!r}")
+    return [_jit.check_arch(a) for a in archs]
+
+
 def build(arch=DEFAULT_ARCHS, kernels=None, *, use_cache: bool = True) -> list[BuildRow]:
     """Compile every kernel variant for each architecture in ``arch`` (a list or "sm_80,sm_90a").
 
     ``kernels`` keeps only variants whose name contains one of the given substrings. Returns one
     row per (kernel, arch); a compile failure is recorded in the row's ``error``.
     """
-    archs = [a.strip() for a in arch.split(",")] if isinstance(arch, str) else list(arch)
+    archs = parse_archs(arch)
     if isinstance(kernels, str):
         kernels = [kernels]
-    rows = []
+    selected = {}
     for target in archs:
         specs = [s for s in kernel_variants(target) if not kernels or any(k in s.name for k in kernels)]
         if not specs:
             raise ValueError(f"no kernel variant matches {kernels!r}")
+        selected[target] = specs
+    rows = []
+    for target, specs in selected.items():
         for spec in specs:
             if spec.needs_sm90a and target != "sm_90a":
                 continue
@@ -143,14 +154,12 @@ def info() -> dict:
 
 
 def _device_report() -> str:
-    try:
-        import cupy
+    reason = _jit.gpu_unavailable_reason()
+    if reason is not None:
+        return reason
+    import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no CuPy, no driver or no device: the CPU reference path still works
-        return f"none ({type(exc).__name__}: {exc}); NumPy inputs run the float64 reference on the CPU"
-    if count == 0:
-        return "none; NumPy inputs run the float64 reference on the CPU"
+    count = cupy.cuda.runtime.getDeviceCount()
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     arch = _jit.target_arch(0)

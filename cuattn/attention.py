@@ -135,13 +135,7 @@ def _check_qkv(q, k, v, *, packed: bool) -> None:
 
 
 def _check_dtypes(q, k, v, host: bool) -> None:
-    if host:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            _arrays.check_host_float_dtype(name, x)
-        return
-    _arrays.check_float_dtype("q", q)
-    _arrays.check_same_dtype("k", k, "q", q)
-    _arrays.check_same_dtype("v", v, "q", q)
+    _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
 
 
 def _check_out(out, q) -> None:
@@ -181,7 +175,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     with _arrays.array_context(q=q, k=k, v=v, out=out) as ctx:
         qv, kv, vv, ov = (ctx.view(x) for x in (q, k, v, out))
         _check_qkv(qv, kv, vv, packed=False)
@@ -224,7 +218,7 @@ def attention_varlen(
     not processed. Returns ``out`` ``(total_q, Hq, D)``, and with ``return_lse`` also float32 lse
     ``(Hq, total_q)`` (natural log).
     """
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out) as ctx:
         qv, kv, vv, ov, cuq, cuk = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k))
         _check_qkv(qv, kv, vv, packed=True)
@@ -472,13 +466,11 @@ def _check_bwd_args(dout, out, lse, q, lse_shape: tuple, host: bool) -> None:
             raise ValueError(f"{name}.shape must equal q.shape = {tuple(q.shape)}, got {tuple(x.shape)}")
     if tuple(lse.shape) != lse_shape:
         raise ValueError(f"lse.shape must be {lse_shape} (the forward's lse), got {tuple(lse.shape)}")
-    if host:
-        for name, x in (("dout", dout), ("out", out), ("lse", lse)):
-            _arrays.check_host_float_dtype(name, x)
-        return
     _arrays.check_same_dtype("dout", dout, "q", q)
     _arrays.check_same_dtype("out", out, "q", q)
-    if np.dtype(lse.dtype) != np.float32:
+    if host:
+        _arrays.check_host_float_dtype("lse", lse)
+    elif np.dtype(lse.dtype) != np.float32:
         raise TypeError(f"lse.dtype must be float32 (the forward's lse), got {_arrays.dtype_name(lse.dtype)}")
 
 
@@ -493,7 +485,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     order varies between runs. ``deterministic=True`` needs no accumulator and gives
     bit-identical gradients run after run, at about 1.2-1.3x the time.
     """
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
         dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
         _check_qkv(qv, kv, vv, packed=False)
@@ -515,7 +507,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, scale=None, window=(-1, -1), softcap=0.0, deterministic=False):
     """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``."""
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k) as ctx:
         dov, qv, kv, vv, ov, lv, cuq, cuk = (ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))

@@ -166,7 +166,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         q: ``(B, Sq_new, Hq, D)``, Sq_new from 1 to 16, float16 or bfloat16.
         k_cache, v_cache: ``(B, S_max, Hk, D)``, same dtype, ``Hq % Hk == 0``.
         cache_seqlens: ``(B,)`` int32, keys in each row's cache (new tokens included). Values
-            are read on the device only; a value above S_max is treated as S_max.
+            are read on the device only (no sync), so they are not checked: a value above S_max
+            is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
         num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
         causal, scale, window, softcap: as in :func:`cuattn.attention`, with
             Sk = cache_seqlens[b] per row.
@@ -175,21 +176,19 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
     """
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens) as ctx:
         qv, kv, vv, lens = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
+        _arrays.check_dtypes({"q": qv, "k_cache": kv, "v_cache": vv}, ctx.on_host)
         if ctx.on_host:
-            if np.any(lens < 0) or np.any(lens > kv.shape[1]):
-                raise ValueError(f"cache_seqlens must lie in [0, S_max = {kv.shape[1]}], got {lens.tolist()}")
+            # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
+            lens = np.clip(lens, 0, int(kv.shape[1]))
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
                                       softcap=softcap, return_lse=True)
             return _host_result(result, qv, return_lse)
 
-        _arrays.check_float_dtype("q", qv)
-        _arrays.check_same_dtype("k_cache", kv, "q", qv)
-        _arrays.check_same_dtype("v_cache", vv, "q", qv)
         for name, x in (("q", qv), ("k_cache", kv), ("v_cache", vv)):
             _arrays.check_kernel_layout(name, x)
             _arrays.check_same_device(name, x, "q", qv)

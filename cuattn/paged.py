@@ -107,7 +107,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already exists; free it first or pick another id")
         num_tokens = self._check_count("num_tokens", num_tokens, minimum=0)
         needed = self._blocks_for(num_tokens)
-        self._require_free(needed, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
+        self._require_free(needed, f"allocate {_count(num_tokens, 'token')} for sequence {seq_id!r}")
         blocks = [self._take() for _ in range(needed)]
         self._tables[seq_id] = blocks
         self._lengths[seq_id] = num_tokens
@@ -126,7 +126,7 @@ class BlockManager:
         partial = length % self.block_size != 0
         copy_on_write = partial and self.refcount[blocks[-1]] > 1
         needed = self._blocks_for(length + num_tokens) - len(blocks) + int(copy_on_write)
-        self._require_free(needed, f"append {num_tokens} tokens to sequence {seq_id!r}")
+        self._require_free(needed, f"append {_count(num_tokens, 'token')} to sequence {seq_id!r}")
         copies = []
         if copy_on_write:
             # the last block is shared and about to be written: swap in a private copy
@@ -169,7 +169,8 @@ class BlockManager:
     def _require_free(self, needed: int, what: str) -> None:
         if needed > len(self._free):
             raise OutOfBlocksError(
-                f"cannot {what}: needs {needed} free blocks, {len(self._free)} of {self.num_blocks} are free"
+                f"cannot {what}: needs {_count(needed, 'free block')}, {len(self._free)} of {self.num_blocks} "
+                f"{'is' if len(self._free) == 1 else 'are'} free"
             )
 
     @staticmethod
@@ -193,6 +194,11 @@ class BlockManager:
                 + positions % self.block_size).astype(np.int32) if count else np.zeros(0, np.int32)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``: error messages count in English."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 # ---------------------------------------------------------------------------------------------
 # Device pages
 
@@ -208,7 +214,10 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda"):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
         if head_dim not in _decode.DECODE_TILES:
             supported = ", ".join(map(str, _decode.SUPPORTED_HEAD_DIMS))
@@ -216,12 +225,17 @@ class PagedKVCache:
         dtype = np.dtype(dtype)
         if device == "cuda" and dtype not in _arrays.CUDA_TYPES:
             raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16 or bfloat16")
-        xp = np if device == "cpu" else __import__("cupy")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if device == "cpu":
+            _arrays.check_host_float_dtype("dtype", np.empty(0, dtype))
+            xp = np
+        else:
+            _jit.require_gpu()
+            import cupy as xp
+        shape = (int(num_blocks), int(block_size), int(num_kv_heads), head_dim)
         self.k_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
         self.v_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), head_dim, dtype, device
 
     @property
     def num_slots(self) -> int:
@@ -230,8 +244,11 @@ class PagedKVCache:
     def write(self, k, v, slot_ids) -> None:
         """Store new tokens' keys and values ``(N, Hk, D)`` at ``slot_ids`` ``(N,)`` (-1 = padding, skipped).
 
-        Host slot ids are checked against the pool before launch; device slot ids are not read on
-        the host (no sync), and the kernel skips any outside the pool.
+        k and v have the cache's dtype. Each slot id appears at most once (the tokens are written
+        in parallel, so two writes to one slot have no order). Host slot ids (NumPy, lists) are
+        checked for both rules against the pool before launch, on either device; device slot ids
+        are not read on the host (no sync): the kernel skips any outside the pool, and duplicates
+        are the caller's to avoid.
         """
         with _arrays.array_context(k=k, v=v) as ctx:
             kv_, vv_ = ctx.view(k), ctx.view(v)
@@ -242,15 +259,16 @@ class PagedKVCache:
                 _arrays.check_axis(name, x, 2, "D", self.head_dim, "the cache's head_dim")
             _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
             slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots)
+            for name, x in (("k", kv_), ("v", vv_)):
+                if np.dtype(x.dtype) != self.dtype:
+                    raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
+                                    f"got {_arrays.dtype_name(x.dtype)}")
             if self.device == "cpu" or ctx.on_host:
                 self._write_host(kv_, vv_, slots)
                 return
             import cupy
 
             for name, x in (("k", kv_), ("v", vv_)):
-                if np.dtype(x.dtype) != self.dtype:
-                    raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
-                                    f"got {_arrays.dtype_name(x.dtype)}")
                 _arrays.check_kernel_layout(name, x)
             slots = cupy.asarray(slots, dtype=cupy.int32)
             self._launch_write(kv_, vv_, slots, ctx.stream)
@@ -326,6 +344,11 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int):
     bad = (slots < -1) | (slots >= num_slots)
     if bad.any():
         raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1 (padding); got {slots[bad][:8].tolist()}")
+    written = slots[slots >= 0]
+    unique, counts = np.unique(written, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slot_ids must not repeat a slot (the writes run in parallel); repeated: "
+                         f"{unique[counts > 1][:8].tolist()}")
     return slots.astype(np.int32)
 
 
@@ -362,7 +385,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
-    left, right = _masks.check_options(window, softcap, scale)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
     if isinstance(cache, PagedKVCache):
         k_pages, v_pages = cache.k_pages, cache.v_pages
         # a GPU cache's CuPy pages serve queries from any GPU framework
@@ -391,6 +414,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         capacity = int(table.shape[1]) * block_size
         if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
+        _arrays.check_dtypes({"q": qv, "k_pages": kv, "v_pages": vv}, ctx.on_host)
         host_lens = None
         if check or ctx.on_host:
             host_table = table if table_host else table.get()
@@ -403,9 +427,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
 
         import cupy
 
-        _arrays.check_float_dtype("q", qv)
         for name, x in (("k_pages", kv), ("v_pages", vv)):
-            _arrays.check_same_dtype(name, x, "q", qv)
             _arrays.check_kernel_layout(name, x)
             _arrays.check_same_device(name, x, "q", qv)
             _check_page_strides(name, _arrays.element_strides(x))
@@ -454,9 +476,11 @@ def _check_table(table, lens, num_blocks: int, block_size: int) -> None:
     capacity = table.shape[1] * block_size
     if lens.size and (lens.min() < 0 or lens.max() > capacity):
         worst = int(np.argmax(np.abs(lens - np.clip(lens, 0, capacity))))
+        if lens[worst] < 0:
+            raise ValueError(f"seq_lens[{worst}] must be >= 0, got {int(lens[worst])}")
         raise ValueError(
-            f"seq_lens[{worst}] = {int(lens[worst])} is beyond the block table's capacity "
-            f"(max_blocks {table.shape[1]} x block_size {block_size} = {capacity} tokens)"
+            f"seq_lens[{worst}] = {int(lens[worst])} exceeds what block_table holds: block_table.shape[1] "
+            f"(max_blocks) = {table.shape[1]} x block_size {block_size} = {capacity} tokens"
         )
     used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // block_size)
     bad = used & ((table < 0) | (table >= num_blocks))

@@ -1,8 +1,7 @@
-"""Shared test machinery: the `gpu` marker, random inputs, and DESIGN.md's tolerance rule."""
+"""Shared test machinery: the `gpu` marker, random inputs, and the tolerance rule (README, "Tests")."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import ml_dtypes
@@ -17,18 +16,11 @@ DTYPES = [np.dtype(np.float16), BF16]
 DTYPE_IDS = ["fp16", "bf16"]
 
 
-@functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA device is usable through CuPy; otherwise why not."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return f"CuPy is not installed ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no CUDA device: {type(exc).__name__}: {exc}"
-    return None if count > 0 else "no CUDA device: getDeviceCount() == 0"
+    """None when a CUDA device is usable through CuPy; otherwise the library's own one-line reason."""
+    from cuattn import _jit
+
+    return _jit.gpu_unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,7 +55,7 @@ def randn(rng, shape, dtype=np.float32, scale=1.0):
 
 
 def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> float:
-    """DESIGN.md: at most `factor` x the straightforward same-precision error, plus a small floor.
+    """The tolerance rule: at most `factor` x the straightforward same-precision error, plus a small floor.
 
     The floor is one unit in the last place of the output's magnitude in that dtype, so that
     outputs the naive computation happens to get exactly right still leave room for rounding.

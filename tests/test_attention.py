@@ -1,7 +1,7 @@
 """Forward attention on the GPU against the float64 reference, torch SDPA and itself.
 
 Every case draws fresh inputs, poisons the output buffer with NaN before the launch, and checks
-the result under DESIGN.md's rule: max error at most 2x that of the straightforward
+the result under the tolerance rule (README, "Tests"): max error at most 2x that of the straightforward
 same-precision computation (matmul, softmax, matmul), plus a floor.
 """
 

@@ -1,4 +1,4 @@
-"""Backward on the GPU against the float64 reference backward (DESIGN.md's 3x rule) and torch autograd.
+"""Backward on the GPU against the float64 reference backward (the 3x tolerance rule) and torch autograd.
 
 Fresh random inputs every run; the forward's own out and lse feed the backward, as in training.
 """

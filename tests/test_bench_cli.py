@@ -119,7 +119,7 @@ def test_output_folder_must_exist(capsys, tmp_path, option):
 
 
 def test_no_gpu_is_an_argument_error_before_any_measuring(capsys, monkeypatch):
-    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "getDeviceCount() == 0")
+    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "no CUDA device was found")
 
     def must_not_run():
         raise AssertionError("measured without a GPU")
@@ -128,7 +128,7 @@ def test_no_gpu_is_an_argument_error_before_any_measuring(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "decode", "--quick"])
     assert exit_info.value.code == 2
-    assert "bench measures on a CUDA device and found none: getDeviceCount() == 0" in capsys.readouterr().err
+    assert "bench measures on a CUDA device: no CUDA device was found" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

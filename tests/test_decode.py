@@ -269,3 +269,28 @@ def test_fast_divisor_refuses_zero():
 
     with pytest.raises(ValueError, match="divisor must be >= 1, got 0"):
         fast_divisor(0)
+
+
+def test_lengths_outside_the_cache_are_clamped_on_the_cpu_path(rng):
+    """cache_seqlens is never read on the host for device inputs, so it cannot be refused there;
+    both paths read min(max(len, 0), S_max) keys instead."""
+    q = randn(rng, (3, 1, 4, 32), np.float32)
+    k, v = (randn(rng, (3, 20, 2, 32), np.float32) for _ in range(2))
+    out, lse = cuattn.decode(q, k, v, np.array([25, -3, 7], np.int32), return_lse=True)
+    ref, ref_lse = cuattn.decode(q, k, v, np.array([20, 0, 7], np.int32), return_lse=True)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(lse, ref_lse)
+    assert np.isneginf(lse[1]).all() and not out[1].any()
+
+
+@pytest.mark.gpu
+def test_lengths_outside_the_cache_are_clamped_on_the_gpu_like_the_cpu(rng):
+    cupy = _cupy()
+    q = randn(rng, (3, 1, 4, 64), np.float16)
+    k, v = (randn(rng, (3, 40, 2, 64), np.float16) for _ in range(2))
+    lens = np.array([45, -3, 17], np.int32)
+    out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens), return_lse=True)
+    host_out, host_lse = cuattn.decode(q, k, v, lens, return_lse=True)
+    check_decode(rng, np.dtype(np.float16), q, k, v, np.clip(lens, 0, 40), out.get(), lse.get())
+    assert np.abs(out.get().astype(np.float64) - host_out.astype(np.float64)).max() < 1e-2
+    assert np.array_equal(np.isneginf(lse.get()), np.isneginf(host_lse))

@@ -1,4 +1,4 @@
-"""Every error rule of DESIGN.md: the message names the argument, the axis, expected and actual.
+"""Every error rule (README, "Errors"): the message names the argument, the axis, expected and actual.
 
 The shape, dtype and option checks run before any GPU work, so most are exercised with NumPy
 inputs on the CPU; the ones only device arrays can trigger (kernel dtypes, strides, alignment,
@@ -57,6 +57,30 @@ def test_shape_errors(shapes, message):
 def test_option_errors(options, error, message):
     with pytest.raises(error, match=message):
         cuattn.attention(*arrays(), **options)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_host_path_refuses_mixed_dtypes_like_the_device_path(name):
+    q, k, v = arrays(dtype=np.float16)
+    args = {"q": q, "k": k, "v": v, name: (k if name == "k" else v).astype(np.float64)}
+    with pytest.raises(TypeError, match=rf"{name}.dtype must equal q.dtype = float16, got float64"):
+        cuattn.attention(**args)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda q, k, v: cuattn.attention(q, k, v, causal="yes"), r"causal must be a bool, got 'yes'"),
+        (lambda q, k, v: cuattn.attention(q, k, v, return_lse=1), r"return_lse must be a bool, got 1"),
+        (lambda q, k, v: cuattn.attention_backward(q, q, k, v, q, np.zeros((1, 4, 5), np.float32), deterministic="no"),
+         r"deterministic must be a bool, got 'no'"),
+        (lambda q, k, v: cuattn.attention_backward(q.astype(np.float16), q, k, v, q, np.zeros((1, 4, 5), np.float32)),
+         r"dout.dtype must equal q.dtype = float32, got float16"),
+    ],
+)
+def test_flags_and_gradient_dtypes_are_checked_on_the_host(call, message):
+    with pytest.raises(TypeError, match=message):
+        call(*arrays())
 
 
 def test_integer_inputs_are_refused_on_the_host():
@@ -198,7 +222,8 @@ def decode_arrays(b=2, sq_new=1, hq=8, hk=2, s_max=50, d=64):
          ValueError, r"q.shape\[2\] \(num_heads\) = 8 must be a multiple of k_cache.shape\[2\] \(num_kv_heads\) = 3"),
         (lambda a: {**a, "cache_seqlens": a["cache_seqlens"].astype(np.int64)}, TypeError, r"cache_seqlens.dtype must be int32, got int64"),
         (lambda a: {**a, "cache_seqlens": a["cache_seqlens"][:1]}, ValueError, r"cache_seqlens.shape\[0\] \(batch\) must equal q.shape\[0\] = 2, got 1"),
-        (lambda a: {**a, "cache_seqlens": np.array([50, 51], np.int32)}, ValueError, r"cache_seqlens must lie in \[0, S_max = 50\], got \[50, 51\]"),
+        (lambda a: {**a, "k_cache": a["k_cache"].astype(np.float64)}, TypeError, r"k_cache.dtype must equal q.dtype = float32, got float64"),
+        (lambda a: {**a, "causal": "yes"}, TypeError, r"causal must be a bool, got 'yes'"),
         (lambda a: {**a, "num_splits": 0}, ValueError, r"num_splits must be None or an int from 1 to 128, got 0"),
         (lambda a: {**a, "num_splits": 129}, ValueError, r"num_splits must be None or an int from 1 to 128, got 129"),
         (lambda a: {**a, "window": (5,)}, ValueError, r"window must be a pair"),

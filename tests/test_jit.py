@@ -6,6 +6,7 @@ what keeps a kernel that fails to compile or spills registers from ever reaching
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def sources(tmp_path, monkeypatch):
     return copy
 
 
+@pytest.mark.compile_all
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_variant_compiles_without_spills(arch, cache):
     rows = cuattn.build(arch)
@@ -118,6 +120,72 @@ def test_cli_build_and_info(cache):
     info = subprocess.run([sys.executable, "-m", "cuattn", "info"], capture_output=True, text=True, check=True)
     for key in ("cuattn", "nvrtc", "cache directory", "cached kernels", "device"):
         assert key in info.stdout
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm_75", "compute_90", ""])
+def test_cli_build_refuses_an_unknown_arch_at_once_with_the_accepted_ones(arch):
+    run = subprocess.run([sys.executable, "-m", "cuattn", "build", "--arch", f"sm_80,{arch}"],
+                         capture_output=True, text=True, check=False, timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "accepted" in run.stderr or "at least one target" in run.stderr
+    assert "sm_80, " in run.stderr or "at least one target" in run.stderr
+    # refused before anything compiled: the table header never printed
+    assert "kernel" not in run.stdout
+
+
+def test_unknown_arch_is_refused_before_any_compile(monkeypatch):
+    def must_not_compile(*args, **kwargs):
+        raise AssertionError("compiled before checking every arch")
+
+    monkeypatch.setattr(_jit, "compile_kernel", must_not_compile)
+    with pytest.raises(ValueError, match=r"arch 'sm_75' is not a target cuattn builds for; accepted .*sm_80.*sm_90a"):
+        cuattn.build("sm_80,sm_75")
+    assert "sm_90a" in _jit.supported_archs() and "sm_75" not in _jit.supported_archs()
+
+
+@pytest.fixture
+def fresh_reason():
+    _jit.gpu_unavailable_reason.cache_clear()
+    yield
+    _jit.gpu_unavailable_reason.cache_clear()
+
+
+def test_no_driver_is_said_as_such_not_as_an_old_driver(monkeypatch, fresh_reason):
+    monkeypatch.setattr(_jit, "_driver_library_loads", lambda: False)
+    reason = _jit.gpu_unavailable_reason()
+    assert reason.startswith("no NVIDIA driver was found") and "insufficient" not in reason
+    assert "NumPy arrays" in reason and "\n" not in reason
+    with pytest.raises(cuattn.NoDeviceError, match=r"^no NVIDIA driver was found .*float64 reference on the CPU"):
+        _jit.require_gpu()
+
+
+def test_an_old_driver_names_both_cuda_versions(monkeypatch, fresh_reason):
+    import cupy
+
+    def insufficient():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+
+    monkeypatch.setattr(_jit, "_driver_library_loads", lambda: True)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", insufficient)
+    monkeypatch.setattr(cupy.cuda.runtime, "driverGetVersion", lambda: 12020)
+    monkeypatch.setattr(cupy.cuda.runtime, "runtimeGetVersion", lambda: 13000)
+    reason = _jit.gpu_unavailable_reason()
+    assert reason.startswith("no CUDA device can be used (the NVIDIA driver supports CUDA 12.2 but CuPy was "
+                             "built for CUDA 13.0: update the driver, or install cuattn[cuda12])"), reason
+
+
+def test_info_and_test_skips_give_the_librarys_own_reason():
+    from conftest import gpu_unavailable_reason
+
+    reason = _jit.gpu_unavailable_reason()
+    assert gpu_unavailable_reason() == reason
+    device = _tools.info()["device"]
+    if reason is None:
+        assert "compute capability" in device
+    else:
+        assert device == reason
+        with pytest.raises(cuattn.NoDeviceError, match=re.escape(reason)):
+            cuattn.PagedKVCache(4, 16, 1, 64, "float16")
 
 
 def test_cli_rejects_bad_arguments():

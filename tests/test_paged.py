@@ -148,13 +148,24 @@ def test_block_manager_errors():
         cuattn.BlockManager(0, 16)
 
 
+def test_out_of_blocks_messages_count_in_english():
+    m = cuattn.BlockManager(2, 2)
+    m.allocate("a", 4)
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"cannot append 1 token to sequence 'a': needs 1 free block, 0 of 2 are free"):
+        m.append("a")
+    m.free("a")
+    m.allocate("b", 2)
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"cannot allocate 3 tokens for sequence 'c': needs 2 free blocks, 1 of 2 is free"):
+        m.allocate("c", 3)
+
+
 def test_append_out_of_blocks_changes_nothing():
     m = cuattn.BlockManager(3, 2)
     m.allocate("a", 3)
     m.fork("a", "b")
     before = (m.refcount.copy(), m.num_free_blocks, m.blocks("b"), m.seq_len("b"))
     # b's last block is shared and partial: appending 3 needs a copy plus one more block (2 > 1 free)
-    with pytest.raises(cuattn.OutOfBlocksError, match=r"needs 2 free blocks, 1 of 3 are free"):
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"needs 2 free blocks, 1 of 3 is free"):
         m.append("b", 3)
     assert (m.refcount.copy(), m.num_free_blocks, m.blocks("b"), m.seq_len("b"))[1:] == before[1:]
     assert np.array_equal(m.refcount, before[0])
@@ -212,8 +223,11 @@ def test_paged_attention_errors():
     q = np.zeros((2, 1, 4, 64), np.float32)
     table = np.array([[0, 1], [2, 3]], np.int32)
     lens = np.array([8, 5], np.int32)
-    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 is beyond the block table's capacity \(max_blocks 2 x block_size 4 = 8 tokens\)"):
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 exceeds what block_table holds: block_table.shape\[1\] "
+                                         r"\(max_blocks\) = 2 x block_size 4 = 8 tokens"):
         cuattn.paged_attention(q, cache, table, np.array([9, 5], np.int32))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] must be >= 0, got -2"):
+        cuattn.paged_attention(q, cache, table, np.array([3, -2], np.int32))
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 8 is outside the pool of 8 blocks \(sequence 1 has 5 tokens\)"):
         cuattn.paged_attention(q, cache, np.array([[0, 1], [2, 8]], np.int32), lens)
     with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1 is outside the pool"):
@@ -260,6 +274,52 @@ def test_paged_cache_and_argument_errors():
     pages = np.zeros((4, 300, 2, 64), np.float32)
     with pytest.raises(ValueError, match=r"k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got 300"):
         cuattn.paged_attention(q, (pages, pages), table, lens)
+
+
+def test_cpu_cache_enforces_the_device_caches_rules():
+    with pytest.raises(TypeError, match=r"dtype.dtype is int32; expected a floating-point dtype"):
+        cuattn.PagedKVCache(8, 4, 2, 64, np.int32, device="cpu")
+    with pytest.raises(ValueError, match=r"num_kv_heads must be an int >= 1, got 0"):
+        cuattn.PagedKVCache(8, 4, 0, 64, np.float32, device="cpu")
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    k32 = np.ones((3, 2, 64), np.float32)
+    with pytest.raises(TypeError, match=r"k.dtype must equal the cache's dtype = float32, got float64"):
+        cache.write(k32.astype(np.float64), k32, np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match=r"v.dtype must equal the cache's dtype = float32, got float16"):
+        cache.write(k32, k32.astype(np.float16), np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"slot_ids must not repeat a slot \(the writes run in parallel\); repeated: \[5\]"):
+        cache.write(k32, k32, np.array([5, 1, 5]))
+    assert not cache.k_pages.any(), "a refused write changed the cache"
+    # -1 marks padding and may repeat
+    cache.write(k32, k32, np.array([-1, 1, -1]))
+    assert cache.k_pages[0, 1].all() and cache.k_pages.sum() == 2 * 64
+
+
+def test_duplicate_host_slot_ids_are_refused_on_the_device_path_too():
+    """The rule is the same whichever device holds the cache (GPU: two writes to a slot race)."""
+    pytest.importorskip("cupy")
+    from conftest import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is not None:
+        pytest.skip(f"needs a GPU: {gpu_unavailable_reason()}")
+    import cupy
+
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float16)
+    k = cupy.ones((2, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"slot_ids must not repeat a slot"):
+        cache.write(k, k, np.array([3, 3]))
+    with pytest.raises(TypeError, match=r"k.dtype must equal the cache's dtype = float16, got float32"):
+        cache.write(k.astype(cupy.float32), k, np.array([3, 4]))
+
+
+def test_cuda_cache_without_a_device_raises_one_line_with_the_cpu_path(monkeypatch):
+    from cuattn import _jit
+
+    reason = "no CUDA device was found (the NVIDIA driver reports none); " + _jit.CPU_PATH_HINT
+    monkeypatch.setattr(_jit, "gpu_unavailable_reason", lambda: reason)
+    with pytest.raises(cuattn.NoDeviceError) as info:
+        cuattn.PagedKVCache(8, 4, 2, 64, np.float16, device="cuda")
+    assert str(info.value) == reason and "\n" not in str(info.value)
 
 
 def test_cpu_cache_write_skips_padding_and_copies_blocks(rng):

@@ -1,0 +1,128 @@
+"""Packaging: kernel sources found in every install form, the license metadata, and a README
+whose Layout section names every tracked file.
+
+The installed wheel itself is exercised by `.ci/run` (scripts/smoke_installed.py from outside
+the checkout); these tests cover the same rules without building one: a package folder laid out
+as a wheel lays it out, run in a fresh interpreter from a folder outside the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuattn import _jit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_outside(site: Path, code: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "CUATTN_SOURCE_DIR"}
+    environment.update(PYTHONPATH=str(site), **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                          env=environment, timeout=120)
+
+
+@pytest.fixture
+def wheel_layout(tmp_path) -> Path:
+    """site/cuattn/ with the sources in site/cuattn/cuda_src/, as pip installs the wheel."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "cuattn", site / "cuattn", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "cuda_src", site / "cuattn" / "cuda_src")
+    (tmp_path / "elsewhere").mkdir()
+    return site
+
+
+def test_sources_resolve_inside_an_installed_package(wheel_layout):
+    code = "import cuattn; from cuattn import _jit; print(cuattn.__file__); print(_jit.source_dir()); print(_jit.sources_hash())"
+    done = _run_outside(wheel_layout, code, wheel_layout.parent / "elsewhere")
+    assert done.returncode == 0, done.stderr
+    package_file, sources, digest = done.stdout.split()
+    assert Path(package_file).parent == wheel_layout / "cuattn", "imported the checkout, not the installed copy"
+    assert Path(sources) == wheel_layout / "cuattn" / "cuda_src"
+    # the cache key hashes every header, whatever the install form
+    assert digest == _jit.sources_hash(ROOT / "cuda_src")
+
+
+def test_source_dir_override_wins_over_the_installed_copy(wheel_layout, tmp_path):
+    override = tmp_path / "my_sources"
+    shutil.copytree(ROOT / "cuda_src", override)
+    (override / "common.cuh").write_text((override / "common.cuh").read_text() + "\n// edited\n")
+    code = "from cuattn import _jit; print(_jit.source_dir()); print(_jit.sources_hash())"
+    done = _run_outside(wheel_layout, code, wheel_layout.parent / "elsewhere", CUATTN_SOURCE_DIR=str(override))
+    assert done.returncode == 0, done.stderr
+    sources, digest = done.stdout.split()
+    assert Path(sources) == override and digest != _jit.sources_hash(ROOT / "cuda_src")
+
+
+def test_missing_sources_name_both_places_and_the_override(wheel_layout):
+    shutil.rmtree(wheel_layout / "cuattn" / "cuda_src")
+    done = _run_outside(wheel_layout, "from cuattn import _jit; _jit.source_dir()", wheel_layout.parent / "elsewhere")
+    assert done.returncode != 0
+    assert re.search(r"FileNotFoundError: cuattn's kernel sources are missing: neither .*cuattn/cuda_src \(an installed "
+                     r"wheel\) nor .*cuda_src \(a source checkout\) holds common.cuh; .*CUATTN_SOURCE_DIR", done.stderr), done.stderr
+
+
+def test_checkout_resolves_its_own_sources(monkeypatch):
+    monkeypatch.delenv("CUATTN_SOURCE_DIR", raising=False)
+    assert _jit.source_dir() == ROOT / "cuda_src"
+
+
+def test_license_is_apache_in_spdx_form_and_shipped():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    # the SPDX string form; the table form `license = { text = ... }` is deprecated by setuptools
+    assert re.search(r'^license = "Apache-2.0"$', pyproject, re.M), "pyproject's license is not the SPDX string"
+    assert re.search(r'^license-files = \["LICENSE"\]$', pyproject, re.M)
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def _tracked_files() -> list[str]:
+    done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"git ls-files failed in {ROOT}: {done.stderr}")
+    return [line for line in done.stdout.splitlines() if (ROOT / line).exists()]
+
+
+def _layout_entries() -> dict[str, set[str]]:
+    """README's Layout block as {folder: names}; a folder's lines go on until the next folder."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", readme, re.M | re.S)
+    assert block, "README has no Layout section with a code block"
+    entries: dict[str, set[str]] = {}
+    folder = None
+    for line in block.group(1).splitlines():
+        head = re.match(r"^(\S+/)\s", line)
+        if head:
+            folder = head.group(1)
+        assert folder, f"Layout line before any folder: {line!r}"
+        # a name is a file name with an extension, or `run` under .ci/; parenthesised notes are prose
+        prose_free = re.sub(r"\([^)]*\)", "", line[len(head.group(0)):] if head else line)
+        names = re.findall(r"(?<![\w.])(\.?[\w-]+\.\w+|\.gitignore|LICENSE|run)(?![\w(])", prose_free)
+        entries.setdefault(folder, set()).update(names)
+    return entries
+
+
+def test_readme_layout_names_every_tracked_file_and_nothing_else():
+    entries = _layout_entries()
+    named = {("" if folder == "./" else folder) + name for folder, names in entries.items() for name in names}
+    tracked = set(_tracked_files())
+    assert sorted(named - tracked) == [], "README's Layout names files the tree does not have"
+    assert sorted(tracked - named) == [], "files missing from README's Layout"
+
+
+def test_readme_states_the_requirements():
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Requirements\n(.*?)^## ", readme, re.M | re.S)
+    assert section, "README has no Requirements section"
+    text = section.group(1)
+    for fact in ("compute capability 8.0", "sm_80", "sm_90a", "H200", "cuattn[cuda12]", "cuattn[cuda13]",
+                 "pip install cuattn", "NoDeviceError", 'pytest -m "not compile_all"'):
+        assert fact in text, f"Requirements does not say {fact!r}"
