@@ -85,6 +85,8 @@ def test_license_is_apache_in_spdx_form_and_shipped():
 
 
 def _tracked_files() -> list[str]:
+    if not (ROOT / ".git").exists():
+        pytest.skip(f"{ROOT} is a copy without git metadata: the tracked files are unknown")
     done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"git ls-files failed in {ROOT}: {done.stderr}")
