@@ -26,6 +26,19 @@ CUDA_TYPES = {FLOAT16: "__half", BFLOAT16: "__nv_bfloat16"}
 VECTOR_BYTES = 16
 
 
+class _TorchDtypes(dict):
+    """NumPy dtype -> torch dtype, filled on first use (torch is imported only when a caller uses it)."""
+
+    def __missing__(self, dtype):
+        import torch
+
+        self.update({FLOAT16: torch.float16, BFLOAT16: torch.bfloat16, np.dtype(np.float32): torch.float32})
+        return dict.__getitem__(self, dtype)
+
+
+TORCH_DTYPES = _TorchDtypes()
+
+
 def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
 
@@ -82,6 +95,22 @@ class ArrayContext:
         self.kind = kind
         self.stream = stream
         self.device_id = device_id
+        self._made = {}  # id(CuPy view) -> the caller's array it views (outputs made by empty())
+
+    def empty(self, shape, dtype):
+        """A new output: allocated by the caller's framework (torch's caching allocator for torch
+        inputs, so freed memory returns to the pool the caller manages), as the CuPy view the
+        kernels write; :meth:`to_caller` hands back the caller's own array."""
+        import cupy
+
+        if self.kind != "torch":
+            return cupy.empty(shape, dtype)
+        import torch
+
+        tensor = torch.empty(tuple(shape), dtype=TORCH_DTYPES[np.dtype(dtype)], device=f"cuda:{self.device_id}")
+        view = cupy.from_dlpack(tensor)
+        self._made[id(view)] = (view, tensor)
+        return view
 
     @property
     def on_host(self) -> bool:
@@ -103,6 +132,9 @@ class ArrayContext:
         if x is None or self.kind in ("numpy", "cupy", "dlpack"):
             return x
         if self.kind == "torch":
+            made = self._made.get(id(x))
+            if made is not None and made[0] is x:
+                return made[1]
             import torch
 
             return torch.from_dlpack(x)

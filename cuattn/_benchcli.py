@@ -32,7 +32,8 @@ from . import _bench, _benchcases, _jit
 from ._arrays import BFLOAT16, FLOAT16, dtype_name
 
 FAMILY_ORDER = ("forward", "backward", "decode", "paged")
-FAMILY_CHOICES = (*FAMILY_ORDER, "all")
+# "overhead" (host time per call, _benchoverhead) is its own run, not part of "all"
+FAMILY_CHOICES = (*FAMILY_ORDER, "all", "overhead")
 DTYPES = {"bf16": BFLOAT16, "fp16": FLOAT16}
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 JSON_FORMAT = "cuattn-bench/1"
@@ -102,6 +103,8 @@ def import_matplotlib():
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Refuse, before any measuring, what would fail after a long sweep: exit 2 with a message."""
+    if args.family == "overhead" and (args.plot or args.from_json or args.quick):
+        parser.error("bench overhead takes --dtype and --json only (no --plot, --from-json or --quick)")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path is None:
             continue
@@ -137,6 +140,8 @@ def main(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
     command = shlex.join(["python", "-m", "cuattn", *argv])
     env = environment()
     print(format_environment(env, command))
+    if args.family == "overhead":
+        return _overhead(args, env, command, dtype)
     ceilings = measure_ceilings(dtype)
     print(format_ceilings(ceilings))
     results = run(families, dtype, args.quick)
@@ -153,6 +158,21 @@ def main(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
         print(f"error: {r.family} {r.impl} {_benchcases.FAMILIES[r.family].shape_id(r.shape)}: {r.error}",
               file=sys.stderr)
     return 1 if errors else 0
+
+
+def _overhead(args, env: dict, command: str, dtype) -> int:
+    """``bench overhead``: host us per call and eager throughput, by function and input framework."""
+    from . import _benchoverhead
+
+    results = _benchoverhead.run(dtype)
+    print("\n" + _benchoverhead.format_table(results))
+    if args.json:
+        record = {"format": JSON_FORMAT + "+overhead", "command": command, **env,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "calls": _benchoverhead.CALLS, "rows": [_benchoverhead.record(r) for r in results]}
+        write_json(args.json, record)
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 def replay(parser: argparse.ArgumentParser, args) -> int:

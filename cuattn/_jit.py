@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ._errors import CompileError, NoDeviceError
 
 logger = logging.getLogger("cuattn")
@@ -436,15 +438,8 @@ def get_function(spec: KernelSpec, device_id: int | None = None):
     return function
 
 
-def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None = None) -> None:
-    """Launch a variant with its block size and dynamic shared memory on ``stream``.
-
-    ``shared_mem`` overrides the spec's dynamic shared memory for kernels whose need depends on
-    the call (up to 48 KB). The kernel's limit is raised on first use when the spec asks for more.
-    """
-    import cupy
-
-    device_id = current_device()
+def _loaded_function(spec: KernelSpec, device_id: int):
+    """The kernel, with its dynamic shared-memory limit raised on first use when the spec asks for more."""
     function = get_function(spec, device_id)
     key = (device_id, spec)
     if spec.smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT and key not in _smem_opt_in:
@@ -457,8 +452,80 @@ def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None 
             )
         function.max_dynamic_shared_size_bytes = spec.smem_bytes
         _smem_opt_in.add(key)
+    return function
+
+
+def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None = None) -> None:
+    """Launch a variant with positional ``args`` (CuPy marshals each) on ``stream``.
+
+    ``shared_mem`` overrides the spec's dynamic shared memory for kernels whose need depends on
+    the call (up to 48 KB). Kernels that take a parameter struct use :func:`prepare` instead.
+    """
+    function = _loaded_function(spec, current_device())
     smem = spec.smem_bytes if shared_mem is None else shared_mem
     function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=smem, stream=stream)
+
+
+class Launch:
+    """One kernel launch made ready: the function, its geometry and its parameter struct.
+
+    The struct's scalars are filled once; :meth:`run` writes the call's device addresses into it
+    and launches through the driver (``cuLaunchKernel`` with the struct as the only argument), so
+    a repeated call costs a few stores and the launch itself.
+    """
+
+    __slots__ = ("spec", "device_id", "function_ptr", "grid", "block", "shared_mem", "params", "_slots",
+                 "_args_address", "_args", "_lock")
+
+    def __init__(self, spec: KernelSpec, grid, params, *, shared_mem: int | None = None):
+        self.spec = spec
+        self.device_id = current_device()
+        # RawKernel.kernel: the loaded CUfunction of the current device
+        self.function_ptr = _loaded_function(spec, self.device_id).kernel.ptr
+        self.grid = tuple(int(g) for g in grid)
+        self.block = (spec.threads, 1, 1)
+        self.shared_mem = spec.smem_bytes if shared_mem is None else shared_mem
+        # the struct as 8-byte words (pointers are 8-byte aligned, so each is one word): the launch
+        # buffer, its pointer words rewritten in place under the lock by each run
+        self.params = np.frombuffer(params.tobytes(), np.uint64).copy()
+        self._slots = {name: params.dtype.fields[name][1] // 8 for name in params.dtype.names}
+        self._args = np.array([self.params.ctypes.data], np.uint64)  # void*[1]: the struct's address
+        self._args_address = self._args.ctypes.data
+        self._lock = threading.Lock()
+
+    def slot(self, field: str) -> int:
+        """The word index of a pointer field, for :meth:`run`."""
+        return self._slots[field]
+
+    def run(self, stream_ptr: int, pointers=()) -> None:
+        """Launch on the raw CUDA stream ``stream_ptr`` with ``(slot, address)`` pairs written first.
+
+        cuLaunchKernel copies the struct when it is called, so the buffer may be rewritten as soon
+        as it returns; the lock keeps two threads from interleaving writes and launch."""
+        from cupy_backends.cuda.api import driver
+
+        params = self.params
+        with self._lock:
+            for slot, address in pointers:
+                params[slot] = address
+            driver.launchKernel(self.function_ptr, *self.grid, *self.block, self.shared_mem, stream_ptr,
+                                self._args_address, 0)
+
+
+def stream_ptr(stream) -> int:
+    """The raw handle of a CuPy stream, an int handle, or (None) CuPy's current stream."""
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return int(getattr(stream, "ptr", stream))
+
+
+def prepare(spec: KernelSpec, grid, params, *, shared_mem: int | None = None) -> Launch | None:
+    """A :class:`Launch` of ``spec`` with the packed struct ``params`` (None for an empty grid)."""
+    if any(int(g) == 0 for g in grid):
+        return None
+    return Launch(spec, grid, params, shared_mem=shared_mem)
 
 
 _attributes: dict[tuple[int, str], int] = {}

@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-from . import _arrays, _jit, _masks, reference
+from . import _arrays, _calls, _jit, _masks, _params, reference
 
 
 
@@ -176,6 +176,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
+    call_key = _calls.key("attention", (q, k, v, out), (bool(causal), scale, left, right, softcap, bool(return_lse)))
+    plan = _calls.lookup(call_key)
+    if plan is not None:
+        result = plan(q, k, v, out)
+        if result is not None:
+            return result
     with _arrays.array_context(q=q, k=k, v=v, out=out) as ctx:
         qv, kv, vv, ov = (ctx.view(x) for x in (q, k, v, out))
         _check_qkv(qv, kv, vv, packed=False)
@@ -188,20 +194,34 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
             )
             return _host_result(result, qv, ov, return_lse)
 
-        import cupy
-
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
+        lse_shape = (batch, num_heads, seqlen_q)
         if ov is None:
-            ov = cupy.empty(qv.shape, qv.dtype)
-        lse = cupy.empty((batch, num_heads, seqlen_q), cupy.float32) if return_lse else None
-        _launch_fwd(
+            ov = ctx.empty(qv.shape, qv.dtype)
+        lse = ctx.empty(lse_shape, np.float32) if return_lse else None
+        launch = _launch_fwd(
             qv, kv, vv, ov, lse, None, None,
             batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
             causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
         )
+        if launch is not None:
+            outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
+                       **({"lse": (lse_shape, True)} if return_lse else {})}
+            _calls.remember(call_key, _calls.Plan(
+                inputs=("q", "k", "v", "out"), outputs=outputs, aligned=("q", "k", "v", "out"),
+                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse"})],
+                finish=_fwd_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
+
+
+def _fwd_result(return_lse: bool):
+    """How a plan returns: the new (or given) out, and lse when asked for."""
+    def finish(results, arrays):
+        out = results["out"] if "out" in results else arrays[3]
+        return (out, results["lse"]) if return_lse else out
+    return finish
 
 
 def attention_varlen(
@@ -238,8 +258,8 @@ def attention_varlen(
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         total_q, num_heads, _ = map(int, qv.shape)
         if ov is None:
-            ov = cupy.empty(qv.shape, qv.dtype)
-        lse = cupy.empty((num_heads, total_q), cupy.float32) if return_lse else None
+            ov = ctx.empty(qv.shape, qv.dtype)
+        lse = ctx.empty((num_heads, total_q), np.float32) if return_lse else None
         _launch_fwd(
             qv[None], kv[None], vv[None], ov[None], lse[None] if lse is not None else None,
             cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk),
@@ -300,12 +320,15 @@ def _host_result(result, q, out, return_lse):
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile: FwdTile | None = None):
-    """Launch flash_fwd_kernel on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None)."""
+    """Launch flash_fwd_kernel on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None).
+
+    Returns the prepared launch (the plan of later identical calls), or None when there was
+    nothing to compute."""
     head_dim = int(q.shape[3])
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
     _masks.check_total_length(seqlen_q, seqlen_k)
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
-        return
+        return None
     tile = fwd_tile(head_dim, _jit.target_arch()) if tile is None else tile
     spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
@@ -320,21 +343,19 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     bh = batch * num_heads
     grid_yz = _split_grid(bh)
     grid = ((seqlen_q + tile.block_m - 1) // tile.block_m, *grid_yz)
-    i64, i32, f32 = np.int64, np.int32, np.float32
-    null = np.uint64(0)
-    args = (
-        q, k, v, out, lse if lse is not None else null,
-        cu_seqlens_q if cu_seqlens_q is not None else null,
-        cu_seqlens_k if cu_seqlens_k is not None else null,
-        i64(qs[0]), i64(qs[1]), i64(qs[2]),
-        i64(ks[0]), i64(ks[1]), i64(ks[2]),
-        i64(vs[0]), i64(vs[1]), i64(vs[2]),
-        i64(os_[0]), i64(os_[1]), i64(os_[2]),
-        i64(lse_strides[0]), i64(lse_strides[1]),
-        i32(batch), i32(num_heads), i32(num_kv_heads), i32(seqlen_q), i32(seqlen_k),
-        f32(score_scale), f32(softcap_out), i32(left), i32(right),
+    params = _params.pack(
+        "FwdParams", q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+        k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+        v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+        o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+        lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
+        batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right,
     )
-    _jit.launch(spec, grid, args, stream=stream)
+    launch = _jit.prepare(spec, grid, params)
+    launch.run(_jit.stream_ptr(stream))
+    return launch
 
 
 # grid.y and grid.z are limited to 65535 each; B * H beyond that folds into grid.z.

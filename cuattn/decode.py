@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _jit, _masks, reference
+from . import _arrays, _calls, _jit, _masks, _params, reference
 
 MAX_NEW_TOKENS = 16
 MAX_SPLITS = 128
@@ -177,6 +177,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
+    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens),
+                          (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
+    plan = _calls.lookup(call_key)
+    if plan is not None:
+        result = plan(q, k_cache, v_cache, cache_seqlens)
+        if result is not None:
+            return result
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens) as ctx:
         qv, kv, vv, lens = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
@@ -193,12 +200,30 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
             _arrays.check_kernel_layout(name, x)
             _arrays.check_same_device(name, x, "q", qv)
         _arrays.check_same_device("cache_seqlens", lens, "q", qv)
-        out, lse = launch_decode(
-            qv, kv, vv, lens, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, return_lse=return_lse, stream=ctx.stream,
+        batch, sq_new, num_heads, _ = map(int, qv.shape)
+        out = ctx.empty(qv.shape, qv.dtype)
+        lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
+        bound, workspace = launch_decode(
+            qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
+            window=(left, right), softcap=softcap, stream=ctx.stream,
         )
+        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens"), bound, workspace, qv.shape,
+                                              (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
+
+
+def decode_plan(inputs, bound, workspace: int, out_shape, lse_shape, return_lse: bool):
+    """The plan of a decode-like call (decode, paged_attention): new out (and lse), the launches."""
+    if not bound:
+        return None
+
+    def finish(results, arrays):
+        return (results["out"], results["lse"]) if return_lse else results["out"]
+
+    outputs = {"out": (tuple(out_shape), False), **({"lse": (tuple(lse_shape), True)} if return_lse else {})}
+    return _calls.Plan(inputs=inputs, outputs=outputs, bound=bound, finish=finish, aligned=("q", "k", "v"),
+                       workspace=workspace, workspace_of=workspace_address)
 
 
 def merge_states(*args):
@@ -285,32 +310,35 @@ def _host_result(result, q, return_lse):
 _workspaces: dict[tuple[int, int], object] = {}
 
 
-def _workspace(nbytes: int, stream):
-    """A grow-only float32 buffer per (device, stream) for split partials.
+def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
+    """A grow-only float32 buffer per (device, stream) for split partials; returns its address.
 
     Reusing it keeps allocations off the decode path, so a step captured in a CUDA graph keeps
-    pointing at live memory when it is replayed.
+    pointing at live memory when it is replayed. It is held for the process's life (one per
+    stream that ever decoded with splits), so it never goes back to a pool.
     """
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr if stream is not None else 0)
+    key = (device_id, stream_ptr)
     buf = _workspaces.get(key)
     if buf is None or buf.nbytes < nbytes:
-        buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
+        with cupy.cuda.Device(device_id):
+            buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
         _workspaces[key] = buf
-    return buf
+    return buf.data.ptr
 
 
-def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  return_lse, stream, split_length: int | None = None):
-    """Launch (paged_)decode_kernel and, with several splits, combine_kernel. Returns (out, lse or None).
+def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
+                  stream, split_length: int | None = None) -> tuple[list, int]:
+    """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
+    and ``lse`` [B, Hq, Sq_new] (or None).
 
     ``paged`` is None for a contiguous cache, else ``(block_table, block_size, num_blocks)``; ``max_seqlen``
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
     ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
+    Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
+    workspace) and the workspace bytes: the plan of later identical calls.
     """
-    import cupy
-
     batch, sq_new, num_heads, head_dim = map(int, q.shape)
     num_kv_heads = int(k.shape[2])
     group = num_heads // num_kv_heads
@@ -322,48 +350,51 @@ def launch_decode(q, k, v, lens, paged, max_seqlen: int, *, num_splits, causal, 
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(), ctas_per_sm(spec) if paged is not None else 1)
-    out = cupy.empty(q.shape, q.dtype)
-    lse = cupy.empty((batch, num_heads, sq_new), cupy.float32) if return_lse else None
     if batch == 0:
-        return out, lse
+        return [], 0
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + DECODE_BLOCK_N)
     part_elems = num_splits * batch * sq_new * num_heads * head_dim
     lse_elems = num_splits * batch * num_heads * sq_new
-    null = np.uint64(0)
-    part_out = part_lse = null
-    if num_splits > 1:
+    stream = _jit.stream_ptr(stream)
+    workspace = (part_elems + lse_elems) * 4 if num_splits > 1 else 0
+    part_out = part_lse = None
+    if workspace:
         # partials live in the stream's workspace: [splits, B, Sq_new, Hq, D] then [splits, B, Hq, Sq_new]
-        base = _workspace((part_elems + lse_elems) * 4, stream).data.ptr
-        part_out, part_lse = np.uint64(base), np.uint64(base + part_elems * 4)
-    i64, i32, f32 = np.int64, np.int32, np.float32
+        part_out = workspace_address(workspace, stream, _jit.current_device())
+        part_lse = part_out + part_elems * 4
     qs, ks, vs, os_ = (_arrays.element_strides(x) for x in (q, k, v, out))
     lse_strides = (lse.strides[0] // 4, lse.strides[1] // 4) if lse is not None else (0, 0)
-    if paged is None:
-        cache_args = (k, v, lens)
-        stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]))
-    else:
+    table, block_size, num_blocks, table_stride = None, 0, 0, 0
+    if paged is not None:
         table, block_size, num_blocks = paged
-        cache_args = (k, v, table, lens)
-        stride_args = (*map(i64, qs[:3]), *map(i64, ks[:3]), *map(i64, vs[:3]),
-                       i64(_arrays.element_strides(table)[0]), i32(block_size),
-                       *fast_divisor(block_size), i32(num_blocks))
-    args = (
-        q, *cache_args, out, lse if lse is not None else null, part_out, part_lse,
-        *stride_args,
-        i64(os_[0]), i64(os_[1]), i64(os_[2]), i64(lse_strides[0]), i64(lse_strides[1]),
-        i32(batch), i32(sq_new), i32(num_heads), i32(num_kv_heads), i32(row_chunks), i32(num_splits),
-        i32(max_seqlen), f32(score_scale), f32(softcap_out), i32(left), i32(right),
+        table_stride = _arrays.element_strides(table)[0]
+    mul, shift = fast_divisor(max(block_size, 1))
+    params = _params.pack(
+        "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
+        part_lse=part_lse, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
+        v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
+        lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
+        block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, row_chunks=row_chunks, num_splits=num_splits,
+        max_seqlen=max_seqlen, score_scale=score_scale, softcap_out=softcap_out, window_left=left,
+        window_right=right,
     )
-    _jit.launch(spec, (num_splits, num_kv_heads * row_chunks, batch), args, stream=stream)
+    launch = _jit.prepare(spec, (num_splits, num_kv_heads * row_chunks, batch), params)
+    launch.run(stream)
+    parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
+    bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
+                                   "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role})]
     if num_splits > 1:
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)
         lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
-        _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream)
-    return out, lse
+        combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream)
+        bound.append(_calls.Bound(combine, {"parts": parts_role, "part_lse": parts_lse_role, "out": "out",
+                                            "lse_out": "lse"}))
+    return bound, workspace
 
 
 COMBINE_THREADS = 128
@@ -372,29 +403,32 @@ COMBINE_UNROLL = 8  # `#pragma unroll 8` over the parts in combine_kernel
 MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4 - COMBINE_UNROLL
 
 
-def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream) -> None:
+def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream):
     """Merge parts [P, B, S, H, D] (strides (part, b, s, h)) with lse [P, B, H, S] (strides
     (part, b, h, s)) into out [B, S, H, D] and lse [B, H, S] (or None).
 
-    ``parts`` and ``part_lse`` are arrays or raw device pointers (np.uint64) into a workspace.
+    ``parts`` and ``part_lse`` are arrays or raw device addresses (ints) into a workspace.
+    Returns the prepared launch (None when there are no rows).
     """
     num_parts, batch, seqlen, heads, head_dim = dims
     rows = batch * seqlen * heads
     if rows == 0:
-        return
-    i64, i32 = np.int64, np.int32
+        return None
     os_ = _arrays.element_strides(out)
     los = (lse.strides[0] // 4, lse.strides[1] // 4, lse.strides[2] // 4) if lse is not None else (0, 0, 0)
-    args = (
-        parts, part_lse, out, lse if lse is not None else np.uint64(0),
-        i32(num_parts), i32(batch), i32(seqlen), i32(heads), i32(head_dim),
-        *map(i64, part_strides), *map(i64, lse_strides), *map(i64, os_[:3]), *map(i64, los),
+    params = _params.pack(
+        "CombineParams", parts=parts, part_lse=part_lse, out=out, lse_out=lse,
+        **dict(zip(("p_part", "p_b", "p_s", "p_h"), part_strides)), **dict(zip(("l_part", "l_b", "l_h", "l_s"), lse_strides)),
+        o_b=os_[0], o_s=os_[1], o_h=os_[2], lo_b=los[0], lo_h=los[1], lo_s=los[2],
+        num_parts=num_parts, batch=batch, seqlen=seqlen, heads=heads, head_dim=head_dim,
     )
     spec = combine_spec(np.dtype(parts_dtype), np.dtype(out.dtype))
     # one CTA per row; the parts' weights take num_parts floats of dynamic shared memory, rounded
     # up to whole groups of the unrolled loop, whose reads the compiler may vectorise
     weight_slots = -(-num_parts // COMBINE_UNROLL) * COMBINE_UNROLL
-    _jit.launch(spec, (rows, 1, 1), args, stream=stream, shared_mem=4 * weight_slots)
+    launch = _jit.prepare(spec, (rows, 1, 1), params, shared_mem=4 * weight_slots)
+    launch.run(_jit.stream_ptr(stream))
+    return launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,6 +476,28 @@ def _check_states(views, host: bool) -> None:
         _arrays.check_same_device(f"lse_{i}", lse, "out_0", out0)
 
 
+def _strided_parts(arrays, rank: int):
+    """Read P arrays of one shape in place as [P, ...] with one part stride: ``(base address,
+    (part stride, batch stride, two more strides))`` in elements, when their leading axes fold into one batch axis
+    (``rank`` axes remain), they share strides and dtype, and their addresses step by a constant
+    (any two parts do; so do slices of one tensor, however large). None otherwise."""
+    first = arrays[0]
+    if first.ndim > rank + 1:
+        return None
+    strides = _arrays.element_strides(first)
+    if first.ndim == rank:
+        strides = (0, *strides)  # no leading axis: one batch entry
+    itemsize = first.dtype.itemsize
+    step = (arrays[1].data.ptr - first.data.ptr) if len(arrays) > 1 else 0
+    if step % itemsize:
+        return None
+    for i, x in enumerate(arrays):
+        if x.dtype != first.dtype or x.strides != first.strides or x.data.ptr - first.data.ptr != i * step:
+            return None
+    # the part, batch and the next two axes' strides: (part, b, s, h) of out, (part, b, h, s) of lse
+    return first.data.ptr, (step // itemsize, *strides[:3])
+
+
 def _merge_on_device(views, stream):
     import cupy
 
@@ -449,12 +505,16 @@ def _merge_on_device(views, stream):
     lead = tuple(int(n) for n in out0.shape[:-3])
     seqlen, heads, head_dim = (int(n) for n in out0.shape[-3:])
     batch = int(np.prod(lead)) if lead else 1
-    # stacking copies each part once into [P, B', S, H, D] / [P, B', H, S]
-    parts = cupy.stack([cupy.ascontiguousarray(o).reshape(batch, seqlen, heads, head_dim) for o, _ in views])
-    plse = cupy.stack([cupy.ascontiguousarray(l).reshape(batch, heads, seqlen) for _, l in views])
+    parts = _strided_parts([o for o, _ in views], 3)
+    plse = _strided_parts([l for _, l in views], 2)
+    if parts is None or plse is None:
+        # no common stride between the parts: copy each once into [P, B', S, H, D] / [P, B', H, S]
+        stacked = cupy.stack([cupy.ascontiguousarray(o).reshape(batch, seqlen, heads, head_dim) for o, _ in views])
+        stacked_lse = cupy.stack([cupy.ascontiguousarray(l).reshape(batch, heads, seqlen) for _, l in views])
+        parts = stacked.data.ptr, _arrays.element_strides(stacked)[:4]
+        plse = stacked_lse.data.ptr, _arrays.element_strides(stacked_lse)
     out = cupy.empty((batch, seqlen, heads, head_dim), out0.dtype)
     lse = cupy.empty((batch, heads, seqlen), cupy.float32)
     dims = (len(views), batch, seqlen, heads, head_dim)
-    _launch_combine(parts, _arrays.element_strides(parts)[:4], plse, _arrays.element_strides(plse), dims,
-                    parts.dtype, out, lse, stream)
+    _launch_combine(parts[0], parts[1], plse[0], plse[1], dims, out0.dtype, out, lse, stream)
     return out.reshape(out0.shape), lse.reshape(lse0.shape)

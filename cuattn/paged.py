@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _jit, _masks, decode as _decode, reference
+from . import _arrays, _calls, _jit, _masks, _params, decode as _decode, reference
 from ._errors import OutOfBlocksError
 
 # Padding of block tables past a sequence's last block; never read (positions past seq_lens).
@@ -297,13 +297,21 @@ class PagedKVCache:
 
         spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::copy_blocks_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
                                threads=COPY_THREADS)
-        ks, vs = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
         chunks = self.block_size * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
-        args = (self.k_pages, self.v_pages, cupy.asarray(pairs), *map(np.int64, ks[:3]), *map(np.int64, vs[:3]),
-                np.int32(self.block_size), np.int32(self.num_kv_heads), np.int32(self.head_dim))
+        pairs_d = cupy.asarray(pairs)  # [P, 2]
+        params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
+                                    num_tokens=0)
         with cupy.cuda.Device(self.k_pages.device.id):
-            _jit.launch(spec, (len(pairs), math.ceil(chunks / COPY_THREADS), 1), args,
-                        stream=cupy.cuda.get_current_stream())
+            _jit.prepare(spec, (len(pairs), math.ceil(chunks / COPY_THREADS), 1), params).run(_jit.stream_ptr(None))
+
+    def _cache_params(self, **fields):
+        """CacheParams with the pages' fields filled in; the call's own fields come in ``fields``."""
+        kp, vp = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
+        return _params.pack(
+            "CacheParams", k_pages=self.k_pages, v_pages=self.v_pages, kp_sp=kp[0], kp_ss=kp[1], kp_sh=kp[2],
+            vp_sp=vp[0], vp_ss=vp[1], vp_sh=vp[2], num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size, num_blocks=self.num_blocks, **fields,
+        )
 
     def _write_host(self, k, v, slots) -> None:
         keep = slots >= 0
@@ -320,13 +328,10 @@ class PagedKVCache:
         spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::cache_write_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
                                threads=COPY_THREADS)
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
-        kp, vp = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
         chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
-        i64, i32 = np.int64, np.int32
-        args = (k, v, slots, self.k_pages, self.v_pages, i64(ks[0]), i64(ks[1]), i64(vs[0]), i64(vs[1]),
-                *map(i64, kp[:3]), *map(i64, vp[:3]), i32(num_tokens), i32(self.num_kv_heads), i32(self.head_dim),
-                i32(self.block_size), i32(self.num_blocks))
-        _jit.launch(spec, (math.ceil(chunks / COPY_THREADS), 1, 1), args, stream=stream)
+        params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
+                                    v_sh=vs[1], num_tokens=num_tokens)
+        _jit.prepare(spec, (math.ceil(chunks / COPY_THREADS), 1, 1), params).run(_jit.stream_ptr(stream))
 
 
 COPY_THREADS = 256
@@ -393,6 +398,15 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
     else:
         k_pages, v_pages = _cache_pair(cache)
         named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+    call_key = None
+    if not check:
+        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens),
+                              (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
+    plan = _calls.lookup(call_key)
+    if plan is not None:
+        result = plan(q, k_pages, v_pages, block_table, seq_lens)
+        if result is not None:
+            return result
     with _arrays.array_context(**named) as ctx:
         if ctx.on_host and _arrays.array_kind(k_pages) != "numpy":
             raise TypeError("q is a NumPy array but the cache is on the GPU; pass device arrays, or build the "
@@ -436,11 +450,18 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
         table_d = cupy.asarray(table, dtype=cupy.int32)
         lens_d = cupy.asarray(lens, dtype=cupy.int32)
-        out, lse = _decode.launch_decode(
-            qv, kv, vv, lens_d, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
-            causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=return_lse,
+        batch, sq_new, num_heads, _ = map(int, qv.shape)
+        out = ctx.empty(qv.shape, qv.dtype)
+        lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
+        bound, workspace = _decode.launch_decode(
+            qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
+            causal=causal, scale=scale, window=(left, right), softcap=softcap,
             stream=ctx.stream, split_length=min(int(max_seq_len), capacity),
         )
+        if not (check or table_host or lens_host):
+            # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
+            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens"), bound, workspace,
+                                                          qv.shape, (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 

@@ -6,20 +6,26 @@
 //                       skipped (as is any slot outside the pool). One thread moves 16 bytes.
 //   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
 //                       a copy of page src: one launch for all pairs, 16-byte vectors.
+// Both take CacheParams (params.cuh).
 #include "common.cuh"
 #include "mma.cuh"
+#include "params.cuh"
 
 namespace cuattn {
 
 // grid.x covers N * Hk * D / 8 chunks
 template <typename T>
 __global__ void __launch_bounds__(256)
-cache_write_kernel(const T* __restrict__ k, const T* __restrict__ v,  // [N, Hk, D]
-                   const int* __restrict__ slot_ids,                  // [N]
-                   T* __restrict__ k_pages, T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
-                   i64 k_sn, i64 k_sh, i64 v_sn, i64 v_sh,
-                   i64 kp_sp, i64 kp_ss, i64 kp_sh, i64 vp_sp, i64 vp_ss, i64 vp_sh,
-                   int num_tokens, int num_kv_heads, int head_dim, int block_size, int num_blocks) {
+cache_write_kernel(const __grid_constant__ CacheParams<T> p) {
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  const int* __restrict__ slot_ids = p.slot_ids;
+  T* __restrict__ k_pages = p.k_pages;
+  T* __restrict__ v_pages = p.v_pages;
+  const i64 k_sn = p.k_sn, k_sh = p.k_sh, v_sn = p.v_sn, v_sh = p.v_sh;
+  const i64 kp_sp = p.kp_sp, kp_ss = p.kp_ss, kp_sh = p.kp_sh, vp_sp = p.vp_sp, vp_ss = p.vp_ss, vp_sh = p.vp_sh;
+  const int num_tokens = p.num_tokens, num_kv_heads = p.num_kv_heads, head_dim = p.head_dim;
+  const int block_size = p.block_size, num_blocks = p.num_blocks;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
   const int chunks_per_row = head_dim / kElemsPerChunk;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -39,10 +45,12 @@ cache_write_kernel(const T* __restrict__ k, const T* __restrict__ v,  // [N, Hk,
 // grid: x = pair, y covers one page's block_size * Hk * D / 8 chunks
 template <typename T>
 __global__ void __launch_bounds__(256)
-copy_blocks_kernel(T* __restrict__ k_pages, T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
-                   const int* __restrict__ pairs,                     // [P, 2]: (src, dst)
-                   i64 kp_sp, i64 kp_ss, i64 kp_sh, i64 vp_sp, i64 vp_ss, i64 vp_sh,
-                   int block_size, int num_kv_heads, int head_dim) {
+copy_blocks_kernel(const __grid_constant__ CacheParams<T> p) {
+  T* __restrict__ k_pages = p.k_pages;
+  T* __restrict__ v_pages = p.v_pages;
+  const int* __restrict__ pairs = p.pairs;
+  const i64 kp_sp = p.kp_sp, kp_ss = p.kp_ss, kp_sh = p.kp_sh, vp_sp = p.vp_sp, vp_ss = p.vp_ss, vp_sh = p.vp_sh;
+  const int block_size = p.block_size, num_kv_heads = p.num_kv_heads, head_dim = p.head_dim;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
   const int chunks_per_row = head_dim / kElemsPerChunk;
   const int idx = blockIdx.y * blockDim.x + threadIdx.x;

@@ -10,7 +10,7 @@
 //   combine_kernel  merges per-split (or any) partial states exactly: merge_states and the
 //                   split-KV combine.
 //
-// Layouts (element strides are arguments; the last axis is contiguous):
+// Layouts (element strides in DecodeParams and CombineParams, params.cuh; last axis contiguous):
 //   q              [B, Sq_new, Hq, D]         out  [B, Sq_new, Hq, D]   lse [B, Hq, Sq_new] fp32
 //   contiguous KV  k, v [B, S_max, Hk, D]     cache_seqlens [B] int32
 //   paged KV       k, v [num_blocks, block_size, Hk, D]   block_table [B, max_blocks] int32
@@ -19,6 +19,7 @@
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
 #include "attention_tile.cuh"
+#include "params.cuh"
 
 namespace cuattn {
 
@@ -410,18 +411,22 @@ __device__ __forceinline__ void decode_body(
 // grid: x = split, y = kv head * row chunks + chunk, z = sequence
 template <typename T, int HEAD_DIM, int MT, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
-decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
-              const T* __restrict__ k_cache,  // [B, S_max, Hk, D]
-              const T* __restrict__ v_cache,  // [B, S_max, Hk, D]
-              const int* __restrict__ cache_seqlens,  // [B]
-              T* __restrict__ out,            // [B, Sq_new, Hq, D]
-              float* __restrict__ lse,        // [B, Hq, Sq_new] or null
-              float* __restrict__ part_out,   // [splits, B, Sq_new, Hq, D] (splits > 1)
-              float* __restrict__ part_lse,   // [splits, B, Hq, Sq_new] (splits > 1)
-              i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
-              i64 o_sb, i64 o_ss, i64 o_sh, i64 lse_sb, i64 lse_sh,
-              int batch, int sq_new, int num_heads, int num_kv_heads, int row_chunks, int num_splits,
-              int max_seqlen, float score_scale, float softcap_out, int window_left, int window_right) {
+decode_kernel(const __grid_constant__ DecodeParams<T> p) {
+  const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
+  const T* __restrict__ k_cache = p.k;        // [B, S_max, Hk, D]
+  const T* __restrict__ v_cache = p.v;        // [B, S_max, Hk, D]
+  const int* __restrict__ cache_seqlens = p.lens;  // [B]
+  T* __restrict__ out = p.out;
+  float* __restrict__ lse = p.lse;
+  float* __restrict__ part_out = p.part_out;
+  float* __restrict__ part_lse = p.part_lse;
+  const i64 k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh, v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh;
+  const i64 q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh;
+  const i64 o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh, lse_sb = p.lse_sb, lse_sh = p.lse_sh;
+  const int batch = p.batch, sq_new = p.sq_new, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
+  const int row_chunks = p.row_chunks, num_splits = p.num_splits, max_seqlen = p.max_seqlen;
+  const float score_scale = p.score_scale, softcap_out = p.softcap_out;
+  const int window_left = p.window_left, window_right = p.window_right;
   const int b = blockIdx.z;
   const int hk = blockIdx.y / row_chunks;
   const int chunk = blockIdx.y % row_chunks;
@@ -443,18 +448,26 @@ decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
 // The same over a paged cache; grid as decode_kernel.
 template <typename T, int HEAD_DIM, int MT, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
-paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
-                    const T* __restrict__ k_pages,  // [num_blocks, block_size, Hk, D]
-                    const T* __restrict__ v_pages,  // [num_blocks, block_size, Hk, D]
-                    const int* __restrict__ block_table,  // [B, max_blocks]
-                    const int* __restrict__ seq_lens,     // [B]
-                    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_out,
-                    float* __restrict__ part_lse,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sp, i64 k_ss, i64 k_sh, i64 v_sp, i64 v_ss, i64 v_sh,
-                    i64 table_stride, int block_size, u32 block_size_mul, int block_size_shift, int num_blocks,
-                    i64 o_sb, i64 o_ss, i64 o_sh, i64 lse_sb, i64 lse_sh,
-                    int batch, int sq_new, int num_heads, int num_kv_heads, int row_chunks, int num_splits,
-                    int max_seqlen, float score_scale, float softcap_out, int window_left, int window_right) {
+paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
+  const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
+  const T* __restrict__ k_pages = p.k;        // [num_blocks, block_size, Hk, D]
+  const T* __restrict__ v_pages = p.v;        // [num_blocks, block_size, Hk, D]
+  const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
+  const int* __restrict__ seq_lens = p.lens;  // [B]
+  T* __restrict__ out = p.out;
+  float* __restrict__ lse = p.lse;
+  float* __restrict__ part_out = p.part_out;
+  float* __restrict__ part_lse = p.part_lse;
+  const i64 k_sp = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh, v_sp = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh;
+  const i64 table_stride = p.table_stride;
+  const int block_size = p.block_size, block_size_shift = p.block_size_shift, num_blocks = p.num_blocks;
+  const u32 block_size_mul = p.block_size_mul;
+  const i64 q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh;
+  const i64 o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh, lse_sb = p.lse_sb, lse_sh = p.lse_sh;
+  const int batch = p.batch, sq_new = p.sq_new, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
+  const int row_chunks = p.row_chunks, num_splits = p.num_splits, max_seqlen = p.max_seqlen;
+  const float score_scale = p.score_scale, softcap_out = p.softcap_out;
+  const int window_left = p.window_left, window_right = p.window_right;
   const int b = blockIdx.z;
   const int hk = blockIdx.y / row_chunks;
   const int chunk = blockIdx.y % row_chunks;
@@ -481,10 +494,16 @@ paged_decode_kernel(const T* __restrict__ q,        // [B, Sq_new, Hq, D]
 // parts, several loads in flight. A part with lse = -inf weighs 0, whatever its output holds.
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(128)
-combine_kernel(const Tin* __restrict__ parts, const float* __restrict__ part_lse, Tout* __restrict__ out,
-               float* __restrict__ lse_out, int num_parts, int batch, int seqlen, int heads, int head_dim,
-               i64 p_part, i64 p_b, i64 p_s, i64 p_h, i64 l_part, i64 l_b, i64 l_h, i64 l_s,
-               i64 o_b, i64 o_s, i64 o_h, i64 lo_b, i64 lo_h, i64 lo_s) {
+combine_kernel(const __grid_constant__ CombineParams<Tin, Tout> params) {
+  // `p` names the part index below
+  const Tin* __restrict__ parts = params.parts;
+  const float* __restrict__ part_lse = params.part_lse;
+  Tout* __restrict__ out = params.out;
+  float* __restrict__ lse_out = params.lse_out;
+  const int num_parts = params.num_parts, seqlen = params.seqlen, heads = params.heads, head_dim = params.head_dim;
+  const i64 p_part = params.p_part, p_b = params.p_b, p_s = params.p_s, p_h = params.p_h;
+  const i64 l_part = params.l_part, l_b = params.l_b, l_h = params.l_h, l_s = params.l_s;
+  const i64 o_b = params.o_b, o_s = params.o_s, o_h = params.o_h, lo_b = params.lo_b, lo_h = params.lo_h, lo_s = params.lo_s;
   extern __shared__ float weights[];  // [P rounded up to a multiple of 8]: the unrolled loop may read whole groups
   const i64 row = blockIdx.x;
   const int h = static_cast<int>(row % heads);

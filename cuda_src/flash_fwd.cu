@@ -5,7 +5,7 @@
 // (batch, head), walks the key blocks that any of its rows can see, and keeps the online-softmax
 // state (running max m, running sum l, unnormalised output) in registers.
 //
-// Layouts (element strides are arguments; the last axis is contiguous):
+// Layouts (element strides in FwdParams, params.cuh; the last axis is contiguous):
 //   q    [B, Sq, Hq, D]    (varlen: [total_q, Hq, D] with cu_seqlens_q [B + 1])
 //   k, v [B, Sk, Hk, D]    (varlen: [total_k, Hk, D] with cu_seqlens_k [B + 1]); Hq % Hk == 0
 //   out  [B, Sq, Hq, D]
@@ -22,6 +22,7 @@
 // The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
 #include "attention_tile.cuh"
+#include "params.cuh"
 
 namespace cuattn {
 
@@ -116,20 +117,24 @@ struct FlashFwd : AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM /
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize, 2)
-flash_fwd_kernel(const T* __restrict__ q,             // [B, Sq, Hq, D] | [total_q, Hq, D]
-                 const T* __restrict__ k,             // [B, Sk, Hk, D] | [total_k, Hk, D]
-                 const T* __restrict__ v,             // [B, Sk, Hk, D] | [total_k, Hk, D]
-                 T* __restrict__ out,                 // [B, Sq, Hq, D] | [total_q, Hq, D]
-                 float* __restrict__ lse,             // [B, Hq, Sq] | [Hq, total_q], or null
-                 const int* __restrict__ cu_seqlens_q,  // [B + 1] prefix sums, or null (dense)
-                 const int* __restrict__ cu_seqlens_k,  // [B + 1] prefix sums, or null (dense)
-                 i64 q_batch_stride, i64 q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, i64 k_row_stride, i64 k_head_stride,
-                 i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride,
-                 i64 o_batch_stride, i64 o_row_stride, i64 o_head_stride,
-                 i64 lse_batch_stride, i64 lse_head_stride,
-                 int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                 float score_scale, float softcap_out, int window_left, int window_right) {
+flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
+  // the fields this kernel reads, as locals (seqlen_q and seqlen_k change for varlen)
+  const T* __restrict__ q = p.q;
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  T* __restrict__ out = p.out;
+  float* __restrict__ lse = p.lse;
+  const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
+  const i64 q_batch_stride = p.q_batch_stride, q_row_stride = p.q_row_stride, q_head_stride = p.q_head_stride;
+  const i64 k_batch_stride = p.k_batch_stride, k_row_stride = p.k_row_stride, k_head_stride = p.k_head_stride;
+  const i64 v_batch_stride = p.v_batch_stride, v_row_stride = p.v_row_stride, v_head_stride = p.v_head_stride;
+  const i64 o_batch_stride = p.o_batch_stride, o_row_stride = p.o_row_stride, o_head_stride = p.o_head_stride;
+  const i64 lse_batch_stride = p.lse_batch_stride, lse_head_stride = p.lse_head_stride;
+  const int batch = p.batch, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+  const float score_scale = p.score_scale, softcap_out = p.softcap_out;
+  const int window_left = p.window_left, window_right = p.window_right;
   using Fwd = FlashFwd<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   using DT = DType<T>;
   constexpr int kStride = Fwd::kStride;

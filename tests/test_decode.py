@@ -294,3 +294,32 @@ def test_lengths_outside_the_cache_are_clamped_on_the_gpu_like_the_cpu(rng):
     check_decode(rng, np.dtype(np.float16), q, k, v, np.clip(lens, 0, 40), out.get(), lse.get())
     assert np.abs(out.get().astype(np.float64) - host_out.astype(np.float64)).max() < 1e-2
     assert np.array_equal(np.isneginf(lse.get()), np.isneginf(host_lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["slices of one tensor", "unevenly spaced", "mixed strides"])
+def test_merge_states_reads_strided_parts_in_place_or_copies_when_it_must(rng, layout):
+    cupy = _cupy()
+    p, b, s, h, d = 5, 2, 33, 4, 64
+    outs = randn(rng, (p, b, s, h, d), np.float32)
+    lses = randn(rng, (p, b, h, s), np.float32)
+    lses[1, 0, 2] = -np.inf  # a part that saw nothing in one row
+    ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in range(p)])
+    big_out, big_lse = cupy.asarray(outs), cupy.asarray(lses)
+    parts = [(big_out[i], big_lse[i]) for i in range(p)]
+    if layout == "unevenly spaced":
+        parts = parts[:2] + parts[3:] + [parts[2]]
+        ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in (0, 1, 3, 4, 2)])
+    if layout == "mixed strides":
+        transposed = cupy.ascontiguousarray(big_out[0].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        parts[0] = (transposed, parts[0][1])
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    merged, merged_lse = cuattn.merge_states(parts)
+    grown = pool.used_bytes() - before
+    results = merged.nbytes + merged_lse.nbytes
+    if layout == "slices of one tensor":
+        assert grown <= results + 1024, f"merge_states copied its parts: {grown} bytes"
+    np.testing.assert_allclose(merged.get(), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(merged_lse.get(), ref_lse, rtol=1e-5, atol=1e-5)

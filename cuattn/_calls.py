@@ -1,0 +1,219 @@
+"""The fast path of repeated calls: plans keyed by what the checks and the kernel choice depend on.
+
+A public function's first call with given array signatures (framework, shape, strides, dtype,
+device) and options runs the full path: conversion, every check, kernel choice, split count,
+launch geometry and the parameter struct. When that call launched, it leaves a plan here; a later
+call with the same signatures and options finds it and only
+
+  * reads the arrays' addresses (``data.ptr`` / ``data_ptr()``, no DLPack round trip) and checks
+    their 16-byte alignment, the one property a signature does not fix;
+  * allocates the outputs in the caller's framework (torch's caching allocator for torch inputs);
+  * writes the addresses into the prepared structs and launches on the caller's current stream.
+
+Anything unusual (another device current, an unaligned view, a framework without a fast reader)
+falls back to the full path, which raises the error or records a new plan. The plan table is
+bounded; a full table is cleared, so a workload with ever-new shapes costs the full path only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import _arrays
+
+MAX_PLANS = 512
+_plans: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Frameworks: what a plan needs to know about an array, read directly
+
+
+class _Cupy:
+    name = "cupy"
+
+    @staticmethod
+    def signature(x):
+        return ("cupy", x.shape, x.strides, x.dtype, x.data.device_id)
+
+    @staticmethod
+    def address(x) -> int:
+        return x.data.ptr
+
+    @staticmethod
+    def stream(x) -> int:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+
+    @staticmethod
+    def device_ok(x, device_id: int) -> bool:
+        import cupy
+
+        return cupy.cuda.runtime.getDevice() == device_id
+
+    @staticmethod
+    def empty(shape, like, float32: bool = False):
+        import cupy
+
+        return cupy.empty(shape, cupy.float32 if float32 else like.dtype)
+
+
+class _Torch:
+    name = "torch"
+
+    @staticmethod
+    def signature(x):
+        return ("torch", x.shape, x.stride(), x.dtype, x.device)
+
+    @staticmethod
+    def address(x) -> int:
+        return x.data_ptr()
+
+    @staticmethod
+    def stream(x) -> int:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(x.device.index)
+        return torch.cuda.current_stream(x.device).cuda_stream
+
+    @staticmethod
+    def device_ok(x, device_id: int) -> bool:
+        import cupy
+
+        # the plan's kernels were loaded on device_id, and CuPy's current device is where they launch
+        return x.device.index == device_id and cupy.cuda.runtime.getDevice() == device_id
+
+    @staticmethod
+    def empty(shape, like, float32: bool = False):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
+
+
+_FRAMEWORKS: dict[type, object] = {}
+
+
+def framework(x):
+    """The fast reader of x's framework, or None (NumPy, JAX, other DLPack arrays take the full path)."""
+    kind = type(x)
+    found = _FRAMEWORKS.get(kind)
+    if found is None and kind not in _FRAMEWORKS:
+        module = kind.__module__.split(".")[0]
+        found = {"cupy": _Cupy, "torch": _Torch}.get(module) if module in ("cupy", "torch") else None
+        if found is _Cupy and kind.__name__ != "ndarray":
+            found = None
+        _FRAMEWORKS[kind] = found
+    return found
+
+
+def key(name: str, arrays, options):
+    """The plan key of a call, or None when the call cannot use a plan.
+
+    Each array's signature names its framework, so a mix the full path accepts (torch queries
+    over a CuPy paged cache) has plans too; a mix it refuses never records one."""
+    signatures = []
+    for x in arrays:
+        if x is None:
+            signatures.append(None)
+            continue
+        found = framework(x)
+        if found is None:
+            return None
+        signatures.append(found.signature(x))
+    result = (name, options, *signatures)
+    try:
+        hash(result)
+    except TypeError:  # an option given as a list, say: such calls take the full path
+        return None
+    return result
+
+
+def lookup(call_key):
+    return _plans.get(call_key) if call_key is not None else None
+
+
+def remember(call_key, plan) -> None:
+    if call_key is None or plan is None:
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[call_key] = plan
+
+
+def clear() -> None:
+    """Forget every plan (tests; after freeing a kernel cache)."""
+    _plans.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclasses.dataclass
+class Bound:
+    """One prepared launch and where its pointer fields come from: ``{field: role}``; a role names
+    an input or output of the call, or ``workspace+OFFSET`` (bytes into the stream's workspace)."""
+
+    launch: object  # _jit.Launch
+    fields: dict[str, str]
+
+
+class Plan:
+    """A validated call: its inputs by role, the outputs to allocate, the launches to run.
+
+    ``outputs`` maps a role to ``(shape, float32)``: a new array of that shape in the first
+    input's framework, of that input's dtype or float32. ``finish(results, arrays)`` turns the
+    outputs into the function's return value. ``workspace`` (bytes per stream, or 0) comes from
+    ``workspace_of(bytes, stream, device)``. Everything a call needs is resolved here, once: each
+    launch's pointer words as (slot, input index | output name | workspace offset).
+    """
+
+    def __init__(self, inputs, outputs, bound, finish, aligned, workspace: int = 0, workspace_of=None):
+        self.inputs = tuple(inputs)
+        self.outputs = [(role, tuple(shape), float32) for role, (shape, float32) in outputs.items()]
+        self.finish = finish
+        self.aligned = tuple(i for i, role in enumerate(self.inputs) if role in aligned)
+        self.workspace, self.workspace_of = workspace, workspace_of
+        self.device_id = bound[0].launch.device_id
+        self.launches = []
+        for b in bound:
+            words = []
+            for field, role in b.fields.items():
+                slot = b.launch.slot(field)
+                if role.startswith("workspace+"):
+                    words.append((slot, "workspace", int(role[len("workspace+"):])))
+                elif role in outputs or role not in self.inputs:
+                    # a new output (`out` when the caller gave none), or a role this call leaves null
+                    words.append((slot, "output", role))
+                else:
+                    words.append((slot, "input", self.inputs.index(role)))
+            self.launches.append((b.launch, words))
+
+    def __call__(self, *arrays):
+        readers = [framework(x) if x is not None else None for x in arrays]
+        first = next(i for i, x in enumerate(arrays) if x is not None)
+        fw, like = readers[first], arrays[first]
+        if not fw.device_ok(like, self.device_id):
+            return None
+        addresses = [r.address(x) if r is not None else 0 for r, x in zip(readers, arrays)]
+        for i in self.aligned:
+            if addresses[i] % _arrays.VECTOR_BYTES:
+                return None  # the full path names the misaligned argument
+        results = {role: fw.empty(shape, like, float32) for role, shape, float32 in self.outputs}
+        out_addresses = {role: fw.address(x) for role, x in results.items()}
+        stream = fw.stream(like)
+        base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0
+        for launch, words in self.launches:
+            pointers = []
+            for slot, kind, which in words:
+                if kind == "input":
+                    pointers.append((slot, addresses[which]))
+                elif kind == "output":
+                    pointers.append((slot, out_addresses.get(which, 0)))
+                else:
+                    pointers.append((slot, base + which))
+            launch.run(stream, pointers)
+        return self.finish(results, arrays)

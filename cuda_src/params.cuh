@@ -1,0 +1,153 @@
+// params.cuh: the one parameter struct of each kernel family (forward, decode/paged, combine,
+// cache ops), passed by value as the kernel's only argument. (The backward kernels still take
+// positional arguments: passing their struct changed ptxas's register allocation enough to
+// spill in the deterministic dQ kernel; they move here with the Hopper backward rewrite.)
+//
+// This file is also the host's field list: cuattn/_params.py reads these declarations and
+// builds the matching NumPy structured dtype (natural C alignment), which the launch code fills
+// by field name. So a field is declared here and nowhere else. Keep every member on a line of
+// its own, `TYPE NAME;` with TYPE one of: a pointer (`const T*`, `float*`, ...), i64, int, u32,
+// float. Strides are in elements; pointer comments give the buffer's layout.
+#pragma once
+
+#include "common.cuh"
+
+namespace cuattn {
+
+// Forward (flash_fwd.cu). Dense rows [B, S, H, D], or varlen packed rows [total, H, D] with
+// cu_seqlens (batch strides then 0 and B from cu_seqlens).
+template <typename T>
+struct FwdParams {
+  const T* q;              // [B, Sq, Hq, D] | [total_q, Hq, D]
+  const T* k;              // [B, Sk, Hk, D] | [total_k, Hk, D]
+  const T* v;              // [B, Sk, Hk, D] | [total_k, Hk, D]
+  T* out;                  // [B, Sq, Hq, D] | [total_q, Hq, D]
+  float* lse;              // [B, Hq, Sq] | [Hq, total_q], or null
+  const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
+  const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
+  i64 q_batch_stride;
+  i64 q_row_stride;
+  i64 q_head_stride;
+  i64 k_batch_stride;
+  i64 k_row_stride;
+  i64 k_head_stride;
+  i64 v_batch_stride;
+  i64 v_row_stride;
+  i64 v_head_stride;
+  i64 o_batch_stride;
+  i64 o_row_stride;
+  i64 o_head_stride;
+  i64 lse_batch_stride;
+  i64 lse_head_stride;
+  int batch;
+  int num_heads;
+  int num_kv_heads;
+  int seqlen_q;            // dense: Sq; varlen: max_seqlen_q
+  int seqlen_k;            // dense: Sk; varlen: max_seqlen_k
+  float score_scale;       // scale * log2(e), or scale / softcap with a softcap
+  float softcap_out;       // softcap * log2(e), or 0
+  int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
+  int window_right;
+};
+
+// Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages
+// [num_blocks, block_size, Hk, D] through block_table.
+template <typename T>
+struct DecodeParams {
+  const T* q;              // [B, Sq_new, Hq, D]
+  const T* k;              // [B, S_max, Hk, D] | [num_blocks, block_size, Hk, D]
+  const T* v;              // as k
+  const int* lens;         // [B] keys per sequence (cache_seqlens / seq_lens)
+  const int* block_table;  // [B, max_blocks] (paged), or null
+  T* out;                  // [B, Sq_new, Hq, D]
+  float* lse;              // [B, Hq, Sq_new], or null
+  float* part_out;         // [splits, B, Sq_new, Hq, D] (splits > 1)
+  float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
+  i64 q_sb;
+  i64 q_ss;
+  i64 q_sh;
+  i64 k_sb;                // the batch stride, or (paged) the page stride
+  i64 k_ss;
+  i64 k_sh;
+  i64 v_sb;
+  i64 v_ss;
+  i64 v_sh;
+  i64 o_sb;
+  i64 o_ss;
+  i64 o_sh;
+  i64 lse_sb;
+  i64 lse_sh;
+  i64 table_stride;
+  int block_size;
+  u32 block_size_mul;      // FastDivisor of block_size
+  int block_size_shift;
+  int num_blocks;
+  int batch;
+  int sq_new;
+  int num_heads;
+  int num_kv_heads;
+  int row_chunks;
+  int num_splits;
+  int max_seqlen;          // lengths are clamped to [0, max_seqlen]
+  float score_scale;
+  float softcap_out;
+  int window_left;
+  int window_right;
+};
+
+// Exact merge of split or partial states (decode.cu): parts [P, B, S, H, D] with lse [P, B, H, S]
+// into out [B, S, H, D] and lse_out [B, H, S].
+template <typename Tin, typename Tout>
+struct CombineParams {
+  const Tin* parts;        // [P, B, S, H, D]
+  const float* part_lse;   // [P, B, H, S] natural log
+  Tout* out;               // [B, S, H, D]
+  float* lse_out;          // [B, H, S], or null
+  i64 p_part;
+  i64 p_b;
+  i64 p_s;
+  i64 p_h;
+  i64 l_part;
+  i64 l_b;
+  i64 l_h;
+  i64 l_s;
+  i64 o_b;
+  i64 o_s;
+  i64 o_h;
+  i64 lo_b;
+  i64 lo_h;
+  i64 lo_s;
+  int num_parts;
+  int batch;
+  int seqlen;
+  int heads;
+  int head_dim;
+};
+
+// Paged-cache writes and copy-on-write copies (cache_ops.cu).
+template <typename T>
+struct CacheParams {
+  const T* k;              // [N, Hk, D] new tokens (write)
+  const T* v;              // [N, Hk, D]
+  const int* slot_ids;     // [N] (write)
+  const int* pairs;        // [P, 2] (src, dst) pages (copy)
+  T* k_pages;              // [num_blocks, block_size, Hk, D]
+  T* v_pages;              // [num_blocks, block_size, Hk, D]
+  i64 k_sn;
+  i64 k_sh;
+  i64 v_sn;
+  i64 v_sh;
+  i64 kp_sp;
+  i64 kp_ss;
+  i64 kp_sh;
+  i64 vp_sp;
+  i64 vp_ss;
+  i64 vp_sh;
+  int num_tokens;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  int num_blocks;
+};
+
+}  // namespace cuattn

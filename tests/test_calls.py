@@ -1,0 +1,176 @@
+"""Plans: a repeated call with the same signatures skips the full path and gives the same results.
+
+CPU tests cover the plan key (what it includes, what falls back); GPU tests run each planned
+function twice with fresh inputs, check the second call really took the plan (the full path is
+made to fail), compare with the float64 reference, and check the fallbacks (misaligned views,
+another stream) and that torch outputs come from torch's allocator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import _arrays, _calls, reference
+from conftest import BF16, error_budget, randn
+
+
+class FakeTorch:
+    """What the plan key reads of a torch tensor, without torch or a GPU."""
+
+    __module__ = "torch"
+
+    def __init__(self, shape, strides, dtype="bf16", device="cuda:0"):
+        self.shape, self._strides, self.dtype, self.device = shape, strides, dtype, device
+
+    def stride(self):
+        return self._strides
+
+
+def test_key_holds_every_signature_and_option():
+    q = FakeTorch((1, 8, 4, 64), (2048, 256, 64, 1))
+    k = FakeTorch((1, 9, 2, 64), (1152, 128, 64, 1))
+    base = _calls.key("attention", (q, k, k, None), (True, None, 0, 0, 0.0, False))
+    assert base is not None and hash(base) is not None
+    assert base == _calls.key("attention", (q, k, k, None), (True, None, 0, 0, 0.0, False))
+    transposed = FakeTorch((1, 8, 4, 64), (2048, 64, 512, 1))
+    assert _calls.key("attention", (transposed, k, k, None), (True, None, 0, 0, 0.0, False)) != base
+    assert _calls.key("attention", (q, k, k, None), (False, None, 0, 0, 0.0, False)) != base
+    other_device = FakeTorch((1, 9, 2, 64), (1152, 128, 64, 1), device="cuda:1")
+    assert _calls.key("attention", (q, other_device, k, None), (True, None, 0, 0, 0.0, False)) != base
+
+
+def test_arrays_without_a_fast_reader_and_unhashable_options_take_the_full_path():
+    x = np.zeros((1, 8, 4, 64), np.float16)
+    assert _calls.key("attention", (x, x, x, None), ()) is None
+    q = FakeTorch((1, 8, 4, 64), (2048, 256, 64, 1))
+    assert _calls.key("attention", (q, q, q, None), ([1, 2],)) is None
+    assert _calls.lookup(None) is None
+
+
+def test_plan_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(_calls, "_plans", {})
+    for i in range(_calls.MAX_PLANS + 3):
+        _calls.remember(("k", i), object())
+    assert len(_calls._plans) <= _calls.MAX_PLANS
+    _calls.remember(None, object())
+    _calls.remember(("k", "none"), None)
+    assert ("k", "none") not in _calls._plans
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _full_path_must_not_run(monkeypatch):
+    def refuse(**named):
+        raise AssertionError("a planned call took the full path")
+
+    monkeypatch.setattr(_arrays, "array_context", refuse)
+
+
+def _as(framework, x):
+    import cupy
+
+    device = cupy.asarray(x)
+    if framework == "torch":
+        import torch
+
+        return torch.from_dlpack(device)
+    return device
+
+
+def _host(x):
+    return _arrays.to_numpy(x).astype(np.float64)
+
+
+def _check_forward(rng, q, k, v, got, dtype, **options):
+    ref = reference.attention(q, k, v, **options)
+    naive = reference.naive_attention_lowp(q, k, v, dtype=dtype, **options)
+    budget = error_budget(np.abs(naive - ref).max(), dtype, 2.0, np.abs(ref).max())
+    err = np.abs(_host(got) - ref).max()
+    assert err <= budget, f"error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_attention_second_call_takes_the_plan(rng, framework, monkeypatch):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    shapes = ((2, 113, 4, 64), (2, 203, 2, 64))
+    options = dict(causal=True, window=(64, 0), softcap=20.0)
+    for step in range(2):
+        if step == 1:
+            assert len(_calls._plans) == 1
+            _full_path_must_not_run(monkeypatch)
+        q, k, v = (randn(rng, s, BF16) for s in (shapes[0], shapes[1], shapes[1]))
+        out, lse = cuattn.attention(*(_as(framework, x) for x in (q, k, v)), return_lse=True, **options)
+        assert type(out).__module__.split(".")[0] == framework
+        _check_forward(rng, q, k, v, out, BF16, **options)
+        ref_lse = reference.attention(q, k, v, return_lse=True, **options)[1]
+        np.testing.assert_allclose(_host(lse), ref_lse, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_decode_and_paged_second_call_takes_the_plan(rng, framework, monkeypatch):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    b, hq, hk, d, s_max, block = 3, 8, 2, 128, 4096, 16
+    lens = np.array([4096, 1, 2900], np.int32)
+    for step in range(2):
+        if step == 1:
+            _full_path_must_not_run(monkeypatch)
+        q = randn(rng, (b, 1, hq, d), BF16)
+        k, v = (randn(rng, (b, s_max, hk, d), BF16) for _ in range(2))
+        out = cuattn.decode(*(_as(framework, x) for x in (q, k, v, lens)))
+        ref = reference.decode(q, k, v, lens)
+        assert np.abs(_host(out) - ref).max() < 3e-2, f"decode step {step} (seed {rng.seed})"
+        # the same cache as pages in shuffled blocks, through a device table, unchecked
+        pages = rng.permutation(b * s_max // block).astype(np.int32)
+        table = pages.reshape(b, -1)
+        k_pages, v_pages = (np.zeros((b * s_max // block, block, hk, d), BF16) for _ in range(2))
+        k_pages[pages] = k.reshape(-1, block, hk, d)
+        v_pages[pages] = v.reshape(-1, block, hk, d)
+        paged = cuattn.paged_attention(_as(framework, q), (_as(framework, k_pages), _as(framework, v_pages)),
+                                       _as(framework, table), _as(framework, lens), check=False)
+        assert np.abs(_host(paged) - ref).max() < 3e-2, f"paged step {step} (seed {rng.seed})"
+    assert len(_calls._plans) == 2
+
+
+@pytest.mark.gpu
+def test_a_misaligned_view_falls_back_to_the_full_path_and_its_error():
+    import cupy
+
+    _calls.clear()
+    base = cupy.zeros((1, 8, 2, 64 + 8), cupy.float16)
+    aligned = base[..., :64]
+    cuattn.attention(aligned, aligned, aligned)
+    flat = cupy.zeros(base.size + 1, cupy.float16)
+    shifted = flat[1:].reshape(base.shape)[..., :64]  # same shape and strides, 2 bytes off
+    assert shifted.strides == aligned.strides and shifted.data.ptr % 16
+    with pytest.raises(ValueError, match=r"q must start on a 16-byte boundary"):
+        cuattn.attention(shifted, aligned, aligned)
+
+
+@pytest.mark.gpu
+def test_torch_outputs_come_from_torchs_allocator_on_its_current_stream(rng):
+    torch = pytest.importorskip("torch")
+    _calls.clear()
+    q = torch.randn(1, 256, 8, 64, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    kept = []  # every output stays alive, so each call's allocation shows
+    for _ in range(2):  # the full path, then the plan
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.cuda.stream(side):
+            out = cuattn.attention(q, q, q, causal=True)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), is_causal=True).transpose(1, 2)
+        kept.append(out)
+        assert torch.cuda.memory_allocated() - before >= out.numel() * out.element_size()
+        side.synchronize()
+        assert (out.float() - expected.float()).abs().max().item() < 2e-2

@@ -1,0 +1,83 @@
+"""Kernel parameter structs: the host's NumPy mirror of cuda_src/params.cuh has the C layout.
+
+The host dtype is parsed from the header itself, so field order and types agree by construction;
+what could still differ is padding. The layout check needs NVRTC but no GPU: for every struct it
+compiles a static_assert that the C struct's sizeof equals NumPy's itemsize (NVRTC has no
+offsetof; every GPU test then exercises the fields through the kernels).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuattn import _jit, _params
+
+STRUCTS = {"FwdParams": "<__half>", "DecodeParams": "<__nv_bfloat16>", "CombineParams": "<float, __half>",
+           "CacheParams": "<__half>"}
+
+
+def test_every_struct_of_the_header_is_mirrored():
+    header = (_jit.source_dir() / _params.HEADER).read_text()
+    for name in STRUCTS:
+        dtype = _params.struct_dtype(name)
+        assert dtype.names, name
+        # every member line of the struct became a field, in order
+        body = header[header.index(f"struct {name} {{"):]
+        body = body[:body.index("\n};")]
+        declared = [line.split(";")[0].split()[-1].lstrip("*") for line in body.splitlines()[1:] if ";" in line]
+        assert list(dtype.names) == declared, name
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTS))
+def test_host_size_equals_the_compilers(name, tmp_path, monkeypatch):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the layout check compiles with NVRTC")
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    dtype = _params.struct_dtype(name)
+    ctype = f"cuattn::{name}{STRUCTS[name]}"
+    asserts = [f"using Checked = {ctype};", f"static_assert(sizeof(Checked) == {dtype.itemsize}, \"sizeof\");"]
+    source = tmp_path / "layout_check.cu"
+    source.write_text('#include "params.cuh"\n' + "\n".join(asserts)
+                      + "\ntemplate <int N> __global__ void layout_check_kernel(int* size) { *size = sizeof(Checked) + N; }\n")
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for path in _jit.source_dir().iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    (sources / "layout_check.cu").write_bytes(source.read_bytes())
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(sources))
+    compiled = _jit.compile_kernel(_jit.KernelSpec("layout_check.cu", "layout_check_kernel<1>"), "sm_80")
+    assert compiled.lowered_name
+
+
+def test_pack_is_strict_about_fields():
+    dtype = _params.struct_dtype("CacheParams")
+    fields = {name: 0 for name in dtype.names}
+    packed = _params.pack("CacheParams", **{**fields, "num_tokens": 7, "k_pages": 0x1000})
+    assert packed["num_tokens"] == 7 and packed["k_pages"] == 0x1000 and packed.dtype == dtype
+    with pytest.raises(TypeError, match=r"CacheParams: fields missing \['num_blocks'\], unknown \[\]"):
+        _params.pack("CacheParams", **{k: v for k, v in fields.items() if k != "num_blocks"})
+    with pytest.raises(TypeError, match=r"unknown \['nmu_tokens'\]"):
+        _params.pack("CacheParams", **fields, nmu_tokens=3)
+
+
+def test_pointers_come_from_arrays_ints_or_none():
+    class Tensor:  # torch's way of telling its address
+        def data_ptr(self):
+            return 0xABC0
+
+    class Memory:
+        ptr = 0x1230
+
+    class CupyLike:
+        data = Memory()
+
+    assert _params.pointer(None) == 0
+    assert _params.pointer(np.uint64(16)) == 16
+    assert _params.pointer(Tensor()) == 0xABC0
+    assert _params.pointer(CupyLike()) == 0x1230
+
+
+def test_an_unmirrorable_member_type_is_named(tmp_path, monkeypatch):
+    (tmp_path / _params.HEADER).write_text("struct BadParams {\n  double x;\n};\n")
+    with pytest.raises(ValueError, match=r"BadParams.x has type double, which the host cannot mirror"):
+        _params._parse(tmp_path / _params.HEADER)
