@@ -11,8 +11,9 @@ from . import reference
 from ._errors import CompileError, NoDeviceError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
-from .decode import decode, merge_states
-from .paged import BlockManager, PagedKVCache, paged_attention
+from ._calls import StepPlan
+from .decode import decode, merge_states, plan_decode
+from .paged import BlockManager, PagedKVCache, paged_attention, plan_paged_attention
 
 __all__ = [
     "BlockManager",
@@ -20,6 +21,7 @@ __all__ = [
     "CompileError",
     "NoDeviceError",
     "OutOfBlocksError",
+    "StepPlan",
     "attention",
     "attention_backward",
     "attention_varlen",
@@ -29,5 +31,7 @@ __all__ = [
     "info",
     "merge_states",
     "paged_attention",
+    "plan_decode",
+    "plan_paged_attention",
     "reference",
 ]

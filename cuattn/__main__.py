@@ -8,7 +8,8 @@ import argparse
 import logging
 import sys
 
-from . import _benchcli, _tools
+from . import _tools
+from .bench import cli as bench_cli
 
 
 def main(argv=None) -> int:
@@ -24,12 +25,12 @@ def main(argv=None) -> int:
                        help="only variants whose name contains this (repeatable)")
     build.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
     build.add_argument("-v", "--verbose", action="store_true", help="log each compile")
-    bench = _benchcli.add_parser(commands)
+    bench = bench_cli.add_parser(commands)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
 
     if args.command == "bench":
-        return _benchcli.main(bench, args, argv)
+        return bench_cli.main(bench, args, argv)
 
     if args.command == "info":
         print(_tools.format_info(_tools.info()))

@@ -217,3 +217,51 @@ class Plan:
                     pointers.append((slot, base + which))
             launch.run(stream, pointers)
         return self.finish(results, arrays)
+
+
+class StepPlan:
+    """Plan once, run many (FlashInfer's plan/run): launches over fixed arrays, for serving loops.
+
+    Built by ``plan_decode`` / ``plan_paged_attention`` after their checks. It holds the
+    prepared launches (every pointer fixed: the caller's inputs, the plan's own outputs and split
+    workspace), so :meth:`run` only looks up the caller's current stream and launches: no check,
+    no allocation, no host-device copy. The caller updates the inputs' contents in place between
+    runs; the outputs are overwritten by each run. Runs on one stream at a time (the workspace is
+    the plan's), and on the device it was planned on.
+    """
+
+    def __init__(self, ctx, out, lse):
+        import cupy
+
+        self.out = ctx.to_caller(out)
+        self.lse = ctx.to_caller(lse) if lse is not None else None
+        self._reader = framework(self.out)
+        if self._reader is None:
+            raise TypeError(f"a step plan runs on CuPy or torch arrays; got {ctx.kind} arrays: use the plain call")
+        self.device_id = cupy.cuda.runtime.getDevice()
+        self._launches = []
+        self._buffers = []  # the workspace, held for the plan's life
+
+    def workspace(self, nbytes: int) -> int:
+        """The plan's own split workspace of ``nbytes``; returns its address."""
+        import cupy
+
+        buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
+        self._buffers.append(buf)
+        return buf.data.ptr
+
+    def add(self, launch) -> None:
+        if launch is not None:
+            self._launches.append(launch)
+
+    def run(self):
+        """One step on the caller's current stream; returns ``out``, or ``(out, lse)``."""
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            raise RuntimeError(f"this plan was made on device {self.device_id}; make it current "
+                               f"(cupy.cuda.Device({self.device_id}) or torch.cuda.device) before run()")
+        stream = self._reader.stream(self.out)
+        for launch in self._launches:
+            launch.run(stream)
+        return (self.out, self.lse) if self.lse is not None else self.out

@@ -176,10 +176,31 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
     """
+    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse,
+                   planning=False)
+
+
+def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
+                window=(-1, -1), softcap=0.0, return_lse=False):
+    """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
+
+    Takes the arguments of :func:`decode` (CuPy or torch arrays) and checks them once. The plan
+    owns its outputs and split workspace and keeps reading the arrays given here: write each
+    step's queries into ``q`` and its lengths into ``cache_seqlens`` in place (and the new keys
+    into the caches), then call ``plan.run()``. A run allocates nothing, copies nothing between
+    host and device and only launches (a few microseconds of host time), so it can be captured
+    in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
+    """
+    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse,
+                   planning=True)
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse, *,
+            planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens),
                           (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
-    plan = _calls.lookup(call_key)
+    plan = None if planning else _calls.lookup(call_key)
     if plan is not None:
         result = plan(q, k_cache, v_cache, cache_seqlens)
         if result is not None:
@@ -190,6 +211,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         _check_num_splits(num_splits)
         _arrays.check_dtypes({"q": qv, "k_cache": kv, "v_cache": vv}, ctx.on_host)
         if ctx.on_host:
+            if planning:
+                raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
+                                "the CPU reference")
             # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
             lens = np.clip(lens, 0, int(kv.shape[1]))
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
@@ -203,10 +227,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         batch, sq_new, num_heads, _ = map(int, qv.shape)
         out = ctx.empty(qv.shape, qv.dtype)
         lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
+        step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, stream=ctx.stream,
+            window=(left, right), softcap=softcap, stream=ctx.stream, step=step,
         )
+        if step is not None:
+            return step
         _calls.remember(call_key, decode_plan(("q", "k", "v", "lens"), bound, workspace, qv.shape,
                                               (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
@@ -329,7 +356,7 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
 
 
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  stream, split_length: int | None = None) -> tuple[list, int]:
+                  stream, split_length: int | None = None, step=None) -> tuple[list, int]:
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
     and ``lse`` [B, Hq, Sq_new] (or None).
 
@@ -337,7 +364,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
     ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
     Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
-    workspace) and the workspace bytes: the plan of later identical calls.
+    workspace) and the workspace bytes: the plan of later identical calls. With ``step`` (a
+    :class:`cuattn._calls.StepPlan`) nothing runs: the launches, with a workspace the step
+    owns, are added to it instead.
     """
     batch, sq_new, num_heads, head_dim = map(int, q.shape)
     num_kv_heads = int(k.shape[2])
@@ -362,8 +391,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     workspace = (part_elems + lse_elems) * 4 if num_splits > 1 else 0
     part_out = part_lse = None
     if workspace:
-        # partials live in the stream's workspace: [splits, B, Sq_new, Hq, D] then [splits, B, Hq, Sq_new]
-        part_out = workspace_address(workspace, stream, _jit.current_device())
+        # partials live in the stream's workspace (or the step plan's own): [splits, B, Sq_new, Hq, D]
+        # then [splits, B, Hq, Sq_new]
+        part_out = step.workspace(workspace) if step is not None else workspace_address(workspace, stream,
+                                                                                      _jit.current_device())
         part_lse = part_out + part_elems * 4
     qs, ks, vs, os_ = (_arrays.element_strides(x) for x in (q, k, v, out))
     lse_strides = (lse.strides[0] // 4, lse.strides[1] // 4) if lse is not None else (0, 0)
@@ -383,7 +414,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         window_right=right,
     )
     launch = _jit.prepare(spec, (num_splits, num_kv_heads * row_chunks, batch), params)
-    launch.run(stream)
+    if step is None:
+        launch.run(stream)
+    else:
+        step.add(launch)
     parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
     bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
                                    "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role})]
@@ -391,7 +425,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)
         lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
-        combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream)
+        combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream,
+                                  execute=step is None)
+        if step is not None:
+            step.add(combine)
         bound.append(_calls.Bound(combine, {"parts": parts_role, "part_lse": parts_lse_role, "out": "out",
                                             "lse_out": "lse"}))
     return bound, workspace
@@ -403,12 +440,13 @@ COMBINE_UNROLL = 8  # `#pragma unroll 8` over the parts in combine_kernel
 MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4 - COMBINE_UNROLL
 
 
-def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream):
+def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream,
+                    execute: bool = True):
     """Merge parts [P, B, S, H, D] (strides (part, b, s, h)) with lse [P, B, H, S] (strides
     (part, b, h, s)) into out [B, S, H, D] and lse [B, H, S] (or None).
 
     ``parts`` and ``part_lse`` are arrays or raw device addresses (ints) into a workspace.
-    Returns the prepared launch (None when there are no rows).
+    Returns the prepared launch (None when there are no rows); ``execute=False`` only prepares it.
     """
     num_parts, batch, seqlen, heads, head_dim = dims
     rows = batch * seqlen * heads
@@ -427,7 +465,8 @@ def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtyp
     # up to whole groups of the unrolled loop, whose reads the compiler may vectorise
     weight_slots = -(-num_parts // COMBINE_UNROLL) * COMBINE_UNROLL
     launch = _jit.prepare(spec, (rows, 1, 1), params, shared_mem=4 * weight_slots)
-    launch.run(_jit.stream_ptr(stream))
+    if execute:
+        launch.run(_jit.stream_ptr(stream))
     return launch
 
 

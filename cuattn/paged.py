@@ -252,7 +252,6 @@ class PagedKVCache:
         """
         with _arrays.array_context(k=k, v=v) as ctx:
             kv_, vv_ = ctx.view(k), ctx.view(v)
-            expected = f"(N, Hk = {self.num_kv_heads}, D = {self.head_dim})"
             for name, x in (("k", kv_), ("v", vv_)):
                 _arrays.check_ndim(name, x, "(N, Hk, D)")
                 _arrays.check_axis(name, x, 1, "Hk", self.num_kv_heads, "the cache's num_kv_heads")
@@ -390,6 +389,26 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
+    return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
+                            softcap, return_lse, check, planning=False)
+
+
+def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
+                         scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one paged decode step.
+
+    Takes the arguments of :func:`paged_attention`, with ``block_table`` and ``seq_lens`` as
+    device arrays (CuPy or torch) that the serving loop rewrites in place each step: their
+    contents are not read on the host (the kernel clamps lengths to the table's capacity and
+    block ids to the pool, as with ``check=False``). ``max_seq_len`` bounds the lengths the split
+    count plans for (default: the table's capacity). See :func:`cuattn.plan_decode` for ``run``.
+    """
+    return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
+                            softcap, return_lse, False, planning=True)
+
+
+def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window, softcap,
+                     return_lse, check, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
     if isinstance(cache, PagedKVCache):
         k_pages, v_pages = cache.k_pages, cache.v_pages
@@ -399,7 +418,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         k_pages, v_pages = _cache_pair(cache)
         named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
     call_key = None
-    if not check:
+    if not (check or planning):
         call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens),
                               (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = _calls.lookup(call_key)
@@ -415,6 +434,9 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         kv, vv = (k_pages, v_pages) if "k_pages" not in named else (ctx.view(k_pages), ctx.view(v_pages))
         table_host = _arrays.array_kind(block_table) == "numpy" or isinstance(block_table, (list, tuple))
         lens_host = _arrays.array_kind(seq_lens) == "numpy" or isinstance(seq_lens, (list, tuple))
+        if planning and not ctx.on_host and (table_host or lens_host):
+            raise TypeError("plan_paged_attention reads block_table and seq_lens on the device each run: pass device "
+                            "arrays (CuPy or q's framework) that the loop updates in place")
         table = np.asarray(block_table) if table_host else ctx.view(_same_kind(block_table, ctx))
         lens = np.asarray(seq_lens) if lens_host else ctx.view(_same_kind(seq_lens, ctx))
         _decode.check_decode_args(qv, kv, vv, lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
@@ -435,6 +457,9 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             host_lens = lens if lens_host else lens.get()
             _check_table(host_table, host_lens, num_blocks, block_size)
         if ctx.on_host:
+            if planning:
+                raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
+                                "cuattn.paged_attention for the CPU reference")
             result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,
                                                window=(left, right), softcap=softcap, return_lse=True)
             return _decode._host_result(result, qv, return_lse)
@@ -453,11 +478,14 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         batch, sq_new, num_heads, _ = map(int, qv.shape)
         out = ctx.empty(qv.shape, qv.dtype)
         lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
+        step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = _decode.launch_decode(
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
-            stream=ctx.stream, split_length=min(int(max_seq_len), capacity),
+            stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step,
         )
+        if step is not None:
+            return step
         if not (check or table_host or lens_host):
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
             _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens"), bound, workspace,

@@ -11,7 +11,7 @@ import argparse
 import cProfile
 import pstats
 
-from cuattn import _benchoverhead
+from cuattn.bench import overhead
 from cuattn._arrays import BFLOAT16
 
 
@@ -21,9 +21,9 @@ def main() -> None:
     parser.add_argument("framework", nargs="?", default="torch")
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
-    setup = next(s for c, s in _benchoverhead.cases(BFLOAT16) if (c.function, c.framework) == (args.function, args.framework))
+    setup = next(s for c, s in overhead.cases(BFLOAT16) if (c.function, c.framework) == (args.function, args.framework))
     fn = setup()
-    for _ in range(_benchoverhead.WARMUP_CALLS):
+    for _ in range(overhead.WARMUP_CALLS):
         fn()
     profile = cProfile.Profile()
     profile.enable()

@@ -13,7 +13,8 @@ import sys
 import cupy
 
 import cuattn
-from cuattn import _bench, _jit
+from cuattn import _jit
+from cuattn.bench import timing
 from cuattn import attention as _  # noqa: F401  (the module, for its tile table)
 
 attention_module = sys.modules["cuattn.attention"]
@@ -37,12 +38,12 @@ def main(argv):
         b, h = total_tokens // n, hidden // d
         q, k, v, dout = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype) for _ in range(4))
         out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
-        flops = _bench.BACKWARD_FLOP_RATIO * _bench.attention_flops(b, h, n, n, d, causal)
+        flops = timing.BACKWARD_FLOP_RATIO * timing.attention_flops(b, h, n, n, d, causal)
         default = attention_module.BWD_TILES[d][family]
         for tile, deterministic in itertools.product(CANDIDATES.get(d, [default]), modes):
             attention_module.BWD_TILES[d][family] = tile
             try:
-                ms = _bench.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                ms = timing.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                         deterministic=deterministic))
             finally:
                 attention_module.BWD_TILES[d][family] = default

@@ -10,7 +10,8 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn import _bench, _jit
+from cuattn import _jit
+from cuattn.bench import timing
 
 decode_module = importlib.import_module("cuattn.decode")
 
@@ -25,11 +26,11 @@ def main(argv):
         q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
         k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
         lens = cupy.full((batch,), seqlen, np.int32)
-        nbytes = _bench.kv_bytes(batch, seqlen, HK, D)
-        ms = _bench.time_cupy_graph(lambda: cuattn.decode(q, k, v, lens))
+        nbytes = timing.kv_bytes(batch, seqlen, HK, D)
+        ms = timing.time_cupy_graph(lambda: cuattn.decode(q, k, v, lens))
         print(f"B={batch:3d} L={seqlen:7d} splits=auto {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
         for splits in SPLITS:
-            ms = _bench.time_cupy_graph(lambda: cuattn.decode(q, k, v, lens, num_splits=splits))
+            ms = timing.time_cupy_graph(lambda: cuattn.decode(q, k, v, lens, num_splits=splits))
             print(f"B={batch:3d} L={seqlen:7d} splits={splits:4d} {nbytes / ms / 1e9:5.2f} TB/s", flush=True)
     print(f"SMs: {_jit.multiprocessor_count()}; MIN_KEYS_PER_SPLIT={decode_module.MIN_KEYS_PER_SPLIT}")
 

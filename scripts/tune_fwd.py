@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn import _bench
+from cuattn.bench import timing
 from cuattn import _jit
 from cuattn.attention import FwdTile, _launch_fwd, fwd_tile
 
@@ -32,12 +32,12 @@ def main():
         b, h = total_tokens // n, hidden // d
         q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
         out = cupy.empty_like(q)
-        flops = _bench.attention_flops(b, h, n, n, d, causal)
+        flops = timing.attention_flops(b, h, n, n, d, causal)
         for tile in CANDIDATES[d]:
             fn = lambda: _launch_fwd(q, k, v, out, None, None, None, batch=b, seqlen_q=n, seqlen_k=n,
                                      causal=causal, scale=None, window=(-1, -1), softcap=0.0,
                                      stream=cupy.cuda.get_current_stream(), tile=tile)
-            ms = _bench.time_cuda(fn)
+            ms = timing.time_cuda(fn)
             star = "*" if tile == fwd_tile(d, _jit.target_arch()) else " "
             print(f"d={d:3d} n={n:5d} causal={causal!s:5} tile={tile.block_m}x{tile.block_n}x{tile.warps}{star} "
                   f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
@@ -49,7 +49,7 @@ def main():
                         fn = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
                         fn()
                         torch.cuda.synchronize()
-                        ms = _bench.time_cuda(fn)
+                        ms = timing.time_cuda(fn)
                     print(f"d={d:3d} n={n:5d} causal={causal!s:5} torch-{name:5}        {ms:8.3f} ms "
                           f"{flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 except Exception as exc:

@@ -14,7 +14,7 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn import _bench
+from cuattn.bench import timing
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
@@ -39,12 +39,12 @@ def main(argv):
         table = cupy.asarray(order.reshape(batch, -1).astype(np.int32))
         lens = cupy.full((batch,), seqlen, np.int32)
         q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
-        nbytes = _bench.kv_bytes(batch, seqlen, HK, D)
+        nbytes = timing.kv_bytes(batch, seqlen, HK, D)
         line = []
         for splits in SPLITS:
             if splits is not None and splits > seqlen // 256:
                 continue
-            ms = _bench.time_cupy_graph(lambda: cuattn.paged_attention(
+            ms = timing.time_cupy_graph(lambda: cuattn.paged_attention(
                 q, tuple(pages), table, lens, check=False, max_seq_len=seqlen, num_splits=splits))
             line.append(f"{'auto' if splits is None else splits}:{nbytes / ms / 1e9:.2f}")
         placement = "sequential" if sequential else f"draw {draw}"

@@ -1,6 +1,6 @@
 """`python -m cuattn bench`: its argument errors, tables, JSON record, plot panels and progress bar.
 
-The CPU tests feed fabricated results to the pure functions of `cuattn._benchcli` (and run the
+The CPU tests feed fabricated results to the pure functions of `cuattn.bench` (and run the
 whole command with the measuring parts replaced), so they check formatting and records without
 a GPU. The GPU test runs a real tiny sweep in a subprocess and reads back its JSON.
 """
@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from cuattn import _benchcases, _benchcli
+from cuattn.bench import cases as bench_cases
+from cuattn.bench import cli, plot, report
 from cuattn.__main__ import main
 
 CEILINGS = {"copy_tbps": 4.22, "copy_bytes": 1 << 30, "gemm_tflops": 743.0, "gemm_dtype": "bfloat16",
@@ -33,13 +34,13 @@ NAIVE_SKIP = "naive CuPy runs up to N = 4096"
 
 def result(family, impl, shape, rate=None, *, dtype="bfloat16", skipped="", error=""):
     ms = None if rate is None else 1.0 / rate
-    return _benchcases.Result(family, impl, shape, dtype, ms, rate, {"ms": ms}, skipped, error)
+    return bench_cases.Result(family, impl, shape, dtype, ms, rate, {"ms": ms}, skipped, error)
 
 
 def forward_results():
     """Two shapes x four implementations; naive CuPy skipped at 16k."""
-    small = _benchcases.attention_shape(N_SMALL, HEAD_DIM, False)
-    large = _benchcases.attention_shape(N_LARGE, HEAD_DIM, True)
+    small = bench_cases.attention_shape(N_SMALL, HEAD_DIM, False)
+    large = bench_cases.attention_shape(N_LARGE, HEAD_DIM, True)
     return [
         result("forward", "cuattn", small, 316.7),
         result("forward", "torch-flash", small, 318.7),
@@ -53,7 +54,7 @@ def forward_results():
 
 
 def decode_results():
-    shape = _benchcases.decode_shape(1, 32768)
+    shape = bench_cases.decode_shape(1, 32768)
     return [
         result("decode", "cuattn", shape, 2.95),
         result("decode", "torch-flash", shape, skipped="torch is not importable (No module named 'torch')"),
@@ -62,7 +63,7 @@ def decode_results():
 
 
 def paged_results():
-    shape = _benchcases.decode_shape(8, 8192, _benchcases.BLOCK_SIZE)
+    shape = bench_cases.decode_shape(8, 8192, bench_cases.BLOCK_SIZE)
     return [result("paged", "paged", shape, 2.46), result("paged", "contiguous", shape, 3.66)]
 
 
@@ -119,12 +120,12 @@ def test_output_folder_must_exist(capsys, tmp_path, option):
 
 
 def test_no_gpu_is_an_argument_error_before_any_measuring(capsys, monkeypatch):
-    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "no CUDA device was found")
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA device was found")
 
     def must_not_run():
         raise AssertionError("measured without a GPU")
 
-    monkeypatch.setattr(_benchcli, "environment", must_not_run)
+    monkeypatch.setattr(cli, "environment", must_not_run)
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "decode", "--quick"])
     assert exit_info.value.code == 2
@@ -136,7 +137,7 @@ def test_no_gpu_is_an_argument_error_before_any_measuring(capsys, monkeypatch):
 
 
 def test_forward_table_has_a_column_per_impl_and_ratios():
-    table = _benchcli.format_table("forward", forward_results(), "bfloat16")
+    table = report.format_table("forward", forward_results(), "bfloat16")
     lines = table.splitlines()
     assert lines[0].startswith("forward (TFLOP/s, bfloat16; naive-cupy in float16):")
     header = [c.strip() for c in lines[2].strip().strip("|").split("|")]
@@ -152,14 +153,14 @@ def test_forward_table_has_a_column_per_impl_and_ratios():
 
 
 def test_decode_table_marks_skips_and_errors():
-    table = _benchcli.format_table("decode", decode_results(), "bfloat16")
+    table = report.format_table("decode", decode_results(), "bfloat16")
     assert table_row(table, "1", "32768") == ["1", "32768", "128", "2.95", "skip", "error", "", ""]
     assert "skipped: torch-flash at B1-L32768: torch is not importable (No module named 'torch')" in table
     assert "error: torch-cudnn at B1-L32768: RuntimeError: boom" in table
 
 
 def test_paged_table_divides_paged_by_contiguous():
-    table = _benchcli.format_table("paged", paged_results(), "bfloat16")
+    table = report.format_table("paged", paged_results(), "bfloat16")
     header = [c.strip() for c in table.splitlines()[2].strip().strip("|").split("|")]
     assert header[-3:] == ["paged", "contiguous", "paged/contiguous"]
     assert table_row(table, "8", "8192") == ["8", "8192", "256", "2.46", "3.66", "0.67"]
@@ -167,14 +168,14 @@ def test_paged_table_divides_paged_by_contiguous():
 
 @pytest.mark.parametrize("subject, baseline, expected", [(3.0, 2.0, "1.50"), (340.0, 11.8, "29x"), (1.0, None, "")])
 def test_format_ratio(subject, baseline, expected):
-    shape = _benchcases.decode_shape(1, 1024)
+    shape = bench_cases.decode_shape(1, 1024)
     a = result("decode", "cuattn", shape, subject)
     b = result("decode", "torch-flash", shape, baseline, skipped="" if baseline else "no torch")
-    assert _benchcli.format_ratio(a, b) == expected
+    assert report.format_ratio(a, b) == expected
 
 
 def test_ceilings_line():
-    line = _benchcli.format_ceilings(CEILINGS)
+    line = report.format_ceilings(CEILINGS)
     assert "device copy 4.22 TB/s" in line and "bfloat16 GEMM 743.0 TFLOP/s (cupy.matmul 8192 x 8192 x 8192)" in line
 
 
@@ -185,18 +186,18 @@ def test_ceilings_line():
 def written_record(tmp_path):
     """The fabricated results of every family, written as a JSON record: (results, path)."""
     results = forward_results() + decode_results() + paged_results()
-    record = _benchcli.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
+    record = report.build_record(results, ceilings=CEILINGS, environment=ENVIRONMENT,
                                     command="python -m cuattn bench all", dtype="bfloat16", quick=False,
                                     date="2026-11-29T12:00:00+00:00")
     path = tmp_path / "bench.json"
-    _benchcli.write_json(path, record)
+    report.write_json(path, record)
     return results, path
 
 
 def test_json_record_round_trips(tmp_path):
     results, path = written_record(tmp_path)
     loaded = json.loads(path.read_text())
-    assert loaded["format"] == _benchcli.JSON_FORMAT and loaded["date"] == "2026-11-29T12:00:00+00:00"
+    assert loaded["format"] == report.JSON_FORMAT and loaded["date"] == "2026-11-29T12:00:00+00:00"
     assert loaded["device"]["name"] == "NVIDIA H200" and loaded["versions"]["nvrtc"] == "13.0"
     assert loaded["ceilings"] == CEILINGS
     assert len(loaded["cases"]) == len(results)
@@ -209,17 +210,17 @@ def test_json_record_round_trips(tmp_path):
     statuses = {(c["family"], c["impl"], c["id"]): (c["status"], c["reason"]) for c in loaded["cases"]}
     assert statuses["forward", "naive-cupy", "N16384-d128-causal"] == ("skipped", NAIVE_SKIP)
     assert statuses["decode", "torch-cudnn", "B1-L32768"] == ("error", "RuntimeError: boom")
-    assert loaded["cases"][-1]["block_size"] == _benchcases.BLOCK_SIZE
+    assert loaded["cases"][-1]["block_size"] == bench_cases.BLOCK_SIZE
 
 
 def test_from_json_prints_the_same_tables_without_a_gpu(capsys, monkeypatch, tmp_path):
     results, path = written_record(tmp_path)
     # replaying must not look for a device
-    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: "no GPU here")
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no GPU here")
     assert main(["bench", "--from-json", str(path)]) == 0
     out, _ = capsys.readouterr()
     for family in ("forward", "decode", "paged"):
-        assert _benchcli.format_table(family, results, "bfloat16") in out
+        assert report.format_table(family, results, "bfloat16") in out
     assert main(["bench", "decode", "--from-json", str(path)]) == 0
     out, _ = capsys.readouterr()
     assert "decode (TB/s" in out and "forward (TFLOP/s" not in out
@@ -247,11 +248,11 @@ def test_from_json_needs_the_file(capsys, tmp_path):
 
 
 def test_json_refuses_a_nan_rather_than_writing_invalid_json(tmp_path):
-    shape = _benchcases.decode_shape(1, 1024)
-    record = _benchcli.build_record([result("decode", "cuattn", shape, math.nan)], ceilings=CEILINGS,
+    shape = bench_cases.decode_shape(1, 1024)
+    record = report.build_record([result("decode", "cuattn", shape, math.nan)], ceilings=CEILINGS,
                                     environment=ENVIRONMENT, command="", dtype="bfloat16", quick=True)
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
-        _benchcli.write_json(tmp_path / "bench.json", record)
+        report.write_json(tmp_path / "bench.json", record)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def test_json_refuses_a_nan_rather_than_writing_invalid_json(tmp_path):
 
 
 def test_plot_panels_one_per_family_head_dim_and_mask():
-    panels = _benchcli.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
+    panels = plot.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
     assert [p.title for p in panels] == [
         "forward, D = 128, full", "forward, D = 128, causal", "decode, GQA 32/8, D = 128",
         "paged decode (block 16) vs contiguous, GQA 32/8, D = 128"]
@@ -277,8 +278,8 @@ def test_draw_plot_writes_an_image(tmp_path):
     # matplotlib is in the test extra, so this runs in CI; a bare GPU machine may lack it
     pytest.importorskip("matplotlib", reason="matplotlib is optional (cuattn[plot]); CI installs it")
     path = tmp_path / "bench.png"
-    panels = _benchcli.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
-    _benchcli.draw_plot(panels, path, title="test")
+    panels = plot.plot_panels(forward_results() + decode_results() + paged_results(), CEILINGS)
+    plot.draw_plot(panels, path, title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -288,7 +289,7 @@ def test_draw_plot_writes_an_image(tmp_path):
 
 def test_progress_writes_a_line_per_case_off_a_terminal():
     stream = io.StringIO()
-    progress = _benchcli.Progress(2, stream, width=4)
+    progress = cli.Progress(2, stream, width=4)
     progress.step("decode B1-L1024 cuattn")
     progress.step("decode B1-L1024 torch-flash")
     progress.finish()
@@ -305,18 +306,18 @@ def test_command_end_to_end_on_fabricated_measurements(capsys, monkeypatch, tmp_
             raise RuntimeError("the backend fell over")
         return [result(case.family, impl, case.shape, 1.5) for impl in case.impls]
 
-    monkeypatch.setattr(_benchcli, "gpu_unavailable_reason", lambda: None)
-    monkeypatch.setattr(_benchcli, "environment", lambda: ENVIRONMENT)
-    monkeypatch.setattr(_benchcli, "measure_ceilings", lambda dtype: CEILINGS)
-    monkeypatch.setattr(_benchcli, "_release_memory", lambda: None)
-    monkeypatch.setattr(_benchcases, "run_case", fake_run_case)
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cli, "environment", lambda: ENVIRONMENT)
+    monkeypatch.setattr(cli, "measure_ceilings", lambda dtype: CEILINGS)
+    monkeypatch.setattr(cli, "_release_memory", lambda: None)
+    monkeypatch.setattr(bench_cases, "run_case", fake_run_case)
     path = tmp_path / "bench.json"
     assert main(["bench", "decode", "--quick", "--json", str(path)]) == 1
     out, err = capsys.readouterr()
-    shapes = _benchcases.FAMILIES["decode"].shapes(quick=True)
+    shapes = bench_cases.FAMILIES["decode"].shapes(quick=True)
     assert "python -m cuattn bench decode --quick --json" in out and "device copy 4.22 TB/s" in out
     assert table_row(out, str(shapes[0].batch), str(shapes[0].seqlen))[3:] == ["1.50", "1.50", "error", "1.00", ""]
-    assert f"{len(shapes) * len(_benchcases.DECODE_IMPLS)}/{len(shapes) * len(_benchcases.DECODE_IMPLS)} cases" in err
+    assert f"{len(shapes) * len(bench_cases.DECODE_IMPLS)}/{len(shapes) * len(bench_cases.DECODE_IMPLS)} cases" in err
     assert "error: decode torch-cudnn B1-L2048: RuntimeError: the backend fell over" in err
     record = json.loads(path.read_text())
     assert record["quick"] is True and record["dtype"] == "bfloat16"
@@ -337,8 +338,8 @@ def test_bench_decode_quick_writes_its_json(tmp_path):
     record = json.loads(path.read_text())
     assert record["device"]["name"] and record["versions"]["nvrtc"]
     assert record["ceilings"]["copy_tbps"] > 0 and record["ceilings"]["gemm_tflops"] > 0
-    shapes = _benchcases.FAMILIES["decode"].shapes(quick=True)
-    assert len(record["cases"]) == len(shapes) * len(_benchcases.DECODE_IMPLS)
+    shapes = bench_cases.FAMILIES["decode"].shapes(quick=True)
+    assert len(record["cases"]) == len(shapes) * len(bench_cases.DECODE_IMPLS)
     for case in record["cases"]:
         assert case["family"] == "decode" and case["status"] in ("ok", "skipped"), case
         assert case["status"] == "ok" or case["reason"], case

@@ -174,3 +174,70 @@ def test_torch_outputs_come_from_torchs_allocator_on_its_current_stream(rng):
         assert torch.cuda.memory_allocated() - before >= out.numel() * out.element_size()
         side.synchronize()
         assert (out.float() - expected.float()).abs().max().item() < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Step plans (plan once, run many)
+
+
+def test_step_plans_refuse_numpy_arrays():
+    q = np.zeros((1, 1, 4, 64), np.float32)
+    k = np.zeros((1, 16, 2, 64), np.float32)
+    with pytest.raises(TypeError, match=r"plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode"):
+        cuattn.plan_decode(q, k, k, np.array([16], np.int32))
+    cache = cuattn.PagedKVCache(4, 4, 2, 64, np.float32, device="cpu")
+    with pytest.raises(TypeError, match=r"plan_paged_attention plans GPU launches and got NumPy arrays"):
+        cuattn.plan_paged_attention(q, cache, np.array([[0, 1]], np.int32), np.array([8], np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_decode_plan_runs_steps_over_arrays_updated_in_place(rng, framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    b, s_max, hq, hk, d = 2, 4096, 16, 4, 128
+    q = _as(framework, randn(rng, (b, 1, hq, d), BF16))
+    k, v = (_as(framework, randn(rng, (b, s_max, hk, d), BF16)) for _ in range(2))
+    lens = _as(framework, np.array([4000, 1500], np.int32))
+    plan = cuattn.plan_decode(q, k, v, lens, return_lse=True)
+    for step in range(3):
+        q[...] = _as(framework, randn(rng, tuple(q.shape), BF16))
+        lens[...] = _as(framework, np.array([4000 - step, 1 + 700 * step], np.int32))
+        out, lse = plan.run()
+        assert out is plan.out and lse is plan.lse
+        expected, expected_lse = cuattn.decode(q, k, v, lens, return_lse=True)
+        # the same kernels with the same split count: the same bits
+        np.testing.assert_array_equal(_arrays.to_numpy(out), _arrays.to_numpy(expected))
+        np.testing.assert_array_equal(_arrays.to_numpy(lse), _arrays.to_numpy(expected_lse))
+        ref = reference.decode(*(_arrays.to_numpy(x) for x in (q, k, v, lens)))
+        assert np.abs(_host(out) - ref).max() < 3e-2, f"step {step} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
+def test_paged_plan_replays_in_a_cuda_graph_with_tables_updated_in_place(rng):
+    import cupy
+
+    b, hq, hk, d, block, pages = 2, 8, 2, 64, 16, 64
+    cache = cuattn.PagedKVCache(pages, block, hk, d, BF16)
+    cache.k_pages[...] = cupy.asarray(randn(rng, tuple(cache.k_pages.shape), BF16))
+    cache.v_pages[...] = cupy.asarray(randn(rng, tuple(cache.v_pages.shape), BF16))
+    q = cupy.asarray(randn(rng, (b, 1, hq, d), BF16))
+    table = cupy.zeros((b, 8), cupy.int32)
+    lens = cupy.zeros(b, cupy.int32)
+    with pytest.raises(TypeError, match=r"pass device arrays"):
+        cuattn.plan_paged_attention(q, cache, table.get(), lens)
+    plan = cuattn.plan_paged_attention(q, cache, table, lens)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run()  # warm: loads every kernel before capture
+        stream.begin_capture()
+        out = plan.run()
+        graph = stream.end_capture()
+        for step in range(3):
+            table[...] = cupy.asarray(rng.permutation(pages)[:b * 8].reshape(b, 8).astype(np.int32))
+            lens[...] = cupy.asarray(np.array([128 - step, 17 + 40 * step], np.int32))
+            q[...] = cupy.asarray(randn(rng, tuple(q.shape), BF16))
+            graph.launch(stream)
+            stream.synchronize()
+            ref = reference.paged_attention(q.get(), cache.k_pages.get(), cache.v_pages.get(), table.get(), lens.get())
+            assert np.abs(out.get().astype(np.float64) - ref).max() < 3e-2, f"replay {step} (seed {rng.seed})"

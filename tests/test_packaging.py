@@ -85,7 +85,7 @@ def test_license_is_apache_in_spdx_form_and_shipped():
 
 
 # The folders the Layout section lists in full; the root line only names files that must exist.
-LAYOUT_FOLDERS = ("cuattn/", "cuda_src/", "tests/", "tests/bench/", "examples/", "scripts/", "docs/", ".ci/")
+LAYOUT_FOLDERS = ("cuattn/", "cuattn/bench/", "cuda_src/", "tests/", "tests/bench/", "examples/", "scripts/", "docs/", ".ci/")
 # Build and cache litter that is never tracked.
 UNTRACKED = re.compile(r"(^|/)(__pycache__|\.pytest_cache|\.hypothesis|\.benchmarks)(/|$)|\.pyc$")
 

@@ -3,8 +3,8 @@
 Shapes follow FlashAttention's benchmark: 32k tokens in total (B = 32768 / N), H * D = 2048,
 N in {1k, 4k, 16k}, D in {64, 128}, causal or not, bf16 (the naive CuPy baseline runs in fp16:
 its matmuls are cuBLAS half-precision GEMMs). The cases, their inputs and their timing live in
-`cuattn._benchcases`, which `python -m cuattn bench forward` runs too. Each case's `extra_info`
-records the shapes and TFLOP/s measured with CUDA events after warm-up (cuattn._bench.time_cuda,
+`cuattn.bench.cases`, which `python -m cuattn bench forward` runs too. Each case's `extra_info`
+records the shapes and TFLOP/s measured with CUDA events after warm-up (cuattn.bench.timing.time_cuda,
 median); the pytest-benchmark timing around it is the same call synchronised, for
 `pytest-benchmark compare`.
 """
@@ -14,20 +14,21 @@ from __future__ import annotations
 import pytest
 
 import cuattn
-from cuattn import _bench, _benchcases
+from cuattn.bench import cases as bench_cases
+from cuattn.bench import timing
 
 pytestmark = pytest.mark.gpu
 
-CASES = _benchcases.ATTENTION_GRID
-IDS = [_benchcases.FAMILIES["forward"].shape_id(_benchcases.attention_shape(n, d, c)) for n, d, c in CASES]
+CASES = bench_cases.ATTENTION_GRID
+IDS = [bench_cases.FAMILIES["forward"].shape_id(bench_cases.attention_shape(n, d, c)) for n, d, c in CASES]
 LONG_SEQLEN, LONG_HEAD_DIM = 131072, 128
 
 
-@pytest.mark.parametrize("impl", _benchcases.ATTENTION_IMPLS)
+@pytest.mark.parametrize("impl", bench_cases.ATTENTION_IMPLS)
 @pytest.mark.parametrize("n, d, causal", CASES, ids=IDS)
 def test_forward(benchmark, impl, n, d, causal):
-    case = _benchcases.Case("forward", _benchcases.attention_shape(n, d, causal), (impl,))
-    _benchcases.run_benchmark(benchmark, case, pytest.skip)
+    case = bench_cases.Case("forward", bench_cases.attention_shape(n, d, causal), (impl,))
+    bench_cases.run_benchmark(benchmark, case, pytest.skip)
 
 
 def test_forward_one_head_131072(benchmark):
@@ -39,13 +40,13 @@ def test_forward_one_head_131072(benchmark):
                for _ in range(3))
     pool = cupy.get_default_memory_pool()
     out = cupy.empty_like(q)
-    ms = _bench.time_cuda(lambda: cuattn.attention(q, k, v, causal=True, out=out), repeats=3)
+    ms = timing.time_cuda(lambda: cuattn.attention(q, k, v, causal=True, out=out), repeats=3)
     before = pool.total_bytes()
     _, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
     extra = pool.total_bytes() - before
-    naive_scores_bytes = n * n * _benchcases.NAIVE_DTYPE.itemsize
+    naive_scores_bytes = n * n * bench_cases.NAIVE_DTYPE.itemsize
     benchmark.extra_info.update(impl="cuattn", seqlen=n, head_dim=d, causal=True, ms=ms,
-                                tflops=_bench.attention_flops(1, 1, n, n, d, True) / ms / 1e9,
+                                tflops=timing.attention_flops(1, 1, n, n, d, True) / ms / 1e9,
                                 extra_bytes=extra, naive_score_bytes=naive_scores_bytes)
     assert extra <= out.nbytes + lse.nbytes
     benchmark.pedantic(lambda: (cuattn.attention(q, k, v, causal=True, out=out), cupy.cuda.Device().synchronize()),

@@ -1,6 +1,6 @@
 """``python -m cuattn bench overhead``: host time per call and eager back-to-back throughput.
 
-(The CLI, its --json record and the environment header are ``_benchcli``'s.)
+(The CLI, its --json record and the environment header are ``cli``'s.)
 
 For each public function at a small shape, and for each input framework (CuPy, torch), it calls
 the function ``CALLS`` times back to back without synchronising:
@@ -132,6 +132,12 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
                                   "lens": ([dec_len] * dec_b, "int32")}, dtype)
             return lambda: cuattn.paged_attention(x["q"], (x["kp"], x["vp"]), x["table"], x["lens"], check=False)
 
+        def decode_plan_setup(fw=fw):
+            x = _inputs(fw, rng, {"q": ((dec_b, 1, dec_hq, dec_d), "f"), "k": ((dec_b, dec_len, dec_hk, dec_d), "f"),
+                                  "v": ((dec_b, dec_len, dec_hk, dec_d), "f"), "lens": ([dec_len] * dec_b, "int32")},
+                        dtype)
+            return cuattn.plan_decode(x["q"], x["k"], x["v"], x["lens"]).run
+
         found += [
             (OverheadCase("attention", fw, attn_shape), attention_setup),
             (OverheadCase("attention_varlen", fw, f"2 x ({s // 2}, {h}, {d})"), varlen_setup),
@@ -139,6 +145,7 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
             (OverheadCase("merge_states", fw, f"2 x {attn_shape}"), merge_setup),
             (OverheadCase("decode", fw, dec_shape, kv_bytes), decode_setup),
             (OverheadCase("paged_attention", fw, f"{dec_shape}, block {block}", kv_bytes), paged_setup),
+            (OverheadCase("plan_decode(...).run", fw, dec_shape, kv_bytes), decode_plan_setup),
         ]
 
     def sdpa_attention_setup():

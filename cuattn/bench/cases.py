@@ -2,10 +2,10 @@
 
 The pytest-benchmark suite (``tests/bench``) and ``python -m cuattn bench`` both run these cases,
 so a figure in a pytest-benchmark JSON and one in the CLI's table come from the same inputs, the
-same calls and the same timing (``cuattn._bench``). Four families:
+same calls and the same timing (``cuattn.bench.timing``). Four families:
 
 - ``forward``: 32k tokens in total (B = 32768 / N), H * D = 2048, N in {1k, 4k, 16k}, D in
-  {64, 128}, causal or not (FlashAttention's benchmark shapes). TFLOP/s by `_bench`'s count,
+  {64, 128}, causal or not (FlashAttention's benchmark shapes). TFLOP/s by `timing`'s count,
   4 * B * H * N * N * D, halved for causal.
 - ``backward``: the same shapes, 2.5x the forward's FLOPs. Only the backward is timed: cuattn's
   ``attention_backward`` from the forward's out and lse; torch's ``autograd.grad`` of one SDPA
@@ -32,8 +32,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import _bench
-from ._arrays import BFLOAT16, FLOAT16, dtype_name
+from .._arrays import BFLOAT16, FLOAT16, dtype_name
+from . import timing
+
+# The families in the order tables and plots show them.
+FAMILY_ORDER = ("forward", "backward", "decode", "paged")
 
 # Forward and backward: FlashAttention's benchmark grid.
 TOTAL_TOKENS = 32768
@@ -355,15 +358,15 @@ def _prepare_forward(case: Case, dtype: np.dtype) -> Prepared:
         out = cupy.empty_like(q)
         fn = lambda: cuattn.attention(q, k, v, causal=s.causal, out=out)
     elif impl == "naive-cupy":
-        fn = lambda: _bench.naive_attention_cupy(q, k, v, causal=s.causal)
+        fn = lambda: timing.naive_attention_cupy(q, k, v, causal=s.causal)
     else:
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
         fn = _sdpa(impl, tq, tk, tv, is_causal=s.causal)
         _refused(impl, fn)
 
     def measure():
-        ms = _bench.time_cuda(fn)
-        tflops = _bench.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal) / ms / 1e9
+        ms = timing.time_cuda(fn)
+        tflops = timing.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal) / ms / 1e9
         info = _attention_info(impl, s, dtype, ms, tflops)
         return [Result(case.family, impl, s, dtype_name(dtype), ms, tflops, info)]
 
@@ -385,8 +388,8 @@ def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
         out, lse = cuattn.attention(q, k, v, causal=s.causal, return_lse=True)
         fn = lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=s.causal)
     elif impl == "naive-cupy":
-        out = _bench.naive_attention_cupy(q, k, v, causal=s.causal)
-        fn = lambda: _bench.naive_attention_backward_cupy(dout, q, k, v, out, causal=s.causal)
+        out = timing.naive_attention_cupy(q, k, v, causal=s.causal)
+        fn = lambda: timing.naive_attention_backward_cupy(dout, q, k, v, out, causal=s.causal)
     else:
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
         tdo = torch.from_dlpack(dout).transpose(1, 2)
@@ -395,9 +398,9 @@ def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
         _refused(impl, fn)
 
     def measure():
-        ms = _bench.time_cuda(fn)
-        forward_flops = _bench.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal)
-        tflops = _bench.BACKWARD_FLOP_RATIO * forward_flops / ms / 1e9
+        ms = timing.time_cuda(fn)
+        forward_flops = timing.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal)
+        tflops = timing.BACKWARD_FLOP_RATIO * forward_flops / ms / 1e9
         info = _attention_info(impl, s, dtype, ms, tflops)
         if impl == "cuattn":
             # every allocation of one backward call beyond dq, dk, dv (the README's budget: dQ accumulator + delta)
@@ -414,8 +417,8 @@ def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
 
 
 def _decode_figures(fn, nbytes: float, *, torch_graph: bool) -> dict:
-    eager_ms = _bench.time_cuda(fn)
-    graph_ms = _bench.time_torch_graph(fn) if torch_graph else _bench.time_cupy_graph(fn)
+    eager_ms = timing.time_cuda(fn)
+    graph_ms = timing.time_torch_graph(fn) if torch_graph else timing.time_cupy_graph(fn)
     return dict(graph_ms=graph_ms, eager_ms=eager_ms, kv_bytes=nbytes, tbps=nbytes / graph_ms / 1e9,
                 eager_tbps=nbytes / eager_ms / 1e9)
 
@@ -440,7 +443,7 @@ def _prepare_decode(case: Case, dtype: np.dtype) -> Prepared:
         _refused(impl, fn)
 
     def measure():
-        nbytes = _bench.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
+        nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
         figures = _decode_figures(fn, nbytes, torch_graph=impl != "cuattn")
         info = dict(impl=impl, batch=s.batch, seqlen=s.seqlen, q_heads=s.q_heads, kv_heads=s.kv_heads,
                     head_dim=s.head_dim, dtype=dtype_name(dtype), **figures)
@@ -478,12 +481,12 @@ def _prepare_paged(case: Case, dtype: np.dtype) -> Prepared:
     calls = {"paged": paged, "contiguous": contiguous}
 
     def measure():
-        nbytes = _bench.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
+        nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
         results = []
         for impl in case.impls:
             fn = calls[impl]
-            graph_ms = _bench.time_cupy_graph(fn)
-            eager_ms = _bench.time_cuda(fn)
+            graph_ms = timing.time_cupy_graph(fn)
+            eager_ms = timing.time_cuda(fn)
             info = dict(graph_ms=graph_ms, eager_ms=eager_ms, kv_bytes=nbytes, tbps=nbytes / graph_ms / 1e9,
                         eager_tbps=nbytes / eager_ms / 1e9)
             results.append(Result(case.family, impl, s, dtype_name(dtype), graph_ms, info["tbps"], info))

@@ -172,7 +172,7 @@ def gemm_rate(size: int = GEMM_SIZE, dtype=None) -> tuple[float, str]:
     import cupy
     import numpy as np
 
-    from ._arrays import BFLOAT16, FLOAT16, dtype_name
+    from .._arrays import BFLOAT16, FLOAT16, dtype_name
 
     candidates = list(dict.fromkeys([np.dtype(BFLOAT16 if dtype is None else dtype), FLOAT16]))
     refusals = []
