@@ -1,4 +1,4 @@
-"""Kernel parameter structs on the host: NumPy structured dtypes read from ``cuda_src/params.cuh``.
+"""What the host mirrors of the device code, read from ``cuda_src/`` itself: parameter structs and constants.
 
 Every kernel family takes one struct by value (``FwdParams``, ``BwdParams``, ``DecodeParams``,
 ``CombineParams``, ``CacheParams``). The header is the only place a field is declared: this
@@ -8,6 +8,10 @@ to the kernel as the struct's bytes.
 
 Filling is strict: every field must be given (a forgotten field would silently stay zero), and
 an unknown name is an error, so the host and the header cannot drift apart.
+
+Constants the host needs to size launches (threads per CTA, keys per stage, shared-memory row
+padding, ...) are read the same way: :func:`constant` evaluates the sources' ``constexpr int
+kName = EXPR;`` declarations, so a tile constant is stated once, in the kernel file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ HEADER = "params.cuh"
 SCALAR_TYPES = {"i64": np.int64, "int": np.int32, "u32": np.uint32, "float": np.float32}
 POINTER = np.uint64
 
+_CONSTANT_RE = re.compile(r"constexpr int (k\w+) = ([^;]+);")
+# what a constant's expression may hold: names, integers, + - * / and parentheses
+_EXPRESSION_RE = re.compile(r"^[\w\s+\-*/()]+$")
 _STRUCT_RE = re.compile(r"struct\s+(\w+Params)\s*\{(.*?)\n\};", re.S)
 _MEMBER_RE = re.compile(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", re.M)
 
@@ -81,3 +88,37 @@ def pack(name: str, **fields) -> np.void:
         raise TypeError(f"{name}: fields missing {missing}, unknown {unknown}")
     row = tuple(pointer(fields[f]) if dtype.fields[f][0] == POINTER else fields[f] for f in dtype.names)
     return np.array(row, dtype)[()]
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(folder: Path) -> dict[str, int]:
+    """Every ``constexpr int kName = EXPR;`` of the sources whose value follows from the others
+    (template-dependent ones are left out); a name declared twice with two values maps to None."""
+    declared = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix in _jit.SOURCE_SUFFIXES:
+            declared += _CONSTANT_RE.findall(path.read_text())
+    values: dict[str, int | None] = {}
+    pending = [(name, expr.strip()) for name, expr in declared if _EXPRESSION_RE.match(expr.strip())]
+    progress = True
+    while pending and progress:  # a declaration may use names declared after it in another file
+        progress, waiting = False, []
+        for name, expr in pending:
+            try:
+                value = eval(expr.replace("/", "//"), {"__builtins__": {}}, dict(values))  # noqa: S307 (checked above)
+            except NameError:
+                waiting.append((name, expr))
+                continue
+            progress = True
+            values[name] = value if values.get(name, value) == value else None
+        pending = waiting
+    return values
+
+
+def constant(name: str) -> int:
+    """The value of ``constexpr int name`` in ``cuda_src/`` (threads, tile and padding constants)."""
+    values = _constants(_jit.source_dir())
+    if values.get(name) is None:
+        why = "declared with two values" if name in values else "not a constant the host can evaluate"
+        raise KeyError(f"{name} is {why} in {_jit.source_dir()}")
+    return values[name]

@@ -11,7 +11,7 @@ import dataclasses
 import importlib.util
 import platform
 
-from . import _jit, attention, decode, paged
+from . import _jit, _registry
 
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 # Per-SM budgets of sm_80 / sm_90, for the occupancy column of the report.
@@ -23,8 +23,8 @@ REGISTER_ALLOCATION_UNIT = 256
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every variant any dispatcher in cuattn can launch on ``arch``."""
-    return attention.kernel_variants(arch) + decode.kernel_variants(arch) + paged.kernel_variants(arch)
+    """Every variant any dispatcher in cuattn can launch on ``arch`` (the variant registry's list)."""
+    return _registry.kernel_variants(arch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,12 +44,10 @@ class FwdTile:
     block_n: int
     warps: int
 
-    # Shared-memory rows carry 8 elements of padding (SmemRow::kPadElems in attention_tile.cuh).
-    PAD_ELEMS = 8
-
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        """Q tile plus one K and one V tile, each row padded: [BLOCK_M + 2 BLOCK_N, D + 8]."""
-        return (self.block_m + 2 * self.block_n) * (head_dim + self.PAD_ELEMS) * itemsize
+        """Q tile plus one K and one V tile, each row padded (SmemRow::kPadElems in
+        attention_tile.cuh): [BLOCK_M + 2 BLOCK_N, D + pad]."""
+        return (self.block_m + 2 * self.block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
     def threads(self) -> int:
         return self.warps * 32
@@ -398,25 +396,24 @@ class BwdTile:
     dq_warps: int
     wgmma: bool = False
 
-    SM90_BLOCK_N = 128
-    SM90_STAGES = 2
-    SM90_ALIGN = 1024  # swizzled tiles start on 1024-byte boundaries: slack to round the base up
-
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """K, V [BLOCK_N, D + 8]; Q, dO [stages, BLOCK_M, D + 8]; P^T, dS^T [BLOCK_N, BLOCK_M + 8];
         lse, delta [stages, BLOCK_M] fp32. wgmma (BwdSm90Smem): unpadded swizzled K, V, two Q/dO
         stages, dS^T, lse and delta, and the alignment slack."""
         if self.wgmma:
-            tiles = (2 * self.SM90_BLOCK_N + 2 * self.SM90_STAGES * self.block_m) * head_dim * itemsize
-            stats = 2 * self.SM90_STAGES * self.block_m * 4
-            return tiles + self.SM90_BLOCK_N * self.block_m * itemsize + stats + self.SM90_ALIGN
-        pad = FwdTile.PAD_ELEMS
+            # flash_bwd.cu's kBwdSm90BlockN keys and kBwdSm90Stages buffers; swizzled tiles start on
+            # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
+            block_n, stages = _params.constant("kBwdSm90BlockN"), _params.constant("kBwdSm90Stages")
+            tiles = (2 * block_n + 2 * stages * self.block_m) * head_dim * itemsize
+            stats = 2 * stages * self.block_m * 4
+            return tiles + block_n * self.block_m * itemsize + stats + _params.constant("kSwizzleAtomBytes")
+        pad = _params.constant("kPadElems")
         tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
         return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """Q, dO [BLOCK_M, D + 8]; K, V [2, BLOCK_N, D + 8]."""
-        return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + FwdTile.PAD_ELEMS) * itemsize
+        return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
 
 # One row per head dim and arch family. Hopper runs D = 64 and 128 on the wgmma kernel
@@ -444,9 +441,6 @@ def bwd_tile(head_dim: int, arch: str) -> BwdTile:
     return BWD_TILES[head_dim][arch_family(arch)]
 
 
-PREPROCESS_WARPS = 4
-CONVERT_THREADS = 256
-
 
 @functools.lru_cache(maxsize=None)
 def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) -> tuple[_jit.KernelSpec, ...]:
@@ -467,9 +461,11 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
             "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
             threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(head_dim, itemsize))
     else:
-        last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>", threads=CONVERT_THREADS)
+        last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>",
+                               threads=_params.constant("kConvertThreads"))
     return (
-        _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_preprocess_kernel<{ctype}>", threads=PREPROCESS_WARPS * 32),
+        _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_preprocess_kernel<{ctype}>",
+                        threads=_params.constant("kPreprocessWarps") * _params.constant("kWarpSize")),
         main,
         last,
     )
@@ -600,7 +596,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     pre_batch = 1 if varlen else batch
     rows = pre_batch * rows_q * num_heads
-    _jit.launch(pre, (-(-rows // PREPROCESS_WARPS), 1, 1), (
+    _jit.launch(pre, (-(-rows // _params.constant("kPreprocessWarps")), 1, 1), (
         out, dout, delta, *map(i64, strides["o"][:3]), *map(i64, strides["do"][:3]), i64(lse_s[0]), i64(lse_s[1]),
         i32(pre_batch), i32(rows_q), i32(num_heads), i32(head_dim)), stream=stream)
 
@@ -623,7 +619,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             i64(lse_s[1]), *shape_args, *mask_args), stream=stream)
         return dq, dk, dv
     total = int(dq_accum.size)
-    _jit.launch(last, (-(-total // CONVERT_THREADS), 1, 1), (
+    _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (
         dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads), i32(head_dim),
         f32(softmax_scale)), stream=stream)
     return dq, dk, dv

@@ -35,9 +35,6 @@ MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
 # Two CTAs share an SM (paged caches) only when each split streams at least this many keys.
 SHARED_SM_MIN_KEYS_PER_SPLIT = 2048
-DECODE_THREADS = 128
-DECODE_BLOCK_N = 64  # keys per pipeline stage: 4 warps x 16 (kDecodeBlockN in decode.cu)
-SMEM_PAD_ELEMS = 8
 MAX_GRID_Z = 65535
 
 
@@ -54,9 +51,9 @@ class DecodeTile:
 
     def smem_bytes(self, head_dim: int, itemsize: int, mt: int) -> int:
         """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers)."""
-        stride = head_dim + SMEM_PAD_ELEMS
+        stride = head_dim + _params.constant("kPadElems")
         q_tile = 16 * mt * stride * itemsize
-        ring = self.stages * 2 * DECODE_BLOCK_N * stride * itemsize
+        ring = self.stages * 2 * _params.constant("kDecodeBlockN") * stride * itemsize
         merge = 4 * 16 * mt * (head_dim + 2) * 4
         return q_tile + max(ring, merge)
 
@@ -81,14 +78,14 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool) -> _jit.KernelSpec:
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
         "decode.cu", f"cuattn::{kernel}<{ctype}, {head_dim}, {mt}, {tile.stages}>",
-        threads=DECODE_THREADS, smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt),
+        threads=_params.constant("kDecodeThreads"), smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt),
     )
 
 
 @functools.lru_cache(maxsize=None)
 def combine_spec(in_dtype, out_dtype) -> _jit.KernelSpec:
     tin, tout = MERGE_DTYPES[np.dtype(in_dtype)], MERGE_DTYPES[np.dtype(out_dtype)]
-    return _jit.KernelSpec("decode.cu", f"cuattn::combine_kernel<{tin}, {tout}>", threads=COMBINE_THREADS)
+    return _jit.KernelSpec("decode.cu", f"cuattn::combine_kernel<{tin}, {tout}>", threads=_params.constant("kCombineThreads"))
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
@@ -384,7 +381,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
-    left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + DECODE_BLOCK_N)
+    left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + _params.constant("kDecodeBlockN"))
     part_elems = num_splits * batch * sq_new * num_heads * head_dim
     lse_elems = num_splits * batch * num_heads * sq_new
     stream = _jit.stream_ptr(stream)
@@ -434,10 +431,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     return bound, workspace
 
 
-COMBINE_THREADS = 128
-COMBINE_UNROLL = 8  # `#pragma unroll 8` over the parts in combine_kernel
-# combine_kernel keeps one float weight per part in (default, 48 KB) dynamic shared memory
-MAX_MERGE_PARTS = _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4 - COMBINE_UNROLL
+def max_merge_parts() -> int:
+    """combine_kernel keeps one float weight per part in (default, 48 KB) dynamic shared memory,
+    rounded up to whole unrolled steps."""
+    return _jit.DEFAULT_DYNAMIC_SMEM_LIMIT // 4 - _params.constant("kCombineUnroll")
 
 
 def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream,
@@ -463,7 +460,8 @@ def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtyp
     spec = combine_spec(np.dtype(parts_dtype), np.dtype(out.dtype))
     # one CTA per row; the parts' weights take num_parts floats of dynamic shared memory, rounded
     # up to whole groups of the unrolled loop, whose reads the compiler may vectorise
-    weight_slots = -(-num_parts // COMBINE_UNROLL) * COMBINE_UNROLL
+    unroll = _params.constant("kCombineUnroll")
+    weight_slots = -(-num_parts // unroll) * unroll
     launch = _jit.prepare(spec, (rows, 1, 1), params, shared_mem=4 * weight_slots)
     if execute:
         launch.run(_jit.stream_ptr(stream))
@@ -490,8 +488,8 @@ def _parse_states(args):
 
 def _check_states(views, host: bool) -> None:
     out0, _ = views[0]
-    if len(views) > MAX_MERGE_PARTS:
-        raise ValueError(f"merge_states takes at most {MAX_MERGE_PARTS} parts, got {len(views)}; merge in rounds")
+    if len(views) > max_merge_parts():
+        raise ValueError(f"merge_states takes at most {max_merge_parts()} parts, got {len(views)}; merge in rounds")
     if out0.ndim < 3:
         raise ValueError(f"out_0 must have at least 3 axes (..., S, H, D), got shape {tuple(out0.shape)}")
     expected_lse = tuple(out0.shape[:-3]) + (int(out0.shape[-2]), int(out0.shape[-3]))

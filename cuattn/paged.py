@@ -295,13 +295,13 @@ class PagedKVCache:
         import cupy
 
         spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::copy_blocks_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
-                               threads=COPY_THREADS)
+                               threads=_params.constant("kCacheThreads"))
         chunks = self.block_size * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
         pairs_d = cupy.asarray(pairs)  # [P, 2]
         params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
                                     num_tokens=0)
         with cupy.cuda.Device(self.k_pages.device.id):
-            _jit.prepare(spec, (len(pairs), math.ceil(chunks / COPY_THREADS), 1), params).run(_jit.stream_ptr(None))
+            _jit.prepare(spec, (len(pairs), math.ceil(chunks / _params.constant("kCacheThreads")), 1), params).run(_jit.stream_ptr(None))
 
     def _cache_params(self, **fields):
         """CacheParams with the pages' fields filled in; the call's own fields come in ``fields``."""
@@ -325,15 +325,14 @@ class PagedKVCache:
         if num_tokens == 0:
             return
         spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::cache_write_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
-                               threads=COPY_THREADS)
+                               threads=_params.constant("kCacheThreads"))
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
         chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
         params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
                                     v_sh=vs[1], num_tokens=num_tokens)
-        _jit.prepare(spec, (math.ceil(chunks / COPY_THREADS), 1, 1), params).run(_jit.stream_ptr(stream))
+        _jit.prepare(spec, (math.ceil(chunks / _params.constant("kCacheThreads")), 1, 1), params).run(_jit.stream_ptr(stream))
 
 
-COPY_THREADS = 256
 
 
 def _slot_array(slot_ids, num_tokens: int, num_slots: int):
@@ -362,7 +361,7 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int):
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """The cache kernels (the paged attention variants are listed with decode's)."""
-    return [_jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{ctype}>", threads=COPY_THREADS)
+    return [_jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{ctype}>", threads=_params.constant("kCacheThreads"))
             for ctype in _arrays.CUDA_TYPES.values() for name in ("cache_write_kernel", "copy_blocks_kernel")]
 
 

@@ -13,9 +13,11 @@
 
 namespace cuattn {
 
+constexpr int kCacheThreads = 256;  // both kernels: one 16-byte chunk per thread
+
 // grid.x covers N * Hk * D / 8 chunks
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kCacheThreads)
 cache_write_kernel(const __grid_constant__ CacheParams<T> p) {
   const T* __restrict__ k = p.k;
   const T* __restrict__ v = p.v;
@@ -44,7 +46,7 @@ cache_write_kernel(const __grid_constant__ CacheParams<T> p) {
 
 // grid: x = pair, y covers one page's block_size * Hk * D / 8 chunks
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kCacheThreads)
 copy_blocks_kernel(const __grid_constant__ CacheParams<T> p) {
   T* __restrict__ k_pages = p.k_pages;
   T* __restrict__ v_pages = p.v_pages;

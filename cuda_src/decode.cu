@@ -492,8 +492,11 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
 // One CTA per (b, s, h) row: warp 0 merges the parts' states and leaves each part's weight in
 // shared memory (dynamic, [P] floats); then every thread owns a column d and sums the weighted
 // parts, several loads in flight. A part with lse = -inf weighs 0, whatever its output holds.
+constexpr int kCombineThreads = 128;
+// Parts summed per unrolled step; the weights' shared memory is rounded up to whole steps.
+constexpr int kCombineUnroll = 8;
 template <typename Tin, typename Tout>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(kCombineThreads)
 combine_kernel(const __grid_constant__ CombineParams<Tin, Tout> params) {
   // `p` names the part index below
   const Tin* __restrict__ parts = params.parts;
@@ -543,7 +546,7 @@ combine_kernel(const __grid_constant__ CombineParams<Tin, Tout> params) {
   __syncthreads();
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.f;
-#pragma unroll 8
+#pragma unroll kCombineUnroll
     for (int p = 0; p < num_parts; ++p) {
       // an empty part's output is never read: it may hold anything
       const float w = weights[p];

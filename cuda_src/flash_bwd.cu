@@ -85,8 +85,9 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 }
 
 // delta = rowsum(dout * out): one warp per (b, i, h) row.
+constexpr int kPreprocessWarps = 4;  // one warp per (b, i, h) row
 template <typename T>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(kPreprocessWarps * kWarpSize)
 bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
                       i64 o_sb, i64 o_ss, i64 o_sh, i64 do_sb, i64 do_ss, i64 do_sh, i64 d_sb, i64 d_sh,
                       int batch, int seqlen_q, int num_heads, int head_dim) {
@@ -878,8 +879,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
 }
 
 // dq = scale * dq_accum in q's dtype; one thread per element.
+constexpr int kConvertThreads = 256;
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kConvertThreads)
 bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // [B, Sq, Hq, D] contiguous
                       T* __restrict__ dq,                  // [B, Sq, Hq, D] strided
                       i64 dq_sb, i64 dq_ss, i64 dq_sh, int batch, int seqlen_q, int num_heads, int head_dim,

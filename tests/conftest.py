@@ -8,11 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuattn import _registry
+
 # JAX must not grab 75% of GPU memory when a test imports it beside CuPy and torch.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float16), BF16]
+DTYPES = list(_registry.DTYPES)  # float16, bfloat16
 DTYPE_IDS = ["fp16", "bf16"]
 
 

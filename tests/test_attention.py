@@ -13,19 +13,13 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import reference
+from cuattn import _registry, reference
 from conftest import DTYPE_IDS, DTYPES, error_budget, randn
 
 pytestmark = pytest.mark.gpu
 
-HEAD_DIMS = [32, 64, 96, 128, 256]
-# name -> keyword options
-MASKS = {
-    "full": {},
-    "causal": {"causal": True},
-    "window": {"window": (37, 5)},
-    "softcap-causal": {"causal": True, "softcap": 30.0},
-}
+HEAD_DIMS = list(_registry.FAMILIES["attention"].head_dims)
+MASKS = _registry.MASK_OPTIONS
 
 
 def _cupy():

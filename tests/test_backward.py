@@ -9,16 +9,11 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import reference
+from cuattn import _registry, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 
-HEAD_DIMS = [32, 64, 96, 128, 256]
-MASKS = {
-    "full": {},
-    "causal": {"causal": True},
-    "window": {"window": (37, 5)},
-    "softcap-causal": {"causal": True, "softcap": 30.0},
-}
+HEAD_DIMS = list(_registry.FAMILIES["attention"].head_dims)
+MASKS = _registry.MASK_OPTIONS
 
 
 def run_backward(rng, dtype, b, sq, sk, hq, hk, d, deterministic=False, **options):

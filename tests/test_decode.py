@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import reference
+from cuattn import _registry, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 
-HEAD_DIMS = [32, 64, 96, 128, 256]
+HEAD_DIMS = list(_registry.FAMILIES["decode"].head_dims)
 
 
 def _cupy():

@@ -81,3 +81,35 @@ def test_an_unmirrorable_member_type_is_named(tmp_path, monkeypatch):
     (tmp_path / _params.HEADER).write_text("struct BadParams {\n  double x;\n};\n")
     with pytest.raises(ValueError, match=r"BadParams.x has type double, which the host cannot mirror"):
         _params._parse(tmp_path / _params.HEADER)
+
+
+# The constants the host sizes launches with; each must equal the compiler's value.
+HOST_CONSTANTS = ["kDecodeThreads", "kDecodeBlockN", "kPadElems", "kCombineThreads", "kCombineUnroll",
+                  "kCacheThreads", "kPreprocessWarps", "kConvertThreads", "kBwdSm90BlockN", "kBwdSm90Stages",
+                  "kSwizzleAtomBytes", "kWarpSize"]
+
+
+def test_host_constants_equal_the_compilers(tmp_path, monkeypatch):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for path in _jit.source_dir().iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    checks = [f'static_assert({name} == {_params.constant(name)}, "{name}");' for name in HOST_CONSTANTS
+              if name != "kPadElems"]
+    checks.append(f'static_assert(SmemRow<64>::kPadElems == {_params.constant("kPadElems")}, "kPadElems");')
+    (sources / "constants_check.cu").write_text(
+        '#include "decode.cu"\n#include "flash_bwd.cu"\n#include "cache_ops.cu"\nnamespace cuattn {\n'
+        + "\n".join(checks) + "\n}\ntemplate <int N> __global__ void constants_check_kernel(int* out) { *out = N; }\n")
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(sources))
+    _jit.compile_kernel(_jit.KernelSpec("constants_check.cu", "constants_check_kernel<1>"), "sm_90a")
+
+
+def test_constants_are_evaluated_in_dependency_order_and_conflicts_refused(tmp_path):
+    (tmp_path / "a.cuh").write_text("constexpr int kLate = kEarly * 4;\nconstexpr int kTwice = 1;\n"
+                                    "template <int M> struct S { static constexpr int kRows = 16 * M; };\n")
+    (tmp_path / "b.cuh").write_text("constexpr int kEarly = 8 / 2;\nconstexpr int kTwice = 2;\n")
+    values = _params._constants(tmp_path)
+    assert values["kEarly"] == 4 and values["kLate"] == 16
+    assert values["kTwice"] is None and "kRows" not in values
