@@ -85,6 +85,7 @@ def table_row(table: str, *starts: str) -> list[str]:
     (["bench", "--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32' (choose from 'bf16', 'fp16')"),
     (["bench", "decode", "--quick", "--plot"], "argument --plot: expected one argument"),
     (["bench", "decode", "--repeat", "3"], "unrecognized arguments: --repeat 3"),
+    (["bench", "overhead", "--quick"], "bench overhead takes --dtype and --json only (no --plot, --from-json or --quick)"),
 ])
 def test_argparse_refusals(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -113,3 +113,13 @@ def test_constants_are_evaluated_in_dependency_order_and_conflicts_refused(tmp_p
     values = _params._constants(tmp_path)
     assert values["kEarly"] == 4 and values["kLate"] == 16
     assert values["kTwice"] is None and "kRows" not in values
+
+
+def test_constant_lookup_errors_name_the_constant(tmp_path, monkeypatch):
+    with pytest.raises(KeyError, match=r"kNoSuchConstant is not a constant the host can evaluate in "):
+        _params.constant("kNoSuchConstant")
+    (tmp_path / "a.cuh").write_text("constexpr int kTwice = 1;\n")
+    (tmp_path / "b.cuh").write_text("constexpr int kTwice = 2;\n")
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(tmp_path))
+    with pytest.raises(KeyError, match=r"kTwice is declared with two values in "):
+        _params.constant("kTwice")
