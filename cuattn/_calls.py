@@ -30,8 +30,6 @@ _plans: dict = {}
 
 
 class _Cupy:
-    name = "cupy"
-
     @staticmethod
     def signature(x):
         return ("cupy", x.shape, x.strides, x.dtype, x.data.device_id)
@@ -60,8 +58,6 @@ class _Cupy:
 
 
 class _Torch:
-    name = "torch"
-
     @staticmethod
     def signature(x):
         return ("torch", x.shape, x.stride(), x.dtype, x.device)
@@ -251,8 +247,7 @@ class StepPlan:
         return buf.data.ptr
 
     def add(self, launch) -> None:
-        if launch is not None:
-            self._launches.append(launch)
+        self._launches.append(launch)
 
     def run(self):
         """One step on the caller's current stream; returns ``out``, or ``(out, lse)``."""
