@@ -475,9 +475,9 @@ class Launch:
     """
 
     __slots__ = ("spec", "device_id", "function_ptr", "grid", "block", "shared_mem", "params", "_slots",
-                 "_args_address", "_args", "_lock")
+                 "_maps", "_args_address", "_args", "_lock")
 
-    def __init__(self, spec: KernelSpec, grid, params, *, shared_mem: int | None = None):
+    def __init__(self, spec: KernelSpec, grid, params, *, shared_mem: int | None = None, maps=()):
         self.spec = spec
         self.device_id = current_device()
         # RawKernel.kernel: the loaded CUfunction of the current device
@@ -489,27 +489,52 @@ class Launch:
         # buffer, its pointer words rewritten in place under the lock by each run
         self.params = np.frombuffer(params.tobytes(), np.uint64).copy()
         self._slots = {name: params.dtype.fields[name][1] // 8 for name in params.dtype.names}
+        # tensor maps (TMA) follow a pointer field: (map's first word, pointer's word, _tma.MapLayout)
+        self._maps = tuple((self._slots[map_field], self._slots[pointer_field], layout)
+                           for map_field, pointer_field, layout in maps)
         self._args = np.array([self.params.ctypes.data], np.uint64)  # void*[1]: the struct's address
         self._args_address = self._args.ctypes.data
         self._lock = threading.Lock()
+        self._refresh_maps()
 
     def slot(self, field: str) -> int:
         """The word index of a pointer field, for :meth:`run`."""
         return self._slots[field]
 
+    def _refresh_maps(self) -> None:
+        """Each tensor map re-encoded for the address its pointer field now holds (cached per address)."""
+        params = self.params
+        for word, pointer_slot, layout in self._maps:
+            encoded = layout.encode(int(params[pointer_slot]))
+            params[word:word + encoded.size] = encoded
+
     def run(self, stream_ptr: int, pointers=()) -> None:
-        """Launch on the raw CUDA stream ``stream_ptr`` with ``(slot, address)`` pairs written first.
+        """Launch on the raw CUDA stream ``stream_ptr`` with ``(slot, address)`` pairs written first
+        (and the tensor maps of those addresses).
 
         cuLaunchKernel copies the struct when it is called, so the buffer may be rewritten as soon
         as it returns; the lock keeps two threads from interleaving writes and launch."""
-        from cupy_backends.cuda.api import driver
-
         params = self.params
         with self._lock:
             for slot, address in pointers:
                 params[slot] = address
-            driver.launchKernel(self.function_ptr, *self.grid, *self.block, self.shared_mem, stream_ptr,
-                                self._args_address, 0)
+            if self._maps:
+                self._refresh_maps()
+            _driver().launchKernel(self.function_ptr, *self.grid, *self.block, self.shared_mem, stream_ptr,
+                                   self._args_address, 0)
+
+
+_driver_module = None
+
+
+def _driver():
+    """CuPy's driver-API module, imported once (a per-launch import costs a dict lookup and a lock)."""
+    global _driver_module
+    if _driver_module is None:
+        from cupy_backends.cuda.api import driver
+
+        _driver_module = driver
+    return _driver_module
 
 
 def stream_ptr(stream) -> int:
@@ -521,10 +546,11 @@ def stream_ptr(stream) -> int:
     return int(getattr(stream, "ptr", stream))
 
 
-def prepare(spec: KernelSpec, grid, params, *, shared_mem: int | None = None) -> Launch:
+def prepare(spec: KernelSpec, grid, params, *, shared_mem: int | None = None, maps=()) -> Launch:
     """A :class:`Launch` of ``spec`` with the packed struct ``params``; callers return before an
-    empty grid (no rows, no sequences), so every grid here has work."""
-    return Launch(spec, grid, params, shared_mem=shared_mem)
+    empty grid (no rows, no sequences), so every grid here has work. ``maps``: ``(map field,
+    pointer field, _tma.MapLayout)`` triples, tensor maps kept in step with their pointers."""
+    return Launch(spec, grid, params, shared_mem=shared_mem, maps=maps)
 
 
 _attributes: dict[tuple[int, str], int] = {}

@@ -28,6 +28,10 @@ HEADER = "params.cuh"
 # C type of a member -> NumPy scalar type; any pointer is a 64-bit device address.
 SCALAR_TYPES = {"i64": np.int64, "int": np.int32, "u32": np.uint32, "float": np.float32}
 POINTER = np.uint64
+# TensorMap (tma.cuh): a CUtensorMap, 128 bytes aligned to 64, filled as 16 64-bit words
+TENSOR_MAP = "TensorMap"
+TENSOR_MAP_FORMAT = (np.uint64, (16,))
+TENSOR_MAP_ALIGN = 64
 
 _CONSTANT_RE = re.compile(r"constexpr int (k\w+) = ([^;]+);")
 # what a constant's expression may hold: names, integers, + - * / and parentheses
@@ -40,16 +44,28 @@ _MEMBER_RE = re.compile(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", re.M)
 def _parse(header: Path) -> dict[str, np.dtype]:
     structs = {}
     for name, body in _STRUCT_RE.findall(header.read_text()):
-        fields = []
+        names, formats, offsets = [], [], []
+        offset, struct_align = 0, 1
         for ctype, star, member in _MEMBER_RE.findall(body):
             if star:
-                fields.append((member, POINTER))
+                fmt, align = POINTER, 8
             elif ctype in SCALAR_TYPES:
-                fields.append((member, SCALAR_TYPES[ctype]))
+                fmt = SCALAR_TYPES[ctype]
+                align = np.dtype(fmt).itemsize
+            elif ctype == TENSOR_MAP:
+                fmt, align = TENSOR_MAP_FORMAT, TENSOR_MAP_ALIGN
             else:
                 raise ValueError(f"{header}: {name}.{member} has type {ctype}, which the host cannot mirror; "
-                                 f"use a pointer or one of {', '.join(SCALAR_TYPES)}")
-        structs[name] = np.dtype(fields, align=True)
+                                 f"use a pointer, {TENSOR_MAP} or one of {', '.join(SCALAR_TYPES)}")
+            # C layout: each member at the next multiple of its alignment, the struct padded to its largest
+            offset = -(-offset // align) * align
+            names.append(member)
+            formats.append(fmt)
+            offsets.append(offset)
+            offset += np.dtype(fmt).itemsize
+            struct_align = max(struct_align, align)
+        structs[name] = np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                                  "itemsize": -(-offset // struct_align) * struct_align})
     return structs
 
 

@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-from . import _arrays, _calls, _jit, _masks, _params, reference
+from . import _arrays, _calls, _jit, _masks, _params, _tma, reference
 
 
 
@@ -91,9 +91,61 @@ def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class FwdSm90Tile:
+    """flash_fwd_sm90_kernel (sm_90a): a producer warpgroup and `consumers` warpgroups of 64
+    query rows each, K and V in `stages` TMA stages of kFwdSm90BlockN keys; `overlap` issues
+    block j's S GEMM with block j-1's PV GEMM, `pingpong` lets the consumers take turns."""
+
+    consumers: int
+    stages: int
+    overlap: bool = True
+    pingpong: bool = True
+
+    @property
+    def block_m(self) -> int:
+        return _params.constant("kWgmmaM") * self.consumers
+
+    @property
+    def block_n(self) -> int:
+        return _params.constant("kFwdSm90BlockN")
+
+    def threads(self) -> int:
+        return _params.constant("kWarpgroupThreads") * (self.consumers + 1)
+
+    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+        """FwdSm90Smem: Q [BLOCK_M, D], K and V [stages, BLOCK_N, D] (swizzled, unpadded), one
+        8-byte mbarrier for Q and four per stage, and an atom of alignment slack."""
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize
+        return tiles + 8 * (1 + 4 * self.stages) + _params.constant("kSwizzleAtomBytes")
+
+
+# Head dims the Hopper forward takes (the others, and views the TMA cannot read, run
+# flash_fwd_kernel). `scripts/tune_fwd.py --sm90` measures the candidates.
+FWD_SM90_TILES = {
+    64: FwdSm90Tile(2, 4),
+    128: FwdSm90Tile(2, 2),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
+    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    flags = f"{str(tile.overlap).lower()}, {str(tile.pingpong).lower()}"
+    return _jit.KernelSpec(
+        "flash_fwd_sm90.cu",
+        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {tile.consumers}, {tile.stages}, {flags}>",
+        threads=tile.threads(),
+        smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
+        needs_sm90a=True,
+    )
+
+
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch)) for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS]
+    if arch == SM90:
+        forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
     return forward + bwd_kernel_variants(arch)
 
 
@@ -317,8 +369,10 @@ def _host_result(result, q, out, return_lse):
 
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile: FwdTile | None = None):
-    """Launch flash_fwd_kernel on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None).
+                causal, scale, window, softcap, stream, tile=None):
+    """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
+    flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
+    ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -327,8 +381,24 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     _masks.check_total_length(seqlen_q, seqlen_k)
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
         return None
-    tile = fwd_tile(head_dim, _jit.target_arch()) if tile is None else tile
-    spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
+    arch = _jit.target_arch()
+    maps = ()
+    if tile is None or isinstance(tile, FwdSm90Tile):
+        sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
+        if sm90_tile is not None and arch == SM90:
+            maps = _fwd_maps(q, k, v, sm90_tile)
+        if maps:
+            tile = sm90_tile
+        elif tile is not None:
+            raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
+                             f"strides {q.strides}, {k.strides}, {v.strides})")
+    if tile is None:
+        tile = fwd_tile(head_dim, arch)
+    if isinstance(tile, FwdSm90Tile):
+        spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
+    else:
+        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
+    _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
 
@@ -341,8 +411,10 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     bh = batch * num_heads
     grid_yz = _split_grid(bh)
     grid = ((seqlen_q + tile.block_m - 1) // tile.block_m, *grid_yz)
+    no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
     params = _params.pack(
-        "FwdParams", q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,
+        q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
         v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
@@ -351,9 +423,25 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right,
     )
-    launch = _jit.prepare(spec, grid, params)
+    launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))
     return launch
+
+
+def _fwd_maps(q, k, v, tile: FwdSm90Tile):
+    """The TMA views of q, k, v [B, S, H, D] for flash_fwd_sm90_kernel: 4-D (D, S, H, B), boxes of
+    [BLOCK rows, 64 columns]; () when one of them cannot be read that way (a byte stride that is
+    not a multiple of 16, an empty axis)."""
+    panel = _params.constant("kSwizzlePanelCols")
+    maps = []
+    for field, x, rows in (("q", q, tile.block_m), ("k", k, tile.block_n), ("v", v, tile.block_n)):
+        b, s, h, d = map(int, x.shape)
+        sb, ss, sh, sd = _arrays.element_strides(x)
+        layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel, rows, 1, 1))
+        if layout is None:
+            return ()
+        maps.append((f"{field}_map", field, layout))
+    return tuple(maps)
 
 
 # grid.y and grid.z are limited to 65535 each; B * H beyond that folds into grid.z.

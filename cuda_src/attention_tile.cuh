@@ -118,27 +118,40 @@ struct AttentionTile {
     return quad_max(x) * scale;
   }
 
-  __device__ __forceinline__ void softmax_update(float scale) {
+  // Move the row maxes that must move (lazily, see above). Returns whether any row of the warp
+  // moved; then factor[mt][r] rescales row r's running output (SoftmaxState::update), which
+  // the caller applies with rescale_output: at once (softmax_update), or after a GEMM that is
+  // still adding into the output has finished (the Hopper forward).
+  __device__ __forceinline__ bool move_max(float scale, float (&factor)[MT][2]) {
     bool rescale = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale));
     // Rare path: recompute the row maxes rather than keep them live in registers.
-    if (__any_sync(0xffffffffu, rescale)) {
+    if (!__any_sync(0xffffffffu, rescale)) return false;
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float factor = state[mt][r].update(row_max(mt, r, scale));
-          // rescale the running output: the row max moved
+      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale));
+    return true;
+  }
+
+  // The row max moved: bring the running output to the new reference.
+  __device__ __forceinline__ void rescale_output(const float (&factor)[MT][2]) {
 #pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o[mt][dt][2 * r] *= factor;
-            o[mt][dt][2 * r + 1] *= factor;
-          }
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mt][dt][2 * r] *= factor[mt][r];
+          o[mt][dt][2 * r + 1] *= factor[mt][r];
         }
-    }
+  }
+
+  // Scores to unnormalised probabilities exp2(scale * x - m), summed into l.
+  __device__ __forceinline__ void exponentiate(float scale) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -155,6 +168,12 @@ struct AttentionTile {
         }
         state[mt][r].l += block_sum;
       }
+  }
+
+  __device__ __forceinline__ void softmax_update(float scale) {
+    float factor[MT][2];
+    if (move_max(scale, factor)) rescale_output(factor);
+    exponentiate(scale);
   }
 
   // Round the probabilities to T as mma A fragments: two n8 tiles of S make one k16 slice.

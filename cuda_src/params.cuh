@@ -7,17 +7,24 @@
 // builds the matching NumPy structured dtype (natural C alignment), which the launch code fills
 // by field name. So a field is declared here and nowhere else. Keep every member on a line of
 // its own, `TYPE NAME;` with TYPE one of: a pointer (`const T*`, `float*`, ...), i64, int, u32,
-// float. Strides are in elements; pointer comments give the buffer's layout.
+// float, or TensorMap (128 bytes, 64-byte aligned: the host's cuTensorMapEncodeTiled output).
+// Strides are in elements; pointer comments give the buffer's layout.
 #pragma once
 
 #include "common.cuh"
+#include "tma.cuh"
 
 namespace cuattn {
 
-// Forward (flash_fwd.cu). Dense rows [B, S, H, D], or varlen packed rows [total, H, D] with
-// cu_seqlens (batch strides then 0 and B from cu_seqlens).
+// Forward (flash_fwd.cu, flash_fwd_sm90.cu). Dense rows [B, S, H, D], or varlen packed rows
+// [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens). The tensor maps are
+// the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1, S = total) with a
+// box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
 template <typename T>
 struct FwdParams {
+  TensorMap q_map;
+  TensorMap k_map;
+  TensorMap v_map;
   const T* q;              // [B, Sq, Hq, D] | [total_q, Hq, D]
   const T* k;              // [B, Sk, Hk, D] | [total_k, Hk, D]
   const T* v;              // [B, Sk, Hk, D] | [total_k, Hk, D]

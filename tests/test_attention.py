@@ -7,19 +7,59 @@ same-precision computation (matmul, softmax, matmul), plus a floor.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import _registry, reference
+from cuattn import _calls, _jit, _registry, reference
 from conftest import DTYPE_IDS, DTYPES, error_budget, randn
 
 pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = list(_registry.FAMILIES["attention"].head_dims)
 MASKS = _registry.MASK_OPTIONS
+FWD_KERNELS = ["sm90", "mma"]
+attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
+
+
+@pytest.fixture(autouse=True, params=FWD_KERNELS)
+def fwd_kernel(request, monkeypatch):
+    """Every test here runs on both forward kernels: the Hopper one (flash_fwd_sm90_kernel, where
+    the head dim has a tile) and the mma.sync one, forced by emptying the Hopper tile table."""
+    _calls.clear()
+    if request.param == "mma":
+        monkeypatch.setattr(attention_module, "FWD_SM90_TILES", {})
+    elif _jit.gpu_unavailable_reason() is None and _jit.target_arch() != "sm_90a":
+        pytest.skip(f"flash_fwd_sm90_kernel needs sm_90a; this GPU is {_jit.target_arch()}")
+    yield request.param
+    _calls.clear()
+
+
+@pytest.mark.parametrize("head_dim", sorted(attention_module.FWD_SM90_TILES))
+def test_hopper_kernel_runs_where_it_has_a_tile(rng, caplog, fwd_kernel, head_dim):
+    """The debug log names the kernel: the Hopper one for its head dims and any view the TMA reads,
+    the mma.sync one when the Hopper table is emptied or a row stride is not a multiple of 16 bytes."""
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (1, 130, 2, head_dim), np.float16))
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        cuattn.attention(q, q, q)
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    expected = "flash_fwd_sm90_kernel" if fwd_kernel == "sm90" else "flash_fwd_kernel"
+    assert chosen and expected in chosen[-1], chosen
+    # k and v broadcast over the heads (head stride 0): the TMA needs positive strides, so the
+    # mma.sync kernel takes the call
+    kv = cupy.asarray(randn(rng, (1, 130, 1, head_dim), np.float16))
+    wide = cupy.broadcast_to(kv, (1, 130, 2, head_dim))
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got = cuattn.attention(q, wide, wide)
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    assert chosen and "flash_fwd_kernel<" in chosen[-1], chosen
+    ref = reference.attention(q.get(), wide.get(), wide.get())
+    assert np.abs(got.get().astype(np.float64) - ref).max() < 5e-3
 
 
 def _cupy():

@@ -1,0 +1,91 @@
+// tma.cuh: sm_90 bulk tensor copies (TMA), the shared-memory barriers they complete on
+// (mbarrier), and the warp-specialisation primitives of the Hopper kernels (register
+// reallocation with setmaxnreg, named barriers between warpgroups).
+//
+// A TMA load copies one box of a global tensor, described by a tensor map the host encodes
+// (cuTensorMapEncodeTiled: base address, dims, byte strides, box, 128-byte swizzle), into shared
+// memory, and counts its bytes against an mbarrier's transaction count. One thread issues it;
+// the threads that consume the tile wait on the barrier's phase. With the 128-byte swizzle and a
+// box of [rows][64] 16-bit elements, a box lands exactly as one panel of a SwizzledTile
+// (wgmma.cuh), so the tile serves wgmma directly.
+//
+// Phases: an mbarrier completes a phase when its expected arrivals and bytes are in; waiters ask
+// for the completion of the phase with a given parity. A circular buffer of stages waits for
+// parity (use / stages) & 1 on the "full" barrier of a stage and the producer for the opposite
+// parity on its "empty" barrier (a fresh barrier counts as having completed parity 1).
+#pragma once
+
+#include "common.cuh"
+
+namespace cuattn {
+
+// CUtensorMap: 128 opaque bytes the host encodes; kernels take it inside their parameter struct
+// (params.cuh), which lives in the kernel's parameter space for the whole grid.
+struct alignas(64) TensorMap {
+  unsigned long long raw[16];
+};
+
+__device__ __forceinline__ void mbarrier_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Barrier initialisation visible to the async proxy (TMA) before anyone uses the barriers.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The producer's arrival, announcing `bytes` of TMA traffic that will complete the phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Block until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(u32 bar, int parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// One 4-D box at coordinates (c0 innermost .. c3) into shared address `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Hand registers between warpgroups (sm_90a): the producer gives its own up, the consumers take
+// them. Every warp of a warpgroup executes the same one.
+template <int REGISTERS>
+__device__ __forceinline__ void registers_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void registers_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+// Named barriers over `threads` threads (id 0 is __syncthreads): sync waits for the count,
+// arrive counts itself without waiting.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace cuattn
