@@ -489,8 +489,9 @@ class Launch:
         # buffer, its pointer words rewritten in place under the lock by each run
         self.params = np.frombuffer(params.tobytes(), np.uint64).copy()
         self._slots = {name: params.dtype.fields[name][1] // 8 for name in params.dtype.names}
-        # tensor maps (TMA) follow a pointer field: (map's first word, pointer's word, _tma.MapLayout)
-        self._maps = tuple((self._slots[map_field], self._slots[pointer_field], layout)
+        # tensor maps (TMA) follow a pointer field: [map's first word, pointer's word, _tma.MapLayout,
+        # the address the map holds now (None: not encoded yet)]
+        self._maps = tuple([self._slots[map_field], self._slots[pointer_field], layout, None]
                            for map_field, pointer_field, layout in maps)
         self._args = np.array([self.params.ctypes.data], np.uint64)  # void*[1]: the struct's address
         self._args_address = self._args.ctypes.data
@@ -504,9 +505,13 @@ class Launch:
     def _refresh_maps(self) -> None:
         """Each tensor map re-encoded for the address its pointer field now holds (cached per address)."""
         params = self.params
-        for word, pointer_slot, layout in self._maps:
-            encoded = layout.encode(int(params[pointer_slot]))
-            params[word:word + encoded.size] = encoded
+        for entry in self._maps:
+            word, pointer_slot, layout, held = entry
+            address = int(params[pointer_slot])
+            if address != held:  # a loop over the same buffers skips even the cache lookup
+                encoded = layout.encode(address)
+                params[word:word + encoded.size] = encoded
+                entry[3] = address
 
     def run(self, stream_ptr: int, pointers=()) -> None:
         """Launch on the raw CUDA stream ``stream_ptr`` with ``(slot, address)`` pairs written first

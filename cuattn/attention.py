@@ -93,10 +93,12 @@ def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FwdSm90Tile:
-    """flash_fwd_sm90_kernel (sm_90a): a producer warpgroup and `consumers` warpgroups of 64
-    query rows each, K and V in `stages` TMA stages of kFwdSm90BlockN keys; `overlap` issues
-    block j's S GEMM with block j-1's PV GEMM, `pingpong` lets the consumers take turns."""
+    """flash_fwd_sm90_kernel (sm_90a, persistent: one CTA per SM walks the tiles): a producer
+    warpgroup and `consumers` warpgroups of 64 query rows each, K and V in `stages` TMA stages
+    of `block_n` keys; `overlap` issues block j's S GEMM with block j-1's PV GEMM, `pingpong`
+    lets the consumers take turns."""
 
+    block_n: int
     consumers: int
     stages: int
     overlap: bool = True
@@ -106,26 +108,32 @@ class FwdSm90Tile:
     def block_m(self) -> int:
         return _params.constant("kWgmmaM") * self.consumers
 
-    @property
-    def block_n(self) -> int:
-        return _params.constant("kFwdSm90BlockN")
-
     def threads(self) -> int:
         return _params.constant("kWarpgroupThreads") * (self.consumers + 1)
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        """FwdSm90Smem: Q [BLOCK_M, D], K and V [stages, BLOCK_N, D] (swizzled, unpadded), one
-        8-byte mbarrier for Q and four per stage, and an atom of alignment slack."""
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * head_dim * itemsize
-        return tiles + 8 * (1 + 4 * self.stages) + _params.constant("kSwizzleAtomBytes")
+        """FwdSm90Smem: Q [BLOCK_M, D], K and V [stages, BLOCK_N, D] (swizzled, unpadded), two
+        8-byte mbarriers for Q and four per stage, an atom of alignment slack, and an O tile
+        [BLOCK_M, D] where that still fits (else O is staged in Q's)."""
+        q_tile = self.block_m * head_dim * itemsize
+        fixed = (q_tile + 2 * self.stages * self.block_n * head_dim * itemsize + 8 * (2 + 4 * self.stages)
+                 + _params.constant("kSwizzleAtomBytes"))
+        return fixed + q_tile if fixed + q_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
 
-# Head dims the Hopper forward takes (the others, and views the TMA cannot read, run
-# flash_fwd_kernel). `scripts/tune_fwd.py --sm90` measures the candidates.
+# Head dims the Hopper forward takes; the others (32, 96: not whole 64-column swizzle panels)
+# and views the TMA cannot read run flash_fwd_kernel. D = 256 keeps 80 keys a block and no
+# intra-warpgroup overlap: its output accumulator alone is 128 registers a thread, and holding a
+# second block's P beside it spills. `scripts/tune_fwd.py --sm90` measured the candidates on the
+# H200 (BENCHMARKS.md).
 FWD_SM90_TILES = {
-    64: FwdSm90Tile(2, 4),
-    128: FwdSm90Tile(2, 2),
+    64: FwdSm90Tile(128, 2, 4),
+    128: FwdSm90Tile(128, 2, 2),
+    256: FwdSm90Tile(80, 2, 2, overlap=False),
 }
+# Longest key range a causal or windowed call still runs on the persistent grid (measured: 1k
+# faster persistent, 4k and 16k faster with one CTA per tile).
+FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +142,7 @@ def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
     flags = f"{str(tile.overlap).lower()}, {str(tile.pingpong).lower()}"
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
-        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {tile.consumers}, {tile.stages}, {flags}>",
+        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {tile.block_n}, {tile.consumers}, {tile.stages}, {flags}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
         needs_sm90a=True,
@@ -409,8 +417,18 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         for strides in (qs, ks, vs, os_, lse_strides):
             strides[0] = 0
     bh = batch * num_heads
-    grid_yz = _split_grid(bh)
-    grid = ((seqlen_q + tile.block_m - 1) // tile.block_m, *grid_yz)
+    m_blocks = (seqlen_q + tile.block_m - 1) // tile.block_m
+    if isinstance(tile, FwdSm90Tile):
+        # One CTA per SM walks the tiles (shared memory allows one per SM), its loads running
+        # under the previous tile's epilogue; or one CTA per tile (the hardware hands out tiles as
+        # SMs free up) for long banded masks, where the tiles' costs differ so much that fixed
+        # strides spread the CTAs over many heads' K and V (BENCHMARKS.md: 488 vs 602 TFLOP/s).
+        tiles = m_blocks * bh
+        banded = causal or window != (-1, -1)
+        persistent = not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
+        grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
+    else:
+        grid = (m_blocks, *_split_grid(bh))
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
     params = _params.pack(
         "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,

@@ -11,8 +11,8 @@
 //   out  [B, Sq, Hq, D]  plain 16-byte stores (rows past a varlen sequence belong to the next)
 //   lse  [B, Hq, Sq] fp32 (varlen [Hq, total_q]), or null
 //
-// One CTA owns BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) and 128 (CONSUMERS + 1)
-// threads in warpgroups:
+// A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
+// (batch, head), with 128 (CONSUMERS + 1) threads in warpgroups:
 //   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread
 //     issues every TMA load: Q once, then K and V of each visible key block into a circular
 //     buffer of STAGES stages, each stage guarded by a "full" mbarrier (TMA bytes landed) and
@@ -36,8 +36,12 @@
 
 namespace cuattn {
 
-constexpr int kFwdSm90BlockN = 128;       // keys per block: S is a 64 x 128 wgmma tile per warpgroup
-constexpr int kFwdSm90ProducerRegs = 24;  // setmaxnreg of the producer warpgroup
+// setmaxnreg of the producer warpgroup. With two consumers at 240 this frees exactly what they
+// take (384 threads start at 168): a producer keeping 32 leaves them short, and
+// setmaxnreg.inc then waits for registers forever.
+constexpr int kFwdSm90ProducerRegs = 24;
+// Dynamic shared memory one CTA may have on sm_90 (227 KB).
+constexpr int kFwdSm90MaxSmem = 232448;
 // Barrier ids: 0 is __syncthreads; the pingpong turn of consumer c is kFwdSm90TurnBarrier + c,
 // consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
@@ -45,33 +49,61 @@ constexpr int kFwdSm90EpilogueBarrier = 5;
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes).
-template <int HEAD_DIM, int CONSUMERS, int STAGES>
+template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
 struct FwdSm90Smem {
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
-  using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;         // [BLOCK_M, D]
-  using KVTile = SwizzledTile<kFwdSm90BlockN, HEAD_DIM>;  // [BLOCK_N, D] per stage
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + QTile::kBytes;
-  static constexpr int kV = kK + STAGES * KVTile::kBytes;
-  // mbarriers: Q full, then per stage K full, V full, K empty, V empty (8 bytes each)
-  static constexpr int kBarriers = kV + STAGES * KVTile::kBytes;
-  static constexpr int kBarrierCount = 1 + 4 * STAGES;
+  using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;   // [BLOCK_M, D]
+  using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;  // [BLOCK_N, D] per stage
+  // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty (8 bytes each);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
-  static constexpr int kBytes = kBarriers + kBarrierCount * 8 + kSwizzleAtomBytes;
+  static constexpr int kBarrierCount = 2 + 4 * STAGES;
+  static constexpr int kFixed = QTile::kBytes + 2 * STAGES * KVTile::kBytes + kBarrierCount * 8 + kSwizzleAtomBytes;
+  // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
+  // this one's epilogue); otherwise (D = 256) in Q's, which is then released after the stores.
+  static constexpr bool kOwnO = kFixed + QTile::kBytes <= kFwdSm90MaxSmem;
+  static constexpr int kQ = 0;
+  static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, D]
+  static constexpr int kK = kOwnO ? kO + QTile::kBytes : kQ + QTile::kBytes;
+  static constexpr int kV = kK + STAGES * KVTile::kBytes;
+  static constexpr int kBarriers = kV + STAGES * KVTile::kBytes;
+  static constexpr int kBytes = kFixed + (kOwnO ? QTile::kBytes : 0);
+  static_assert(kBytes <= kFwdSm90MaxSmem, "tiles fit in shared memory");
 };
 
-template <typename T, int HEAD_DIM, int CONSUMERS, int STAGES, bool OVERLAP, bool PINGPONG>
+// One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.
+template <int BLOCK_M, int BLOCK_N, typename Params>
+struct FwdSm90Work {
+  int b, h, m0;
+  SequenceRange seq;
+  int n_first, n_last;  // key blocks [n_first, n_last), visited from last to first
+
+  // Tile `tile` of the grid's sequence: (batch, head)-major, so the CTAs running at once share
+  // a few heads' K and V in L2; within a head the last query rows (the heaviest under a causal
+  // mask) come first.
+  __device__ __forceinline__ FwdSm90Work(const Params& p, i64 tile, int m_blocks)
+      : b(static_cast<int>(tile / m_blocks / p.num_heads)),
+        h(static_cast<int>(tile / m_blocks % p.num_heads)),
+        m0((m_blocks - 1 - static_cast<int>(tile % m_blocks)) * BLOCK_M),
+        seq(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k) {
+    seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
+  }
+  // varlen: a sequence shorter than the longest has tiles past its end
+  __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
+  __device__ __forceinline__ int blocks() const { return n_last - n_first; }
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
-  using Smem = FwdSm90Smem<HEAD_DIM, CONSUMERS, STAGES>;
+  using Smem = FwdSm90Smem<HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
   using QTile = typename Smem::QTile;
   using KVTile = typename Smem::KVTile;
   constexpr int BLOCK_M = Smem::BLOCK_M;
-  constexpr int BLOCK_N = kFwdSm90BlockN;
   constexpr int kPanels = HEAD_DIM / kSwizzlePanelCols;  // TMA boxes per tile: one per 64 columns
   using S = Wgmma<T, BLOCK_N>;   // 64 rows x BLOCK_N keys
   using O = Wgmma<T, HEAD_DIM>;  // 64 rows x D
   using Tile = AttentionTile<T, 1, BLOCK_N / 8, HEAD_DIM / 8>;
+  using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T>>;
   static_assert(HEAD_DIM % kSwizzlePanelCols == 0, "whole 64-column panels");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
@@ -80,24 +112,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
           ? 240
           : ((65536 / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS) / 8 * 8;
 
-  // B * H can pass 65535: it is split over grid.y and grid.z
-  const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
-  if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
-  const int b = static_cast<int>(bh / p.num_heads);
-  const int h = static_cast<int>(bh % p.num_heads);
-  const int h_kv = h / (p.num_heads / p.num_kv_heads);
-  const SequenceRange seq(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k);
-  // heaviest causal blocks (the last query rows) first
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-  if (m0 >= seq.seqlen_q) return;
-  int n_first, n_last;
-  seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
-  const int blocks = n_last - n_first;
+  // Persistent grid: CTA i takes tiles i, i + gridDim.x, ...; the producer runs ahead into the
+  // next tile's loads while the consumers finish this one's epilogue.
+  const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const i64 num_tiles = static_cast<i64>(m_blocks) * p.batch * p.num_heads;
   // TMA coordinates: dense rows are per batch slice, varlen rows are packed (batch coordinate 0)
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int tma_b = varlen ? 0 : b;
-  const int q_row0 = static_cast<int>(seq.q_start) + m0;
-  const int k_row0 = static_cast<int>(seq.k_start);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 raw_addr = smem_address(smem_raw);
@@ -107,10 +127,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
   const auto sK = [&](int stage) { return smem0 + Smem::kK + stage * KVTile::kBytes; };
   const auto sV = [&](int stage) { return smem0 + Smem::kV + stage * KVTile::kBytes; };
   const u32 q_full = smem0 + Smem::kBarriers;
-  const auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
-  const auto v_full = [&](int stage) { return q_full + 8 * (1 + STAGES + stage); };
-  const auto k_empty = [&](int stage) { return q_full + 8 * (1 + 2 * STAGES + stage); };
-  const auto v_empty = [&](int stage) { return q_full + 8 * (1 + 3 * STAGES + stage); };
+  const u32 q_empty = q_full + 8;
+  const auto k_full = [&](int stage) { return q_full + 8 * (2 + stage); };
+  const auto v_full = [&](int stage) { return q_full + 8 * (2 + STAGES + stage); };
+  const auto k_empty = [&](int stage) { return q_full + 8 * (2 + 2 * STAGES + stage); };
+  const auto v_empty = [&](int stage) { return q_full + 8 * (2 + 3 * STAGES + stage); };
 
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
@@ -118,6 +139,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
     prefetch_tensor_map(&p.k_map);
     prefetch_tensor_map(&p.v_map);
     mbarrier_init(q_full, 1);
+    mbarrier_init(q_empty, CONSUMERS * kWarpgroupThreads);
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(k_full(s), 1);
       mbarrier_init(v_full(s), 1);
@@ -129,198 +151,231 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: one thread streams Q, then K and V block by block (last block first)
+    // ---- producer: one thread streams each tile's Q, then K and V block by block (last first)
     registers_decrease<kFwdSm90ProducerRegs>();
     if (threadIdx.x != 0) return;
-    mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-#pragma unroll
-    for (int panel = 0; panel < kPanels; ++panel)
-      tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kSwizzlePanelCols, q_row0, h, tma_b);
-    for (int i = 0; i < blocks; ++i) {
-      const int stage = i % STAGES, parity = (i / STAGES) & 1;
-      const int row = k_row0 + (n_last - 1 - i) * BLOCK_N;
-      mbarrier_wait(k_empty(stage), parity ^ 1);
-      mbarrier_arrive_expect_tx(k_full(stage), KVTile::kBytes);
-#pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel)
-        tma_load_4d(sK(stage) + panel * KVTile::kPanelBytes, &p.k_map, k_full(stage), panel * kSwizzlePanelCols,
-                    row, h_kv, tma_b);
-      mbarrier_wait(v_empty(stage), parity ^ 1);
-      mbarrier_arrive_expect_tx(v_full(stage), KVTile::kBytes);
+    int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
+    int tiles = 0;  // tiles started so far: the phase of Q's barriers
+    for (i64 tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Work w(p, tile, m_blocks);
+      if (w.empty()) continue;
+      const int tma_b = varlen ? 0 : w.b;
+      const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
+      // the consumers are done with the previous tile's Q
+      mbarrier_wait(q_empty, (tiles & 1) ^ 1);
+      mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
 #pragma unroll
       for (int panel = 0; panel < kPanels; ++panel)
-        tma_load_4d(sV(stage) + panel * KVTile::kPanelBytes, &p.v_map, v_full(stage), panel * kSwizzlePanelCols,
-                    row, h_kv, tma_b);
+        tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kSwizzlePanelCols,
+                    static_cast<int>(w.seq.q_start) + w.m0, w.h, tma_b);
+      ++tiles;
+      for (int i = 0; i < w.blocks(); ++i, ++loads) {
+        const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
+        const int row = static_cast<int>(w.seq.k_start) + (w.n_last - 1 - i) * BLOCK_N;
+        mbarrier_wait(k_empty(stage), parity ^ 1);
+        mbarrier_arrive_expect_tx(k_full(stage), KVTile::kBytes);
+#pragma unroll
+        for (int panel = 0; panel < kPanels; ++panel)
+          tma_load_4d(sK(stage) + panel * KVTile::kPanelBytes, &p.k_map, k_full(stage), panel * kSwizzlePanelCols,
+                      row, h_kv, tma_b);
+        mbarrier_wait(v_empty(stage), parity ^ 1);
+        mbarrier_arrive_expect_tx(v_full(stage), KVTile::kBytes);
+#pragma unroll
+        for (int panel = 0; panel < kPanels; ++panel)
+          tma_load_4d(sV(stage) + panel * KVTile::kPanelBytes, &p.v_map, v_full(stage), panel * kSwizzlePanelCols,
+                      row, h_kv, tma_b);
+      }
     }
     return;
   }
 
-  // ---- consumers: warpgroup c owns query rows [m0 + 64 c, m0 + 64 c + 64)
+  // ---- consumers: warpgroup c owns query rows [m0 + 64 c, m0 + 64 c + 64) of each tile
   registers_increase<kConsumerRegs>();
   const int c = wg - 1;
   const int tid = threadIdx.x - wg * kWarpgroupThreads;
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int wg_m0 = m0 + c * kWgmmaM;
-  const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows
-  const MaskParams mp{seq.seqlen_k, p.window_left, p.window_right, p.score_scale, p.softcap_out};
-  const float softmax_scale = mp.softmax_scale();
-  const auto diag_of = [=](int, int r) { return row0 + lane / 4 + 8 * r + seq.offset; };
 
-  // Pingpong: consumer c issues its GEMMs after the other's turn ends; consumer 1 lets 0 go first.
+  // Pingpong: consumer c issues its GEMMs after the other's turn ends; in each tile consumer 1
+  // lets 0 go first and skips its last pass, so every turn waited for is passed exactly once.
   const int other = 1 - c;
   const auto take_turn = [&] {
     if (PINGPONG) named_barrier_sync(kFwdSm90TurnBarrier + c, 2 * kWarpgroupThreads);
   };
   const auto pass_turn = [&](bool last) {
-    // the other warpgroup waits for as many turns as this one passes: consumer 1 passes one at
-    // the start, so it skips its last
     if (PINGPONG && !(last && c == 1)) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
   };
-  if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
 
-  Tile tile;
-  tile.init();
-  float (&s_acc)[S::kAccumulators] = reinterpret_cast<float (&)[S::kAccumulators]>(tile.s);
-  float (&o_acc)[O::kAccumulators] = reinterpret_cast<float (&)[O::kAccumulators]>(tile.o);
-  u32 pa[BLOCK_N / kWgmmaK][4];  // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15)
+  int loads = 0;  // K/V blocks consumed so far, as the producer counts them
+  int tiles = 0;
+  for (i64 tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+    const Work w(p, tile_index, m_blocks);
+    if (w.empty()) continue;
+    const int blocks = w.blocks();
+    const int wg_m0 = w.m0 + c * kWgmmaM;
+    const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows
+    const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale, p.softcap_out};
+    const float softmax_scale = mp.softmax_scale();
+    const int offset = w.seq.offset;
+    const auto diag_of = [=](int, int r) { return row0 + lane / 4 + 8 * r + offset; };
+    if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
 
-  const auto issue_s = [&](int stage) {
+    Tile tile;
+    tile.init();
+    float (&s_acc)[S::kAccumulators] = reinterpret_cast<float (&)[S::kAccumulators]>(tile.s);
+    float (&o_acc)[O::kAccumulators] = reinterpret_cast<float (&)[O::kAccumulators]>(tile.o);
+    u32 pa[BLOCK_N / kWgmmaK][4];  // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15)
+
+    const auto stage_of = [&](int i) { return (loads + i) % STAGES; };
+    const auto parity_of = [&](int i) { return ((loads + i) / STAGES) & 1; };
+    const auto issue_s = [&](int stage) {
 #pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
-      S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks), kmajor_descriptor<KVTile>(sK(stage), 0, ks),
-                           ks > 0);
-    wgmma_commit();
-  };
-  const auto issue_pv = [&](int stage) {
+      for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
+        S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
+                             kmajor_descriptor<KVTile>(sK(stage), 0, ks), ks > 0);
+      wgmma_commit();
+    };
+    const auto issue_pv = [&](int stage) {
 #pragma unroll
-    for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
-      O::template rs<1>(o_acc, pa[ks], mnmajor_descriptor<KVTile>(sV(stage), 0, ks), 1);
-    wgmma_commit();
-  };
-  // mask and softmax of the scores of block i (key block n_last - 1 - i); returns whether the
-  // output must be rescaled by `factor` (done by the caller once no GEMM adds into it)
-  const auto softmax = [&](int i, float (&factor)[1][2]) {
-    const int n0 = (n_last - 1 - i) * BLOCK_N;
-    if (seq.block_needs_mask<BLOCK_N>(wg_m0, kWgmmaM, n0, p.window_left, p.window_right)) {
-      tile.template cap_and_mask<true>(mp, diag_of, n0, lane);
-    } else {
-      tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
-    }
-    const bool moved = tile.move_max(softmax_scale, factor);
-    tile.exponentiate(softmax_scale);
-    return moved;
-  };
-  const auto to_fragments = [&] {
-    u32(&frag)[1][BLOCK_N / kWgmmaK][4] = reinterpret_cast<u32(&)[1][BLOCK_N / kWgmmaK][4]>(pa);
-    tile.to_fragments(frag);
-  };
+      for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
+        O::template rs<1>(o_acc, pa[ks], mnmajor_descriptor<KVTile>(sV(stage), 0, ks), 1);
+      wgmma_commit();
+    };
+    // mask and softmax of block i's scores (key block n_last - 1 - i); returns whether the
+    // output must be rescaled by `factor` (the caller does it once no GEMM adds into it)
+    const auto softmax = [&](int i, float (&factor)[1][2]) {
+      const int n0 = (w.n_last - 1 - i) * BLOCK_N;
+      if (w.seq.template block_needs_mask<BLOCK_N>(wg_m0, kWgmmaM, n0, p.window_left, p.window_right)) {
+        tile.template cap_and_mask<true>(mp, diag_of, n0, lane);
+      } else {
+        tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
+      }
+      const bool moved = tile.move_max(softmax_scale, factor);
+      tile.exponentiate(softmax_scale);
+      return moved;
+    };
+    const auto to_fragments = [&] {
+      u32(&frag)[1][BLOCK_N / kWgmmaK][4] = reinterpret_cast<u32(&)[1][BLOCK_N / kWgmmaK][4]>(pa);
+      tile.to_fragments(frag);
+    };
+    // the last S GEMM of the tile has finished: Q may be refilled with the next tile's (unless
+    // the epilogue still stages O there)
+    const auto release_q = [&] {
+      if (Smem::kOwnO) mbarrier_arrive(q_empty);
+    };
 
-  mbarrier_wait(q_full, 0);
-  if (blocks > 0) {
-    if (OVERLAP) {
-      // block 0: S alone
-      mbarrier_wait(k_full(0), 0);
-      take_turn();
-      wgmma_fence();
-      issue_s(0);
-      pass_turn(false);
-      wgmma_wait<0>();
-      fence_registers(s_acc);
-      mbarrier_arrive(k_empty(0));
+    mbarrier_wait(q_full, tiles & 1);
+    if (blocks > 0) {
       float factor[1][2];
-      if (softmax(0, factor)) tile.rescale_output(factor);
-      to_fragments();
-      // block i's S with block i-1's PV; block i's softmax under PV
-      for (int i = 1; i < blocks; ++i) {
-        const int stage = i % STAGES, parity = (i / STAGES) & 1;
-        const int prev = (i - 1) % STAGES, prev_parity = ((i - 1) / STAGES) & 1;
-        mbarrier_wait(k_full(stage), parity);
-        mbarrier_wait(v_full(prev), prev_parity);
+      if (OVERLAP) {
+        // block 0: S alone
+        mbarrier_wait(k_full(stage_of(0)), parity_of(0));
         take_turn();
         wgmma_fence();
-        issue_s(stage);
-        issue_pv(prev);
+        issue_s(stage_of(0));
         pass_turn(false);
-        wgmma_wait<1>();
+        wgmma_wait<0>();
         fence_registers(s_acc);
-        mbarrier_arrive(k_empty(stage));
-        const bool moved = softmax(i, factor);
+        mbarrier_arrive(k_empty(stage_of(0)));
+        if (blocks == 1) release_q();
+        if (softmax(0, factor)) tile.rescale_output(factor);
+        to_fragments();
+        // block i's S with block i-1's PV; block i's softmax under PV
+        for (int i = 1; i < blocks; ++i) {
+          mbarrier_wait(k_full(stage_of(i)), parity_of(i));
+          mbarrier_wait(v_full(stage_of(i - 1)), parity_of(i - 1));
+          take_turn();
+          wgmma_fence();
+          issue_s(stage_of(i));
+          issue_pv(stage_of(i - 1));
+          pass_turn(false);
+          wgmma_wait<1>();
+          fence_registers(s_acc);
+          mbarrier_arrive(k_empty(stage_of(i)));
+          if (i == blocks - 1) release_q();
+          const bool moved = softmax(i, factor);
+          wgmma_wait<0>();
+          fence_registers(o_acc);
+          fence_registers(pa);
+          mbarrier_arrive(v_empty(stage_of(i - 1)));
+          if (moved) tile.rescale_output(factor);
+          to_fragments();
+        }
+        // the last block's PV
+        mbarrier_wait(v_full(stage_of(blocks - 1)), parity_of(blocks - 1));
+        take_turn();
+        wgmma_fence();
+        issue_pv(stage_of(blocks - 1));
+        pass_turn(true);
         wgmma_wait<0>();
         fence_registers(o_acc);
         fence_registers(pa);
-        mbarrier_arrive(v_empty(prev));
-        if (moved) tile.rescale_output(factor);
-        to_fragments();
+        mbarrier_arrive(v_empty(stage_of(blocks - 1)));
+      } else {
+        for (int i = 0; i < blocks; ++i) {
+          mbarrier_wait(k_full(stage_of(i)), parity_of(i));
+          take_turn();
+          wgmma_fence();
+          issue_s(stage_of(i));
+          pass_turn(false);
+          wgmma_wait<0>();
+          fence_registers(s_acc);
+          mbarrier_arrive(k_empty(stage_of(i)));
+          if (i == blocks - 1) release_q();
+          if (softmax(i, factor)) tile.rescale_output(factor);
+          to_fragments();
+          mbarrier_wait(v_full(stage_of(i)), parity_of(i));
+          take_turn();
+          wgmma_fence();
+          issue_pv(stage_of(i));
+          pass_turn(i == blocks - 1);
+          wgmma_wait<0>();
+          fence_registers(o_acc);
+          fence_registers(pa);
+          mbarrier_arrive(v_empty(stage_of(i)));
+        }
       }
-      // the last block's PV
-      const int last = (blocks - 1) % STAGES, last_parity = ((blocks - 1) / STAGES) & 1;
-      mbarrier_wait(v_full(last), last_parity);
-      take_turn();
-      wgmma_fence();
-      issue_pv(last);
-      pass_turn(true);
-      wgmma_wait<0>();
-      fence_registers(o_acc);
-      fence_registers(pa);
-      mbarrier_arrive(v_empty(last));
     } else {
-      for (int i = 0; i < blocks; ++i) {
-        const int stage = i % STAGES, parity = (i / STAGES) & 1;
-        mbarrier_wait(k_full(stage), parity);
+      release_q();
+      if (PINGPONG) {
+        // no key block: balance the turns the other warpgroup waits for
         take_turn();
-        wgmma_fence();
-        issue_s(stage);
-        pass_turn(false);
-        wgmma_wait<0>();
-        fence_registers(s_acc);
-        mbarrier_arrive(k_empty(stage));
-        float factor[1][2];
-        if (softmax(i, factor)) tile.rescale_output(factor);
-        to_fragments();
-        mbarrier_wait(v_full(stage), parity);
-        take_turn();
-        wgmma_fence();
-        issue_pv(stage);
-        pass_turn(i == blocks - 1);
-        wgmma_wait<0>();
-        fence_registers(o_acc);
-        fence_registers(pa);
-        mbarrier_arrive(v_empty(stage));
+        pass_turn(true);
       }
     }
-  } else if (PINGPONG) {
-    // no key block: balance the turns the other warpgroup waits for
-    take_turn();
-    pass_turn(true);
-  }
+    loads += blocks;
+    ++tiles;
 
-  // ---- epilogue: normalise, stage this warpgroup's 64 rows in its own rows of the Q tile (its
-  // S GEMMs, the only readers, are done), then 16-byte stores of whole rows
-  const int g = lane / 4, t = lane % 4;
-  const i64 lse_base = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+    // ---- epilogue: normalise, stage this warpgroup's 64 rows in its rows of the O tile, then
+    // 16-byte stores of whole rows. The barrier first: the warpgroup's stores of the previous
+    // tile still read those rows.
+    named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
+    const int g = lane / 4, t = lane % 4;
+    const i64 lse_base = w.b * p.lse_batch_stride + w.h * p.lse_head_stride + w.seq.q_start;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    SoftmaxState& st = tile.state[0][r];
-    st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
-    const float inv = st.inv_sum();
-    const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the CTA's Q tile
+    for (int r = 0; r < 2; ++r) {
+      SoftmaxState& st = tile.state[0][r];
+      st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
+      const float inv = st.inv_sum();
+      const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the tile
 #pragma unroll
-    for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-      const u32 packed = DType<T>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
-      *reinterpret_cast<u32*>(base + Smem::kQ + QTile::offset(row, dt * 8 + 2 * t)) = packed;
+      for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+        const u32 packed = DType<T>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(base + Smem::kO + QTile::offset(row, dt * 8 + 2 * t)) = packed;
+      }
+      if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
     }
-    if (p.lse != nullptr && t == 0 && m0 + row < seq.seqlen_q) p.lse[lse_base + m0 + row] = st.lse();
-  }
-  named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
-  constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
-  T* o_ptr = p.out + b * p.o_batch_stride + (seq.q_start + wg_m0) * p.o_row_stride + h * p.o_head_stride;
+    named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
+    constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+    T* o_ptr = p.out + w.b * p.o_batch_stride + (w.seq.q_start + wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
 #pragma unroll
-  for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
-    const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-    if (wg_m0 + row < seq.seqlen_q) {
-      *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(T))) =
-          *reinterpret_cast<const uint4*>(base + Smem::kQ + QTile::chunk_offset(c * kWgmmaM + row, chunk));
+    for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
+      const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
+      if (wg_m0 + row < w.seq.seqlen_q) {
+        *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(T))) =
+            *reinterpret_cast<const uint4*>(base + Smem::kO + QTile::chunk_offset(c * kWgmmaM + row, chunk));
+      }
     }
+    if (!Smem::kOwnO) mbarrier_arrive(q_empty);  // O was staged in Q's tile: read out now
   }
 }
 

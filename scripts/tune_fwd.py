@@ -20,18 +20,21 @@ CANDIDATES = {
     64: [FwdTile(128, 64, 4), FwdTile(128, 96, 4), FwdTile(128, 128, 4)],
     128: [FwdTile(128, 32, 4), FwdTile(128, 64, 4)],
 }
-# (consumers, stages, overlap, pingpong): neither overlap, each alone, both; stage counts
+# (block_n, consumers, stages, overlap, pingpong): neither overlap, each alone, both; stage counts
 SM90_CANDIDATES = {
-    64: [FwdSm90Tile(2, 2, False, False), FwdSm90Tile(2, 2, True, False), FwdSm90Tile(2, 2, False, True),
-         FwdSm90Tile(2, 2, True, True), FwdSm90Tile(2, 4, True, True)],
-    128: [FwdSm90Tile(2, 2, False, False), FwdSm90Tile(2, 2, True, False), FwdSm90Tile(2, 2, False, True),
-          FwdSm90Tile(2, 2, True, True)],
+    64: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
+         FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True), FwdSm90Tile(128, 2, 4, True, True)],
+    128: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
+          FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True)],
+    256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True), FwdSm90Tile(80, 2, 2, True, True)],
 }
+HEAD_DIMS = (64, 128, 256)
 
 
 def label(tile) -> str:
     if isinstance(tile, FwdSm90Tile):
-        return (f"sm90 {tile.consumers}wg {tile.stages}st ov={int(tile.overlap)} pp={int(tile.pingpong)}")
+        return (f"sm90 n{tile.block_n} {tile.consumers}wg {tile.stages}st ov={int(tile.overlap)} "
+                f"pp={int(tile.pingpong)}")
     return f"mma {tile.block_m}x{tile.block_n}x{tile.warps}"
 
 
@@ -51,12 +54,12 @@ def main():
     except ImportError:
         torch = None
     sm90_only = "--sm90" in sys.argv
-    for d, n, causal in itertools.product([64, 128], [1024, 4096, 16384], [False, True]):
+    for d, n, causal in itertools.product(HEAD_DIMS, [1024, 4096, 16384], [False, True]):
         b, h = total_tokens // n, hidden // d
         q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
         out = cupy.empty_like(q)
         flops = timing.attention_flops(b, h, n, n, d, causal)
-        candidates = [] if sm90_only else list(CANDIDATES[d])
+        candidates = [] if sm90_only else list(CANDIDATES.get(d, [fwd_tile(d, _jit.target_arch())]))
         if _jit.target_arch() == "sm_90a":
             candidates += SM90_CANDIDATES[d]
         for tile in candidates:

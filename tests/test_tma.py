@@ -1,0 +1,74 @@
+"""TMA tensor maps (cuattn/_tma.py): which views the Hopper forward's copy engine can read, and
+the driver's encoding (GPU). The forward tests run every case through the maps on sm_90a."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from cuattn import _params, _tma
+from conftest import BF16
+
+attention_module = importlib.import_module("cuattn.attention")
+BOX = (64, 128, 1, 1)
+
+
+def layout(dims, strides, dtype=np.float16):
+    return _tma.MapLayout.of(dtype, dims, strides, BOX)
+
+
+def test_contiguous_and_transposed_views_are_readable():
+    # (D, S, H, B) of a contiguous [B, S, H, D] and of a [B, H, S, D] seen as [B, S, H, D]
+    assert layout((128, 1000, 8, 2), (1, 8 * 128, 128, 1000 * 8 * 128)) is not None
+    assert layout((128, 1000, 8, 2), (1, 128, 1000 * 128, 8 * 1000 * 128), BF16) is not None
+
+
+@pytest.mark.parametrize("strides, why", [
+    ((1, 8 * 128, 0, 1000 * 8 * 128), "a broadcast head axis (stride 0)"),
+    ((1, 8 * 128 + 4, 128, 1000 * 8 * 128), "a row stride of 8 bytes past a multiple of 16"),
+    ((2, 8 * 128, 128, 1000 * 8 * 128), "a strided last axis"),
+])
+def test_views_the_copy_engine_cannot_read_are_refused(strides, why):
+    assert layout((128, 1000, 8, 2), strides) is None, why
+
+
+def test_empty_axes_and_oversized_boxes_are_refused():
+    assert layout((128, 0, 8, 2), (1, 1024, 128, 0)) is None
+    assert _tma.MapLayout.of(np.float16, (64, 10, 1, 1), (1, 64, 640, 640), (64, 512, 1, 1)) is None
+
+
+def test_a_single_index_axis_takes_any_stride():
+    # B = 1: the batch stride is never applied, so an odd one (a sliced view) does not matter
+    found = layout((128, 1000, 8, 1), (1, 1024, 128, 12345))
+    assert found is not None and found.strides[3] * 2 % _tma.STRIDE_ALIGN_BYTES == 0
+
+
+def test_the_forward_struct_holds_three_aligned_maps():
+    dtype = _params.struct_dtype("FwdParams")
+    for name in ("q_map", "k_map", "v_map"):
+        sub, offset = dtype.fields[name][:2]
+        assert offset % _params.TENSOR_MAP_ALIGN == 0 and sub.itemsize == _tma.MAP_BYTES
+    assert dtype.itemsize % _params.TENSOR_MAP_ALIGN == 0
+
+
+def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
+    limit = _params.constant("kFwdSm90MaxSmem")
+    for head_dim, tile in attention_module.FWD_SM90_TILES.items():
+        for itemsize in (2,):
+            assert tile.smem_bytes(head_dim, itemsize) <= limit, (head_dim, tile)
+
+
+@pytest.mark.gpu
+def test_encoding_through_the_driver_is_cached_per_address():
+    import cupy
+
+    x = cupy.zeros((2, 256, 4, 128), cupy.float16)
+    found = layout((128, 256, 4, 2), (1, 512, 128, 256 * 512))
+    first = found.encode(x.data.ptr)
+    assert first.shape == (_tma.MAP_WORDS,) and first.any()
+    assert found.encode(x.data.ptr) is first
+    assert not np.array_equal(found.encode(x.data.ptr + 1024), first)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        found.encode(x.data.ptr + 8)
