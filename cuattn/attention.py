@@ -274,6 +274,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         return (result, ctx.to_caller(lse)) if return_lse else result
 
 
+def _varlen_result(return_lse: bool):
+    """How a varlen plan returns: the new (or given) out, and lse when asked for."""
+    def finish(results, arrays):
+        out = results["out"] if "out" in results else arrays[5]
+        return (out, results["lse"]) if return_lse else out
+    return finish
+
+
 def _fwd_result(return_lse: bool):
     """How a plan returns: the new (or given) out, and lse when asked for."""
     def finish(results, arrays):
@@ -297,6 +305,15 @@ def attention_varlen(
     ``(Hq, total_q)`` (natural log).
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
+    call_key = None
+    if isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int):
+        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
+                              (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
+    plan = _calls.lookup(call_key)
+    if plan is not None:
+        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+        if result is not None:
+            return result
     with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out) as ctx:
         qv, kv, vv, ov, cuq, cuk = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k))
         _check_qkv(qv, kv, vv, packed=True)
@@ -317,13 +334,24 @@ def attention_varlen(
         total_q, num_heads, _ = map(int, qv.shape)
         if ov is None:
             ov = ctx.empty(qv.shape, qv.dtype)
-        lse = ctx.empty((num_heads, total_q), np.float32) if return_lse else None
-        _launch_fwd(
-            qv[None], kv[None], vv[None], ov[None], lse[None] if lse is not None else None,
-            cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk),
+        lse_shape = (num_heads, total_q)
+        lse = ctx.empty(lse_shape, np.float32) if return_lse else None
+        cuq_c, cuk_c = cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk)
+        launch = _launch_fwd(
+            qv[None], kv[None], vv[None], ov[None], lse[None] if lse is not None else None, cuq_c, cuk_c,
             batch=int(cuq.shape[0]) - 1, seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k),
             causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
         )
+        # a plan reads the caller's cu_seqlens in place: only when no contiguous copy was needed
+        if launch is not None and cuq_c is cuq and cuk_c is cuk:
+            outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
+                       **({"lse": (lse_shape, True)} if return_lse else {})}
+            _calls.remember(call_key, _calls.Plan(
+                inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out"), outputs=outputs,
+                aligned=("q", "k", "v", "out"),
+                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
+                                             "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})],
+                finish=_varlen_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 

@@ -1,17 +1,19 @@
 """Time forward tile candidates against torch SDPA on the current GPU: flash_fwd_kernel tiles and,
 on sm_90a, flash_fwd_sm90_kernel variants with each overlap switched on one at a time.
 
-python scripts/tune_fwd.py [--sm90]   (prints one line per (shape, tile) with TFLOP/s;
-                                       --sm90: only the Hopper kernel's candidates)
+python scripts/tune_fwd.py [--sm90] [--head-dims 64,128] [--lengths 4096] [--varlen]
+    prints one line per (shape, tile) with TFLOP/s; --sm90: only the Hopper kernel's
+    candidates; --varlen: attention_varlen over ragged lengths against dense attention with the
+    same total tokens (default kernels)
 """
 
+import argparse
 import itertools
 import sys
 
 import cupy
 import numpy as np
 
-import cuattn
 from cuattn.bench import timing
 from cuattn import _jit
 from cuattn.attention import FWD_SM90_TILES, FwdSm90Tile, FwdTile, _launch_fwd, fwd_tile
@@ -23,7 +25,8 @@ CANDIDATES = {
 # (block_n, consumers, stages, overlap, pingpong): neither overlap, each alone, both; stage counts
 SM90_CANDIDATES = {
     64: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
-         FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True), FwdSm90Tile(128, 2, 4, True, True)],
+         FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True), FwdSm90Tile(128, 2, 4, True, True),
+         FwdSm90Tile(128, 3, 2, False, False), FwdSm90Tile(128, 3, 4, False, False)],
     128: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
           FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True)],
     256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True), FwdSm90Tile(80, 2, 2, True, True)],
@@ -45,21 +48,65 @@ def is_default(tile, d: int) -> bool:
     return tile == fwd_tile(d, arch)
 
 
+def ragged_lengths(total: int, rng) -> list[int]:
+    """Sequence lengths from 256 to 8192 (log-uniform) summing to `total`."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(min(total - sum(lengths), np.exp(rng.uniform(np.log(256), np.log(8192))))))
+    return lengths
+
+
+def varlen(head_dims, total_tokens, hidden, dtype):
+    rng = np.random.default_rng(0)
+    lengths = ragged_lengths(total_tokens, rng)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    print(f"varlen: {len(lengths)} sequences, lengths {min(lengths)}-{max(lengths)}, {sum(lengths)} tokens")
+    for d, causal in itertools.product(head_dims, [False, True]):
+        h = hidden // d
+        q, k, v = (cupy.random.standard_normal((total_tokens, h, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
+        flops = sum(timing.attention_flops(1, h, n, n, d, causal) for n in lengths)
+        # time the prepared launches: attention_varlen's host path would leave gaps between kernels
+        stream = cupy.cuda.get_current_stream()
+        out = cupy.empty_like(q)
+        launch = _launch_fwd(q[None], k[None], v[None], out[None], None, cu, cu, batch=len(lengths),
+                             seqlen_q=max(lengths), seqlen_k=max(lengths), causal=causal, scale=None,
+                             window=(-1, -1), softcap=0.0, stream=stream)
+        ms = timing.time_cuda(lambda: launch.run(stream.ptr))
+        n = 4096
+        dense = [x.reshape(total_tokens // n, n, h, d) for x in (q, k, v, out)]
+        dense_launch = _launch_fwd(*dense, None, None, None, batch=total_tokens // n, seqlen_q=n, seqlen_k=n,
+                                   causal=causal, scale=None, window=(-1, -1), softcap=0.0, stream=stream)
+        dense_ms = timing.time_cuda(lambda: dense_launch.run(stream.ptr))
+        dense_flops = timing.attention_flops(total_tokens // n, h, n, n, d, causal)
+        print(f"d={d:3d} causal={causal!s:5} varlen {flops / ms / 1e9:7.1f} TFLOP/s   dense N={n} "
+              f"{dense_flops / dense_ms / 1e9:7.1f} TFLOP/s   ratio {flops / ms / (dense_flops / dense_ms):.2f}",
+              flush=True)
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sm90", action="store_true")
+    parser.add_argument("--varlen", action="store_true")
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    args = parser.parse_args()
+    head_dims = [int(x) for x in args.head_dims.split(",")]
     total_tokens, hidden = 32768, 2048
     dtype = cupy.dtype("bfloat16")
+    if args.varlen:
+        return varlen(head_dims, total_tokens, hidden, dtype)
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         torch = None
-    sm90_only = "--sm90" in sys.argv
-    for d, n, causal in itertools.product(HEAD_DIMS, [1024, 4096, 16384], [False, True]):
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for d, n, causal in itertools.product(head_dims, lengths, [False, True]):
         b, h = total_tokens // n, hidden // d
         q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
         out = cupy.empty_like(q)
         flops = timing.attention_flops(b, h, n, n, d, causal)
-        candidates = [] if sm90_only else list(CANDIDATES.get(d, [fwd_tile(d, _jit.target_arch())]))
+        candidates = [] if args.sm90 else list(CANDIDATES.get(d, [fwd_tile(d, _jit.target_arch())]))
         if _jit.target_arch() == "sm_90a":
             candidates += SM90_CANDIDATES[d]
         for tile in candidates:

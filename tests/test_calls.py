@@ -115,6 +115,38 @@ def test_attention_second_call_takes_the_plan(rng, framework, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_varlen_second_call_takes_the_plan(rng, framework, monkeypatch):
+    """New q, k, v and cu_seqlens arrays each step (new addresses, new tensor maps on Hopper)."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    lens_q, lens_k = [37, 0, 130], [50, 9, 130]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    for step in range(2):
+        if step == 1:
+            assert [key[0] for key in _calls._plans] == ["attention_varlen"]
+            _full_path_must_not_run(monkeypatch)
+        q = randn(rng, (cu_q[-1], 4, 64), BF16)
+        k, v = (randn(rng, (cu_k[-1], 2, 64), BF16) for _ in range(2))
+        out, lse = cuattn.attention_varlen(*(_as(framework, x) for x in (q, k, v, cu_q, cu_k)), max(lens_q),
+                                           max(lens_k), causal=True, return_lse=True)
+        assert type(out).__module__.split(".")[0] == framework
+        ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                  return_lse=True)
+        for i in range(len(lens_q)):
+            rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            naive = reference.naive_attention_lowp(q[None, rows], k[None, keys], v[None, keys], causal=True,
+                                                   dtype=BF16)[0]
+            budget = error_budget(np.abs(naive - ref[rows]).max(initial=0), BF16, 2.0,
+                                  np.abs(ref[rows]).max(initial=0))
+            assert np.abs(_host(out)[rows] - ref[rows]).max(initial=0) <= budget, f"sequence {i} (seed {rng.seed})"
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_allclose(_host(lse)[finite], ref_lse[finite], rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_decode_and_paged_second_call_takes_the_plan(rng, framework, monkeypatch):
     if framework == "torch":
         pytest.importorskip("torch")
