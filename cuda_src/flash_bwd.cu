@@ -31,6 +31,7 @@
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
 #include "attention_tile.cuh"
+#include "block_range.cuh"
 #include "wgmma.cuh"
 
 namespace cuattn {
@@ -109,24 +110,14 @@ bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, flo
 // The per-(b, head) geometry both recomputing kernels share: sequence offsets (varlen), lengths
 // and the mask, with the visible key range of a query row [diag - left, diag + right] where
 // diag = row + Sk - Sq (bottom-right alignment).
-struct BwdProblem {
-  i64 q_start, k_start;
-  int seqlen_q, seqlen_k, offset;
+struct BwdProblem : SequenceRange {
   int window_left, window_right;
   float score_scale, softcap_out;
 
   __device__ __forceinline__ BwdProblem(const int* cu_q, const int* cu_k, int b, int sq, int sk, int left, int right,
                                         float scale, float cap)
-      : q_start(0), k_start(0), seqlen_q(sq), seqlen_k(sk), window_left(left), window_right(right),
-        score_scale(scale), softcap_out(cap) {
-    if (cu_q != nullptr) {
-      q_start = cu_q[b];
-      k_start = cu_k[b];
-      seqlen_q = cu_q[b + 1] - cu_q[b];
-      seqlen_k = cu_k[b + 1] - cu_k[b];
-    }
-    offset = seqlen_k - seqlen_q;
-  }
+      : SequenceRange(cu_q, cu_k, b, sq, sk), window_left(left), window_right(right), score_scale(scale),
+        softcap_out(cap) {}
 
   // Whether some (query, key) of the tile is invisible: only such tiles pay for the mask.
   __device__ __forceinline__ bool tile_needs_mask(int m0, int rows, int n0, int cols) const {

@@ -22,6 +22,7 @@
 // The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
 #include "attention_tile.cuh"
+#include "block_range.cuh"
 #include "params.cuh"
 
 namespace cuattn {
@@ -118,7 +119,7 @@ struct FlashFwd : AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM /
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize, 2)
 flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
-  // the fields this kernel reads, as locals (seqlen_q and seqlen_k change for varlen)
+  // the fields this kernel reads, as locals
   const T* __restrict__ q = p.q;
   const T* __restrict__ k = p.k;
   const T* __restrict__ v = p.v;
@@ -132,7 +133,6 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const i64 o_batch_stride = p.o_batch_stride, o_row_stride = p.o_row_stride, o_head_stride = p.o_head_stride;
   const i64 lse_batch_stride = p.lse_batch_stride, lse_head_stride = p.lse_head_stride;
   const int batch = p.batch, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
-  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const float score_scale = p.score_scale, softcap_out = p.softcap_out;
   const int window_left = p.window_left, window_right = p.window_right;
   using Fwd = FlashFwd<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -148,16 +148,12 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const int h_kv = h / (num_heads / num_kv_heads);
 
   // Locate this sequence: packed varlen rows start at cu_seqlens, dense ones at b * batch_stride.
-  i64 q_start = 0, k_start = 0;
-  if (cu_seqlens_q != nullptr) {
-    q_start = cu_seqlens_q[b];
-    k_start = cu_seqlens_k[b];
-    seqlen_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-    seqlen_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-  }
+  const SequenceRange seq(cu_seqlens_q, cu_seqlens_k, b, p.seqlen_q, p.seqlen_k);
+  const i64 q_start = seq.q_start, k_start = seq.k_start;
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   const MaskParams mp{seqlen_k, window_left, window_right, score_scale, softcap_out};
   // Sk - Sq: aligns causal and window masks to the bottom-right corner
-  const int offset = seqlen_k - seqlen_q;
+  const int offset = seq.offset;
   const float softmax_scale = mp.softmax_scale();
 
   // Heaviest causal blocks (the last query rows) are scheduled first.
@@ -174,15 +170,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   T* sK = sQ + BLOCK_M * kStride;          // [BLOCK_N, D + pad]
   T* sV = sK + BLOCK_N * kStride;          // [BLOCK_N, D + pad]
 
-  // Key blocks any row of this CTA can see: [n_begin, n_end) in keys.
-  const int last_row_diag = m0 + BLOCK_M - 1 + offset;
-  const int n_end = min(seqlen_k, last_row_diag + window_right + 1);
-  const int n_begin = max(0, m0 + offset - window_left);
-  const int n_block_min = n_begin / BLOCK_N;
-  const int n_block_max = n_end > n_begin ? (n_end + BLOCK_N - 1) / BLOCK_N : n_block_min;
-  // Keys every row sees: below the first row's right edge and at or past the last row's left edge.
-  const int clean_end = min(seqlen_k, m0 + offset + window_right + 1);
-  const int clean_begin = last_row_diag - window_left;
+  // Key blocks any row of this CTA can see: [n_block_min, n_block_max).
+  int n_block_min, n_block_max;
+  seq.key_blocks<BLOCK_N>(m0, BLOCK_M, window_left, window_right, n_block_min, n_block_max);
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -210,7 +200,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     cp_async_commit();
 
     fwd.qk(sQ, sK, warp, lane);
-    const bool masked = n0 + BLOCK_N > clean_end || n0 < clean_begin;
+    const bool masked = seq.block_needs_mask<BLOCK_N>(m0, BLOCK_M, n0, window_left, window_right);
     if (masked) {
       fwd.template cap_and_mask<true>(mp, diag_of, n0, lane);
     } else {
