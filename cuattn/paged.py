@@ -20,6 +20,7 @@ A decode step: ``slots, copies = manager.append(seq)`` for each live sequence, t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -294,8 +295,7 @@ class PagedKVCache:
             return
         import cupy
 
-        spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::copy_blocks_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
-                               threads=_params.constant("kCacheThreads"))
+        spec = cache_spec("copy_blocks_kernel", self.dtype)
         chunks = self.block_size * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
         pairs_d = cupy.asarray(pairs)  # [P, 2]
         params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
@@ -324,8 +324,7 @@ class PagedKVCache:
         num_tokens = int(k.shape[0])
         if num_tokens == 0:
             return
-        spec = _jit.KernelSpec("cache_ops.cu", f"cuattn::cache_write_kernel<{_arrays.CUDA_TYPES[self.dtype]}>",
-                               threads=_params.constant("kCacheThreads"))
+        spec = cache_spec("cache_write_kernel", self.dtype)
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
         chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
         params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
@@ -359,10 +358,19 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int):
 # Attention over the pages
 
 
+CACHE_KERNELS = ("cache_write_kernel", "copy_blocks_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def cache_spec(name: str, dtype) -> _jit.KernelSpec:
+    """One of the cache kernels (CACHE_KERNELS) for one element type."""
+    return _jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{_arrays.CUDA_TYPES[np.dtype(dtype)]}>",
+                           threads=_params.constant("kCacheThreads"))
+
+
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """The cache kernels (the paged attention variants are listed with decode's)."""
-    return [_jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{ctype}>", threads=_params.constant("kCacheThreads"))
-            for ctype in _arrays.CUDA_TYPES.values() for name in ("cache_write_kernel", "copy_blocks_kernel")]
+    return [cache_spec(name, dtype) for dtype in _arrays.CUDA_TYPES for name in CACHE_KERNELS]
 
 
 def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
