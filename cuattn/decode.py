@@ -270,7 +270,7 @@ def merge_states(*args):
         if ctx.on_host:
             out, lse = reference.merge_states(views)
             return out.astype(views[0][0].dtype), lse.astype(np.float32)
-        out, lse = _merge_on_device(views, ctx.stream)
+        out, lse = _merge_on_device(views, ctx)
         return ctx.to_caller(out), ctx.to_caller(lse)
 
 
@@ -535,7 +535,9 @@ def _strided_parts(arrays, rank: int):
     return first.data.ptr, (step // itemsize, *strides[:3])
 
 
-def _merge_on_device(views, stream):
+def _merge_on_device(views, ctx):
+    """The combine kernel over the parts, read in place when evenly strided; out and lse come from
+    the caller's framework (ctx.empty), in the parts' leading layout."""
     import cupy
 
     out0, lse0 = views[0]
@@ -550,8 +552,9 @@ def _merge_on_device(views, stream):
         stacked_lse = cupy.stack([cupy.ascontiguousarray(l).reshape(batch, heads, seqlen) for _, l in views])
         parts = stacked.data.ptr, _arrays.element_strides(stacked)[:4]
         plse = stacked_lse.data.ptr, _arrays.element_strides(stacked_lse)
-    out = cupy.empty((batch, seqlen, heads, head_dim), out0.dtype)
-    lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+    out = ctx.empty(tuple(out0.shape), out0.dtype)  # contiguous: viewed as [B', S, H, D] below
+    lse = ctx.empty(tuple(lse0.shape), np.float32)  # [B', H, S]
     dims = (len(views), batch, seqlen, heads, head_dim)
-    _launch_combine(parts[0], parts[1], plse[0], plse[1], dims, out0.dtype, out, lse, stream)
-    return out.reshape(out0.shape), lse.reshape(lse0.shape)
+    _launch_combine(parts[0], parts[1], plse[0], plse[1], dims, out0.dtype,
+                    out.reshape(batch, seqlen, heads, head_dim), lse.reshape(batch, heads, seqlen), ctx.stream)
+    return out, lse

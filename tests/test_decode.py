@@ -215,8 +215,11 @@ def test_merge_states_varlen_layout_and_torch(rng):
     out_b = torch.randn(50, 4, 64, device="cuda")
     lse_a = torch.randn(4, 50, device="cuda")
     lse_b = torch.randn(4, 50, device="cuda")
+    before = torch.cuda.memory_allocated()
     merged, lse = cuattn.merge_states(out_a, lse_a, out_b, lse_b)
     assert isinstance(merged, torch.Tensor) and merged.shape == (50, 4, 64) and lse.shape == (4, 50)
+    # the results come from torch's caching allocator, not from CuPy's pool
+    assert torch.cuda.memory_allocated() - before >= merged.nbytes + lse.nbytes
     ref, ref_lse = reference.merge_states(out_a.cpu().numpy(), lse_a.cpu().numpy(), out_b.cpu().numpy(), lse_b.cpu().numpy())
     np.testing.assert_allclose(merged.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-5)
