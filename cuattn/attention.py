@@ -651,7 +651,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         _arrays.check_same_device("lse", lv, "q", qv)
         grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
                             seqlen_k=int(kv.shape[1]), causal=causal, scale=scale, window=(left, right),
-                            softcap=softcap, deterministic=bool(deterministic), stream=ctx.stream)
+                            softcap=softcap, deterministic=bool(deterministic), ctx=ctx)
         return tuple(ctx.to_caller(g) for g in grads)
 
 
@@ -678,13 +678,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None],
                             cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk), batch=int(cuq.shape[0]) - 1,
                             seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), causal=causal, scale=scale,
-                            window=(left, right), softcap=softcap, deterministic=bool(deterministic),
-                            stream=ctx.stream)
+                            window=(left, right), softcap=softcap, deterministic=bool(deterministic), ctx=ctx)
         return tuple(ctx.to_caller(g[0]) for g in grads)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
-                window, softcap, deterministic, stream):
+                window, softcap, deterministic, ctx):
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
@@ -696,12 +695,20 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     varlen = cu_seqlens_q is not None
     rows_q, num_heads, head_dim = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
     num_kv_heads = int(k.shape[2])
+    stream = ctx.stream
+
+    def zeros(shape, dtype):
+        x = ctx.empty(shape, dtype)
+        x.fill(0)  # on the caller's stream, current inside the array context
+        return x
+
+    # Gradients and workspace come from the caller's framework (torch's allocator for torch inputs).
     # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
-    alloc = cupy.zeros if varlen else cupy.empty
-    dq = (alloc if deterministic else cupy.empty)(q.shape, q.dtype)  # [B, Sq, Hq, D]
-    dk = alloc(k.shape, k.dtype)  # [B, Sk, Hk, D]
-    dv = alloc(v.shape, v.dtype)  # [B, Sk, Hk, D]
+    alloc = zeros if varlen else ctx.empty
+    dq = (alloc if deterministic else ctx.empty)(tuple(q.shape), q.dtype)  # [B, Sq, Hq, D]
+    dk = alloc(tuple(k.shape), k.dtype)  # [B, Sk, Hk, D]
+    dv = alloc(tuple(v.shape), v.dtype)  # [B, Sk, Hk, D]
     if q.size == 0 or k.size == 0:
         dq[...] = 0
         dk[...] = 0
@@ -711,9 +718,9 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     tile = bwd_tile(head_dim, _jit.target_arch())
     pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic)
     lse = cupy.ascontiguousarray(lse)
-    delta = cupy.empty(lse.shape, cupy.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
+    delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly
-    dq_accum = None if deterministic else cupy.zeros((int(q.shape[0]), rows_q, num_heads, head_dim), cupy.float32)
+    dq_accum = None if deterministic else zeros((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32)
     i64, i32, f32 = np.int64, np.int32, np.float32
     strides = {name: list(_arrays.element_strides(x)) for name, x in
                (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}

@@ -153,7 +153,11 @@ def test_backward_matches_torch_autograd(rng):
     expected.backward(dout)
     with torch.no_grad():
         out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+        before = torch.cuda.memory_allocated()
         dq, dk, dv = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+        # the gradients come from torch's caching allocator, not from CuPy's pool
+        assert torch.cuda.memory_allocated() - before >= sum(g.nbytes for g in (dq, dk, dv))
+        assert all(isinstance(g, torch.Tensor) for g in (dq, dk, dv))
     to64 = lambda x: x.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
     ref_out, ref_lse = reference.attention(to64(q), to64(k), to64(v), causal=True, return_lse=True)
     refs = reference.attention_backward(to64(dout), to64(q), to64(k), to64(v), ref_out, ref_lse, causal=True)
