@@ -150,7 +150,27 @@ def info() -> dict:
     except ImportError as exc:
         report["nvrtc"] = f"unavailable ({exc})"
     report["device"] = _device_report()
+    report["forward kernels"] = _forward_report()
     return report
+
+
+def _forward_report() -> str:
+    """Which forward kernel serves which head dims on this device (a debug record on the `cuattn`
+    logger names the kernel of each call)."""
+    import importlib
+
+    attention = importlib.import_module("cuattn.attention")  # the module, not the function it re-exports
+
+    arch = _jit.target_arch(0) if _jit.gpu_unavailable_reason() is None else None
+    hopper = sorted(attention.FWD_SM90_TILES) if arch == attention.SM90 else []
+    others = [d for d in attention.SUPPORTED_HEAD_DIMS if d not in hopper]
+    parts = []
+    if hopper:
+        parts.append(f"flash_fwd_sm90_kernel (TMA, wgmma) for D = {', '.join(map(str, hopper))}")
+    if others:
+        parts.append(f"flash_fwd_kernel (mma.sync) for D = {', '.join(map(str, others))}")
+    where = f"on {arch}" if arch else "on sm_80/86/89; sm_90a adds the Hopper kernel"
+    return "; ".join(parts) + f" ({where}; views the TMA cannot read take flash_fwd_kernel)"
 
 
 def _device_report() -> str:

@@ -118,8 +118,10 @@ def test_cli_build_and_info(cache):
     assert run.returncode == 0, run.stderr
     assert "flash_fwd_kernel<__half, 64," in run.stdout and "0 failed or spilled" in run.stdout
     info = subprocess.run([sys.executable, "-m", "cuattn", "info"], capture_output=True, text=True, check=True)
-    for key in ("cuattn", "nvrtc", "cache directory", "cached kernels", "device"):
+    for key in ("cuattn", "nvrtc", "cache directory", "cached kernels", "device", "forward kernels"):
         assert key in info.stdout
+    # which forward kernel serves which head dim: the mma.sync one always has some
+    assert "flash_fwd_kernel (mma.sync) for D = " in info.stdout
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm_75", "compute_90", ""])
