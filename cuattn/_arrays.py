@@ -288,3 +288,18 @@ def check_same_device(name: str, x, ref_name: str, ref) -> None:
             f"{name} is on device {_device_of(x)} but {ref_name} is on device {_device_of(ref)}; "
             "all arrays must be on one GPU"
         )
+
+
+def check_sinks(sinks, num_heads: int, host: bool, ref_name: str, ref) -> None:
+    """Attention-sink logits: ``(Hq,)``, float32 for the kernels (any float on the host), on
+    ``ref``'s device."""
+    check_ndim("sinks", sinks, "(Hq)")
+    check_axis("sinks", sinks, 0, "Hq", num_heads, "the number of query heads")
+    if host:
+        check_host_float_dtype("sinks", sinks)
+        return
+    if np.dtype(sinks.dtype) != np.float32:
+        raise TypeError(f"sinks.dtype must be float32, got {dtype_name(sinks.dtype)}")
+    check_same_device("sinks", sinks, ref_name, ref)
+    if sinks.size and element_strides(sinks)[0] != 1:
+        raise ValueError(f"sinks must be contiguous, got a stride of {element_strides(sinks)[0]} elements")

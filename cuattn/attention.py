@@ -216,7 +216,8 @@ def _check_device_arrays(named: dict) -> None:
 # Public API
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
+              out=None):
     """Exact softmax attention of q over k, v; FlashAttention-style, never materialising scores.
 
     Args:
@@ -227,6 +228,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         window: ``(left, right)`` sliding window around the (bottom-right aligned) diagonal;
             -1 leaves a side unbounded.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
+        sinks: optional float32 ``(Hq,)`` attention-sink logits (score units): each joins its
+            head's softmax denominators and carries no value; lse includes it, and a row with no
+            visible key gets lse = sinks[h].
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``, natural log.
         out: optional ``(B, Sq, Hq, D)`` array (q's dtype and framework) to write into.
 
@@ -234,21 +238,25 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("attention", (q, k, v, out), (bool(causal), scale, left, right, softcap, bool(return_lse)))
+    call_key = _calls.key("attention", (q, k, v, out, sinks),
+                          (bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k, v, out)
+        result = plan(q, k, v, out, sinks)
         if result is not None:
             return result
-    with _arrays.array_context(q=q, k=k, v=v, out=out) as ctx:
-        qv, kv, vv, ov = (ctx.view(x) for x in (q, k, v, out))
+    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks) as ctx:
+        qv, kv, vv, ov, sv = (ctx.view(x) for x in (q, k, v, out, sinks))
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
             _check_out(ov, qv)
+        if sv is not None:
+            _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         if ctx.on_host:
             result = reference.attention(
-                qv, kv, vv, causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True
+                qv, kv, vv, causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True,
+                sinks=sv,
             )
             return _host_result(result, qv, ov, return_lse)
 
@@ -261,14 +269,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         launch = _launch_fwd(
             qv, kv, vv, ov, lse, None, None,
             batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
-            causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
+            causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream, sinks=sv,
         )
         if launch is not None:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             _calls.remember(call_key, _calls.Plan(
-                inputs=("q", "k", "v", "out"), outputs=outputs, aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse"})],
+                inputs=("q", "k", "v", "out", "sinks"), outputs=outputs, aligned=("q", "k", "v", "out"),
+                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
+                                             "sinks": "sinks"})],
                 finish=_fwd_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
@@ -292,7 +301,7 @@ def _fwd_result(return_lse: bool):
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-    causal=False, scale=None, window=(-1, -1), softcap=0.0, return_lse=False, out=None,
+    causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, out=None,
 ):
     """Attention over a packed batch of sequences of different lengths, no padding.
 
@@ -301,30 +310,33 @@ def attention_varlen(
     sequence with its own lengths. ``cu_seqlens_*`` are int32 ``(B + 1,)`` prefix sums on the
     same device (their values are not read on the host, so nothing synchronises), and
     ``max_seqlen_*`` are host ints bounding every sequence's length: a length above them is
-    not processed. Returns ``out`` ``(total_q, Hq, D)``, and with ``return_lse`` also float32 lse
-    ``(Hq, total_q)`` (natural log).
+    not processed. ``sinks`` as in :func:`attention`. Returns ``out`` ``(total_q, Hq, D)``, and
+    with ``return_lse`` also float32 lse ``(Hq, total_q)`` (natural log).
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     call_key = None
     if isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int):
-        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
+        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks),
                               (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks)
         if result is not None:
             return result
-    with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out) as ctx:
-        qv, kv, vv, ov, cuq, cuk = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k))
+    with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out,
+                               sinks=sinks) as ctx:
+        qv, kv, vv, ov, cuq, cuk, sv = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
             _check_out(ov, qv)
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
+        if sv is not None:
+            _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
         if ctx.on_host:
             result = reference.attention_varlen(
                 qv, kv, vv, cuq, cuk, max_seqlen_q, max_seqlen_k,
-                causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True,
+                causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True, sinks=sv,
             )
             return _host_result(result, qv, ov, return_lse)
 
@@ -340,16 +352,16 @@ def attention_varlen(
         launch = _launch_fwd(
             qv[None], kv[None], vv[None], ov[None], lse[None] if lse is not None else None, cuq_c, cuk_c,
             batch=int(cuq.shape[0]) - 1, seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k),
-            causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
+            causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream, sinks=sv,
         )
         # a plan reads the caller's cu_seqlens in place: only when no contiguous copy was needed
         if launch is not None and cuq_c is cuq and cuk_c is cuk:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             _calls.remember(call_key, _calls.Plan(
-                inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out"), outputs=outputs,
+                inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "sinks"), outputs=outputs,
                 aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
+                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
                                              "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})],
                 finish=_varlen_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
@@ -405,7 +417,7 @@ def _host_result(result, q, out, return_lse):
 
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile=None):
+                causal, scale, window, softcap, stream, tile=None, sinks=None):
     """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
     flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning).
@@ -460,7 +472,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
     params = _params.pack(
         "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,
-        q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
         v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
@@ -626,51 +638,67 @@ def _check_bwd_args(dout, out, lse, q, lse_shape: tuple, host: bool) -> None:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=(-1, -1), softcap=0.0,
-                       deterministic=False):
-    """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2 backward).
+                       sinks=None, deterministic=False):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2 backward);
+    with ``sinks``, ``(dq, dk, dv, dsinks)`` (dsinks float32 ``(Hq,)``).
 
     ``out`` and ``lse`` (natural log, ``(B, Hq, Sq)``) are the forward's; every option must match
     the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
     and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` summed with atomics, whose
     order varies between runs. ``deterministic=True`` needs no accumulator and gives
-    bit-identical gradients run after run, at about 1.2-1.3x the time.
+    bit-identical gradients run after run, at about 1.2-1.3x the time. The sinks' gradient is
+    ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
-    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
-        dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
+    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks) as ctx:
+        dov, qv, kv, vv, ov, lv, sv = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks))
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
         _check_bwd_args(dov, ov, lv, qv, (batch, num_heads, seqlen_q), ctx.on_host)
+        if sv is not None:
+            _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
         if ctx.on_host:
             grads = reference.attention_backward(dov, qv, kv, vv, ov, lv, causal=causal, scale=scale,
-                                                 window=(left, right), softcap=softcap)
-            return tuple(g.astype(x.dtype) for g, x in zip(grads, (qv, kv, vv)))
+                                                 window=(left, right), softcap=softcap, sinks=sv)
+            return _host_grads(grads, (qv, kv, vv))
         _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
         _arrays.check_same_device("lse", lv, "q", qv)
         grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
                             seqlen_k=int(kv.shape[1]), causal=causal, scale=scale, window=(left, right),
-                            softcap=softcap, deterministic=bool(deterministic), ctx=ctx)
+                            softcap=softcap, deterministic=bool(deterministic), ctx=ctx, sinks=sv)
         return tuple(ctx.to_caller(g) for g in grads)
 
 
+def _host_grads(grads, inputs):
+    """The reference's float64 gradients in the inputs' dtypes (dsinks, when present, in float32)."""
+    cast = tuple(g.astype(x.dtype) for g, x in zip(grads, inputs))
+    return cast + (grads[3].astype(np.float32),) if len(grads) == 4 else cast
+
+
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              causal=False, scale=None, window=(-1, -1), softcap=0.0, deterministic=False):
-    """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``."""
+                              causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None,
+                              deterministic=False):
+    """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``. With ``sinks``,
+    ``(dq, dk, dv, dsinks)`` as :func:`attention_backward`."""
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k) as ctx:
-        dov, qv, kv, vv, ov, lv, cuq, cuk = (ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k))
+                               cu_seqlens_k=cu_seqlens_k, sinks=sinks) as ctx:
+        dov, qv, kv, vv, ov, lv, cuq, cuk, sv = (ctx.view(x) for x in
+                                                 (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)
         _check_bwd_args(dov, ov, lv, qv, (num_heads, total_q), ctx.on_host)
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
+        if sv is not None:
+            _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
         if ctx.on_host:
             grads = reference.attention_varlen_backward(dov, qv, kv, vv, ov, lv, cuq, cuk, max_seqlen_q, max_seqlen_k,
-                                                        causal=causal, scale=scale, window=(left, right), softcap=softcap)
-            return tuple(g.astype(x.dtype) for g, x in zip(grads, (qv, kv, vv)))
+                                                        causal=causal, scale=scale, window=(left, right),
+                                                        softcap=softcap, sinks=sv)
+            return _host_grads(grads, (qv, kv, vv))
         import cupy
 
         _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
@@ -678,12 +706,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None],
                             cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk), batch=int(cuq.shape[0]) - 1,
                             seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), causal=causal, scale=scale,
-                            window=(left, right), softcap=softcap, deterministic=bool(deterministic), ctx=ctx)
-        return tuple(ctx.to_caller(g[0]) for g in grads)
+                            window=(left, right), softcap=softcap, deterministic=bool(deterministic), ctx=ctx,
+                            sinks=sv)
+        return tuple(ctx.to_caller(g[0] if g.ndim > 1 else g) for g in grads)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
-                window, softcap, deterministic, ctx):
+                window, softcap, deterministic, ctx, sinks=None):
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
@@ -713,7 +742,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         dq[...] = 0
         dk[...] = 0
         dv[...] = 0
-        return dq, dk, dv
+        # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
+        return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
     tile = bwd_tile(head_dim, _jit.target_arch())
     pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic)
@@ -758,9 +788,18 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
             q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
             i64(lse_s[1]), *shape_args, *mask_args), stream=stream)
-        return dq, dk, dv
+        return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
     total = int(dq_accum.size)
     _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (
         dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads), i32(head_dim),
         f32(softmax_scale)), stream=stream)
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
+
+
+def _sink_grads(sinks, lse, delta):
+    """dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, from lse and delta [B, Hq, Sq]
+    (a CuPy reduction on the current stream: deterministic)."""
+    import cupy
+
+    weight = cupy.where(cupy.isfinite(lse), cupy.exp(sinks[None, :, None] - lse), 0.0)
+    return -(weight * delta).sum(axis=(0, 2), dtype=cupy.float32)

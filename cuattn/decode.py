@@ -156,7 +156,7 @@ def ctas_per_sm(spec: _jit.KernelSpec) -> int:
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-           window=(-1, -1), softcap=0.0, return_lse=False):
+           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
     """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
 
     Args:
@@ -166,19 +166,19 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
         num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
-        causal, scale, window, softcap: as in :func:`cuattn.attention`, with
+        causal, scale, window, softcap, sinks: as in :func:`cuattn.attention`, with
             Sk = cache_seqlens[b] per row.
         return_lse: also return lse ``(B, Hq, Sq_new)`` float32 (natural log).
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
     """
-    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse,
-                   planning=False)
+    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
+                   return_lse, planning=False)
 
 
 def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-                window=(-1, -1), softcap=0.0, return_lse=False):
+                window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
 
     Takes the arguments of :func:`decode` (CuPy or torch arrays) and checks them once. The plan
@@ -188,25 +188,28 @@ def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=T
     host and device and only launches (a few microseconds of host time), so it can be captured
     in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
     """
-    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse,
-                   planning=True)
+    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
+                   return_lse, planning=True)
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, return_lse, *,
+def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, return_lse, *,
             planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens),
+    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks),
                           (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = None if planning else _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_cache, v_cache, cache_seqlens)
+        result = plan(q, k_cache, v_cache, cache_seqlens, sinks)
         if result is not None:
             return result
-    with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens) as ctx:
-        qv, kv, vv, lens = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens))
+    with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                               sinks=sinks) as ctx:
+        qv, kv, vv, lens, sv = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
         _arrays.check_dtypes({"q": qv, "k_cache": kv, "v_cache": vv}, ctx.on_host)
+        if sv is not None:
+            _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         if ctx.on_host:
             if planning:
                 raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
@@ -214,7 +217,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
             lens = np.clip(lens, 0, int(kv.shape[1]))
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
-                                      softcap=softcap, return_lse=True)
+                                      softcap=softcap, return_lse=True, sinks=sv)
             return _host_result(result, qv, return_lse)
 
         for name, x in (("q", qv), ("k_cache", kv), ("v_cache", vv)):
@@ -227,11 +230,11 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, stream=ctx.stream, step=step,
+            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv,
         )
         if step is not None:
             return step
-        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens"), bound, workspace, qv.shape,
+        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks"), bound, workspace, qv.shape,
                                               (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
@@ -353,7 +356,7 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
 
 
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  stream, split_length: int | None = None, step=None) -> tuple[list, int]:
+                  stream, split_length: int | None = None, step=None, sinks=None) -> tuple[list, int]:
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
     and ``lse`` [B, Hq, Sq_new] (or None).
 
@@ -361,7 +364,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
     ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
     Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
-    workspace) and the workspace bytes: the plan of later identical calls. With ``step`` (a
+    workspace, sinks) and the workspace bytes: the plan of later identical calls. ``sinks`` (float32
+    [Hq] or None) join in the decode kernel with one split, in the combine with several. With ``step`` (a
     :class:`cuattn._calls.StepPlan`) nothing runs: the launches, with a workspace the step
     owns, are added to it instead.
     """
@@ -402,7 +406,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mul, shift = fast_divisor(max(block_size, 1))
     params = _params.pack(
         "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
-        part_lse=part_lse, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
+        part_lse=part_lse, sinks=sinks, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
         v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
         lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
         block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
@@ -417,17 +421,18 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         step.add(launch)
     parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
     bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
-                                   "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role})]
+                                   "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role,
+                                   "sinks": "sinks"})]
     if num_splits > 1:
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)
         lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
         combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream,
-                                  execute=step is None)
+                                  execute=step is None, sinks=sinks)
         if step is not None:
             step.add(combine)
         bound.append(_calls.Bound(combine, {"parts": parts_role, "part_lse": parts_lse_role, "out": "out",
-                                            "lse_out": "lse"}))
+                                            "lse_out": "lse", "sinks": "sinks"}))
     return bound, workspace
 
 
@@ -438,11 +443,12 @@ def max_merge_parts() -> int:
 
 
 def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtype, out, lse, stream,
-                    execute: bool = True):
+                    execute: bool = True, sinks=None):
     """Merge parts [P, B, S, H, D] (strides (part, b, s, h)) with lse [P, B, H, S] (strides
     (part, b, h, s)) into out [B, S, H, D] and lse [B, H, S] (or None).
 
-    ``parts`` and ``part_lse`` are arrays or raw device addresses (ints) into a workspace.
+    ``parts`` and ``part_lse`` are arrays or raw device addresses (ints) into a workspace;
+    ``sinks`` (float32 [H]) join each row's denominator once (split decode).
     Returns the prepared launch (None when there are no rows); ``execute=False`` only prepares it.
     """
     num_parts, batch, seqlen, heads, head_dim = dims
@@ -452,7 +458,7 @@ def _launch_combine(parts, part_strides, part_lse, lse_strides, dims, parts_dtyp
     os_ = _arrays.element_strides(out)
     los = (lse.strides[0] // 4, lse.strides[1] // 4, lse.strides[2] // 4) if lse is not None else (0, 0, 0)
     params = _params.pack(
-        "CombineParams", parts=parts, part_lse=part_lse, out=out, lse_out=lse,
+        "CombineParams", parts=parts, part_lse=part_lse, out=out, lse_out=lse, sinks=sinks,
         **dict(zip(("p_part", "p_b", "p_s", "p_h"), part_strides)), **dict(zip(("l_part", "l_b", "l_h", "l_s"), lse_strides)),
         o_b=os_[0], o_s=os_[1], o_h=os_[2], lo_b=los[0], lo_h=los[1], lo_s=los[2],
         num_parts=num_parts, batch=batch, seqlen=seqlen, heads=heads, head_dim=head_dim,

@@ -21,6 +21,13 @@ Scores are ``s = scale * q.k`` (scale defaults to ``1/sqrt(D)``), then
 ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` for ``window=(left, right)`` (-1 =
 unbounded). lse is the natural-log logsumexp of the visible scores. A row that sees no key
 gives out = 0 and lse = -inf, never NaN and never a floating-point warning.
+
+``sinks`` (float, ``(Hq,)``): one extra logit per query head, in score units, that joins every
+row's softmax denominator and carries no value (gpt-oss's attention sinks):
+``out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m))`` and
+``lse = log(sum_j exp(s_j) + exp(sinks[h]))``; a row with no visible key then gives out = 0 and
+lse = sinks[h]. The backward also returns ``dsinks[h] = -sum_(b,i) exp(sinks[h] - lse) * D_i``
+with ``D_i = rowsum(dout * out)``.
 """
 
 import math
@@ -110,12 +117,22 @@ def _finalize(acc, m, l):
     return out, lse[..., 0]
 
 
-def _softmax_attend(s, vh):
-    """One-shot softmax over masked scores ``s (H, Sq, Sk)`` applied to ``vh (H, Sk, D)``."""
+def _softmax_attend(s, vh, sink=None):
+    """One-shot softmax over masked scores ``s (H, Sq, Sk)`` applied to ``vh (H, Sk, D)``;
+    ``sink`` ``(H,)`` adds one value-less logit per head to every row's denominator."""
     # The row max (-inf for empty rows, also when Sk == 0) keeps exp() from overflowing.
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, sink[:, None, None])
     p = np.exp(s - _finite_or_zero(m))
-    return _finalize(p @ vh, m, p.sum(axis=-1, keepdims=True))
+    l = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink[:, None, None] - _finite_or_zero(m))
+    return _finalize(p @ vh, m, l)
+
+
+def _sinks(sinks):
+    return None if sinks is None else np.asarray(sinks, dtype=np.float64).reshape(-1)
 
 
 def _options(q, scale, window):
@@ -123,9 +140,10 @@ def _options(q, scale, window):
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUNDED),
-              softcap=0.0, return_lse=False):
+              softcap=0.0, return_lse=False, sinks=None):
     """Dense attention. Returns out ``(B, Sq, Hq, D)`` and, with return_lse, lse ``(B, Hq, Sq)``."""
     q, k, v = _f64(q), _f64(k), _f64(v)
+    sinks = _sinks(sinks)
     scale, window = _options(q, scale, window)
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
@@ -138,7 +156,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUND
         for hs in _head_chunks(hq, sq, sk):
             qh, kh, vh = (_heads_first(x[bi, :, hs]) for x in (q, k, v))
             s = _masked_scores(qh, kh, mask, scale, softcap)
-            o, lse[bi, hs] = _softmax_attend(s, vh)
+            o, lse[bi, hs] = _softmax_attend(s, vh, None if sinks is None else sinks[hs])
             out[bi, :, hs] = _heads_first(o)
     return (out, lse) if return_lse else out
 
@@ -184,9 +202,12 @@ def attention_tiled(q, k, v, *, block_k=64, causal=False, scale=None,
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                       window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0):
-    """Gradients ``(dq, dk, dv)`` of dense attention, shaped like q, k, v (float64)."""
+                       window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None):
+    """Gradients ``(dq, dk, dv)`` of dense attention, shaped like q, k, v (float64); with
+    ``sinks`` also ``dsinks`` ``(Hq,)``. ``lse`` is the forward's (sinks included)."""
     dout, q, k, v, out, lse = (_f64(x) for x in (dout, q, k, v, out, lse))
+    sinks = _sinks(sinks)
+    dsinks = None if sinks is None else np.zeros(sinks.shape, np.float64)
     scale, window = _options(q, scale, window)
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -207,13 +228,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
             dp = doh @ vh.transpose(0, 2, 1)
             # D_i = rowsum(dout * out) equals sum_j p_ij dp_ij: the softmax Jacobian's offset.
             di = np.sum(doh * oh, axis=-1, keepdims=True)
+            if sinks is not None:
+                # the sink's probability exp(sink - lse) times its dP (0: it carries no value) - D_i
+                p_sink = np.where(np.isfinite(lse_h), np.exp(sinks[hs][:, None, None] - _finite_or_zero(lse_h)), 0.0)
+                dsinks[hs] -= (p_sink * di).sum(axis=(1, 2))
             ds = p * (dp - di)
             if softcap > 0:
                 # Chain rule through softcap * tanh(s_raw / softcap).
                 ds = ds * (1.0 - np.tanh(s_raw / softcap) ** 2)
             dq[bi, :, hs] = _heads_first(scale * (ds @ kh))
             dk[bi, :, hs] = _heads_first(scale * (ds.transpose(0, 2, 1) @ qh))
-    return dq, _reduce_kv(dk, hk), _reduce_kv(dv, hk)
+    grads = (dq, _reduce_kv(dk, hk), _reduce_kv(dv, hk))
+    return grads if sinks is None else (*grads, dsinks)
 
 
 def _segments(cu_seqlens):
@@ -223,7 +249,7 @@ def _segments(cu_seqlens):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, scale=None, window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0,
-                     return_lse=False):
+                     return_lse=False, sinks=None):
     """Packed variable-length attention: sequence b attends only within its own slices.
 
     Returns out ``(total_q, Hq, D)`` and, with return_lse, lse ``(Hq, total_q)``.
@@ -235,16 +261,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # Each sequence is an independent dense problem of batch 1 with its own lengths.
     for qs, ks in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
         o, l = attention(q[None, qs], k[None, ks], v[None, ks], causal=causal, scale=scale,
-                         window=window, softcap=softcap, return_lse=True)
+                         window=window, softcap=softcap, return_lse=True, sinks=sinks)
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                              window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0):
-    """Gradients ``(dq, dk, dv)`` of ``attention_varlen``, shaped like q, k, v (float64)."""
+                              window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None):
+    """Gradients ``(dq, dk, dv)`` of ``attention_varlen``, shaped like q, k, v (float64); with
+    ``sinks`` also ``dsinks`` ``(Hq,)``."""
     dout, q, k, v, out, lse = (_f64(x) for x in (dout, q, k, v, out, lse))
+    dsinks = None if sinks is None else np.zeros(_sinks(sinks).shape, np.float64)
     dq = np.zeros(q.shape, dtype=np.float64)
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
@@ -252,13 +280,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for qs, ks in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
         g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
                                out[None, qs], lse[None, :, qs], causal=causal, scale=scale,
-                               window=window, softcap=softcap)
-        dq[qs], dk[ks], dv[ks] = (x[0] for x in g)
-    return dq, dk, dv
+                               window=window, softcap=softcap, sinks=sinks)
+        dq[qs], dk[ks], dv[ks] = (x[0] for x in g[:3])
+        if sinks is not None:
+            dsinks += g[3]
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, causal=True, scale=None,
-           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
+           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
     """Attention of new tokens over a KV cache of per-row length ``cache_seqlens[b]``.
 
     Row b sees keys ``[0, cache_seqlens[b])`` with Sk = cache_seqlens[b] in the mask rules.
@@ -273,7 +303,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, causal=True, scale=None,
         n = int(lengths[bi])
         o, l = attention(q[bi:bi + 1], k_cache[bi:bi + 1, :n], v_cache[bi:bi + 1, :n],
                          causal=causal, scale=scale, window=window, softcap=softcap,
-                         return_lse=True)
+                         return_lse=True, sinks=sinks)
         out[bi], lse[bi] = o[0], l[0]
     return (out, lse) if return_lse else out
 
@@ -323,16 +353,16 @@ def gather_pages(pages, block_table, seq_lens):
 
 
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, causal=True, scale=None,
-                    window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
+                    window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
     """``decode`` over a paged KV cache: gather each row's pages, then attend."""
     k_cache = gather_pages(k_pages, block_table, seq_lens)
     v_cache = gather_pages(v_pages, block_table, seq_lens)
     return decode(q, k_cache, v_cache, seq_lens, causal=causal, scale=scale, window=window,
-                  softcap=softcap, return_lse=return_lse)
+                  softcap=softcap, return_lse=return_lse, sinks=sinks)
 
 
 def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
-                         window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype):
+                         window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None):
     """The straightforward same-precision computation that sets the tests' error budget.
 
     Emulates matmul -> softmax -> matmul in ``dtype`` (float16 or bfloat16): every matmul
@@ -365,15 +395,20 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
         s = np.where(mask, s, -np.inf)
         # Softmax in float32 (as framework kernels do internally), result rounded to dtype.
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
+        if sink is not None:
+            m = np.maximum(m, sink)
         e = np.exp(s - _finite_or_zero(m).astype(np.float32))
         denom = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink - _finite_or_zero(m).astype(np.float32))
         p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
         out[bi] = _heads_first(rounded(p @ vh).astype(np.float64))
     return out
 
 
 def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
-                                  window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype):
+                                  window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None):
     """The straightforward same-precision backward that sets the gradient tests' error budget.
 
     Emulates the textbook backward in ``dtype``: the forward's scores and probabilities and the
@@ -404,8 +439,13 @@ def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
         s = rounded(np.float32(softcap) * np.tanh(s_raw / np.float32(softcap))) if softcap > 0 else s_raw
         s = np.where(mask, s, -np.inf)
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
+        if sink is not None:
+            m = np.maximum(m, sink)
         e = np.exp(s - _finite_or_zero(m).astype(np.float32))
         denom = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink - _finite_or_zero(m).astype(np.float32))
         p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
         oh = rounded(p @ vh)
         dv[bi] = _heads_first(rounded(p.transpose(0, 2, 1) @ doh))

@@ -133,6 +133,15 @@ struct SoftmaxState {
     m = m_new;
   }
 
+  // Join an attention sink: one logit (log2 units) that adds to the denominator and carries no
+  // value, i.e. a state {sink, 1} whose output is 0. Returns the factor the unnormalised output
+  // must take. An empty row becomes {sink, 1}: output 0, lse = the sink.
+  __device__ __forceinline__ float add_sink(float sink) {
+    float scale_self, scale_sink;
+    merge(SoftmaxState{sink, 1.f}, scale_self, scale_sink);
+    return scale_self;
+  }
+
   // 1 / l for normalising the output; an empty row (l = 0) gives an output of 0, not NaN.
   __device__ __forceinline__ float inv_sum() const { return l > 0.f ? 1.f / l : 0.f; }
 

@@ -211,6 +211,7 @@ struct DecodeArgs {
   int row_base;     // first row of this CTA's chunk
   int split, num_splits;
   MaskParams mask;
+  const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
 };
 
 template <typename T, int HEAD_DIM, int MT, int STAGES, class KV>
@@ -396,8 +397,11 @@ __device__ __forceinline__ void decode_body(
       merged.merge(other, scale_self, scale_other);
       value = value * scale_self + sMergeO[(w * kRows + row) * HEAD_DIM + d] * scale_other;
     }
-    value *= merged.inv_sum();
     const int token = r / a.group, head = r % a.group;
+    // one split holds every key: the sink joins here (with several, the combine adds it once)
+    const float sink_factor =
+        a.num_splits == 1 && a.sinks != nullptr ? merged.add_sink(a.sinks[head] * kLog2e) : 1.f;
+    value *= merged.inv_sum() * sink_factor;
     if (a.num_splits == 1) {
       out[token * o_row_stride + head * o_head_stride + d] = DType<T>::from_float(value);
       if (lse != nullptr && d == 0) lse[head * lse_head_stride + token] = merged.lse();
@@ -435,7 +439,8 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const ContiguousKV<T, StageCopy<T, HEAD_DIM>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
-                     MaskParams{0, window_left, window_right, score_scale, softcap_out}};
+                     MaskParams{0, window_left, window_right, score_scale, softcap_out},
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
   // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, HEAD_DIM, MT, STAGES>(
@@ -478,7 +483,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
                       FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
-                     MaskParams{0, window_left, window_right, score_scale, softcap_out}};
+                     MaskParams{0, window_left, window_right, score_scale, softcap_out},
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, HEAD_DIM, MT, STAGES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
@@ -527,6 +533,8 @@ combine_kernel(const __grid_constant__ CombineParams<Tin, Tout> params) {
       float scale_self, scale_other;
       merged.merge(part, scale_self, scale_other);
     }
+    // an attention sink joins the denominator once per row (it carries no value: no weight)
+    if (params.sinks != nullptr && lane == 0) merged.add_sink(params.sinks[h] * kLog2e);
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
       const SoftmaxState other{__shfl_xor_sync(0xffffffffu, merged.m, offset),

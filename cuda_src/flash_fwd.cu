@@ -235,7 +235,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     for (int r = 0; r < 2; ++r) {
       SoftmaxState& st = fwd.state[mt][r];
       st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
-      const float inv = st.inv_sum();
+      const float sink_factor = p.sinks != nullptr ? st.add_sink(p.sinks[h] * kLog2e) : 1.f;
+      const float inv = st.inv_sum() * sink_factor;
       const int row = mt * 16 + g + 8 * r;
 #pragma unroll
       for (int dt = 0; dt < Fwd::kDTiles; ++dt) {

@@ -355,7 +355,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
     for (int r = 0; r < 2; ++r) {
       SoftmaxState& st = tile.state[0][r];
       st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
-      const float inv = st.inv_sum();
+      const float sink_factor = p.sinks != nullptr ? st.add_sink(p.sinks[w.h] * kLog2e) : 1.f;
+      const float inv = st.inv_sum() * sink_factor;
       const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the tile
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {

@@ -32,6 +32,7 @@ struct FwdParams {
   float* lse;              // [B, Hq, Sq] | [Hq, total_q], or null
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
+  const float* sinks;      // [Hq] attention-sink logits (natural-log units), or null
   i64 q_batch_stride;
   i64 q_row_stride;
   i64 q_head_stride;
@@ -70,6 +71,7 @@ struct DecodeParams {
   float* lse;              // [B, Hq, Sq_new], or null
   float* part_out;         // [splits, B, Sq_new, Hq, D] (splits > 1)
   float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
+  const float* sinks;      // [Hq] attention-sink logits, or null (the combine adds them when splits > 1)
   i64 q_sb;
   i64 q_ss;
   i64 q_sh;
@@ -110,6 +112,7 @@ struct CombineParams {
   const float* part_lse;   // [P, B, H, S] natural log
   Tout* out;               // [B, S, H, D]
   float* lse_out;          // [B, H, S], or null
+  const float* sinks;      // [H] attention-sink logits joined once per row, or null
   i64 p_part;
   i64 p_b;
   i64 p_s;

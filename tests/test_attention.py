@@ -75,8 +75,9 @@ def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, **options):
     k = randn(rng, (b, sk, hk, d), dtype)
     v = randn(rng, (b, sk, hk, d), dtype)
     out = cupy.full((b, sq, hq, d), np.nan, dtype=dtype)  # poison: every element must be written
+    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
     got, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out,
-                                return_lse=True, **options)
+                                return_lse=True, **device_options)
     assert got is out
     got = got.get().astype(np.float64)
     lse = lse.get()
@@ -93,6 +94,63 @@ def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, **options):
                                err_msg=f"seed {rng.seed}")
     assert (got[empty.transpose(0, 2, 1)] == 0).all(), "rows with no visible key must be 0"
     return got, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention sinks
+
+
+def _sinks(rng, heads):
+    """Sink logits around the scores' own range, so that they matter without dominating."""
+    return (rng.standard_normal(heads) * 2.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sinks_join_every_rows_denominator(rng, head_dim, mask):
+    run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, head_dim, sinks=_sinks(rng, 4), **MASKS[mask])
+
+
+def test_sinks_give_empty_rows_their_own_lse(rng):
+    """Rows that see no key (causal, Sq > Sk: the first Sq - Sk rows): out 0 and lse = their sink."""
+    cupy = _cupy()
+    q = randn(rng, (1, 9, 2, 64), DTYPES[0])
+    k = randn(rng, (1, 4, 2, 64), DTYPES[0])
+    sinks = _sinks(rng, 2)
+    out, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(k), causal=True,
+                                sinks=cupy.asarray(sinks), return_lse=True)
+    assert (out[:, :5] == 0).all()
+    np.testing.assert_allclose(lse[:, :, :5].get(), np.broadcast_to(sinks[None, :, None], (1, 2, 5)), rtol=1e-6)
+    assert (lse[:, :, 5:].get() > sinks[None, :, None]).all()
+
+
+def test_sinks_in_varlen(rng):
+    cupy = _cupy()
+    lens = [13, 0, 150]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (randn(rng, (cu[-1], 4, 64), DTYPES[1]) for _ in range(3))
+    sinks = _sinks(rng, 4)
+    out, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu, cu)), max(lens), max(lens),
+                                       causal=True, sinks=cupy.asarray(sinks), return_lse=True)
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, sinks=sinks,
+                                              return_lse=True)
+    naive = np.concatenate([reference.naive_attention_lowp(q[None, a:b], k[None, a:b], v[None, a:b], causal=True,
+                                                           dtype=q.dtype, sinks=sinks)[0]
+                            for a, b in zip(cu[:-1], cu[1:])])
+    budget = error_budget(np.abs(naive - ref).max(), q.dtype, 2.0, np.abs(ref).max())
+    assert np.abs(out.get().astype(np.float64) - ref).max() <= budget, f"seed {rng.seed}"
+    np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3)
+
+
+def test_sinks_argument_errors(rng):
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (1, 8, 4, 64), DTYPES[0]))
+    with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(Hq\) must equal the number of query heads = 4, got 3"):
+        cuattn.attention(q, q, q, sinks=cupy.zeros(3, cupy.float32))
+    with pytest.raises(TypeError, match="sinks.dtype must be float32, got float16"):
+        cuattn.attention(q, q, q, sinks=cupy.zeros(4, cupy.float16))
+    with pytest.raises(ValueError, match=r"sinks must be 1-D \(Hq\)"):
+        cuattn.attention(q, q, q, sinks=cupy.zeros((1, 4), cupy.float32))
 
 
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -37,6 +37,40 @@ def run_backward(rng, dtype, b, sq, sk, hq, hk, d, deterministic=False, **option
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", ["full", "causal", "softcap-causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_with_sinks(rng, head_dim, mask, deterministic):
+    """dq, dk, dv under the 3x rule, and dsinks (a sum over every row of a head) against the
+    reference to 1% of its size: the sink's gradient is the rows' delta weighted by the sink's
+    probability."""
+    import cupy
+
+    b, sq, sk, hq, hk = 2, 113, 203, 4, 2
+    options = MASKS[mask]
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    q, k, v = (randn(rng, shape, BF16) for shape in ((b, sq, hq, head_dim), (b, sk, hk, head_dim), (b, sk, hk, head_dim)))
+    dout = randn(rng, (b, sq, hq, head_dim), BF16)
+    qd, kd, vd, dod, sd = (cupy.asarray(x) for x in (q, k, v, dout, sinks))
+    out, lse = cuattn.attention(qd, kd, vd, sinks=sd, return_lse=True, **options)
+    grads = cuattn.attention_backward(dod, qd, kd, vd, out, lse, sinks=sd, deterministic=deterministic, **options)
+    assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (hq,)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **options)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, sinks=sinks, **options)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=BF16, sinks=sinks, **options)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
+        got = got.get().astype(np.float64)
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), BF16, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    np.testing.assert_allclose(grads[3].get(), refs[3], rtol=1e-2, atol=1e-2 * np.abs(refs[3]).max(),
+                               err_msg=f"dsinks (seed {rng.seed})")
+    if deterministic:
+        again = cuattn.attention_backward(dod, qd, kd, vd, out, lse, sinks=sd, deterministic=True, **options)
+        assert all(cupy.array_equal(x, y) for x, y in zip(grads, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -55,8 +55,9 @@ def run_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, **options):
     q = randn(rng, (b, sq_new, hq, d), dtype)
     k, v = make_cache(rng, dtype, b, s_max, hk, d, lens)
     lens = np.asarray(lens, np.int32)
+    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
     out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
-                             return_lse=True, **options)
+                             return_lse=True, **device_options)
     options.pop("num_splits", None)
     check_decode(rng, dtype, q, k, v, lens, out.get(), lse.get(), **options)
 
@@ -83,6 +84,15 @@ def test_decode_gqa_and_speculative_tokens(rng, gqa, sq_new):
                          ids=["noncausal", "window", "softcap", "scale-window"])
 def test_decode_options(rng, options):
     run_decode(rng, DTYPES[0], 2, 4, 8, 2, 64, 2000, [2000, 401], num_splits=5, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["1split", "4splits"])
+def test_decode_sinks(rng, num_splits):
+    """One split joins the sinks in the decode kernel, several in the combine; an empty row
+    (length 0) gets out 0 and lse = its sink."""
+    sinks = (rng.standard_normal(8) * 2).astype(np.float32)
+    run_decode(rng, BF16, 3, 2, 8, 2, 128, 900, [900, 0, 37], num_splits=num_splits, sinks=sinks)
 
 
 @pytest.mark.gpu

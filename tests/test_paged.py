@@ -361,17 +361,19 @@ def check_paged_against_decode(rng, dtype, block_size, d, **options):
     manager, cache = paged_setup(rng, dtype, lens, block_size, hk, d, "cuda")
     q = randn(rng, (len(lens), 1, hq, d), dtype)
     table, seq_lens = manager.block_table(range(len(lens)))
-    out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True, **options)
+    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
+    out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True, **device_options)
     # the same cache gathered into contiguous rows, through the contiguous decode kernel
     k_cache = reference.gather_pages(cache.k_pages.get(), table, seq_lens).astype(dtype)
     v_cache = reference.gather_pages(cache.v_pages.get(), table, seq_lens).astype(dtype)
     dense, dense_lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
-                                     cupy.asarray(seq_lens), return_lse=True, **options)
+                                     cupy.asarray(seq_lens), return_lse=True, **device_options)
+    ref_options = {key: val for key, val in options.items() if key != "num_splits"}
     ref, ref_lse = reference.paged_attention(q, cache.k_pages.get(), cache.v_pages.get(), table, seq_lens,
-                                             return_lse=True, **options)
+                                             return_lse=True, **ref_options)
     got = out.get().astype(np.float64)
     naive_err = max(np.abs(reference.naive_attention_lowp(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                                                          causal=True, dtype=dtype, **options)[0] - ref[b]).max(initial=0)
+                                                          causal=True, dtype=dtype, **ref_options)[0] - ref[b]).max(initial=0)
                     for b, n in enumerate(lens))
     assert np.abs(got - ref).max() <= error_budget(naive_err, dtype, 2.0, np.abs(ref).max()), f"seed {rng.seed}"
     assert np.abs(got - dense.get().astype(np.float64)).max() <= error_budget(naive_err, dtype, 2.0, 1.0)
@@ -404,6 +406,13 @@ def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
 @pytest.mark.parametrize("window", [(50, 0), (333, -1)])
 def test_paged_attention_sliding_window(rng, block_size, window):
     check_paged_against_decode(rng, BF16, block_size, 128, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_sinks(rng, num_splits):
+    sinks = (rng.standard_normal(8) * 2).astype(np.float32)
+    check_paged_against_decode(rng, BF16, 16, 128, sinks=sinks, num_splits=num_splits)
 
 
 @pytest.mark.gpu

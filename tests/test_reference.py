@@ -480,3 +480,75 @@ def test_naive_lowp_empty_rows_are_zero(rng, seed):
     q, k, v = qkv(rng, 1, 7, 3, 2, 1, 64)
     low = reference.naive_attention_lowp(q, k, v, causal=True, dtype=np.float16)
     assert not np.isnan(low).any() and (low[:, :4] == 0).all(), f"seed={seed}"
+
+
+# ------------------------------------------------------------------------------------ sinks
+
+
+def _with_sink_column(q, k, v, sinks, **opts):
+    """Attention with sinks, computed as the textbook softmax over the scores plus one extra column
+    per head holding the sink logit, whose value row is 0."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    scale = opts.get("scale") or 1 / math.sqrt(d)
+    mask = reference.visible(sq, sk, opts.get("causal", False), opts.get("window", (-1, -1)))
+    group = hq // k.shape[2]
+    out = np.zeros((b, sq, hq, d))
+    lse = np.zeros((b, hq, sq))
+    for bi in range(b):
+        for h in range(hq):
+            s = np.where(mask, scale * q[bi, :, h] @ k[bi, :, h // group].T, -np.inf)
+            full = np.concatenate([s, np.full((sq, 1), sinks[h])], axis=1)
+            m = full.max(axis=1, keepdims=True)
+            e = np.exp(full - m)
+            out[bi, :, h] = e[:, :-1] @ v[bi, :, h // group] / e.sum(axis=1, keepdims=True)
+            lse[bi, h] = (m + np.log(e.sum(axis=1, keepdims=True)))[:, 0]
+    return out, lse
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (1, 2))])
+def test_sinks_equal_an_extra_value_less_column(rng, seed, causal, window):
+    q, k, v = qkv(rng, 2, 5, 7, 4, 2, 8)
+    sinks = rng.standard_normal(4) * 2
+    with np.errstate(all="raise", under="ignore"):
+        out, lse = reference.attention(q, k, v, causal=causal, window=window, sinks=sinks, return_lse=True)
+    want_out, want_lse = _with_sink_column(q, k, v, sinks, causal=causal, window=window)
+    assert_close(out, want_out, seed, atol=EXACT_TOL, rtol=EXACT_TOL, what="out")
+    assert_close(lse, want_lse, seed, atol=EXACT_TOL, rtol=EXACT_TOL, what="lse")
+
+
+def test_sinks_backward_matches_finite_differences(rng, seed):
+    q, k, v = qkv(rng, 2, 4, 6, 4, 2, 3)
+    dout = randn(rng, 2, 4, 4, 3)
+    sinks = rng.standard_normal(4)
+    opts = dict(causal=True, softcap=1.5, scale=0.9)
+
+    def loss():
+        return np.sum(reference.attention(q, k, v, sinks=sinks, **opts) * dout)
+
+    out, lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **opts)
+    got = reference.attention_backward(dout, q, k, v, out, lse, sinks=sinks, **opts)
+    want = finite_difference_grads(loss, [q, k, v, sinks])
+    assert len(got) == 4
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=name)
+
+
+def test_sinks_on_the_cpu_path_and_their_errors(rng, seed):
+    import cuattn
+
+    q, k, v = (x.astype(np.float32) for x in qkv(rng, 1, 6, 6, 4, 4, 32))
+    sinks = rng.standard_normal(4)
+    got = cuattn.attention(q, k, v, sinks=sinks)
+    assert_close(got, _with_sink_column(q, k, v, sinks)[0], seed, atol=1e-6, rtol=1e-6, what="out")
+    cu = np.array([0, 2, 6], np.int32)
+    varlen = cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, sinks=sinks)
+    first = _with_sink_column(q[:, :2], k[:, :2], v[:, :2], sinks)[0][0]
+    assert_close(varlen[:2], first, seed, atol=1e-6, rtol=1e-6, what="varlen out")
+    with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(Hq\) must equal the number of query heads = 4, got 2"):
+        cuattn.attention(q, k, v, sinks=sinks[:2])
+    with pytest.raises(TypeError, match="sinks.dtype is int64; expected a floating-point dtype"):
+        cuattn.attention(q, k, v, sinks=np.zeros(4, np.int64))
+    grads = cuattn.attention_backward(q, q, k, v, got, cuattn.attention(q, k, v, sinks=sinks, return_lse=True)[1],
+                                      sinks=sinks)
+    assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (4,)

@@ -79,3 +79,29 @@ def test_an_expanded_or_sliced_gradient_is_accepted(rng):
     wide[..., :64].sum().backward()
     for a, b in zip((q, k, v), expected):
         assert torch.allclose(a.grad.float(), b.float(), atol=1e-2)
+
+
+def test_learnable_sinks_get_their_gradient(rng):
+    """gpt-oss style: a float32 sink logit per head, trained beside q, k, v (also under
+    torch.compile). The sinks' gradient and q's against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    shapes = [(2, 129, 4, 64), (2, 129, 2, 64), (2, 129, 2, 64)]
+    q, k, v = _leaves(torch, rng.seed, shapes)
+    sinks = torch.randn(4, device="cuda", dtype=torch.float32).mul_(2).requires_grad_()
+    dout = torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16)
+    cuattn.torch.attention(q, k, v, causal=True, sinks=sinks).backward(dout)
+
+    to64 = lambda x: x.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    qn, kn, vn, sn = (to64(x) for x in (q, k, v, sinks))
+    ref_out, ref_lse = reference.attention(qn, kn, vn, causal=True, sinks=sn, return_lse=True)
+    dq, _, _, dsinks = reference.attention_backward(to64(dout), qn, kn, vn, ref_out, ref_lse, causal=True, sinks=sn)
+    np.testing.assert_allclose(to64(sinks.grad), dsinks, rtol=2e-2, atol=2e-2 * np.abs(dsinks).max())
+    assert np.abs(to64(q.grad) - dq).max() <= 5e-2 * max(np.abs(dq).max(), 1.0), f"seed {rng.seed}"
+
+    compiled = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
+    out = torch.compile(lambda a, b, c, s: cuattn.torch.attention(a, b, c, causal=True, sinks=s), fullgraph=True)(
+        *compiled)
+    out.backward(dout)
+    assert torch.allclose(compiled[3].grad, sinks.grad, rtol=1e-3, atol=1e-4)
