@@ -14,7 +14,7 @@
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
 // (batch, head), with 128 (CONSUMERS + 1) threads in warpgroups:
 //   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread
-//     issues every TMA load: Q once, then K and V of each visible key block into a circular
+//     issues every TMA load: each tile's Q, then K and V of each visible key block into a circular
 //     buffer of STAGES stages, each stage guarded by a "full" mbarrier (TMA bytes landed) and
 //     an "empty" one (every consumer thread is done reading it);
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each, with the registers. Per key
@@ -40,6 +40,9 @@ namespace cuattn {
 // take (384 threads start at 168): a producer keeping 32 leaves them short, and
 // setmaxnreg.inc then waits for registers forever.
 constexpr int kFwdSm90ProducerRegs = 24;
+constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
+constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
+constexpr int kMbarrierBytes = 8;
 // Dynamic shared memory one CTA may have on sm_90 (227 KB).
 constexpr int kFwdSm90MaxSmem = 232448;
 // Barrier ids: 0 is __syncthreads; the pingpong turn of consumer c is kFwdSm90TurnBarrier + c,
@@ -57,7 +60,8 @@ struct FwdSm90Smem {
   // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty (8 bytes each);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES;
-  static constexpr int kFixed = QTile::kBytes + 2 * STAGES * KVTile::kBytes + kBarrierCount * 8 + kSwizzleAtomBytes;
+  static constexpr int kFixed =
+      QTile::kBytes + 2 * STAGES * KVTile::kBytes + kBarrierCount * kMbarrierBytes + kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (D = 256) in Q's, which is then released after the stores.
   static constexpr bool kOwnO = kFixed + QTile::kBytes <= kFwdSm90MaxSmem;
@@ -107,10 +111,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
   static_assert(HEAD_DIM % kSwizzlePanelCols == 0, "whole 64-column panels");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
+  // (240 with two consumers, 160 with three)
   constexpr int kConsumerRegs =
-      ((65536 / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS) / 8 * 8 > 240
-          ? 240
-          : ((65536 / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS) / 8 * 8;
+      (kRegistersPerSm / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
 
   // Persistent grid: CTA i takes tiles i, i + gridDim.x, ...; the producer runs ahead into the
   // next tile's loads while the consumers finish this one's epilogue.
@@ -127,11 +130,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
   const auto sK = [&](int stage) { return smem0 + Smem::kK + stage * KVTile::kBytes; };
   const auto sV = [&](int stage) { return smem0 + Smem::kV + stage * KVTile::kBytes; };
   const u32 q_full = smem0 + Smem::kBarriers;
-  const u32 q_empty = q_full + 8;
-  const auto k_full = [&](int stage) { return q_full + 8 * (2 + stage); };
-  const auto v_full = [&](int stage) { return q_full + 8 * (2 + STAGES + stage); };
-  const auto k_empty = [&](int stage) { return q_full + 8 * (2 + 2 * STAGES + stage); };
-  const auto v_empty = [&](int stage) { return q_full + 8 * (2 + 3 * STAGES + stage); };
+  const u32 q_empty = q_full + kMbarrierBytes;
+  const auto k_full = [&](int stage) { return q_full + kMbarrierBytes * (2 + stage); };
+  const auto v_full = [&](int stage) { return q_full + kMbarrierBytes * (2 + STAGES + stage); };
+  const auto k_empty = [&](int stage) { return q_full + kMbarrierBytes * (2 + 2 * STAGES + stage); };
+  const auto v_empty = [&](int stage) { return q_full + kMbarrierBytes * (2 + 3 * STAGES + stage); };
 
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
