@@ -8,12 +8,15 @@ to the caller's framework, again without a copy. NumPy arrays stay on the host: 
 functions run the float64 reference for them.
 
 The checks here produce cuattn's error messages (README, "Errors"): they name the argument, the axis,
-what was expected and what came.
+what was expected and what came. A JAX tracer (an array inside jax.jit, jax.grad or jax.vmap) is
+refused here with a pointer to ``cuattn.jax``, which runs the same functions under those
+transformations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -65,8 +68,24 @@ def array_kind(x) -> str:
     )
 
 
+def check_not_traced(name: str, x) -> None:
+    """Refuse a JAX tracer (an array inside jax.jit, jax.grad or jax.vmap): it has no device buffer to
+    view, and DLPack would fail with a message that does not say why. jax is looked up, never
+    imported: an array can only be a tracer once jax is loaded."""
+    jax = sys.modules.get("jax")
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    if tracer is not None and isinstance(x, tracer):
+        raise TypeError(
+            f"{name} is a JAX tracer ({type(x).__name__}): the plain cuattn functions take concrete arrays and "
+            "cannot run inside jax.jit, jax.grad or jax.vmap; use the same function from cuattn.jax "
+            "(import cuattn.jax; cuattn.jax.attention(q, k, v, ...)), which does"
+        )
+
+
 def common_kind(named: dict) -> str:
     """The one framework all given arrays come from; mixing frameworks is refused."""
+    for name, x in named.items():
+        check_not_traced(name, x)
     kinds = {name: array_kind(x) for name, x in named.items() if x is not None}
     distinct = set(kinds.values())
     if len(distinct) > 1:

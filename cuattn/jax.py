@@ -1,0 +1,584 @@
+"""JAX front end: cuattn's attention inside ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+    import cuattn.jax
+    out = cuattn.jax.attention(q, k, v, causal=True)   # q (B, Sq, Hq, D), k, v (B, Sk, Hk, D)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+
+The plain functions (``cuattn.attention`` and the rest) take concrete arrays through DLPack, so a
+traced array has nothing to hand them. Here every call becomes an XLA custom call:
+
+* on a CUDA GPU, ``jax.experimental.buffer_callback``: XLA hands the callback its device
+  buffers and its CUDA stream; the kernels are launched on that stream and write the results
+  straight into the output buffers XLA allocated (no host synchronisation, no copy), except the
+  backward's gradients, which ``attention_backward`` allocates itself and which are copied into
+  XLA's buffers device to device on the same stream;
+* on the CPU, ``jax.pure_callback`` runs the float64 reference (``cuattn.reference``), so code
+  written against this module is tested without a GPU.
+
+``jax.lax.platform_dependent`` stages out both and keeps the one of the platform the
+computation is lowered for. The arguments, layouts and semantics are those of the plain
+functions (README, "Attention"); inputs are float16 or bfloat16 on every platform, so that what
+runs on the CPU runs on the GPU:
+
+    attention         q (B, Sq, Hq, D)   k, v (B, Sk, Hk, D)        out (B, Sq, Hq, D)   lse (B, Hq, Sq)
+    attention_varlen  q (total_q, Hq, D) k, v (total_k, Hk, D)      out (total_q, Hq, D) lse (Hq, total_q)
+                      cu_seqlens_q, cu_seqlens_k int32 (B + 1,)
+    decode            q (B, Sq_new, Hq, D) k_cache, v_cache (B, S_max, Hk, D)  cache_seqlens int32 (B,)
+    paged_attention   q (B, Sq_new, Hq, D) k_pages, v_pages (num_blocks, block_size, Hk, D)
+                      block_table int32 (B, max_blocks)  seq_lens int32 (B,)
+
+XLA's buffers are dense and row-major, whatever the layout of the arrays the caller traced.
+
+``attention`` is differentiable (``jax.custom_vjp``): the forward saves ``out`` and ``lse`` and
+the backward runs cuattn's backward kernels from them (the reference backward on the CPU).
+Gradients flow through ``out`` only: the ``lse`` that ``return_lse=True`` returns is wrapped in
+``jax.lax.stop_gradient``. The other three functions are forward-only; differentiating them
+raises. Options (``causal``, ``scale``, ``window``, ``softcap``, ``max_seqlen_*``,
+``num_splits``, ...) are Python values fixed when the function is traced.
+
+``jax.vmap`` over any number of extra leading axes works: for ``attention`` (forward and
+backward) and ``decode`` the vmapped axes are moved in front, unbatched operands broadcast, and
+the callback folds them into the batch axis B, so one launch serves the whole batch. For
+``attention_varlen`` and ``paged_attention``, whose prefix sums and block tables index one
+problem each, XLA loops over the vmapped axis (one launch per element).
+
+The backward's workspace (a float32 dQ accumulator and ``delta``) and the gradients before
+their copy come from CuPy's memory pool on XLA's stream, beside XLA's own pool: run with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or a lower ``XLA_PYTHON_CLIENT_MEM_FRACTION``) so that
+memory is left for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _arrays, _masks, reference
+from .attention import _check_host_cu_seqlens, _check_qkv, _launch_fwd
+from .attention import attention_backward as _attention_backward_kernels
+from .decode import _check_num_splits, check_decode_args, launch_decode
+from .paged import MAX_BLOCK_SIZE
+
+__all__ = ["attention", "attention_varlen", "decode", "paged_attention"]
+
+# How the callbacks meet jax.vmap (jax.pure_callback's vmap_method): "broadcast_all" moves every
+# vmapped axis in front and broadcasts unbatched operands, so the callback sees extra leading
+# axes that fold into the batch axis; "sequential" loops, for calls whose index arrays (prefix
+# sums, block tables) address one problem each.
+FOLD_VMAPPED_AXES = "broadcast_all"
+LOOP_OVER_VMAPPED_AXES = "sequential"
+
+# Ranks of the unbatched operands, what the callbacks fold vmapped axes down to: (B, S, H, D)
+# arrays and their (B, H, S) lse; packed (total, H, D) arrays and their (H, total) lse; (B,)
+# lengths and (B + 1,) prefix sums; (B, max_blocks) block tables.
+_DENSE, _LSE = 4, 3
+_PACKED, _PACKED_LSE = 3, 2
+_VECTOR, _TABLE = 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and argument checks (at trace time, on shapes and dtypes: the same on every platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+    """The mask and score options every call takes, checked and hashable (a static argument)."""
+
+    causal: bool
+    scale: float | None
+    window: tuple[int, int]
+    softcap: float
+
+    def kwargs(self) -> dict:
+        return {"causal": self.causal, "scale": self.scale, "window": self.window, "softcap": self.softcap}
+
+
+def _check_static(name: str, value) -> None:
+    """Options choose the kernel and its launch when the function is traced, so they must be Python values."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, jax.core.Tracer) for v in values):
+        raise TypeError(
+            f"{name} must be a Python value, got a traced array: cuattn.jax fixes its options when the "
+            f"function is traced (under jax.jit, pass {name} through static_argnames or close over it)"
+        )
+
+
+def _mask_options(causal, scale, window, softcap, **flags) -> _Mask:
+    for name, value in (("causal", causal), ("scale", scale), ("window", window), ("softcap", softcap),
+                        *flags.items()):
+        _check_static(name, value)
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, **flags)
+    return _Mask(bool(causal), None if scale is None else float(scale), (left, right), float(softcap))
+
+
+def _as_arrays(**named) -> list:
+    """JAX arrays (or tracers) of the array arguments; NumPy arrays are taken as constants."""
+    arrays = []
+    for name, x in named.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__module__}.{type(x).__name__}")
+        arrays.append(jnp.asarray(x))
+    return arrays
+
+
+def _check_dtypes(named: dict) -> None:
+    """float16 or bfloat16, one dtype for all: the kernels' types, required on the CPU too."""
+    (ref_name, ref), *rest = named.items()
+    dtype = np.dtype(ref.dtype)
+    if dtype not in _arrays.CUDA_TYPES:
+        raise TypeError(
+            f"{ref_name}.dtype is {_arrays.dtype_name(dtype)}; cuattn.jax takes float16 or bfloat16 on every "
+            f"platform (the CPU path too, so that it runs what the GPU runs): cast with "
+            f"{ref_name}.astype(jnp.bfloat16)"
+        )
+    for name, x in rest:
+        _arrays.check_same_dtype(name, x, ref_name, ref)
+
+
+def _check_length(name: str, value, minimum: int) -> int:
+    _check_static(name, value)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_prefix_sums(cu_seqlens_q, cu_seqlens_k) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _arrays.check_ndim(name, cu, "(B + 1)")
+        _arrays.check_int32(name, cu)
+        if int(cu.shape[0]) < 2:
+            raise ValueError(f"{name}.shape[0] (B + 1) must be at least 2, got {cu.shape[0]}")
+    _arrays.check_axis("cu_seqlens_k", cu_seqlens_k, 0, "B + 1", int(cu_seqlens_q.shape[0]), "cu_seqlens_q.shape[0]")
+
+
+def _lse_shape(out_shape) -> tuple:
+    """lse of an out ``(..., S, H, D)``: ``(..., H, S)``."""
+    return (*out_shape[:-3], out_shape[-2], out_shape[-3])
+
+
+def _result_shapes(q) -> tuple:
+    """out in q's shape and dtype, lse in float32."""
+    return jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Platforms: one branch per platform, the callbacks behind them
+
+
+def _per_platform(args, host, device):
+    """``host(*args)`` where the computation runs on the CPU, ``device(*args)`` on a CUDA GPU."""
+    return jax.lax.platform_dependent(*args, cpu=host, cuda=device)
+
+
+def _host_call(callback, result_shapes, vmap_method):
+    return lambda *args: jax.pure_callback(callback, result_shapes, *args, vmap_method=vmap_method)
+
+
+def _device_call(callback, result_shapes, vmap_method, graph_safe: bool):
+    """A buffer callback. ``graph_safe``: the callback only launches kernels on XLA's stream into
+    XLA's buffers (no allocation, nothing read on the host), so XLA may record it once into a
+    command buffer (a CUDA graph) and replay it."""
+
+    def call(*args):
+        from jax.experimental.buffer_callback import buffer_callback
+
+        return buffer_callback(callback, result_shapes, vmap_method=vmap_method,
+                               command_buffer_compatible=graph_safe)(*args)
+
+    return call
+
+
+def _fold(x, rank: int):
+    """``x`` with the leading axes beyond an unbatched ``rank`` (vmap's, put in front by
+    "broadcast_all") folded into its first axis: a view, since the buffers are contiguous."""
+    lead = math.prod(x.shape[:x.ndim - rank + 1])
+    return x.reshape((lead, *x.shape[x.ndim - rank + 1:]))
+
+
+def _host_arrays(arrays, ranks):
+    return [_fold(np.asarray(x), rank) for x, rank in zip(arrays, ranks)]
+
+
+def _device_array(buffer):
+    """A zero-copy CuPy view of one of XLA's buffers (dense, row-major).
+
+    The address comes from ``__cuda_array_interface__`` and the dtype and shape from the buffer
+    itself, since the interface spells bfloat16 as two raw bytes ("<V2"). A JAX whose buffers
+    lack the interface for a dtype still exports it through DLPack, which names bfloat16."""
+    import cupy
+
+    try:
+        address = int(buffer.__cuda_array_interface__["data"][0])
+    except Exception:  # jaxlib raises its own runtime error type for an unsupported dtype
+        return cupy.from_dlpack(buffer)
+    dtype, shape = np.dtype(buffer.dtype), tuple(int(n) for n in buffer.shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return cupy.empty(shape, dtype)  # XLA may give an empty buffer no address
+    # the device is read from the address's attributes, as cupy.asarray does
+    memory = cupy.cuda.UnownedMemory(address, nbytes, buffer)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+@contextlib.contextmanager
+def _xla_stream(ctx, buffers, ranks):
+    """CuPy views of XLA's buffers (zero-copy, vmapped axes folded) with XLA's stream current on
+    their device: what the kernels launch on, ordered with the rest of the XLA program."""
+    import cupy
+
+    views = [_fold(_device_array(b), rank) for b, rank in zip(buffers, ranks)]
+    device = views[0].device.id
+    # a property in current JAX (0.10, 0.11); early buffer_callback versions had a method
+    handle = ctx.stream() if callable(ctx.stream) else ctx.stream
+    stream = cupy.cuda.ExternalStream(int(handle), device)
+    with cupy.cuda.Device(device), stream:
+        yield stream, views
+
+
+def _check_layouts(named: dict) -> None:
+    """XLA's buffers are dense; what is left to check is the kernels' 16-byte row alignment."""
+    for name, x in named.items():
+        _arrays.check_kernel_layout(name, x)
+
+
+def _copy_into(dst, src, stream) -> None:
+    """Copy a result that cuattn allocated into XLA's buffer, device to device, on XLA's stream."""
+    import cupy
+
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise RuntimeError(f"internal: a result {src.shape} {src.dtype} does not fit XLA's buffer "
+                           f"{dst.shape} {dst.dtype}")
+    if dst.flags.c_contiguous and src.flags.c_contiguous:
+        if src.nbytes:
+            cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+    else:
+        dst[...] = src  # an elementwise copy kernel on the current stream, XLA's
+
+
+def _forward_only(name: str, fn, *arrays):
+    """``fn(*arrays)``, refusing differentiation with a message that names the function."""
+
+    @jax.custom_jvp
+    def call(*arrays):
+        return fn(*arrays)
+
+    @call.defjvp
+    def _refuse(primals, tangents):
+        raise TypeError(f"cuattn.jax.{name} is forward-only (no backward kernels); "
+                        "differentiate through cuattn.jax.attention instead")
+
+    return call(*arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: forward and backward
+
+
+def _host_attention(mask: _Mask, q, k, v):
+    qf, kf, vf = _host_arrays((q, k, v), (_DENSE,) * 3)
+    out, lse = reference.attention(qf, kf, vf, return_lse=True, **mask.kwargs())
+    return out.astype(q.dtype).reshape(q.shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
+
+
+def _device_attention(mask: _Mask, ctx, outs, q, k, v):
+    with _xla_stream(ctx, (q, k, v, *outs), (_DENSE,) * 4 + (_LSE,)) as (stream, views):
+        qv, kv, vv, ov, lv = views
+        _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
+        batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
+        _launch_fwd(qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
+                    stream=stream, **mask.kwargs())
+
+
+def _attention_forward(q, k, v, mask: _Mask):
+    shapes = _result_shapes(q)
+    return _per_platform(
+        (q, k, v),
+        host=_host_call(functools.partial(_host_attention, mask), shapes, FOLD_VMAPPED_AXES),
+        device=_device_call(functools.partial(_device_attention, mask), shapes, FOLD_VMAPPED_AXES, graph_safe=True),
+    )
+
+
+def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse):
+    arrays = _host_arrays((dout, q, k, v, out, lse), (_DENSE,) * 5 + (_LSE,))
+    grads = reference.attention_backward(*arrays, **mask.kwargs())
+    return tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v)))
+
+
+def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse):
+    buffers = (dout, q, k, v, out, lse, *outs)
+    with _xla_stream(ctx, buffers, (_DENSE,) * 5 + (_LSE,) + (_DENSE,) * 3) as (stream, views):
+        dov, qv, kv, vv, ov, lv, dq, dk, dv = views
+        # attention_backward allocates its gradients (it has no out= arguments): they are copied
+        # into XLA's buffers on the same stream
+        grads = _attention_backward_kernels(dov, qv, kv, vv, ov, lv, deterministic=deterministic, **mask.kwargs())
+        for dst, src in zip((dq, dk, dv), grads):
+            _copy_into(dst, src, stream)
+
+
+def _attention_backward(dout, q, k, v, out, lse, mask: _Mask, deterministic: bool):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return _per_platform(
+        (dout, q, k, v, out, lse),
+        host=_host_call(functools.partial(_host_attention_backward, mask), shapes, FOLD_VMAPPED_AXES),
+        # the backward allocates workspace and gradients with CuPy: not recordable in a graph
+        device=_device_call(functools.partial(_device_attention_backward, mask, deterministic), shapes,
+                            FOLD_VMAPPED_AXES, graph_safe=False),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _differentiable_attention(q, k, v, mask: _Mask, deterministic: bool):
+    return _attention_forward(q, k, v, mask)
+
+
+def _differentiable_attention_fwd(q, k, v, mask: _Mask, deterministic: bool):
+    out, lse = _attention_forward(q, k, v, mask)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _differentiable_attention_bwd(mask: _Mask, deterministic: bool, residuals, cotangents):
+    # lse leaves attention() through stop_gradient, so its cotangent is zero
+    dout, _ = cotangents
+    q, k, v, out, lse = residuals
+    return _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, mask, deterministic)
+
+
+_differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_attention_bwd)
+
+# Every entry point is jitted (inlined under an outer jit): an eager call then lowers for the
+# platform its inputs live on, which is where platform_dependent chooses, and is compiled once
+# per signature rather than dispatched op by op.
+_attention_call = jax.jit(_differentiable_attention, static_argnums=(3, 4))
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+              deterministic=False):
+    """Differentiable :func:`cuattn.attention` for JAX arrays, under ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+    Args:
+        q: ``(B, Sq, Hq, D)`` float16 or bfloat16.
+        k, v: ``(B, Sk, Hk, D)``, q's dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA).
+        causal, scale, window, softcap: as in :func:`cuattn.attention` (Python values).
+        return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)`` (natural log), through
+            ``jax.lax.stop_gradient``: gradients flow through ``out`` only.
+        deterministic: a bit-reproducible backward (see :func:`cuattn.attention_backward`).
+
+    Returns:
+        ``out`` ``(B, Sq, Hq, D)``, or ``(out, lse)``.
+    """
+    q, k, v = _as_arrays(q=q, k=k, v=v)
+    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse, deterministic=deterministic)
+    _check_qkv(q, k, v, packed=False)
+    _check_dtypes({"q": q, "k": k, "v": v})
+    _masks.check_total_length(int(q.shape[1]), int(k.shape[1]))
+    out, lse = _attention_call(q, k, v, mask, bool(deterministic))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen (forward)
+
+
+def _host_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, q, k, v, cu_seqlens_q, cu_seqlens_k):
+    q, k, v, cuq, cuk = (np.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    # the prefix sums' values are known only now: a bad one raises here (an XLA runtime error)
+    _check_host_cu_seqlens(cuq, int(q.shape[0]), max_seqlen_q, "q")
+    _check_host_cu_seqlens(cuk, int(k.shape[0]), max_seqlen_k, "k")
+    out, lse = reference.attention_varlen(q, k, v, cuq, cuk, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                          **mask.kwargs())
+    return out.astype(q.dtype), lse.astype(np.float32)
+
+
+def _device_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, ctx, outs, q, k, v, cu_seqlens_q,
+                   cu_seqlens_k):
+    # vmap loops here ("sequential"): every buffer is one unbatched problem
+    buffers = (q, k, v, cu_seqlens_q, cu_seqlens_k, *outs)
+    with _xla_stream(ctx, buffers, (_PACKED,) * 3 + (_VECTOR,) * 2 + (_PACKED, _PACKED_LSE)) as (stream, views):
+        qv, kv, vv, cuq, cuk, ov, lv = views
+        _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
+        _launch_fwd(qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=int(cuq.shape[0]) - 1,
+                    seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, stream=stream, **mask.kwargs())
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """:func:`cuattn.attention_varlen` for JAX arrays (forward only): a packed batch of sequences of
+    different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` and ``v`` ``(total_k, Hk, D)``.
+
+    ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` prefix sums (arrays, may be traced);
+    ``max_seqlen_q``, ``max_seqlen_k``: Python ints bounding every sequence's length. On the GPU
+    the prefix sums are not read on the host (as with the plain function, rows of no sequence or
+    past ``max_seqlen_*`` are left unwritten); on the CPU a bad one raises when the call runs.
+    Returns ``out`` ``(total_q, Hq, D)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
+    """
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _as_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                                     cu_seqlens_k=cu_seqlens_k)
+    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    _check_qkv(q, k, v, packed=True)
+    _check_dtypes({"q": q, "k": k, "v": v})
+    _check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = _check_length("max_seqlen_q", max_seqlen_q, 0)
+    max_seqlen_k = _check_length("max_seqlen_k", max_seqlen_k, 0)
+    _masks.check_total_length(max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, mask=mask, max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "max_seqlen_q", "max_seqlen_k"))
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
+    shapes = jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
+
+    def forward(*arrays):
+        return _per_platform(
+            arrays,
+            host=_host_call(functools.partial(_host_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
+                            LOOP_OVER_VMAPPED_AXES),
+            device=_device_call(functools.partial(_device_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
+                                LOOP_OVER_VMAPPED_AXES, graph_safe=True),
+        )
+
+    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode (forward)
+
+
+def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens):
+    qf, kf, vf, lens = _host_arrays((q, k_cache, v_cache, cache_seqlens), (_DENSE,) * 3 + (_VECTOR,))
+    # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
+    lens = np.clip(lens, 0, int(kf.shape[1]))
+    out, lse = reference.decode(qf, kf, vf, lens, return_lse=True, **mask.kwargs())
+    return out.astype(q.dtype).reshape(q.shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
+
+
+def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cache_seqlens):
+    buffers = (q, k_cache, v_cache, cache_seqlens, *outs)
+    with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_VECTOR, _DENSE, _LSE)) as (stream, views):
+        qv, kv, vv, lens, ov, lv = views
+        _check_layouts({"q": qv, "k_cache": kv, "v_cache": vv, "out": ov})
+        launch_decode(qv, kv, vv, lens, ov, lv, None, int(kv.shape[1]), num_splits=num_splits, stream=stream,
+                      **mask.kwargs())
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None, window=(-1, -1),
+           softcap=0.0, return_lse=False):
+    """:func:`cuattn.decode` for JAX arrays (forward only): ``Sq_new`` (1 to 16) new tokens per
+    sequence over a KV cache ``(B, S_max, Hk, D)`` holding ``cache_seqlens[b]`` keys (int32
+    ``(B,)``, new tokens included; clamped to ``[0, S_max]`` on every platform).
+
+    Returns ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
+    """
+    q, k_cache, v_cache, cache_seqlens = _as_arrays(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                    cache_seqlens=cache_seqlens)
+    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    check_decode_args(q, k_cache, v_cache, cache_seqlens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
+    _check_static("num_splits", num_splits)
+    _check_num_splits(num_splits)
+    _check_dtypes({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _masks.check_total_length(int(q.shape[1]), int(k_cache.shape[1]))
+    out, lse = _decode_call(q, k_cache, v_cache, cache_seqlens, mask=mask,
+                            num_splits=None if num_splits is None else int(num_splits))
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "num_splits"))
+def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits: int | None):
+    shapes = _result_shapes(q)
+
+    def forward(*arrays):
+        return _per_platform(
+            arrays,
+            host=_host_call(functools.partial(_host_decode, mask), shapes, FOLD_VMAPPED_AXES),
+            # split partials live in cuattn's per-stream workspace, which may be reallocated
+            # between calls: not recordable in a graph
+            device=_device_call(functools.partial(_device_decode, mask, num_splits), shapes, FOLD_VMAPPED_AXES,
+                                graph_safe=False),
+        )
+
+    return _forward_only("decode", forward, q, k_cache, v_cache, cache_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_attention (forward)
+
+
+def _host_paged(mask: _Mask, q, k_pages, v_pages, block_table, seq_lens):
+    q, k_pages, v_pages, table, lens = (np.asarray(x) for x in (q, k_pages, v_pages, block_table, seq_lens))
+    num_blocks, block_size = int(k_pages.shape[0]), int(k_pages.shape[1])
+    # the kernel clamps lengths to the table's capacity and block ids to the pool: so does the host
+    lens = np.clip(lens, 0, int(table.shape[1]) * block_size)
+    table = np.clip(table, 0, max(num_blocks - 1, 0))
+    out, lse = reference.paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, **mask.kwargs())
+    return out.astype(q.dtype), lse.astype(np.float32)
+
+
+def _device_paged(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_pages, v_pages, block_table, seq_lens):
+    # vmap loops here ("sequential"): every buffer is one unbatched problem
+    buffers = (q, k_pages, v_pages, block_table, seq_lens, *outs)
+    with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_TABLE, _VECTOR, _DENSE, _LSE)) as (stream, views):
+        qv, kv, vv, table, lens, ov, lv = views
+        _check_layouts({"q": qv, "k_pages": kv, "v_pages": vv, "out": ov})
+        num_blocks, block_size = int(kv.shape[0]), int(kv.shape[1])
+        capacity = int(table.shape[1]) * block_size
+        split_length = capacity if max_seq_len is None else min(max_seq_len, capacity)
+        launch_decode(qv, kv, vv, lens, ov, lv, (table, block_size, num_blocks), capacity, num_splits=num_splits,
+                      stream=stream, split_length=split_length, **mask.kwargs())
+
+
+def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
+                    scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+    """:func:`cuattn.paged_attention` for JAX arrays (forward only), over page pools ``k_pages``,
+    ``v_pages`` ``(num_blocks, block_size, Hk, D)``.
+
+    ``block_table`` int32 ``(B, max_blocks)`` and ``seq_lens`` int32 ``(B,)`` are arrays (may be
+    traced); their values are never read on the host, so nothing is checked as the plain
+    function's ``check=True`` does: lengths are clamped to the table's capacity and block ids to
+    the pool, on every platform (the plain function's ``check=False``). ``max_seq_len``: optional
+    Python int bounding the lengths the split count plans for (default the table's capacity).
+    Returns ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
+    """
+    q, k_pages, v_pages, block_table, seq_lens = _as_arrays(q=q, k_pages=k_pages, v_pages=v_pages,
+                                                            block_table=block_table, seq_lens=seq_lens)
+    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    check_decode_args(q, k_pages, v_pages, seq_lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
+    _arrays.check_ndim("block_table", block_table, "(B, max_blocks)")
+    _arrays.check_axis("block_table", block_table, 0, "batch", int(q.shape[0]), "q.shape[0]")
+    _arrays.check_int32("block_table", block_table)
+    block_size = int(k_pages.shape[1])
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+    _check_static("num_splits", num_splits)
+    _check_num_splits(num_splits)
+    if max_seq_len is not None:
+        max_seq_len = _check_length("max_seq_len", max_seq_len, 1)
+    _check_dtypes({"q": q, "k_pages": k_pages, "v_pages": v_pages})
+    _masks.check_total_length(int(q.shape[1]), int(block_table.shape[1]) * block_size)
+    out, lse = _paged_call(q, k_pages, v_pages, block_table, seq_lens, mask=mask,
+                           num_splits=None if num_splits is None else int(num_splits), max_seq_len=max_seq_len)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "num_splits", "max_seq_len"))
+def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_splits: int | None,
+                max_seq_len: int | None):
+    shapes = _result_shapes(q)
+
+    def forward(*arrays):
+        return _per_platform(
+            arrays,
+            host=_host_call(functools.partial(_host_paged, mask), shapes, LOOP_OVER_VMAPPED_AXES),
+            # split partials live in cuattn's per-stream workspace: not recordable in a graph
+            device=_device_call(functools.partial(_device_paged, mask, num_splits, max_seq_len), shapes,
+                                LOOP_OVER_VMAPPED_AXES, graph_safe=False),
+        )
+
+    return _forward_only("paged_attention", forward, q, k_pages, v_pages, block_table, seq_lens)

@@ -1,0 +1,381 @@
+"""cuattn.jax under jax.jit, jax.grad, jax.value_and_grad and jax.vmap, against the float64 reference.
+
+Every numerical test runs twice: on JAX's CPU backend (the reference through jax.pure_callback:
+the custom_vjp wiring, the vmap folding, the options and the layouts, in CI without a GPU) and,
+marked gpu, on a CUDA GPU with JAX's CUDA backend (the kernels through buffer_callback on XLA's
+stream). The inputs are placed on the platform's device, so the jitted calls are lowered for it.
+Tolerances follow the project's rule (README, "Tests"): the forward within 2x, the gradients
+within 3x the error of the straightforward same-precision computation, plus a floor. Fresh random
+inputs every run (the `rng` fixture), odd lengths.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import _registry, reference
+from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+
+jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
+import jax.numpy as jnp  # noqa: E402
+
+import cuattn.jax  # noqa: E402
+
+MASKS = _registry.MASK_OPTIONS
+PLATFORMS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=PLATFORMS)
+def device(request):
+    """The device the inputs live on, so that jax.jit lowers for its platform."""
+    if request.param == "gpu":
+        if jax.default_backend() != "gpu":
+            pytest.skip(f"JAX has no CUDA backend here (its default backend is {jax.default_backend()}); "
+                        "install jax[cuda12] or jax[cuda13]")
+        return jax.devices("gpu")[0]
+    return jax.devices("cpu")[0]
+
+
+def put(device, *arrays):
+    return [jax.device_put(jnp.asarray(x), device) for x in arrays]
+
+
+def host(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def check_forward(rng, dtype, q, k, v, got, got_lse, **options):
+    """out within 2x the naive same-precision error of the float64 reference; lse close to the
+    reference's, and -inf exactly where it is."""
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    naive = reference.naive_attention_lowp(q, k, v, dtype=dtype, **options)
+    got = host(got)
+    assert np.isfinite(got).all(), f"NaN or inf in out (seed {rng.seed})"
+    err = np.abs(got - ref).max(initial=0.0)
+    budget = error_budget(np.abs(naive - ref).max(initial=0.0), dtype, 2.0, np.abs(ref).max(initial=0.0))
+    assert err <= budget, f"out: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    got_lse = np.asarray(got_lse)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty), f"empty rows differ (seed {rng.seed})"
+    np.testing.assert_allclose(got_lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+def check_gradients(rng, dtype, dout, q, k, v, grads, **options):
+    """dq, dk, dv within 3x the naive same-precision backward's error of the float64 reference backward."""
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, **options)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=dtype, **options)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
+        assert got.shape == ref.shape and got.dtype == np.dtype(dtype), f"{name}: {got.shape} {got.dtype}"
+        got = host(got)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (seed {rng.seed})"
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), dtype, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
+def qkv(rng, dtype, b, sq, sk, hq, hk, d):
+    return (randn(rng, (b, sq, hq, d), dtype), randn(rng, (b, sk, hk, d), dtype), randn(rng, (b, sk, hk, d), dtype))
+
+
+def projected_loss(dout, **options):
+    """sum(out * dout) in float32: its gradient with respect to out is dout, so grad gives the VJP."""
+    weights = jnp.asarray(dout).astype(jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(cuattn.jax.attention(q, k, v, **options).astype(jnp.float32) * weights)
+
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: forward, gradients, vmap
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_under_jit_matches_reference(device, rng, dtype, head_dim, mask):
+    q, k, v = qkv(rng, dtype, 2, 37, 53, 4, 2, head_dim)
+    options = MASKS[mask]
+    call = jax.jit(lambda q, k, v: cuattn.jax.attention(q, k, v, return_lse=True, **options))
+    out, lse = call(*put(device, q, k, v))
+    assert out.dtype == jnp.dtype(dtype) and out.shape == q.shape and lse.dtype == jnp.float32
+    assert lse.shape == (2, 4, 37)
+    check_forward(rng, dtype, q, k, v, out, lse, **options)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gradients_under_jit_grad_match_reference_backward(device, rng, dtype, mask, deterministic):
+    q, k, v = qkv(rng, dtype, 2, 45, 29, 4, 1, 64)
+    dout = randn(rng, q.shape, dtype)
+    options = MASKS[mask]
+    loss = projected_loss(dout, deterministic=deterministic, **options)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*put(device, q, k, v))
+    check_gradients(rng, dtype, dout, q, k, v, grads, **options)
+
+
+def test_value_and_grad_agrees_with_the_forward_and_grad(device, rng):
+    q, k, v = qkv(rng, BF16, 1, 33, 33, 2, 2, 64)
+    dout = randn(rng, q.shape, BF16)
+    loss = projected_loss(dout, causal=True)
+    args = put(device, q, k, v)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    expected = np.sum(host(jax.jit(lambda q, k, v: cuattn.jax.attention(q, k, v, causal=True))(*args)) * host(dout))
+    assert abs(float(value) - expected) <= 1e-4 * max(1.0, abs(expected)), f"{float(value)} vs {expected}"
+    check_gradients(rng, BF16, dout, q, k, v, grads, causal=True)
+
+
+def test_vmap_folds_leading_axes_into_the_batch(device, rng):
+    """Two vmapped axes over q (k and v shared): forward and per-example gradients."""
+    lead, b, sq, sk, hq, hk, d = (3, 2), 1, 19, 23, 4, 2, 64
+    options = {"window": (7, 2)}
+    q = randn(rng, (*lead, b, sq, hq, d), BF16)
+    k, v = randn(rng, (b, sk, hk, d), BF16), randn(rng, (b, sk, hk, d), BF16)
+    dout = randn(rng, q.shape, BF16)
+    qd, kd, vd, dd = put(device, q, k, v, dout)
+    per_item = jax.vmap(jax.vmap(lambda q: cuattn.jax.attention(q, kd, vd, return_lse=True, **options)))
+    out, lse = jax.jit(per_item)(qd)
+    assert out.shape == q.shape and lse.shape == (*lead, b, hq, sq)
+
+    def item_loss(q, k, v, dout):
+        return jnp.sum(cuattn.jax.attention(q, k, v, **options).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    grad = jax.grad(item_loss, argnums=(0, 1, 2))
+    per_item_grads = jax.vmap(jax.vmap(grad, in_axes=(0, None, None, 0)), in_axes=(0, None, None, 0))
+    dq, dk, dv = jax.jit(per_item_grads)(qd, kd, vd, dd)
+    assert dk.shape == (*lead, *k.shape)
+    for i in np.ndindex(*lead):
+        check_forward(rng, BF16, q[i], k, v, out[i], lse[i], **options)
+        check_gradients(rng, BF16, dout[i], q[i], k, v, (dq[i], dk[i], dv[i]), **options)
+
+
+def test_returned_lse_carries_no_gradient(device, rng):
+    q, k, v = put(device, *qkv(rng, BF16, 1, 9, 9, 2, 2, 32))
+    grads = jax.jit(jax.grad(lambda q: jnp.sum(cuattn.jax.attention(q, k, v, return_lse=True)[1])))(q)
+    assert not np.any(np.asarray(grads)), "lse leaves through stop_gradient: its gradient must be zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["gpu"], indirect=True)
+def test_repeated_jitted_calls_and_eager_calls_compute_fresh_results(device, rng):
+    """One compiled program run on new inputs each time (XLA may replay the forward from a
+    command buffer: it must read the new buffers), and an eager call outside jit."""
+    call = jax.jit(lambda q, k, v: cuattn.jax.attention(q, k, v, causal=True, return_lse=True))
+    for _ in range(3):
+        q, k, v = qkv(rng, BF16, 2, 129, 257, 8, 2, 128)
+        out, lse = call(*put(device, q, k, v))
+        check_forward(rng, BF16, q, k, v, out, lse, causal=True)
+    q, k, v = qkv(rng, DTYPES[0], 1, 77, 77, 2, 2, 64)
+    out, lse = cuattn.jax.attention(*put(device, q, k, v), return_lse=True)
+    check_forward(rng, DTYPES[0], q, k, v, out, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen, decode, paged_attention (forward only)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_varlen_under_jit_and_vmap_matches_reference(device, rng, dtype):
+    lengths_q, lengths_k = [5, 0, 17, 1], [9, 3, 17, 6]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    hq, hk, d = 4, 2, 64
+    q = randn(rng, (2, int(cu_q[-1]), hq, d), dtype)
+    k, v = randn(rng, (2, int(cu_k[-1]), hk, d), dtype), randn(rng, (2, int(cu_k[-1]), hk, d), dtype)
+    def varlen(q, k, v, cu_q, cu_k):
+        return cuattn.jax.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                           return_lse=True)
+
+    call = jax.jit(jax.vmap(varlen, in_axes=(0, 0, 0, None, None)))
+    out, lse = call(*put(device, q, k, v, cu_q, cu_k))
+    assert out.shape == q.shape and lse.shape == (2, hq, q.shape[1])
+    for i in range(2):
+        ref, ref_lse = reference.attention_varlen(q[i], k[i], v[i], cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                  causal=True, return_lse=True)
+        segments = zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
+        naive = max(np.abs(reference.naive_attention_lowp(q[i, None, a:b], k[i, None, c:e], v[i, None, c:e],
+                                                          dtype=dtype, causal=True)[0] - ref[a:b]).max(initial=0.0)
+                    for a, b, c, e in segments)
+        err = np.abs(host(out[i]) - ref).max()
+        assert err <= error_budget(naive, dtype, 2.0, np.abs(ref).max()), f"error {err:.3g} (seed {rng.seed})"
+        np.testing.assert_allclose(np.asarray(lse[i]), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["1split", "3splits", "auto"])
+def test_decode_under_jit_and_vmap_matches_reference(device, rng, num_splits):
+    """Ragged lengths: 0, one past S_max (clamped to S_max on every platform), and two speculative tokens."""
+    b, sq_new, hq, hk, d, s_max = 3, 2, 8, 2, 128, 301
+    lens = np.array([0, 173, s_max + 1], np.int32)
+    q = randn(rng, (2, b, sq_new, hq, d), BF16)
+    k_cache, v_cache = randn(rng, (b, s_max, hk, d), BF16), randn(rng, (b, s_max, hk, d), BF16)
+    call = jax.jit(jax.vmap(lambda q, k, v, lens: cuattn.jax.decode(q, k, v, lens, num_splits=num_splits,
+                                                                      return_lse=True), in_axes=(0, None, None, None)))
+    out, lse = call(*put(device, q, k_cache, v_cache, lens))
+    clamped = np.clip(lens, 0, s_max)
+    for i in range(2):
+        ref, ref_lse = reference.decode(q[i], k_cache, v_cache, clamped, return_lse=True)
+        for row, n in enumerate(clamped):
+            live = slice(row, row + 1), slice(0, n)
+            naive = reference.naive_attention_lowp(q[i, row:row + 1], k_cache[live], v_cache[live], dtype=BF16,
+                                                   causal=True)[0]
+            budget = error_budget(np.abs(naive - ref[row]).max(initial=0.0), BF16, 2.0,
+                                  np.abs(ref[row]).max(initial=0.0))
+            err = np.abs(host(out[i, row]) - ref[row]).max()
+            assert err <= budget, f"row {row} (len {n}): error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+        empty = np.isneginf(ref_lse)
+        assert np.array_equal(np.isneginf(np.asarray(lse[i])), empty)
+        np.testing.assert_allclose(np.asarray(lse[i])[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_paged_attention_under_jit_matches_reference(device, rng, block_size):
+    b, hq, hk, d = 3, 4, 1, 64
+    lens = np.array([1, 37, 70], np.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = b * max_blocks + 1
+    # each sequence's blocks are scattered over the pool; padding past a sequence points nowhere
+    table = rng.permutation(num_blocks)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    for row, n in enumerate(lens):
+        table[row, -(-int(n) // block_size):] = -1
+    k_pages, v_pages = (randn(rng, (num_blocks, block_size, hk, d), DTYPES[0]) for _ in range(2))
+    q = randn(rng, (b, 1, hq, d), DTYPES[0])
+    call = jax.jit(lambda *arrays: cuattn.jax.paged_attention(*arrays, return_lse=True))
+    out, lse = call(*put(device, q, k_pages, v_pages, table, lens))
+    ref, ref_lse = reference.paged_attention(q, k_pages, v_pages, table, lens, return_lse=True)
+    k_cache = reference.gather_pages(k_pages, table, lens).astype(DTYPES[0])
+    v_cache = reference.gather_pages(v_pages, table, lens).astype(DTYPES[0])
+    naive = max(np.abs(reference.naive_attention_lowp(q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n],
+                                                      dtype=DTYPES[0], causal=True)[0] - ref[r]).max()
+                for r, n in enumerate(lens))
+    err = np.abs(host(out) - ref).max()
+    assert err <= error_budget(naive, DTYPES[0], 2.0, np.abs(ref).max()), f"error {err:.3g} (seed {rng.seed})"
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+def test_forward_only_functions_refuse_differentiation():
+    q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
+    lens = jnp.ones((1,), jnp.int32)
+    with pytest.raises(TypeError, match=r"cuattn.jax.decode is forward-only"):
+        jax.grad(lambda q: jnp.sum(cuattn.jax.decode(q, q, q, lens).astype(jnp.float32)))(q)
+    packed = jnp.zeros((3, 2, 64), jnp.bfloat16)
+    cu = jnp.array([0, 3], jnp.int32)
+    with pytest.raises(TypeError, match=r"cuattn.jax.attention_varlen is forward-only"):
+        jax.grad(lambda q: jnp.sum(cuattn.jax.attention_varlen(q, q, q, cu, cu, 3, 3).astype(jnp.float32)))(packed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which platform runs what; imports
+
+
+def test_lowering_picks_the_kernels_on_cuda_and_the_reference_on_the_cpu():
+    """Lowered for CUDA (no GPU needed to lower), the forward is a graph-safe buffer callback and
+    the backward a plain one, and no host callback is left; lowered for the CPU, only host callbacks."""
+    q = jnp.zeros((1, 5, 2, 64), jnp.bfloat16)
+    train = jax.jit(jax.grad(lambda q: jnp.sum(cuattn.jax.attention(q, q, q).astype(jnp.float32))))
+    on_cuda = train.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    targets = sorted(line.split("custom_call @")[1].split("(")[0] for line in on_cuda.splitlines()
+                     if "custom_call @" in line)
+    assert targets == ["xla_buffer_python_gpu_callback", "xla_buffer_python_gpu_callback_cmd_buffer"], targets
+    on_cpu = train.trace(q).lower(lowering_platforms=("cpu",)).as_text()
+    assert "buffer_python" not in on_cpu and "python_cpu_callback" in on_cpu
+
+
+def test_cuattn_imports_jax_only_through_cuattn_jax():
+    probe = ("import sys, cuattn; assert 'jax' not in sys.modules, 'import cuattn loaded jax'; "
+             "import cuattn.jax; assert cuattn.jax.attention")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+_TRACED_CALLS = {
+    "attention": lambda q: cuattn.attention(q, q, q),
+    "attention_backward": lambda q: cuattn.attention_backward(q, q, q, q, q, np.zeros((1, 2, 3), np.float32))[0],
+    "attention_varlen": lambda q: cuattn.attention_varlen(q[0], q[0], q[0], np.array([0, 3], np.int32),
+                                                          np.array([0, 3], np.int32), 3, 3)[None],
+    "decode": lambda q: cuattn.decode(q, q, q, np.full((1,), 3, np.int32)),
+    "paged_attention": lambda q: cuattn.paged_attention(q, (q, q), np.zeros((1, 1), np.int32), np.ones((1,), np.int32)),
+}
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+@pytest.mark.parametrize("name", list(_TRACED_CALLS))
+def test_plain_functions_refuse_jax_tracers_and_point_to_cuattn_jax(name, transform):
+    call = _TRACED_CALLS[name]
+    q = jnp.zeros((1, 3, 2, 64), jnp.bfloat16)
+    traced = {"jit": jax.jit(call), "grad": jax.grad(lambda q: jnp.sum(call(q).astype(jnp.float32))),
+              "vmap": lambda q: jax.vmap(call)(q[None])}[transform]
+    with pytest.raises(TypeError, match=r"\w+ is a JAX tracer \(\w+\): .* use the same function from cuattn\.jax"):
+        traced(q)
+
+
+def _dense(dtype=jnp.bfloat16, b=1, sq=5, sk=7, hq=4, hk=2, d=64):
+    return jnp.zeros((b, sq, hq, d), dtype), jnp.zeros((b, sk, hk, d), dtype), jnp.zeros((b, sk, hk, d), dtype)
+
+
+def _packed():
+    """q (total_q = 5, Hq, D), k and v (total_k = 7, Hk, D)."""
+    return tuple(x[0] for x in _dense())
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: cuattn.jax.attention(*_dense(jnp.float32)), TypeError,
+         r"q.dtype is float32; cuattn.jax takes float16 or bfloat16 .* cast with q.astype\(jnp.bfloat16\)"),
+        (lambda: cuattn.jax.attention(_dense()[0], *_dense(jnp.float16)[1:]), TypeError,
+         r"k.dtype must equal q.dtype = bfloat16, got float16"),
+        (lambda: cuattn.jax.attention(_dense(d=64)[0], *_dense(d=32)[1:]), ValueError,
+         r"k.shape\[3\] \(head_dim\) must equal q.shape\[3\] = 64, got 32"),
+        (lambda: cuattn.jax.attention(*_dense(hq=6, hk=4)), ValueError,
+         r"q.shape\[2\] \(num_heads\) = 6 must be a multiple of k.shape\[2\] \(num_kv_heads\) = 4"),
+        (lambda: cuattn.jax.attention(*_dense(d=80)), ValueError, r"q.shape\[-1\] \(head_dim\) = 80 is not supported"),
+        (lambda: cuattn.jax.attention(_dense()[0][0], *_dense()[1:]), ValueError,
+         r"q must be 4-D \(B, Sq, Hq, D\), got shape \(5, 4, 64\)"),
+        (lambda: cuattn.jax.attention([[1.0]], *_dense()[1:]), TypeError,
+         r"q must be a JAX or NumPy array, got builtins.list"),
+        (lambda: cuattn.jax.attention(*_dense(), causal=1), TypeError, r"causal must be a bool, got 1"),
+        (lambda: cuattn.jax.attention(*_dense(), window=(-2, 0)), ValueError, r"window entries must be >= -1"),
+        (lambda: cuattn.jax.attention(*_dense(), softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+        (lambda: jax.jit(lambda s: cuattn.jax.attention(*_dense(), scale=s))(0.5), TypeError,
+         r"scale must be a Python value, got a traced array"),
+        (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 7], jnp.float32), 5, 7),
+         TypeError, r"cu_seqlens_k.dtype must be int32, got float32"),
+        (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 2, 7]), 5, 7),
+         ValueError, r"cu_seqlens_k.shape\[0\] \(B \+ 1\) must equal cu_seqlens_q.shape\[0\] = 2, got 3"),
+        (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 7]), -1, 7),
+         ValueError, r"max_seqlen_q must be an int >= 0, got -1"),
+        (lambda: cuattn.jax.decode(_dense(sq=17)[0], *_dense()[1:], jnp.zeros((1,), jnp.int32)), ValueError,
+         r"q.shape\[1\] \(Sq_new\) must be between 1 and 16, got 17"),
+        (lambda: cuattn.jax.decode(*_dense(), jnp.zeros((2,), jnp.int32)), ValueError,
+         r"cache_seqlens.shape\[0\] \(batch\) must equal q.shape\[0\] = 1, got 2"),
+        (lambda: cuattn.jax.decode(*_dense(), jnp.zeros((1,), jnp.int32), num_splits=0), ValueError,
+         r"num_splits must be None or an int from 1 to 128, got 0"),
+        (lambda: cuattn.jax.paged_attention(_dense()[0], *_dense(b=4)[1:], jnp.zeros((2, 3), jnp.int32),
+                                            jnp.zeros((1,), jnp.int32)), ValueError,
+         r"block_table.shape\[0\] \(batch\) must equal q.shape\[0\] = 1, got 2"),
+        (lambda: cuattn.jax.paged_attention(_dense()[0], *_dense(b=4, sk=300)[1:], jnp.zeros((1, 3), jnp.int32),
+                                            jnp.zeros((1,), jnp.int32)), ValueError,
+         r"k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got 300"),
+        (lambda: cuattn.jax.paged_attention(_dense()[0], *_dense(b=4)[1:], jnp.zeros((1, 3), jnp.int32),
+                                            jnp.zeros((1,), jnp.int32), max_seq_len=0), ValueError,
+         r"max_seq_len must be an int >= 1, got 0"),
+    ],
+    ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "causal-int",
+         "window", "softcap", "traced-scale", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
+         "num-splits", "table-batch", "block-size", "max-seq-len"],
+)
+def test_argument_errors_name_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
