@@ -372,15 +372,20 @@ def attention_varlen(
 # Helpers
 
 
-def _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, q, k, host: bool) -> None:
-    """cu_seqlens (int32 prefix sums, B + 1 >= 2 entries, on q's device) and max_seqlen (ints >= 0);
-    on the host also the prefix sums' values."""
+def check_prefix_sums(cuq, cuk) -> None:
+    """cu_seqlens_q and cu_seqlens_k: int32 ``(B + 1,)`` with B + 1 >= 2 entries, the same B."""
     for name, cu in (("cu_seqlens_q", cuq), ("cu_seqlens_k", cuk)):
         _arrays.check_ndim(name, cu, "(B + 1)")
         _arrays.check_int32(name, cu)
         if int(cu.shape[0]) < 2:
             raise ValueError(f"{name}.shape[0] (B + 1) must be at least 2, got {cu.shape[0]}")
     _arrays.check_axis("cu_seqlens_k", cuk, 0, "B + 1", int(cuq.shape[0]), "cu_seqlens_q.shape[0]")
+
+
+def _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, q, k, host: bool) -> None:
+    """cu_seqlens (int32 prefix sums, B + 1 >= 2 entries, on q's device) and max_seqlen (ints >= 0);
+    on the host also the prefix sums' values."""
+    check_prefix_sums(cuq, cuk)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arrays, _masks, reference
-from .attention import _check_host_cu_seqlens, _check_qkv, _launch_fwd
+from .attention import _check_host_cu_seqlens, _check_qkv, _launch_fwd, check_prefix_sums
 from .attention import attention_backward as _attention_backward_kernels
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
@@ -146,15 +146,6 @@ def _check_length(name: str, value, minimum: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
-
-
-def _check_prefix_sums(cu_seqlens_q, cu_seqlens_k) -> None:
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _arrays.check_ndim(name, cu, "(B + 1)")
-        _arrays.check_int32(name, cu)
-        if int(cu.shape[0]) < 2:
-            raise ValueError(f"{name}.shape[0] (B + 1) must be at least 2, got {cu.shape[0]}")
-    _arrays.check_axis("cu_seqlens_k", cu_seqlens_k, 0, "B + 1", int(cu_seqlens_q.shape[0]), "cu_seqlens_q.shape[0]")
 
 
 def _lse_shape(out_shape) -> tuple:
@@ -423,7 +414,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
     _check_qkv(q, k, v, packed=True)
     _check_dtypes({"q": q, "k": k, "v": v})
-    _check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
+    check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _check_length("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _check_length("max_seqlen_k", max_seqlen_k, 0)
     _masks.check_total_length(max_seqlen_q, max_seqlen_k)
