@@ -72,3 +72,27 @@ def test_encoding_through_the_driver_is_cached_per_address():
     assert not np.array_equal(found.encode(x.data.ptr + 1024), first)
     with pytest.raises(ValueError, match="16-byte aligned"):
         found.encode(x.data.ptr + 8)
+
+
+def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
+    """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against FwdSm90Smem::kBytes of
+    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the table."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
+    from cuattn import _jit
+
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    asserts = [
+        f"static_assert(cuattn::FwdSm90Smem<{d}, {t.block_n}, {t.consumers}, {t.stages}>::kBytes == "
+        f"{t.smem_bytes(d, 2)}, \"D = {d}\");"
+        for d, t in attention_module.FWD_SM90_TILES.items()
+    ]
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for path in _jit.source_dir().iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    (sources / "smem_check.cu").write_text(
+        '#include "flash_fwd_sm90.cu"\n' + "\n".join(asserts)
+        + "\ntemplate <int N> __global__ void smem_check_kernel(int* x) { *x = N; }\n")
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(sources))
+    compiled = _jit.compile_kernel(_jit.KernelSpec("smem_check.cu", "smem_check_kernel<1>"), "sm_90a")
+    assert compiled.lowered_name
