@@ -6,7 +6,9 @@ listed in order in its block table, so memory is never fragmented and never rese
 maximum length. Sequences that fork (parallel sampling, beam search) share their blocks, each
 block carrying a reference count; a shared block is copied only when one of them writes to it.
 
-    BlockManager(num_blocks, block_size)      host (NumPy): tables, refcounts, free list
+    BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+                                              host (NumPy): tables, refcounts, free list, and
+                                              (prefix caching) full blocks keyed by their prefix
     PagedKVCache(num_blocks, block_size, Hk, D, dtype)
         k_pages, v_pages  (num_blocks, block_size, Hk, D)   device arrays (or NumPy with device="cpu")
         write(k, v, slot_ids)     new tokens (N, Hk, D) into slots (block * block_size + offset)
@@ -20,7 +22,9 @@ A decode step: ``slots, copies = manager.append(seq)`` for each live sequence, t
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import math
 
 import numpy as np
@@ -43,30 +47,59 @@ class BlockManager:
     Sequence ids are any hashable values. Every method that cannot be carried out raises before
     changing anything: ``OutOfBlocksError`` when the pool is short, ``KeyError`` for an unknown
     sequence, ``ValueError`` for a bad argument.
+
+    Prefix caching (``enable_prefix_caching=True``, vLLM's automatic prefix caching): a full block
+    whose token ids are known is identified by a hash chained over every token id from the
+    sequence's start to the block's end, so two prompts with the same first n blocks of tokens
+    have the same first n hashes. ``allocate(..., token_ids=...)`` shares (reference count + 1, no
+    copy) the blocks of the longest cached prefix of whole blocks, at most ``num_tokens - 1``
+    tokens (the last token is always computed), and ``cached_tokens(seq_id)`` says how many
+    tokens that covers: their KV is already in the pages. A cached block whose count drops to 0
+    stays cached and counts as free; fresh blocks come from never-cached free blocks first, then
+    by evicting the least recently freed cached block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
         if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
+        self.enable_prefix_caching = enable_prefix_caching
         self.refcount = np.zeros(self.num_blocks, np.int32)  # [num_blocks] tables holding each block
         # a stack: blocks freed last are reused first (they are likeliest still in L2)
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._tables: dict[object, list[int]] = {}  # seq id -> its blocks in order
         self._lengths: dict[object, int] = {}  # seq id -> tokens stored
+        # prefix caching: block <-> chained hash of its full, known prefix; cached blocks nobody
+        # holds, least recently freed first (they are free, and evicted in that order)
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # per sequence: its token ids while all are known (None once a token came without one),
+        # the chain of its full blocks' hashes, and the tokens its allocation found cached
+        self._token_ids: dict[object, list[int] | None] = {}
+        self._hashes: dict[object, list[bytes]] = {}
+        self._cached: dict[object, int] = {}
 
     # -- queries
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no sequence holds: never-cached ones and cached ones that may be evicted."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks a later prompt with the same prefix can share (held or not)."""
+        return len(self._hash_of_block)
 
     def utilization(self) -> float:
         """Fraction of the pool's blocks in use by at least one sequence."""
@@ -81,6 +114,12 @@ class BlockManager:
     def seq_len(self, seq_id) -> int:
         self._require(seq_id)
         return self._lengths[seq_id]
+
+    def cached_tokens(self, seq_id) -> int:
+        """Tokens of ``seq_id``'s allocation found in the prefix cache (a multiple of block_size; 0
+        without caching): ``slots[:cached_tokens]`` are shared and must not be written."""
+        self._require(seq_id)
+        return self._cached[seq_id]
 
     def blocks(self, seq_id) -> list[int]:
         """The physical blocks of a sequence, in token order (a copy)."""
@@ -102,27 +141,52 @@ class BlockManager:
 
     # -- changes
 
-    def allocate(self, seq_id, num_tokens: int) -> np.ndarray:
-        """Start sequence ``seq_id`` with room for ``num_tokens`` (its prompt); returns their int32 slot ids."""
+    def allocate(self, seq_id, num_tokens: int, *, token_ids=None) -> np.ndarray:
+        """Start sequence ``seq_id`` with room for ``num_tokens`` (its prompt); returns their int32 slot ids.
+
+        With prefix caching, ``token_ids`` (``num_tokens`` ints) lets the sequence share the cached
+        blocks of its longest known prefix (see :meth:`cached_tokens`) and makes its own full
+        blocks shareable."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already exists; free it first or pick another id")
         num_tokens = self._check_count("num_tokens", num_tokens, minimum=0)
-        needed = self._blocks_for(num_tokens)
-        self._require_free(needed, f"allocate {_count(num_tokens, 'token')} for sequence {seq_id!r}")
-        blocks = [self._take() for _ in range(needed)]
+        tokens = self._check_token_ids(token_ids, num_tokens)
+        hashes = self._chain([], tokens, 0) if tokens is not None else []
+        # the longest cached prefix of whole blocks, leaving at least the last token to compute
+        shared = []
+        for digest in hashes[:max(num_tokens - 1, 0) // self.block_size]:
+            block = self._block_of_hash.get(digest)
+            if block is None:
+                break
+            shared.append(block)
+        needed = self._blocks_for(num_tokens) - len(shared)
+        reclaimed = sum(1 for block in shared if self.refcount[block] == 0)  # free now, held after
+        self._require_free(needed + reclaimed, f"allocate {_count(num_tokens, 'token')} for sequence {seq_id!r}")
+        for block in shared:
+            if self.refcount[block] == 0:
+                del self._evictable[block]
+            self.refcount[block] += 1
+        blocks = shared + [self._take() for _ in range(needed)]
         self._tables[seq_id] = blocks
         self._lengths[seq_id] = num_tokens
+        self._token_ids[seq_id] = tokens
+        self._hashes[seq_id] = hashes
+        self._cached[seq_id] = len(shared) * self.block_size
+        self._register(blocks, hashes, len(shared))
         return self._slots(blocks, 0, num_tokens)
 
-    def append(self, seq_id, num_tokens: int = 1) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def append(self, seq_id, num_tokens: int = 1, *, token_ids=None) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Room for ``num_tokens`` more tokens of ``seq_id``.
 
         Returns the int32 slot ids to write them to, and the ``(src, dst)`` block copies that must
         run first: when the partly filled last block is shared with another sequence, this
-        sequence gets a private copy of it (copy-on-write) before writing into it.
+        sequence gets a private copy of it (copy-on-write) before writing into it. With prefix
+        caching, ``token_ids`` makes the blocks these tokens fill shareable (a sequence whose
+        tokens came once without ids caches no further blocks).
         """
         self._require(seq_id)
         num_tokens = self._check_count("num_tokens", num_tokens, minimum=1)
+        new_tokens = self._check_token_ids(token_ids, num_tokens)
         blocks, length = self._tables[seq_id], self._lengths[seq_id]
         partial = length % self.block_size != 0
         copy_on_write = partial and self.refcount[blocks[-1]] > 1
@@ -138,6 +202,15 @@ class BlockManager:
         while len(blocks) < self._blocks_for(length + num_tokens):
             blocks.append(self._take())
         self._lengths[seq_id] = length + num_tokens
+        known = self._token_ids[seq_id]
+        if known is not None and new_tokens is not None:
+            known.extend(new_tokens)
+            hashes = self._hashes[seq_id]
+            done = len(hashes)
+            hashes.extend(self._chain(hashes, known, done))
+            self._register(blocks, hashes, done)
+        else:
+            self._token_ids[seq_id] = None
         return self._slots(blocks, length, num_tokens), copies
 
     def fork(self, parent, child) -> None:
@@ -150,16 +223,25 @@ class BlockManager:
             self.refcount[block] += 1
         self._tables[child] = blocks
         self._lengths[child] = self._lengths[parent]
+        known = self._token_ids[parent]
+        self._token_ids[child] = list(known) if known is not None else None
+        self._hashes[child] = list(self._hashes[parent])
+        self._cached[child] = self._cached[parent]
 
     def free(self, seq_id) -> None:
-        """Drop a sequence; blocks no other sequence holds go back to the pool."""
+        """Drop a sequence; blocks no other sequence holds go back to the pool (cached ones stay
+        cached, to be shared again or evicted when fresh blocks run out)."""
         if seq_id not in self._tables:
             raise KeyError(f"cannot free sequence {seq_id!r}: it is not allocated (freed twice?)")
         for block in reversed(self._tables.pop(seq_id)):
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
-                self._free.append(block)
-        del self._lengths[seq_id]
+                if block in self._hash_of_block:
+                    self._evictable[block] = None  # the most recently freed: evicted last
+                else:
+                    self._free.append(block)
+        for per_seq in (self._lengths, self._token_ids, self._hashes, self._cached):
+            del per_seq[seq_id]
 
     # -- helpers
 
@@ -168,10 +250,11 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r}")
 
     def _require_free(self, needed: int, what: str) -> None:
-        if needed > len(self._free):
+        free = self.num_free_blocks
+        if needed > free:
             raise OutOfBlocksError(
-                f"cannot {what}: needs {_count(needed, 'free block')}, {len(self._free)} of {self.num_blocks} "
-                f"{'is' if len(self._free) == 1 else 'are'} free"
+                f"cannot {what}: needs {_count(needed, 'free block')}, {free} of {self.num_blocks} "
+                f"{'is' if free == 1 else 'are'} free"
             )
 
     @staticmethod
@@ -180,11 +263,49 @@ class BlockManager:
             raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
         return int(value)
 
+    def _check_token_ids(self, token_ids, num_tokens: int) -> list[int] | None:
+        """The token ids as ints (None when not given or caching is off)."""
+        if token_ids is None or not self.enable_prefix_caching:
+            return None
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.shape[0] != num_tokens or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got "
+                             f"{ids.shape[0] if ids.ndim == 1 else ids.shape} of {ids.dtype}")
+        return [int(t) for t in ids]
+
+    def _chain(self, hashes: list[bytes], tokens: list[int], start_block: int) -> list[bytes]:
+        """Hashes of the full blocks from ``start_block`` on: each covers its tokens and, through
+        the previous hash, every token before them."""
+        out = []
+        previous = hashes[start_block - 1] if start_block else b""
+        for block in range(start_block, len(tokens) // self.block_size):
+            chunk = np.asarray(tokens[block * self.block_size:(block + 1) * self.block_size], np.int64)
+            previous = hashlib.sha256(previous + chunk.tobytes()).digest()
+            out.append(previous)
+        return out
+
+    def _register(self, blocks: list[int], hashes: list[bytes], start: int) -> None:
+        """Make blocks[start:len(hashes)] shareable under their hashes (a prefix already cached in
+        another block keeps that block)."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(start, len(hashes)):
+            block, digest = blocks[index], hashes[index]
+            if digest not in self._block_of_hash and block not in self._hash_of_block:
+                self._block_of_hash[digest] = block
+                self._hash_of_block[block] = digest
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
-        block = self._free.pop()
+        """A fresh block: a never-cached free one, else the least recently freed cached one, whose
+        hash is forgotten."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of_hash[self._hash_of_block.pop(block)]
         self.refcount[block] = 1
         return block
 

@@ -123,6 +123,172 @@ TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """The same model with prefix caching on: prompts share random prefixes over a tiny vocabulary
+    (so equal blocks are common), a prompt's cached slots must already hold its tokens and are
+    never written, and every sequence still reads back its own tokens."""
+
+    PREFIXES = ([], [1, 2, 3, 0, 1, 2, 3, 0, 1], [3, 3, 1, 2, 0, 0, 2, 1, 3, 3, 1, 2, 0])
+
+    def __init__(self):
+        super().__init__()
+        self.manager = cuattn.BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.tokens: dict[int, list[int]] = {}
+        self.pool = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, np.int64)
+        self.next_seq = 0
+        self.next_unknown = -2  # the contents of tokens appended without ids: unique negatives
+
+    def _snapshot(self):
+        m = self.manager
+        return (m.refcount.tolist(), list(m._free), list(m._evictable), dict(m._block_of_hash),
+                {k: list(v) for k, v in m._tables.items()}, dict(m._lengths))
+
+    def _write(self, seq, slots, ids):
+        written = np.unique(slots // BLOCK_SIZE)
+        assert (self.manager.refcount[written] == 1).all(), "a write lands in a shared block"
+        self.pool[slots] = ids
+
+    @rule(prefix=st.integers(0, 2), suffix=st.lists(st.integers(0, 3), max_size=7))
+    def allocate(self, prefix, suffix):
+        prompt = list(self.PREFIXES[prefix]) + suffix
+        seq = self.next_seq
+        self.next_seq += 1
+        before = self._snapshot()
+        try:
+            slots = self.manager.allocate(seq, len(prompt), token_ids=prompt)
+        except cuattn.OutOfBlocksError:
+            assert self._snapshot() == before
+            return
+        cached = self.manager.cached_tokens(seq)
+        assert cached % BLOCK_SIZE == 0 and cached <= max(len(prompt) - 1, 0)
+        # the cached prefix's KV is already in the pool: exactly this prompt's tokens
+        assert self.pool[slots[:cached]].tolist() == prompt[:cached]
+        self._write(seq, slots[cached:], prompt[cached:])
+        self.tokens[seq] = prompt
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), ids=st.lists(st.integers(0, 3), min_size=1, max_size=6), known=st.booleans())
+    def append(self, data, ids, known):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        if not known:
+            ids = list(range(self.next_unknown, self.next_unknown - len(ids), -1))
+            self.next_unknown -= len(ids)
+        before = self._snapshot()
+        try:
+            slots, copies = self.manager.append(seq, len(ids), token_ids=ids if known else None)
+        except cuattn.OutOfBlocksError:
+            assert self._snapshot() == before
+            return
+        for src, dst in copies:
+            self.pool[dst * BLOCK_SIZE:(dst + 1) * BLOCK_SIZE] = self.pool[src * BLOCK_SIZE:(src + 1) * BLOCK_SIZE]
+        self._write(seq, slots, ids)
+        self.tokens[seq] = self.tokens[seq] + ids
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self.next_seq
+        self.next_seq += 1
+        self.manager.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.manager.free(seq)
+        del self.tokens[seq]
+
+    @invariant()
+    def refcounts_match_tables(self):
+        counts = np.zeros(NUM_BLOCKS, np.int64)
+        for seq in self.tokens:
+            for block in self.manager.blocks(seq):
+                counts[block] += 1
+        assert np.array_equal(counts, self.manager.refcount)
+
+    @invariant()
+    def free_cached_and_used_partition_the_pool(self):
+        m = self.manager
+        never_cached, evictable = set(m._free), set(m._evictable)
+        assert len(never_cached) + len(evictable) == m.num_free_blocks and not never_cached & evictable
+        used = {b for seq in self.tokens for b in m.blocks(seq)}
+        assert not (never_cached | evictable) & used
+        assert m.num_free_blocks + len(used) == NUM_BLOCKS
+        # a free block is in the cache exactly when it waits for eviction
+        assert all(b in m._hash_of_block for b in evictable) and not any(b in m._hash_of_block for b in never_cached)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for seq, ids in self.tokens.items():
+            table, lens = self.manager.block_table([seq])
+            t = np.arange(lens[0])
+            assert self.pool[table[0, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE].tolist() == ids
+
+
+TestPrefixCaching = PrefixCachingMachine.TestCase
+TestPrefixCaching.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_caching_shares_whole_blocks_and_computes_the_last_token():
+    m = cuattn.BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    m.allocate("a", 10, token_ids=prompt)
+    assert m.cached_tokens("a") == 0 and m.num_cached_blocks == 2  # two full blocks of "a"
+    slots = m.allocate("b", 11, token_ids=prompt[:9] + [77, 78])
+    assert m.cached_tokens("b") == 8 and m.blocks("b")[:2] == m.blocks("a")[:2]
+    assert m.refcount[m.blocks("a")[0]] == 2
+    a_blocks = m.blocks("a")
+    assert slots[:8].tolist() == [a_blocks[t // 4] * 4 + t % 4 for t in range(8)]  # a's own slots
+    # the same 8-token prompt again: at most 7 tokens may come from the cache, so one block
+    m.allocate("c", 8, token_ids=prompt[:8])
+    assert m.cached_tokens("c") == 4
+    # without token ids, or with caching off, nothing is shared
+    m.allocate("d", 10)
+    assert m.cached_tokens("d") == 0
+    plain = cuattn.BlockManager(16, 4)
+    plain.allocate("a", 10, token_ids=prompt)
+    plain.allocate("b", 10, token_ids=prompt)
+    assert plain.cached_tokens("b") == 0 and plain.num_cached_blocks == 0
+
+
+def test_freed_cached_blocks_stay_free_and_are_evicted_least_recently_freed_first():
+    m = cuattn.BlockManager(4, 2, enable_prefix_caching=True)
+    m.allocate("a", 3, token_ids=[1, 2, 3])   # blocks: [1 2] cached, [3]
+    m.allocate("b", 3, token_ids=[5, 6, 7])   # blocks: [5 6] cached, [7]
+    a_first, b_first = m.blocks("a")[0], m.blocks("b")[0]
+    m.free("a")
+    m.free("b")
+    assert m.num_free_blocks == 4 and m.num_cached_blocks == 2
+    # two never-cached blocks go first; the third fresh block evicts "a"'s (freed before "b"'s)
+    m.allocate("c", 6)
+    assert a_first in m.blocks("c") and b_first not in m.blocks("c") and m.num_cached_blocks == 1
+    m.free("c")
+    m.allocate("d", 3, token_ids=[5, 6, 9])
+    assert m.cached_tokens("d") == 2 and m.blocks("d")[0] == b_first
+
+
+def test_prefix_caching_errors_and_out_of_blocks_change_nothing():
+    with pytest.raises(TypeError, match="enable_prefix_caching must be a bool, got 1"):
+        cuattn.BlockManager(4, 2, enable_prefix_caching=1)
+    m = cuattn.BlockManager(3, 2, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match=r"token_ids must be 3 integers \(one per token\), got 2 of int64"):
+        m.allocate("a", 3, token_ids=np.array([1, 2], np.int64))
+    with pytest.raises(ValueError, match=r"token_ids must be 2 integers \(one per token\), got 2 of float64"):
+        m.allocate("a", 2, token_ids=[1.5, 2.0])
+    m.allocate("a", 4, token_ids=[1, 2, 3, 4])
+    m.free("a")  # both blocks cached and free
+    before = (m.refcount.tolist(), list(m._free), list(m._evictable), dict(m._block_of_hash))
+    # sharing [1 2] takes one free cached block; the rest needs 3 more: 4 > 3 free
+    with pytest.raises(cuattn.OutOfBlocksError, match=r"needs 4 free blocks, 3 of 3 are free"):
+        m.allocate("b", 7, token_ids=[1, 2, 9, 9, 9, 9, 9])
+    assert (m.refcount.tolist(), list(m._free), list(m._evictable), dict(m._block_of_hash)) == before
+    assert "b" not in m
+    with pytest.raises(KeyError, match="unknown sequence 'zz'"):
+        m.cached_tokens("zz")
+
+
 def test_block_manager_errors():
     m = cuattn.BlockManager(4, 2)
     m.allocate("a", 3)
