@@ -269,6 +269,13 @@ def check_same_dtype(name: str, x, ref_name: str, ref) -> None:
         )
 
 
+def check_int(name: str, value, minimum: int) -> int:
+    """A host count or length: an int (not a bool) of at least ``minimum``; returned as an int."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def check_int32(name: str, x) -> None:
     if np.dtype(x.dtype) != np.int32:
         raise TypeError(f"{name}.dtype must be int32, got {dtype_name(x.dtype)}")

@@ -387,8 +387,7 @@ def _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, q, k, host: bool) -
     on the host also the prefix sums' values."""
     check_prefix_sums(cuq, cuk)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        _arrays.check_int(name, value, 0)
     if host:
         _check_host_cu_seqlens(cuq, q.shape[0], max_seqlen_q, "q")
         _check_host_cu_seqlens(cuk, k.shape[0], max_seqlen_k, "k")

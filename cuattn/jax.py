@@ -143,9 +143,7 @@ def _check_dtypes(named: dict) -> None:
 
 def _check_length(name: str, value, minimum: int) -> int:
     _check_static(name, value)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
+    return _arrays.check_int(name, value, minimum)
 
 
 def _lse_shape(out_shape) -> tuple:

@@ -149,7 +149,7 @@ class BlockManager:
         blocks shareable."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already exists; free it first or pick another id")
-        num_tokens = self._check_count("num_tokens", num_tokens, minimum=0)
+        num_tokens = _arrays.check_int("num_tokens", num_tokens, minimum=0)
         tokens = self._check_token_ids(token_ids, num_tokens)
         hashes = self._chain([], tokens, 0) if tokens is not None else []
         # the longest cached prefix of whole blocks, leaving at least the last token to compute
@@ -185,7 +185,7 @@ class BlockManager:
         tokens came once without ids caches no further blocks).
         """
         self._require(seq_id)
-        num_tokens = self._check_count("num_tokens", num_tokens, minimum=1)
+        num_tokens = _arrays.check_int("num_tokens", num_tokens, minimum=1)
         new_tokens = self._check_token_ids(token_ids, num_tokens)
         blocks, length = self._tables[seq_id], self._lengths[seq_id]
         partial = length % self.block_size != 0
@@ -256,12 +256,6 @@ class BlockManager:
                 f"cannot {what}: needs {_count(needed, 'free block')}, {free} of {self.num_blocks} "
                 f"{'is' if free == 1 else 'are'} free"
             )
-
-    @staticmethod
-    def _check_count(name: str, value, minimum: int) -> int:
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-        return int(value)
 
     def _check_token_ids(self, token_ids, num_tokens: int) -> list[int] | None:
         """The token ids as ints (None when not given or caching is off)."""
@@ -337,8 +331,7 @@ class PagedKVCache:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            _arrays.check_int(name, value, 1)
         if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
         if head_dim not in _decode.DECODE_TILES:
