@@ -123,7 +123,7 @@ TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-class PrefixCachingMachine(RuleBasedStateMachine):
+class PrefixCachingMachine(BlockManagerMachine):
     """The same model with prefix caching on: prompts share random prefixes over a tiny vocabulary
     (so equal blocks are common), a prompt's cached slots must already hold its tokens and are
     never written, and every sequence still reads back its own tokens."""
@@ -131,11 +131,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
     PREFIXES = ([], [1, 2, 3, 0, 1, 2, 3, 0, 1], [3, 3, 1, 2, 0, 0, 2, 1, 3, 3, 1, 2, 0])
 
     def __init__(self):
-        super().__init__()
+        super().__init__()  # its fork and free rules and its refcount and read-back invariants serve here too
         self.manager = cuattn.BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
-        self.tokens: dict[int, list[int]] = {}
-        self.pool = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, np.int64)
-        self.next_seq = 0
         self.next_unknown = -2  # the contents of tokens appended without ids: unique negatives
 
     def _snapshot(self):
@@ -184,32 +181,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self._write(seq, slots, ids)
         self.tokens[seq] = self.tokens[seq] + ids
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        child = self.next_seq
-        self.next_seq += 1
-        self.manager.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.manager.free(seq)
-        del self.tokens[seq]
-
     @invariant()
-    def refcounts_match_tables(self):
-        counts = np.zeros(NUM_BLOCKS, np.int64)
-        for seq in self.tokens:
-            for block in self.manager.blocks(seq):
-                counts[block] += 1
-        assert np.array_equal(counts, self.manager.refcount)
-
-    @invariant()
-    def free_cached_and_used_partition_the_pool(self):
+    def free_and_used_partition_the_pool(self):  # the base's, with cached free blocks
         m = self.manager
         never_cached, evictable = set(m._free), set(m._evictable)
         assert len(never_cached) + len(evictable) == m.num_free_blocks and not never_cached & evictable
@@ -218,13 +191,6 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         assert m.num_free_blocks + len(used) == NUM_BLOCKS
         # a free block is in the cache exactly when it waits for eviction
         assert all(b in m._hash_of_block for b in evictable) and not any(b in m._hash_of_block for b in never_cached)
-
-    @invariant()
-    def every_sequence_reads_its_own_tokens(self):
-        for seq, ids in self.tokens.items():
-            table, lens = self.manager.block_table([seq])
-            t = np.arange(lens[0])
-            assert self.pool[table[0, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE].tolist() == ids
 
 
 TestPrefixCaching = PrefixCachingMachine.TestCase
