@@ -151,6 +151,8 @@ def test_sinks_argument_errors(rng):
         cuattn.attention(q, q, q, sinks=cupy.zeros(4, cupy.float16))
     with pytest.raises(ValueError, match=r"sinks must be 1-D \(Hq\)"):
         cuattn.attention(q, q, q, sinks=cupy.zeros((1, 4), cupy.float32))
+    with pytest.raises(ValueError, match="sinks must be contiguous, got a stride of 2 elements"):
+        cuattn.attention(q, q, q, sinks=cupy.zeros(8, cupy.float32)[::2])
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
