@@ -13,6 +13,7 @@ from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
+from .fp8 import fp8_scales, quantize_fp8
 from .paged import BlockManager, PagedKVCache, paged_attention, plan_paged_attention
 
 __all__ = [
@@ -28,10 +29,12 @@ __all__ = [
     "attention_varlen_backward",
     "build",
     "decode",
+    "fp8_scales",
     "info",
     "merge_states",
     "paged_attention",
     "plan_decode",
     "plan_paged_attention",
+    "quantize_fp8",
     "reference",
 ]

@@ -16,6 +16,7 @@ transformations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 
 import ml_dtypes
@@ -25,6 +26,13 @@ FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # numpy dtype -> the C++ type the kernels are instantiated with
 CUDA_TYPES = {FLOAT16: "__half", BFLOAT16: "__nv_bfloat16"}
+# FP8 KV caches hold float8 e4m3 (e4m3fn: no infinities, largest value 448). NumPy holds it as
+# ml_dtypes' float8_e4m3fn; CuPy has no float8 type and holds the bytes as uint8 (so a uint8
+# cache is read as e4m3, on the host too); torch.float8_e4m3fn tensors are viewed as uint8.
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_STORAGE = np.dtype(np.uint8)
+E4M3_TYPE = "cuattn::e4m3"
+E4M3_MAX = 448.0
 # Kernels move 16 bytes per thread per load; every row they address must start on that boundary.
 VECTOR_BYTES = 16
 
@@ -141,9 +149,12 @@ class ArrayContext:
             return x
         import cupy
 
-        if self.kind == "torch" and x.requires_grad:
-            # the kernels do not record autograd history (cuattn.torch does): share the storage
-            x = x.detach()
+        if self.kind == "torch":
+            if x.requires_grad:
+                # the kernels do not record autograd history (cuattn.torch does): share the storage
+                x = x.detach()
+            if x.dtype == _torch_e4m3():
+                x = x.view(torch_uint8())  # CuPy has no float8 type: its bytes, as CuPy holds e4m3
         return cupy.from_dlpack(x)
 
     def to_caller(self, x):
@@ -191,6 +202,18 @@ def array_context(**named):
         yield ArrayContext(kind, stream, device_id)
 
 
+def _torch_e4m3():
+    import torch
+
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
 def _device_of(x) -> int:
     return int(x.device.id)
 
@@ -207,6 +230,8 @@ def to_numpy(x) -> np.ndarray:
 
         if x.dtype == torch.bfloat16:
             return x.detach().float().cpu().numpy().astype(BFLOAT16)
+        if x.dtype == _torch_e4m3():
+            return x.detach().view(torch.uint8).cpu().numpy().view(FLOAT8_E4M3)
         return x.detach().cpu().numpy()
     return np.asarray(x)
 
@@ -248,7 +273,7 @@ def check_float_dtype(name: str, x) -> None:
 def check_host_float_dtype(name: str, x) -> None:
     """NumPy inputs run the float64 reference, so any float dtype is fine; integers are not."""
     dtype = np.dtype(x.dtype)
-    if dtype.kind != "f" and dtype != BFLOAT16:
+    if dtype.kind != "f" and dtype not in (BFLOAT16, FLOAT8_E4M3):
         raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected a floating-point dtype")
 
 
@@ -329,3 +354,85 @@ def check_sinks(sinks, num_heads: int, host: bool, ref_name: str, ref) -> None:
     check_same_device("sinks", sinks, ref_name, ref)
     if sinks.size and element_strides(sinks)[0] != 1:
         raise ValueError(f"sinks must be contiguous, got a stride of {element_strides(sinks)[0]} elements")
+
+
+def is_array(x) -> bool:
+    """An array argument (NumPy scalars count as numbers, like Python floats)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.generic)
+
+
+def is_e4m3(x) -> bool:
+    """Whether a KV array holds e4m3: float8_e4m3fn (NumPy), or its uint8 storage (CuPy, NumPy)."""
+    return np.dtype(x.dtype) in (FLOAT8_E4M3, E4M3_STORAGE)
+
+
+def as_e4m3(x):
+    """A host e4m3 array as ml_dtypes' float8_e4m3fn (uint8 bytes are reinterpreted, not converted)."""
+    return x.view(FLOAT8_E4M3) if np.dtype(x.dtype) == E4M3_STORAGE else x
+
+
+def check_kv_dtypes(q, named_kv: dict, host: bool) -> bool:
+    """The caches hold q's dtype, or both hold e4m3 (q then fp16 or bf16; any float on the host).
+    Returns whether they are e4m3."""
+    (k_name, k), (v_name, v) = named_kv.items()
+    if not is_e4m3(k):
+        check_dtypes({"q": q, k_name: k, v_name: v}, host)
+        return False
+    (check_host_float_dtype if host else check_float_dtype)("q", q)
+    if np.dtype(v.dtype) != np.dtype(k.dtype):
+        raise TypeError(f"{v_name}.dtype must equal {k_name}.dtype = {dtype_name(k.dtype)} (an e4m3 cache holds "
+                        f"both in e4m3), got {dtype_name(v.dtype)}")
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class KvScale:
+    """A checked descale of an e4m3 cache: real value = stored x factor x array[h * stride].
+    ``factor`` is a host float (1 when the scale is an array), ``array`` a float32 ``(Hk,)`` or
+    one-element array (stride 0) or None."""
+
+    factor: float = 1.0
+    array: object = None
+    stride: int = 0
+
+    def per_head(self, num_kv_heads: int) -> np.ndarray:
+        """Host float64 ``(Hk,)`` values (the reference path)."""
+        values = np.ones(num_kv_heads) * self.factor
+        if self.array is not None:
+            values = values * np.asarray(self.array, np.float64).reshape(-1)[np.arange(num_kv_heads) * self.stride]
+        return values
+
+
+NO_SCALE = KvScale()
+
+
+def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, ref_name: str, ref) -> KvScale:
+    """``k_scale`` / ``v_scale``: None (1), a positive finite float, or a float32 array of shape
+    ``()``, ``(1,)`` or ``(Hk,)`` on ``ref``'s device (any float dtype on the host); only with an
+    e4m3 cache, whose real values are stored x scale."""
+    if scale is None:
+        return NO_SCALE
+    if not e4m3:
+        raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds {dtype_name(ref.dtype)}")
+    if not is_array(scale) and isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+        value = float(scale)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        return KvScale(value)
+    if not is_array(scale):
+        raise TypeError(f"{name} must be a float or a float32 array of shape (), (1,) or (Hk,) = "
+                        f"({num_kv_heads},), got {type(scale).__name__}")
+    shape = tuple(int(n) for n in scale.shape)
+    if shape not in ((), (1,), (num_kv_heads,)):
+        raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({num_kv_heads},) (per tensor or per kv head), "
+                         f"got {shape}")
+    per_head = shape == (num_kv_heads,) and num_kv_heads > 1
+    if host:
+        check_host_float_dtype(name, scale)
+        return KvScale(1.0, np.asarray(scale).reshape(-1), int(per_head))
+    if np.dtype(scale.dtype) != np.float32:
+        raise TypeError(f"{name}.dtype must be float32, got {dtype_name(scale.dtype)}")
+    check_same_device(name, scale, ref_name, ref)
+    if per_head and element_strides(scale)[0] != 1:
+        raise ValueError(f"{name} must be contiguous, got a stride of {element_strides(scale)[0]} elements")
+    return KvScale(1.0, scale, int(per_head))

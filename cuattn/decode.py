@@ -14,6 +14,11 @@ Layouts (any strides on the leading axes; the last axis is contiguous):
     k_cache, v_cache (B, S_max, Hk, D)     cache_seqlens (B,) int32 on the device
     out            (B, Sq_new, Hq, D)      lse (B, Hq, Sq_new) float32, natural log
 
+The caches hold q's dtype, or float8 e4m3 (FP8) with descales ``k_scale``, ``v_scale`` (real value
+= stored x scale, per tensor or per kv head): the kernel reads half the bytes and widens them to
+q's dtype in registers (``cuda_src/fp8.cuh``); the descales fold into the score scale and the
+output, outside the GEMMs.
+
 ``cache_seqlens[b]`` counts every key of row b, the new tokens' own included (write them into
 the cache first). With ``causal``, new token i of row b sees keys ``j <= cache_seqlens[b] -
 Sq_new + i``. NumPy inputs run the float64 reference on the CPU.
@@ -49,11 +54,12 @@ class DecodeTile:
     max_mt: int
     stages: int
 
-    def smem_bytes(self, head_dim: int, itemsize: int, mt: int) -> int:
-        """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers)."""
-        stride = head_dim + _params.constant("kPadElems")
-        q_tile = 16 * mt * stride * itemsize
-        ring = self.stages * 2 * _params.constant("kDecodeBlockN") * stride * itemsize
+    def smem_bytes(self, head_dim: int, itemsize: int, mt: int, kv_itemsize: int) -> int:
+        """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers); K/V
+        rows are padded by 16 bytes whatever their element size (KvRow)."""
+        q_tile = 16 * mt * (head_dim + _params.constant("kPadElems")) * itemsize
+        kv_row_bytes = head_dim * kv_itemsize + _params.constant("kCopyBytes")
+        ring = self.stages * 2 * _params.constant("kDecodeBlockN") * kv_row_bytes
         merge = 4 * 16 * mt * (head_dim + 2) * 4
         return q_tile + max(ring, merge)
 
@@ -72,13 +78,17 @@ MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 
 
 @functools.lru_cache(maxsize=None)
-def decode_spec(dtype, head_dim: int, mt: int, paged: bool) -> _jit.KernelSpec:
+def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False) -> _jit.KernelSpec:
+    """A decode kernel for q of ``dtype`` over a cache of ``dtype``, or of e4m3 with ``e4m3``."""
     tile = DECODE_TILES[head_dim]
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
+    kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     return _jit.KernelSpec(
-        "decode.cu", f"cuattn::{kernel}<{ctype}, {head_dim}, {mt}, {tile.stages}>",
-        threads=_params.constant("kDecodeThreads"), smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt),
+        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}>",
+        threads=_params.constant("kDecodeThreads"),
+        smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
 
 
@@ -94,7 +104,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     for dtype in _arrays.CUDA_TYPES:
         for d, tile in DECODE_TILES.items():
             for mt in range(1, tile.max_mt + 1):
-                specs += [decode_spec(dtype, d, mt, paged=False), decode_spec(dtype, d, mt, paged=True)]
+                for e4m3 in (False, True):
+                    specs += [decode_spec(dtype, d, mt, paged=False, e4m3=e4m3),
+                              decode_spec(dtype, d, mt, paged=True, e4m3=e4m3)]
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
     specs.append(combine_spec(np.float32, np.float32))
     return specs
@@ -156,12 +168,14 @@ def ctas_per_sm(spec: _jit.KernelSpec) -> int:
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None, v_scale=None):
     """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
 
     Args:
         q: ``(B, Sq_new, Hq, D)``, Sq_new from 1 to 16, float16 or bfloat16.
-        k_cache, v_cache: ``(B, S_max, Hk, D)``, same dtype, ``Hq % Hk == 0``.
+        k_cache, v_cache: ``(B, S_max, Hk, D)``, ``Hq % Hk == 0``: q's dtype, or both float8
+            e4m3 (``torch.float8_e4m3fn``, CuPy ``uint8`` holding the bytes, NumPy
+            ``ml_dtypes.float8_e4m3fn``; :func:`cuattn.quantize_fp8` makes them).
         cache_seqlens: ``(B,)`` int32, keys in each row's cache (new tokens included). Values
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
@@ -169,16 +183,19 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         causal, scale, window, softcap, sinks: as in :func:`cuattn.attention`, with
             Sk = cache_seqlens[b] per row.
         return_lse: also return lse ``(B, Hq, Sq_new)`` float32 (natural log).
+        k_scale, v_scale: descales of an e4m3 cache (real value = stored x scale): None (1), a
+            float, or a float32 array ``()``, ``(1,)`` or ``(Hk,)`` (per kv head) on q's device,
+            read on the device (no sync; update it in place between steps).
 
     Returns:
-        ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
+        ``out`` ``(B, Sq_new, Hq, D)`` in q's dtype, or ``(out, lse)``, in the framework of the inputs.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, planning=False)
+                   return_lse, k_scale, v_scale, planning=False)
 
 
 def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-                window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+                window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None, v_scale=None):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
 
     Takes the arguments of :func:`decode` (CuPy or torch arrays) and checks them once. The plan
@@ -189,25 +206,54 @@ def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=T
     in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, planning=True)
+                   return_lse, k_scale, v_scale, planning=True)
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, return_lse, *,
-            planning: bool):
+def scale_arrays(k_scale, v_scale) -> dict:
+    """The scales given as arrays, by argument name (floats are options, not arrays)."""
+    return {name: x for name, x in (("k_scale", k_scale), ("v_scale", v_scale)) if _arrays.is_array(x)}
+
+
+def scale_options(k_scale, v_scale) -> tuple:
+    """What a plan key holds of the scales: floats by value, arrays by their signature (elsewhere)."""
+    return tuple(None if x is None or _arrays.is_array(x) else x for x in (k_scale, v_scale))
+
+
+def check_cache_scales(q, k, v, k_scale, v_scale, names, host: bool):
+    """The caches' element type and descales: ``(e4m3, k KvScale, v KvScale)``."""
+    e4m3 = _arrays.check_kv_dtypes(q, dict(zip(names, (k, v))), host)
+    num_kv_heads = int(k.shape[2])
+    ks = _arrays.check_kv_scale("k_scale", k_scale, e4m3, num_kv_heads, host, "q", q)
+    vs = _arrays.check_kv_scale("v_scale", v_scale, e4m3, num_kv_heads, host, "q", q)
+    return e4m3, ks, vs
+
+
+def dequantize(x, scale: _arrays.KvScale):
+    """The real values of a host e4m3 cache [..., Hk, D] (float64), for the reference."""
+    per_head = scale.per_head(int(x.shape[-2]))
+    return _arrays.as_e4m3(x).astype(np.float64) * per_head[:, None]
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, return_lse,
+            k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks),
-                          (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
+    scales = scale_arrays(k_scale, v_scale)
+    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks, scales.get("k_scale"),
+                                     scales.get("v_scale")),
+                          (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
+                           scale_options(k_scale, v_scale)))
     plan = None if planning else _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_cache, v_cache, cache_seqlens, sinks)
+        result = plan(q, k_cache, v_cache, cache_seqlens, sinks, scales.get("k_scale"), scales.get("v_scale"))
         if result is not None:
             return result
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                               sinks=sinks) as ctx:
+                               sinks=sinks, **scales) as ctx:
         qv, kv, vv, lens, sv = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks))
+        k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) else x for x in (k_scale, v_scale))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
-        _arrays.check_dtypes({"q": qv, "k_cache": kv, "v_cache": vv}, ctx.on_host)
+        e4m3, ks, vs = check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_cache", "v_cache"), ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         if ctx.on_host:
@@ -216,6 +262,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
                                 "the CPU reference")
             # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
             lens = np.clip(lens, 0, int(kv.shape[1]))
+            if e4m3:
+                kv, vv = dequantize(kv, ks), dequantize(vv, vs)
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
                                       softcap=softcap, return_lse=True, sinks=sv)
             return _host_result(result, qv, return_lse)
@@ -230,12 +278,13 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv,
+            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv, e4m3=e4m3,
+            k_scale=ks, v_scale=vs,
         )
         if step is not None:
             return step
-        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks"), bound, workspace, qv.shape,
-                                              (batch, num_heads, sq_new), return_lse))
+        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "k_scale", "v_scale"), bound,
+                                              workspace, qv.shape, (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
@@ -356,7 +405,9 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
 
 
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  stream, split_length: int | None = None, step=None, sinks=None) -> tuple[list, int]:
+                  stream, split_length: int | None = None, step=None, sinks=None, e4m3: bool = False,
+                  k_scale: _arrays.KvScale = _arrays.NO_SCALE,
+                  v_scale: _arrays.KvScale = _arrays.NO_SCALE) -> tuple[list, int]:
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
     and ``lse`` [B, Hq, Sq_new] (or None).
 
@@ -364,8 +415,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
     ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
     Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
-    workspace, sinks) and the workspace bytes: the plan of later identical calls. ``sinks`` (float32
-    [Hq] or None) join in the decode kernel with one split, in the combine with several. With ``step`` (a
+    workspace, sinks, scales) and the workspace bytes: the plan of later identical calls. ``sinks``
+    (float32 [Hq] or None) join in the decode kernel with one split, in the combine with several.
+    ``e4m3``: k and v hold e4m3 bytes, with descales ``k_scale`` and ``v_scale``. With ``step`` (a
     :class:`cuattn._calls.StepPlan`) nothing runs: the launches, with a workspace the step
     owns, are added to it instead.
     """
@@ -376,7 +428,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     tile = DECODE_TILES[head_dim]
     mt = 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
-    spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
+    spec = decode_spec(q.dtype, head_dim, mt, paged is not None, e4m3)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(), ctas_per_sm(spec) if paged is not None else 1)
@@ -406,7 +458,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mul, shift = fast_divisor(max(block_size, 1))
     params = _params.pack(
         "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
-        part_lse=part_lse, sinks=sinks, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
+        part_lse=part_lse, sinks=sinks, k_scale=k_scale.array, v_scale=v_scale.array, k_descale=k_scale.factor,
+        v_descale=v_scale.factor, k_scale_stride=k_scale.stride, v_scale_stride=v_scale.stride, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
         v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
         lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
         block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
@@ -422,7 +475,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
     bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
                                    "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role,
-                                   "sinks": "sinks"})]
+                                   "sinks": "sinks", "k_scale": "k_scale", "v_scale": "v_scale"})]
     if num_splits > 1:
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)

@@ -9,9 +9,10 @@ block carrying a reference count; a shared block is copied only when one of them
     BlockManager(num_blocks, block_size, enable_prefix_caching=False)
                                               host (NumPy): tables, refcounts, free list, and
                                               (prefix caching) full blocks keyed by their prefix
-    PagedKVCache(num_blocks, block_size, Hk, D, dtype)
+    PagedKVCache(num_blocks, block_size, Hk, D, dtype, k_scale=1.0, v_scale=1.0)
         k_pages, v_pages  (num_blocks, block_size, Hk, D)   device arrays (or NumPy with device="cpu")
-        write(k, v, slot_ids)     new tokens (N, Hk, D) into slots (block * block_size + offset)
+        write(k, v, slot_ids)     new tokens (N, Hk, D) into slots (block * block_size + offset);
+                                  an e4m3 cache quantises them with its scales
         copy_blocks(pairs)        (src, dst) page copies: the copy-on-write that append asks for
     paged_attention(q, cache, block_table, seq_lens, ...)   decode over the block table
 
@@ -325,9 +326,17 @@ class PagedKVCache:
     ``device="cuda"`` (default) keeps the pages in CuPy arrays on the current GPU;
     ``device="cpu"`` keeps them in NumPy arrays (writes and copies then run in NumPy, and
     ``paged_attention`` on NumPy queries runs the float64 reference).
+
+    ``dtype`` float16 or bfloat16, or float8 e4m3 (``ml_dtypes.float8_e4m3fn``, ``"float8_e4m3fn"``
+    or ``torch.float8_e4m3fn``): an FP8 cache takes half the memory, and ``write`` stores
+    round-to-nearest-even(x / scale) saturated to +-448 from fp16, bf16 or fp32 tokens. ``k_scale``
+    and ``v_scale`` (real value = stored x scale) are floats or ``(Hk,)`` arrays (per kv head; see
+    :func:`cuattn.fp8_scales`), fixed for the cache's life and used by ``paged_attention``. The
+    pages of a GPU FP8 cache are CuPy uint8 arrays holding the e4m3 bytes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda"):
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda", *,
+                 k_scale=1.0, v_scale=1.0):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
@@ -337,9 +346,11 @@ class PagedKVCache:
         if head_dim not in _decode.DECODE_TILES:
             supported = ", ".join(map(str, _decode.SUPPORTED_HEAD_DIMS))
             raise ValueError(f"head_dim = {head_dim} is not supported; supported head dims: {supported}")
-        dtype = np.dtype(dtype)
-        if device == "cuda" and dtype not in _arrays.CUDA_TYPES:
-            raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16 or bfloat16")
+        dtype = _cache_dtype(dtype)
+        self.e4m3 = dtype == _arrays.FLOAT8_E4M3
+        if device == "cuda" and dtype not in _arrays.CUDA_TYPES and not self.e4m3:
+            raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16, bfloat16 or "
+                            "float8_e4m3fn")
         if device == "cpu":
             _arrays.check_host_float_dtype("dtype", np.empty(0, dtype))
             xp = np
@@ -347,10 +358,27 @@ class PagedKVCache:
             _jit.require_gpu()
             import cupy as xp
         shape = (int(num_blocks), int(block_size), int(num_kv_heads), head_dim)
-        self.k_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
-        self.v_pages = xp.zeros(shape, dtype)  # [num_blocks, block_size, Hk, D]
+        # the pages' storage: e4m3 bytes are uint8 in CuPy, which has no float8 type
+        storage = _arrays.E4M3_STORAGE if self.e4m3 and device == "cuda" else dtype
+        self.k_pages = xp.zeros(shape, storage)  # [num_blocks, block_size, Hk, D]
+        self.v_pages = xp.zeros(shape, storage)  # [num_blocks, block_size, Hk, D]
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), head_dim, dtype, device
+        # per kv head, float32, where the pages are: the write kernel and paged_attention read them
+        self.k_scale, self.v_scale = (self._scale_per_head(name, value, xp)
+                                      for name, value in (("k_scale", k_scale), ("v_scale", v_scale)))
+
+    def _scale_per_head(self, name: str, value, xp):
+        """A cache scale as float32 ``(Hk,)`` on the pages' device; only an e4m3 cache has scales other than 1."""
+        host = np.asarray(_arrays.to_numpy(value) if hasattr(value, "shape") else value, np.float64)
+        if host.shape not in ((), (1,), (self.num_kv_heads,)):
+            raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({self.num_kv_heads},), got {host.shape}")
+        if not (np.isfinite(host).all() and (host > 0).all()):
+            raise ValueError(f"{name} must be positive and finite, got {host.tolist()}")
+        if not self.e4m3 and (host != 1).any():
+            raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds "
+                             f"{_arrays.dtype_name(self.dtype)}")
+        return xp.asarray(np.broadcast_to(host.reshape(-1), (self.num_kv_heads,)).astype(np.float32))
 
     @property
     def num_slots(self) -> int:
@@ -359,7 +387,8 @@ class PagedKVCache:
     def write(self, k, v, slot_ids) -> None:
         """Store new tokens' keys and values ``(N, Hk, D)`` at ``slot_ids`` ``(N,)`` (-1 = padding, skipped).
 
-        k and v have the cache's dtype. Each slot id appears at most once (the tokens are written
+        k and v have the cache's dtype; an e4m3 cache takes float16, bfloat16 or float32 and stores
+        round-to-nearest-even(x / scale) saturated to +-448. Each slot id appears at most once (the tokens are written
         in parallel, so two writes to one slot have no order). Host slot ids (NumPy, lists) are
         checked for both rules against the pool before launch, on either device; device slot ids
         are not read on the host (no sync): the kernel skips any outside the pool, and duplicates
@@ -374,7 +403,11 @@ class PagedKVCache:
             _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
             slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots)
             for name, x in (("k", kv_), ("v", vv_)):
-                if np.dtype(x.dtype) != self.dtype:
+                if self.e4m3:
+                    if np.dtype(x.dtype) not in QUANTIZED_WRITE_TYPES:
+                        raise TypeError(f"{name}.dtype is {_arrays.dtype_name(x.dtype)}; an e4m3 cache takes float16, "
+                                        "bfloat16 or float32 tokens and quantises them")
+                elif np.dtype(x.dtype) != self.dtype:
                     raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
                                     f"got {_arrays.dtype_name(x.dtype)}")
             if self.device == "cpu" or ctx.on_host:
@@ -421,7 +454,8 @@ class PagedKVCache:
         """CacheParams with the pages' fields filled in; the call's own fields come in ``fields``."""
         kp, vp = _arrays.element_strides(self.k_pages), _arrays.element_strides(self.v_pages)
         return _params.pack(
-            "CacheParams", k_pages=self.k_pages, v_pages=self.v_pages, kp_sp=kp[0], kp_ss=kp[1], kp_sh=kp[2],
+            "CacheParams", k_pages=self.k_pages, v_pages=self.v_pages,
+            k_scale=self.k_scale if self.e4m3 else None, v_scale=self.v_scale if self.e4m3 else None, kp_sp=kp[0], kp_ss=kp[1], kp_sh=kp[2],
             vp_sp=vp[0], vp_ss=vp[1], vp_sh=vp[2], num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             block_size=self.block_size, num_blocks=self.num_blocks, **fields,
         )
@@ -431,14 +465,20 @@ class PagedKVCache:
         slots = np.asarray(slots)[keep]
         xp = np if self.device == "cpu" else __import__("cupy")
         pages, offsets = slots // self.block_size, slots % self.block_size
-        self.k_pages[pages, offsets] = xp.asarray(k)[keep]
-        self.v_pages[pages, offsets] = xp.asarray(v)[keep]
+        k, v = xp.asarray(k)[keep], xp.asarray(v)[keep]
+        if self.e4m3:
+            k, v = (quantize_e4m3(_arrays.to_numpy(x), _arrays.to_numpy(scale))
+                    for x, scale in ((k, self.k_scale), (v, self.v_scale)))
+            if self.device == "cuda":
+                k, v = (xp.asarray(x.view(_arrays.E4M3_STORAGE)) for x in (k, v))
+        self.k_pages[pages, offsets] = k
+        self.v_pages[pages, offsets] = v
 
     def _launch_write(self, k, v, slots, stream) -> None:
         num_tokens = int(k.shape[0])
         if num_tokens == 0:
             return
-        spec = cache_spec("cache_write_kernel", self.dtype)
+        spec = cache_spec("cache_write_kernel", self.dtype, k.dtype)
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
         chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
         params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
@@ -448,9 +488,27 @@ class PagedKVCache:
 
 
 
+# What a quantising write (to an e4m3 cache) reads.
+QUANTIZED_WRITE_TYPES = {**_arrays.CUDA_TYPES, np.dtype(np.float32): "float"}
+
+
+def _cache_dtype(dtype) -> np.dtype:
+    """A cache dtype as NumPy's: torch.float8_e4m3fn and "float8_e4m3fn" name e4m3 too."""
+    if "float8_e4m3fn" in str(dtype):
+        return _arrays.FLOAT8_E4M3
+    return np.dtype(dtype)
+
+
+def quantize_e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Host e4m3 of x [..., Hk, D] / scale [Hk] (float32 division, as the write kernel does):
+    round to nearest even, saturated to +-448, NaN kept."""
+    ratio = x.astype(np.float32) / np.asarray(scale, np.float32).reshape(-1, 1)
+    return np.clip(ratio, -_arrays.E4M3_MAX, _arrays.E4M3_MAX).astype(_arrays.FLOAT8_E4M3)
+
+
 def _slot_array(slot_ids, num_tokens: int, num_slots: int):
     """Host slot ids are checked here; device ones pass through unread."""
-    if _arrays.array_kind(slot_ids) != "numpy" and not isinstance(slot_ids, (list, tuple)):
+    if not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids) != "numpy":
         return slot_ids
     slots = np.asarray(slot_ids)
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
@@ -475,20 +533,35 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int):
 CACHE_KERNELS = ("cache_write_kernel", "copy_blocks_kernel")
 
 
+def _cache_ctype(dtype) -> str:
+    dtype = np.dtype(dtype)
+    return _arrays.E4M3_TYPE if dtype in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE) else _arrays.CUDA_TYPES[dtype]
+
+
 @functools.lru_cache(maxsize=None)
-def cache_spec(name: str, dtype) -> _jit.KernelSpec:
-    """One of the cache kernels (CACHE_KERNELS) for one element type."""
-    return _jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{_arrays.CUDA_TYPES[np.dtype(dtype)]}>",
-                           threads=_params.constant("kCacheThreads"))
+def cache_spec(name: str, dtype, token_dtype=None) -> _jit.KernelSpec:
+    """One of the cache kernels (CACHE_KERNELS) for pages of ``dtype``; the write takes tokens of
+    ``token_dtype`` (default: the pages' own; fp16, bf16 or fp32 into e4m3 pages)."""
+    pages = _cache_ctype(dtype)
+    if name == "copy_blocks_kernel":
+        args = pages
+    else:
+        tokens = pages if token_dtype is None else QUANTIZED_WRITE_TYPES[np.dtype(token_dtype)]
+        args = f"{tokens}, {pages}"
+    return _jit.KernelSpec("cache_ops.cu", f"cuattn::{name}<{args}>", threads=_params.constant("kCacheThreads"))
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """The cache kernels (the paged attention variants are listed with decode's)."""
-    return [cache_spec(name, dtype) for dtype in _arrays.CUDA_TYPES for name in CACHE_KERNELS]
+    specs = [cache_spec(name, dtype) for dtype in _arrays.CUDA_TYPES for name in CACHE_KERNELS]
+    specs.append(cache_spec("copy_blocks_kernel", _arrays.FLOAT8_E4M3))
+    specs += [cache_spec("cache_write_kernel", _arrays.FLOAT8_E4M3, token) for token in QUANTIZED_WRITE_TYPES]
+    return specs
 
 
 def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, check=True):
+                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, check=True,
+                    k_scale=None, v_scale=None):
     """Decode or short chunked prefill (``Sq_new <= 16``) of a batch over a paged KV cache.
 
     Args:
@@ -506,16 +579,19 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             ``check=False`` to skip that (e.g. inside a CUDA graph): lengths are then clamped to
             the capacity and block ids to the pool on the device.
         num_splits, causal, scale, window, softcap, sinks, return_lse: as in :func:`cuattn.decode`.
+        k_scale, v_scale: descales of e4m3 pages given as a pair (as in :func:`cuattn.decode`); a
+            :class:`PagedKVCache` brings its own.
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, check, planning=False)
+                            softcap, sinks, return_lse, check, k_scale, v_scale, planning=False)
 
 
 def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None,
+                         v_scale=None):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one paged decode step.
 
     Takes the arguments of :func:`paged_attention`, with ``block_table`` and ``seq_lens`` as
@@ -525,28 +601,40 @@ def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, n
     count plans for (default: the table's capacity). See :func:`cuattn.plan_decode` for ``run``.
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, False, planning=True)
+                            softcap, sinks, return_lse, False, k_scale, v_scale, planning=True)
 
 
 def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window, softcap,
-                     sinks, return_lse, check, *, planning: bool):
+                     sinks, return_lse, check, k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
+    own_scales = {}  # a PagedKVCache's scales: its own arrays, on its own device
     if isinstance(cache, PagedKVCache):
         k_pages, v_pages = cache.k_pages, cache.v_pages
-        # a GPU cache's CuPy pages serve queries from any GPU framework
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale come with a PagedKVCache (its constructor's); pass them only "
+                             "with a (k_pages, v_pages) pair")
+        if cache.e4m3:
+            k_scale, v_scale = cache.k_scale, cache.v_scale
+            if cache.device == "cuda":
+                own_scales = {"k_scale": k_scale, "v_scale": v_scale}
+        # a GPU cache's CuPy pages (and scales) serve queries from any GPU framework
         named = {"q": q} if cache.device == "cuda" else {"q": q, "k_pages": k_pages, "v_pages": v_pages}
     else:
         k_pages, v_pages = _cache_pair(cache)
         named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
+    scales = _decode.scale_arrays(k_scale, v_scale)
     if sinks is not None:
         named["sinks"] = sinks
+    named.update({name: x for name, x in scales.items() if name not in own_scales})
     call_key = None
     if not (check or planning):
-        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks),
-                              (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
+        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks,
+                                                  scales.get("k_scale"), scales.get("v_scale")),
+                              (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
+                               _decode.scale_options(k_scale, v_scale)))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks)
+        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks, scales.get("k_scale"), scales.get("v_scale"))
         if result is not None:
             return result
     with _arrays.array_context(**named) as ctx:
@@ -573,7 +661,9 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         capacity = int(table.shape[1]) * block_size
         if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
-        _arrays.check_dtypes({"q": qv, "k_pages": kv, "v_pages": vv}, ctx.on_host)
+        k_scale, v_scale = (x if name in own_scales else ctx.view(x) if _arrays.is_array(x) else x
+                            for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+        e4m3, ks, vs = _decode.check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_pages", "v_pages"), ctx.on_host)
         sv = ctx.view(sinks)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
@@ -586,6 +676,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             if planning:
                 raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
                                 "cuattn.paged_attention for the CPU reference")
+            if e4m3:
+                kv, vv = _decode.dequantize(kv, ks), _decode.dequantize(vv, vs)
             result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,
                                                window=(left, right), softcap=softcap, return_lse=True, sinks=sv)
             return _decode._host_result(result, qv, return_lse)
@@ -608,14 +700,16 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         bound, workspace = _decode.launch_decode(
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
-            stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step, sinks=sv,
+            stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step, sinks=sv, e4m3=e4m3,
+            k_scale=ks, v_scale=vs,
         )
         if step is not None:
             return step
         if not (check or table_host or lens_host):
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
-            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks"), bound, workspace,
-                                                          qv.shape, (batch, num_heads, sq_new), return_lse))
+            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "k_scale", "v_scale"),
+                                                          bound, workspace, qv.shape, (batch, num_heads, sq_new),
+                                                          return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 

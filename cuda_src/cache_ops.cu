@@ -3,11 +3,14 @@
 //   cache_write_kernel  new tokens' keys and values k, v [N, Hk, D] into their slots of
 //                       k_pages, v_pages [num_blocks, block_size, Hk, D]; slot s is offset
 //                       s % block_size of page s / block_size. Slot -1 marks padding and is
-//                       skipped (as is any slot outside the pool). One thread moves 16 bytes.
+//                       skipped (as is any slot outside the pool). One thread writes 16 bytes.
+//                       Pages of e4m3 take round-to-nearest-even(x / scale[h]), saturated to
+//                       +-448 (fp8.cuh), from fp16, bf16 or fp32 tokens.
 //   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
 //                       a copy of page src: one launch for all pairs, 16-byte vectors.
 // Both take CacheParams (params.cuh).
 #include "common.cuh"
+#include "fp8.cuh"
 #include "mma.cuh"
 #include "params.cuh"
 
@@ -15,39 +18,59 @@ namespace cuattn {
 
 constexpr int kCacheThreads = 256;  // both kernels: one 16-byte chunk per thread
 
-// grid.x covers N * Hk * D / 8 chunks
-template <typename T>
+// Elements [col, col + 16 / sizeof(Tcache)) of one token's head: copied when the types agree,
+// quantised into one 16-byte store when the cache holds e4m3.
+template <typename T, typename Tcache>
+__device__ __forceinline__ void store_chunk(Tcache* dst, const T* src, const float* scale, int h) {
+  if constexpr (sizeof(Tcache) == sizeof(T)) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    constexpr int kElems = kCopyBytes / sizeof(Tcache);
+    const float s = scale[h];
+    // an IEEE division (the build's fast math would approximate x / s), so that the rounding to
+    // e4m3 matches NumPy's float32 x / scale bit for bit
+    union {
+      uint4 vector;
+      unsigned char bytes[kElems];
+    } packed;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) packed.bytes[i] = float_to_e4m3(__fdiv_rn(DType<T>::to_float(src[i]), s));
+    *reinterpret_cast<uint4*>(dst) = packed.vector;
+  }
+}
+
+// grid.x covers N * Hk * D / (16 / sizeof(Tcache)) chunks
+template <typename T, typename Tcache>
 __global__ void __launch_bounds__(kCacheThreads)
-cache_write_kernel(const __grid_constant__ CacheParams<T> p) {
+cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
+  static_assert(sizeof(Tcache) == sizeof(T) || sizeof(Tcache) == 1, "a copy, or a quantising write to e4m3");
   const T* __restrict__ k = p.k;
   const T* __restrict__ v = p.v;
   const int* __restrict__ slot_ids = p.slot_ids;
-  T* __restrict__ k_pages = p.k_pages;
-  T* __restrict__ v_pages = p.v_pages;
+  Tcache* __restrict__ k_pages = p.k_pages;
+  Tcache* __restrict__ v_pages = p.v_pages;
   const i64 k_sn = p.k_sn, k_sh = p.k_sh, v_sn = p.v_sn, v_sh = p.v_sh;
   const i64 kp_sp = p.kp_sp, kp_ss = p.kp_ss, kp_sh = p.kp_sh, vp_sp = p.vp_sp, vp_ss = p.vp_ss, vp_sh = p.vp_sh;
   const int num_tokens = p.num_tokens, num_kv_heads = p.num_kv_heads, head_dim = p.head_dim;
   const int block_size = p.block_size, num_blocks = p.num_blocks;
-  constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  constexpr int kElemsPerChunk = kCopyBytes / sizeof(Tcache);
   const int chunks_per_row = head_dim / kElemsPerChunk;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<i64>(num_tokens) * num_kv_heads * chunks_per_row) return;
   const int col = static_cast<int>(idx % chunks_per_row) * kElemsPerChunk;
   const int h = static_cast<int>((idx / chunks_per_row) % num_kv_heads);
   const int n = static_cast<int>(idx / (static_cast<i64>(chunks_per_row) * num_kv_heads));
-  const int slot = slot_ids[n];
+  const int slot = slot_ids != nullptr ? slot_ids[n] : n;  // no slot ids: token n into slot n
   if (slot < 0 || slot >= num_blocks * block_size) return;  // padding
   const int page = slot / block_size, offset = slot % block_size;
-  *reinterpret_cast<uint4*>(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col) =
-      *reinterpret_cast<const uint4*>(k + n * k_sn + h * k_sh + col);
-  *reinterpret_cast<uint4*>(v_pages + page * vp_sp + offset * vp_ss + h * vp_sh + col) =
-      *reinterpret_cast<const uint4*>(v + n * v_sn + h * v_sh + col);
+  store_chunk(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col, k + n * k_sn + h * k_sh + col, p.k_scale, h);
+  store_chunk(v_pages + page * vp_sp + offset * vp_ss + h * vp_sh + col, v + n * v_sn + h * v_sh + col, p.v_scale, h);
 }
 
-// grid: x = pair, y covers one page's block_size * Hk * D / 8 chunks
+// grid: x = pair, y covers one page's block_size * Hk * D / (16 / sizeof(T)) chunks
 template <typename T>
 __global__ void __launch_bounds__(kCacheThreads)
-copy_blocks_kernel(const __grid_constant__ CacheParams<T> p) {
+copy_blocks_kernel(const __grid_constant__ CacheParams<T, T> p) {
   T* __restrict__ k_pages = p.k_pages;
   T* __restrict__ v_pages = p.v_pages;
   const int* __restrict__ pairs = p.pairs;

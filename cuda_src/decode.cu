@@ -19,6 +19,7 @@
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
 #include "attention_tile.cuh"
+#include "fp8.cuh"
 #include "params.cuh"
 
 namespace cuattn {
@@ -35,10 +36,10 @@ constexpr int kMaxQFragmentRegisters = 32;
 // stage exactly; with D = 96 (12 chunks a row, 8 runs of 8 rows) a quarter of the threads idle.
 constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 
-template <typename T, int HEAD_DIM>
+template <typename Tkv, int HEAD_DIM>
 struct StageCopy {
-  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
-  static constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
+  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(Tkv) / kCopyBytes;
+  static constexpr int kElemsPerChunk = kCopyBytes / sizeof(Tkv);
   static constexpr int kRuns = floor_pow2(kDecodeThreads / kChunksPerRow);
   static constexpr int kRun = kDecodeBlockN / kRuns;  // rows a thread copies per stage
   static_assert(kDecodeBlockN % kRuns == 0, "runs tile the stage");
@@ -156,28 +157,35 @@ struct PagedKV {
   }
 };
 
+// Rows of a K/V stage in shared memory: HEAD_DIM elements and 16 bytes of padding, so that the 8
+// rows one ldmatrix phase reads start in 8 different bank groups, for 2-byte and 1-byte elements.
+template <typename Tkv, int HEAD_DIM>
+struct KvRow {
+  static constexpr int kStride = HEAD_DIM + kCopyBytes / sizeof(Tkv);
+};
+
 // Look up where this thread's run of the stage starting at key n0 lives.
-template <typename T, int HEAD_DIM, class KV>
+template <typename Tkv, int HEAD_DIM, class KV>
 __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0, int stop) {
-  using Copy = StageCopy<T, HEAD_DIM>;
+  using Copy = StageCopy<Tkv, HEAD_DIM>;
   const int j0 = n0 + Copy::first_row();
   return Copy::active() && j0 < stop ? kv.locate(j0, stop) : typename KV::Cursor{};
 }
 
 // One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
 // or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
-template <typename T, int HEAD_DIM, class KV>
-__device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0, int stop,
+template <typename Tkv, int HEAD_DIM, class KV>
+__device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop,
                                               const typename KV::Cursor& cursor) {
-  using Copy = StageCopy<T, HEAD_DIM>;
-  constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  using Copy = StageCopy<Tkv, HEAD_DIM>;
+  constexpr int kStride = KvRow<Tkv, HEAD_DIM>::kStride;
   if (!Copy::active()) return;
   const int col = (threadIdx.x % Copy::kChunksPerRow) * Copy::kElemsPerChunk;
   const int j0 = n0 + Copy::first_row();
-  T* k_dst = sK + Copy::first_row() * kStride + col;
-  T* v_dst = sV + Copy::first_row() * kStride + col;
+  Tkv* k_dst = sK + Copy::first_row() * kStride + col;
+  Tkv* v_dst = sV + Copy::first_row() * kStride + col;
   const int valid_rows = stop - j0;
-  const auto copy = [&](int i, const T* k_row, const T* v_row) {
+  const auto copy = [&](int i, const Tkv* k_row, const Tkv* v_row) {
     cp_async_16(k_dst + i * kStride, k_row, i < valid_rows);
     cp_async_16(v_dst + i * kStride, v_row, i < valid_rows);
   };
@@ -192,12 +200,13 @@ __device__ __forceinline__ void load_kv_stage(T* sK, T* sV, const KV& kv, int n0
 
 // Shared memory of one CTA, in bytes: the Q tile, then the larger of the K/V ring and the
 // buffers the four warps merge through. Python mirrors this (cuattn/decode.py, DecodeTile).
-template <typename T, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
 struct DecodeSmem {
   static constexpr int kRows = 16 * MT;
-  static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
+  static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;       // Q rows, elements of T
+  static constexpr int kKvStride = KvRow<Tkv, HEAD_DIM>::kStride;  // K/V rows, elements of Tkv
   static constexpr int kQ = kRows * kStride * sizeof(T);
-  static constexpr int kRing = STAGES * 2 * kDecodeBlockN * kStride * sizeof(T);
+  static constexpr int kRing = STAGES * 2 * kDecodeBlockN * kKvStride * sizeof(Tkv);
   static constexpr int kMerge = kDecodeWarps * kRows * (HEAD_DIM + 2) * sizeof(float);
   static constexpr int kBytes = kQ + (kRing > kMerge ? kRing : kMerge);
 };
@@ -210,11 +219,24 @@ struct DecodeArgs {
   int rows;         // group * sq_new: rows of the packed tile
   int row_base;     // first row of this CTA's chunk
   int split, num_splits;
-  MaskParams mask;
+  MaskParams mask;    // score_scale includes the kv head's k descale (e4m3 caches)
   const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
+  float v_descale;     // the kv head's v descale (e4m3 caches; 1 otherwise): multiplies the output
 };
 
-template <typename T, int HEAD_DIM, int MT, int STAGES, class KV>
+// Column c (0 or 1) of lane quad position tq in n8 tile dt of the output accumulator: which head
+// dim it holds. With 2-byte K/V it is the usual dt * 8 + 2 tq + c. With e4m3 V, one transposing
+// ldmatrix gives each lane the byte pairs (d, d + 1) of two keys for 32 head dims at once, so n8
+// tile 4j + u holds d = 32 j + 16 (u / 2) + 2 n + (u % 2) at its column n = 2 tq + c.
+template <typename Tkv>
+__device__ __forceinline__ int output_column(int dt, int tq, int c) {
+  if (sizeof(Tkv) == 2) return dt * 8 + 2 * tq + c;
+  constexpr int kTilesPerGroup = 4;
+  const int j = dt / kTilesPerGroup, u = dt % kTilesPerGroup;
+  return 32 * j + 16 * (u / 2) + 2 * (2 * tq + c) + u % 2;
+}
+
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -222,16 +244,21 @@ __device__ __forceinline__ void decode_body(
     float* lse, i64 lse_head_stride,              // at (b, hk * G, 0); may be null
     float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G)
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
-  using Smem = DecodeSmem<T, HEAD_DIM, MT, STAGES>;
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
   using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
   using Mm = Mma<T>;
+  // An e4m3 cache is widened to T in registers, between its shared-memory load and the GEMMs.
+  constexpr bool kFp8 = sizeof(Tkv) == 1;
+  static_assert(sizeof(Tkv) == 2 || kFp8, "K/V elements are 2-byte floats or e4m3");
   constexpr int kStride = Smem::kStride;
+  constexpr int kKvStride = Smem::kKvStride;
   constexpr int kRows = Smem::kRows;
   constexpr int kKSteps = HEAD_DIM / 16;
+  static_assert(!kFp8 || HEAD_DIM % 32 == 0, "e4m3 fragments cover 32 head dims per load");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
-  T* sRing = reinterpret_cast<T*>(smem_raw + Smem::kQ);           // [STAGES][2][kDecodeBlockN, D + pad]
+  Tkv* sRing = reinterpret_cast<Tkv*>(smem_raw + Smem::kQ);       // [STAGES][2][kDecodeBlockN, D + pad]
   float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, D] (after the ring drains)
   float* sMergeM = sMergeO + kDecodeWarps * kRows * HEAD_DIM;      // [warps, kRows]
   float* sMergeL = sMergeM + kDecodeWarps * kRows;                 // [warps, kRows]
@@ -275,23 +302,38 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
-      T* sK = sRing + (2 * st) * kDecodeBlockN * kStride;
-      const typename KV::Cursor first = locate_stage<T, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
-      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + st * kDecodeBlockN, stop, first);
+      Tkv* sK = sRing + (2 * st) * kDecodeBlockN * kKvStride;
+      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
+      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + st * kDecodeBlockN, stop, first);
     }
     cp_async_commit();
   }
   typename KV::Cursor cursor{};
-  if (STAGES - 1 < num_blocks) cursor = locate_stage<T, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop);
+  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
-  constexpr bool kQInRegisters = MT * kKSteps * 4 <= kMaxQFragmentRegisters;
+  // (With an e4m3 cache the widened K and V operands take registers too: two m16 tiles at D = 64
+  // would spill, so there only one tile's Q stays in registers.)
+  constexpr bool kQInRegisters = MT * kKSteps * 4 <= kMaxQFragmentRegisters && (!kFp8 || MT == 1);
   cp_async_wait<STAGES - 1>();
   __syncthreads();
   u32 qa[kQInRegisters ? MT : 1][kQInRegisters ? kKSteps : 1][4];
   const auto q_fragment = [&](int mt, int ks, u32(&frag)[4]) {
-    ldmatrix_x4(frag, sQ + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+    if (!kFp8) {
+      ldmatrix_x4(frag, sQ + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+      return;
+    }
+    // e4m3 K: a lane's 4 key bytes of a k16 step are head dims 4 tq .. 4 tq + 3, and bytes 0, 2
+    // (then 1, 3) widen to one operand register, so the step's k order is d = 4 tq, 4 tq + 2 for
+    // k = 2 tq, 2 tq + 1 and d = 4 tq + 1, 4 tq + 3 for k = 8 + 2 tq, 9 + 2 tq: Q takes the same
+    const T* row = sQ + (mt * 16 + lane / 4) * kStride + ks * 16 + 4 * (lane % 4);
+    const uint2 top = *reinterpret_cast<const uint2*>(row);                 // d 4 tq .. 4 tq + 3 of row g
+    const uint2 bottom = *reinterpret_cast<const uint2*>(row + 8 * kStride);  // of row g + 8
+    frag[0] = __byte_perm(top.x, top.y, 0x5410);        // (d, d + 2): the low halves
+    frag[1] = __byte_perm(bottom.x, bottom.y, 0x5410);
+    frag[2] = __byte_perm(top.x, top.y, 0x7632);        // (d + 1, d + 3): the high halves
+    frag[3] = __byte_perm(bottom.x, bottom.y, 0x7632);
   };
   if (kQInRegisters) {
 #pragma unroll
@@ -310,25 +352,40 @@ __device__ __forceinline__ void decode_body(
     __syncthreads();
     const int t_next = t + STAGES - 1;
     if (t_next < num_blocks) {
-      T* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kStride;
-      load_kv_stage<T, HEAD_DIM>(sK, sK + kDecodeBlockN * kStride, kv, start + t_next * kDecodeBlockN, stop, cursor);
+      Tkv* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kKvStride;
+      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + t_next * kDecodeBlockN, stop, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
-      if (t_next + 1 < num_blocks) cursor = locate_stage<T, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
+      if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
     }
     cp_async_commit();
 
     // this warp's 16 keys of the block
-    const T* sK = sRing + (2 * (t % STAGES)) * kDecodeBlockN * kStride + warp * kKeysPerWarp * kStride;
-    const T* sV = sK + kDecodeBlockN * kStride;
+    const Tkv* sK = sRing + (2 * (t % STAGES)) * kDecodeBlockN * kKvStride + warp * kKeysPerWarp * kKvStride;
+    const Tkv* sV = sK + kDecodeBlockN * kKvStride;
     const int n0 = start + t * kDecodeBlockN + warp * kKeysPerWarp;
 
     // S = Q K^T: matrices keys 0-7 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 0-7, keys 8-15 | d 8-15
     tile.zero_scores();
+    u32 packed[4];  // e4m3 keys of two k16 steps
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       u32 b[4];
-      ldmatrix_x4(b, sK + (lane % 8 + (lane / 16) * 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+      if (!kFp8) {
+        ldmatrix_x4(b, sK + (lane % 8 + (lane / 16) * 8) * kKvStride + ks * 16 + ((lane / 8) % 2) * 8);
+      } else {
+        // matrices keys 0-7 | d 0-15, keys 8-15 | d 0-15, keys 0-7 | d 16-31, keys 8-15 | d 16-31
+        // of 32 head dims, loaded at even steps: packed[0], packed[1] hold keys g, g + 8, bytes
+        // 4 tq .. 4 tq + 3 of this step; packed[2], packed[3] of the next
+        if (ks % 2 == 0) {
+          ldmatrix_x4(packed, sK + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + ks * 16 + (lane / 16) * 16);
+        }
+        const u32 keys_low = packed[2 * (ks % 2)], keys_high = packed[2 * (ks % 2) + 1];
+        b[0] = e4m3x2_to<T>(keys_low);
+        b[1] = e4m3x2_to<T>(keys_low >> 8);
+        b[2] = e4m3x2_to<T>(keys_high);
+        b[3] = e4m3x2_to<T>(keys_high >> 8);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         u32 from_smem[4];
@@ -348,14 +405,32 @@ __device__ __forceinline__ void decode_body(
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
     u32 p[MT][1][4];
     tile.to_fragments(p);
+    if (!kFp8) {
 #pragma unroll
-    for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-      u32 b[4];
-      ldmatrix_x4_trans(b, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        u32 b[4];
+        ldmatrix_x4_trans(b, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + dp * 16 + (lane / 16) * 8);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        Mm::run(tile.o[mt][2 * dp], p[mt][0], b[0], b[1]);
-        Mm::run(tile.o[mt][2 * dp + 1], p[mt][0], b[2], b[3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          Mm::run(tile.o[mt][2 * dp], p[mt][0], b[0], b[1]);
+          Mm::run(tile.o[mt][2 * dp + 1], p[mt][0], b[2], b[3]);
+        }
+      }
+    } else {
+      // the same four matrices as for K, transposed: r[0] holds keys 2 tq, 2 tq + 1 of the byte
+      // pair (2 g, 2 g + 1) of d 0-15, r[1] keys 8 + 2 tq, 9 + 2 tq; r[2], r[3] of d 16-31. Bytes
+      // 0, 2 are one head dim's two keys, bytes 1, 3 the next's: four n8 tiles (output_column)
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 32; ++j) {
+        u32 r[4];
+        ldmatrix_x4_trans(r, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + j * 32 + (lane / 16) * 16);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const u32 low = r[2 * (u / 2)] >> (8 * (u % 2)), high = r[2 * (u / 2) + 1] >> (8 * (u % 2));
+          const u32 b0 = e4m3x2_to<T>(low), b1 = e4m3x2_to<T>(high);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) Mm::run(tile.o[mt][4 * j + u], p[mt][0], b0, b1);
+        }
       }
     }
   }
@@ -376,9 +451,9 @@ __device__ __forceinline__ void decode_body(
       }
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-        float* dst = sMergeO + (warp * kRows + row) * HEAD_DIM + dt * 8 + 2 * tq;
-        dst[0] = tile.o[mt][dt][2 * r];
-        dst[1] = tile.o[mt][dt][2 * r + 1];
+        float* dst = sMergeO + (warp * kRows + row) * HEAD_DIM;
+        dst[output_column<Tkv>(dt, tq, 0)] = tile.o[mt][dt][2 * r];
+        dst[output_column<Tkv>(dt, tq, 1)] = tile.o[mt][dt][2 * r + 1];
       }
     }
   __syncthreads();
@@ -401,7 +476,7 @@ __device__ __forceinline__ void decode_body(
     // one split holds every key: the sink joins here (with several, the combine adds it once)
     const float sink_factor =
         a.num_splits == 1 && a.sinks != nullptr ? merged.add_sink(a.sinks[head] * kLog2e) : 1.f;
-    value *= merged.inv_sum() * sink_factor;
+    value *= merged.inv_sum() * sink_factor * a.v_descale;
     if (a.num_splits == 1) {
       out[token * o_row_stride + head * o_head_stride + d] = DType<T>::from_float(value);
       if (lse != nullptr && d == 0) lse[head * lse_head_stride + token] = merged.lse();
@@ -412,13 +487,22 @@ __device__ __forceinline__ void decode_body(
   }
 }
 
+// The descale of kv head hk of an e4m3 cache: the host's factor times the device array's entry,
+// when there is one. It folds into the score scale (K: scores are linear in k) and the output
+// (V: linear in v). A 2-byte cache has none.
+template <typename Tkv>
+__device__ __forceinline__ float kv_descale(float host, const float* device, int stride, int hk) {
+  if (sizeof(Tkv) != 1) return 1.f;
+  return device != nullptr ? host * device[hk * stride] : host;
+}
+
 // grid: x = split, y = kv head * row chunks + chunk, z = sequence
-template <typename T, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
-decode_kernel(const __grid_constant__ DecodeParams<T> p) {
+decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
-  const T* __restrict__ k_cache = p.k;        // [B, S_max, Hk, D]
-  const T* __restrict__ v_cache = p.v;        // [B, S_max, Hk, D]
+  const Tkv* __restrict__ k_cache = p.k;      // [B, S_max, Hk, D]
+  const Tkv* __restrict__ v_cache = p.v;      // [B, S_max, Hk, D]
   const int* __restrict__ cache_seqlens = p.lens;  // [B]
   T* __restrict__ out = p.out;
   float* __restrict__ lse = p.lse;
@@ -436,14 +520,14 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const ContiguousKV<T, StageCopy<T, HEAD_DIM>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
+  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
-                     MaskParams{0, window_left, window_right, score_scale, softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
+                     MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk)};
   // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, HEAD_DIM, MT, STAGES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
@@ -451,12 +535,12 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
 __global__ void __launch_bounds__(kDecodeThreads)
-paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
+paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
-  const T* __restrict__ k_pages = p.k;        // [num_blocks, block_size, Hk, D]
-  const T* __restrict__ v_pages = p.v;        // [num_blocks, block_size, Hk, D]
+  const Tkv* __restrict__ k_pages = p.k;      // [num_blocks, block_size, Hk, D]
+  const Tkv* __restrict__ v_pages = p.v;      // [num_blocks, block_size, Hk, D]
   const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
   const int* __restrict__ seq_lens = p.lens;  // [B]
   T* __restrict__ out = p.out;
@@ -478,15 +562,15 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const PagedKV<T, StageCopy<T, HEAD_DIM>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
+  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
                       static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
                       FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
-                     MaskParams{0, window_left, window_right, score_scale, softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
+                     MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk)};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, HEAD_DIM, MT, STAGES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,

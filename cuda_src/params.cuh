@@ -12,6 +12,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "fp8.cuh"  // e4m3, the element type of FP8 caches
 #include "tma.cuh"
 
 namespace cuattn {
@@ -59,12 +60,15 @@ struct FwdParams {
 };
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages
-// [num_blocks, block_size, Hk, D] through block_table.
-template <typename T>
+// [num_blocks, block_size, Hk, D] through block_table, of T or of e4m3 (Tkv) with descales:
+// real value = stored x k_descale x k_scale[hk * k_scale_stride] (likewise v).
+template <typename T, typename Tkv>
 struct DecodeParams {
   const T* q;              // [B, Sq_new, Hq, D]
-  const T* k;              // [B, S_max, Hk, D] | [num_blocks, block_size, Hk, D]
-  const T* v;              // as k
+  const Tkv* k;            // [B, S_max, Hk, D] | [num_blocks, block_size, Hk, D]
+  const Tkv* v;            // as k
+  const float* k_scale;    // [Hk] (stride 1) or [1] (stride 0) device descale, or null
+  const float* v_scale;    // as k_scale
   const int* lens;         // [B] keys per sequence (cache_seqlens / seq_lens)
   const int* block_table;  // [B, max_blocks] (paged), or null
   T* out;                  // [B, Sq_new, Hq, D]
@@ -72,6 +76,10 @@ struct DecodeParams {
   float* part_out;         // [splits, B, Sq_new, Hq, D] (splits > 1)
   float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
   const float* sinks;      // [Hq] attention-sink logits, or null (the combine adds them when splits > 1)
+  float k_descale;         // a host descale (1 for 2-byte caches), times k_scale[hk] when that is given
+  float v_descale;
+  int k_scale_stride;
+  int v_scale_stride;
   i64 q_sb;
   i64 q_ss;
   i64 q_sh;
@@ -134,15 +142,18 @@ struct CombineParams {
   int head_dim;
 };
 
-// Paged-cache writes and copy-on-write copies (cache_ops.cu).
-template <typename T>
+// Paged-cache writes and copy-on-write copies (cache_ops.cu). New tokens of T into pages of
+// Tcache: the same type, or e4m3, quantised as round(x / scale[h]) with a float32 scale per kv head.
+template <typename T, typename Tcache>
 struct CacheParams {
   const T* k;              // [N, Hk, D] new tokens (write)
   const T* v;              // [N, Hk, D]
   const int* slot_ids;     // [N] (write)
   const int* pairs;        // [P, 2] (src, dst) pages (copy)
-  T* k_pages;              // [num_blocks, block_size, Hk, D]
-  T* v_pages;              // [num_blocks, block_size, Hk, D]
+  Tcache* k_pages;         // [num_blocks, block_size, Hk, D]
+  Tcache* v_pages;         // [num_blocks, block_size, Hk, D]
+  const float* k_scale;    // [Hk] (an e4m3 cache's write), or null
+  const float* v_scale;    // [Hk]
   i64 k_sn;
   i64 k_sh;
   i64 v_sn;

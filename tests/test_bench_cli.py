@@ -317,12 +317,13 @@ def test_command_end_to_end_on_fabricated_measurements(capsys, monkeypatch, tmp_
     out, err = capsys.readouterr()
     shapes = bench_cases.FAMILIES["decode"].shapes(quick=True)
     assert "python -m cuattn bench decode --quick --json" in out and "device copy 4.22 TB/s" in out
-    assert table_row(out, str(shapes[0].batch), str(shapes[0].seqlen))[3:] == ["1.50", "1.50", "error", "1.00", ""]
+    assert table_row(out, str(shapes[0].batch), str(shapes[0].seqlen))[3:] == ["1.50", "1.50", "1.50", "error", "1.00",
+                                                                                "1.00", ""]
     assert f"{len(shapes) * len(bench_cases.DECODE_IMPLS)}/{len(shapes) * len(bench_cases.DECODE_IMPLS)} cases" in err
     assert "error: decode torch-cudnn B1-L2048: RuntimeError: the backend fell over" in err
     record = json.loads(path.read_text())
     assert record["quick"] is True and record["dtype"] == "bfloat16"
-    assert [c["status"] for c in record["cases"]] == ["ok", "ok", "error"] * len(shapes)
+    assert [c["status"] for c in record["cases"]] == ["ok", "ok", "ok", "error"] * len(shapes)
 
 
 # ---------------------------------------------------------------------------------------------

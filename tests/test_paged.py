@@ -389,7 +389,7 @@ def test_paged_attention_errors():
 def test_paged_cache_and_argument_errors():
     with pytest.raises(ValueError, match=r"device must be 'cuda' or 'cpu', got 'tpu'"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.float16, device="tpu")
-    with pytest.raises(TypeError, match=r"dtype is float32; the paged kernels take float16 or bfloat16"):
+    with pytest.raises(TypeError, match=r"dtype is float32; the paged kernels take float16, bfloat16 or float8_e4m3fn"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.float32)
     with pytest.raises(ValueError, match=r"block_size must be from 1 to 256, got 0"):
         cuattn.PagedKVCache(8, 0, 2, 64, np.float16, device="cpu")

@@ -12,10 +12,11 @@ same calls and the same timing (``cuattn.bench.timing``). Four families:
   forward kept alive with ``retain_graph``; the naive CuPy backward from the naive forward's out.
 - ``decode``: GQA 32 query / 8 KV heads, D = 128, one new token over full caches at (B, L)
   pairs. TB/s of K and V read, timed on CUDA-graph replays (the GPU's time); the plain eager
-  call's time is recorded beside it.
+  call's time is recorded beside it. ``cuattn-fp8`` reads the same cache quantised to e4m3
+  (per-head scales): its TB/s counts the bytes it reads (half), so compare step times (``ms``).
 - ``paged``: the decode shapes through ``paged_attention`` with block_size 16, every sequence's
   blocks shuffled across the pool, beside cuattn's contiguous decode on the same cache laid out
-  contiguously (both measured in one case, on the same data).
+  contiguously, and (``paged-fp8``) the same pages in e4m3 (all measured in one case).
 
 Implementations: ``cuattn``; torch SDPA restricted to its ``torch-flash`` (FlashAttention-2) or
 ``torch-cudnn`` backend, where torch is importable and the backend takes the shape; and
@@ -50,9 +51,9 @@ ATTENTION_IMPLS = ("cuattn", "torch-flash", "torch-cudnn", "naive-cupy")
 # Decode and paged decode: GQA 32 / 8, D = 128, one new token, the decode issue's (B, L) pairs.
 DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
 DECODE_GRID = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
-DECODE_IMPLS = ("cuattn", "torch-flash", "torch-cudnn")
+DECODE_IMPLS = ("cuattn", "cuattn-fp8", "torch-flash", "torch-cudnn")
 BLOCK_SIZE = 16
-PAGED_IMPLS = ("paged", "contiguous")
+PAGED_IMPLS = ("paged", "contiguous", "paged-fp8")
 
 # --quick: a few small shapes of every family, for smoke tests (seconds, not minutes).
 QUICK_TOTAL_TOKENS = 4096
@@ -232,7 +233,8 @@ def run_case(case: Case, dtype=BFLOAT16) -> list[Result]:
 
 def extra_info(case: Case, results: list[Result]) -> dict:
     """What the pytest-benchmark case records: the one result's info, or for paged decode both
-    layouts' figures under ``paged_`` / ``contiguous_`` keys and their ratio."""
+    layouts' figures under ``paged_`` / ``contiguous_`` keys and their ratio, and the e4m3 pages'
+    step time (``fp8_graph_ms``) and speedup over the 2-byte pages."""
     if case.family != "paged":
         (result,) = results
         return dict(result.info)
@@ -245,6 +247,9 @@ def extra_info(case: Case, results: list[Result]) -> dict:
         paged_graph_ms=paged.info["graph_ms"], paged_eager_ms=paged.info["eager_ms"], paged_tbps=paged.rate,
         contiguous_graph_ms=contiguous.info["graph_ms"], contiguous_eager_ms=contiguous.info["eager_ms"],
         contiguous_tbps=contiguous.rate, ratio=paged.rate / contiguous.rate,
+        **({"fp8_graph_ms": by_impl["paged-fp8"].info["graph_ms"], "fp8_tbps": by_impl["paged-fp8"].rate,
+            "fp8_speedup": paged.info["graph_ms"] / by_impl["paged-fp8"].info["graph_ms"]}
+           if "paged-fp8" in by_impl else {}),
     )
 
 
@@ -435,16 +440,22 @@ def _prepare_decode(case: Case, dtype: np.dtype) -> Prepared:
     k = _randn((s.batch, s.seqlen, s.kv_heads, s.head_dim), dtype)
     v = _randn((s.batch, s.seqlen, s.kv_heads, s.head_dim), dtype)
     lens = cupy.full((s.batch,), s.seqlen, np.int32)
+    kv_itemsize = np.dtype(dtype).itemsize
     if impl == "cuattn":
         fn = lambda: cuattn.decode(q, k, v, lens)
+    elif impl == "cuattn-fp8":
+        k_scale, v_scale = (cuattn.fp8_scales(x, per_head=True) for x in (k, v))
+        k, v = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)  # [B, L, Hk, D] e4m3
+        kv_itemsize = 1
+        fn = lambda: cuattn.decode(q, k, v, lens, k_scale=k_scale, v_scale=v_scale)
     else:
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
         fn = _sdpa(impl, tq, tk, tv, enable_gqa=True)
         _refused(impl, fn)
 
     def measure():
-        nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
-        figures = _decode_figures(fn, nbytes, torch_graph=impl != "cuattn")
+        nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, kv_itemsize)
+        figures = _decode_figures(fn, nbytes, torch_graph=impl in TORCH_BACKENDS)
         info = dict(impl=impl, batch=s.batch, seqlen=s.seqlen, q_heads=s.q_heads, kv_heads=s.kv_heads,
                     head_dim=s.head_dim, dtype=dtype_name(dtype), **figures)
         return [Result(case.family, impl, s, dtype_name(dtype), figures["graph_ms"], figures["tbps"], info)]
@@ -478,12 +489,21 @@ def _prepare_paged(case: Case, dtype: np.dtype) -> Prepared:
     def contiguous():
         return cuattn.decode(q, k_cache, v_cache, lens)
 
-    calls = {"paged": paged, "contiguous": contiguous}
+    # the same pages in e4m3, per-head scales: [num_blocks, block_size, Hk, D] bytes
+    k_scale, v_scale = (cuattn.fp8_scales(x, per_head=True) for x in (k_pages, v_pages))
+    k8, v8 = cuattn.quantize_fp8(k_pages, k_scale), cuattn.quantize_fp8(v_pages, v_scale)
+
+    def paged_fp8():
+        return cuattn.paged_attention(q, (k8, v8), table, lens, check=False, max_seq_len=s.seqlen, k_scale=k_scale,
+                                      v_scale=v_scale)
+
+    calls = {"paged": paged, "contiguous": contiguous, "paged-fp8": paged_fp8}
 
     def measure():
-        nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, np.dtype(dtype).itemsize)
         results = []
         for impl in case.impls:
+            itemsize = 1 if impl == "paged-fp8" else np.dtype(dtype).itemsize
+            nbytes = timing.kv_bytes(s.batch, s.seqlen, s.kv_heads, s.head_dim, itemsize)
             fn = calls[impl]
             graph_ms = timing.time_cupy_graph(fn)
             eager_ms = timing.time_cuda(fn)

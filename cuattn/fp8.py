@@ -1,0 +1,106 @@
+"""FP8 (float8 e4m3) KV caches: scales and quantisation.
+
+An e4m3 cache stores each key and value in one byte (4 exponent bits, 3 mantissa bits, largest
+value 448) with a float32 descale per tensor or per kv head: real value = stored x scale.
+``decode`` and ``paged_attention`` read such caches directly (half the bytes of fp16/bf16) and
+widen them to q's dtype in registers; ``PagedKVCache(..., dtype=float8_e4m3fn)`` quantises in
+its write kernel. This module makes the scales and quantises whole arrays (a contiguous cache):
+
+    fp8_scales(x, per_head=False)   amax / 448: a float32 scalar array, or (H,) over x's axis -2
+    quantize_fp8(x, scale)          round-to-nearest-even(x / scale), saturated to +-448
+
+Layouts: ``x`` is ``(..., H, D)`` (a cache ``(B, S, Hk, D)``, pages ``(num_blocks, block_size,
+Hk, D)``, new tokens ``(N, Hk, D)``). On the GPU the quantised array is CuPy uint8 (CuPy has no
+float8 type) or torch.float8_e4m3fn; NumPy arrays give ml_dtypes.float8_e4m3fn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _arrays, _jit, _params, paged
+
+
+def fp8_scales(x, *, per_head: bool = False):
+    """The descale that maps ``x``'s largest magnitude to 448 (the background's s = 448 / amax,
+    inverted): amax / 448, float32, of shape ``()`` or, with ``per_head``, ``(H,)`` (amax over
+    every axis but -2). An all-zero tensor (or head) gets scale 1. Returns an array of x's framework."""
+    with _arrays.array_context(x=x) as ctx:
+        xv = ctx.view(x)
+        if xv.ndim < 2:
+            raise ValueError(f"x must be (..., H, D) with at least 2 axes, got shape {tuple(xv.shape)}")
+        (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)("x", xv)
+        xp = np if ctx.on_host else __import__("cupy")
+        axes = tuple(a for a in range(xv.ndim) if a != xv.ndim - 2) if per_head else None
+        amax = xp.abs(xv.astype(xp.float32)).max(axis=axes)
+        scale = xp.where(amax > 0, amax / np.float32(_arrays.E4M3_MAX), np.float32(1)).astype(np.float32)
+        if ctx.on_host:
+            return np.asarray(scale, np.float32)
+        out = ctx.empty(scale.shape, np.float32)
+        out[...] = scale
+        return ctx.to_caller(out)
+
+
+def quantize_fp8(x, scale):
+    """``x`` ``(..., H, D)`` (fp16, bf16 or fp32) as e4m3 with descale ``scale`` (a float, or a
+    float32 array ``()``, ``(1,)`` or ``(H,)``): round-to-nearest-even(x / scale) saturated to
+    +-448, the rule of ``PagedKVCache.write``. Runs the cache write kernel on the GPU."""
+    with _arrays.array_context(x=x, **({"scale": scale} if _arrays.is_array(scale) else {})) as ctx:
+        xv = ctx.view(x)
+        if xv.ndim < 2:
+            raise ValueError(f"x must be (..., H, D) with at least 2 axes, got shape {tuple(xv.shape)}")
+        heads, head_dim = int(xv.shape[-2]), int(xv.shape[-1])
+        sv = ctx.view(scale) if _arrays.is_array(scale) else scale
+        checked = _arrays.check_kv_scale("scale", sv, True, heads, ctx.on_host, "x", xv)
+        if ctx.on_host:
+            _arrays.check_host_float_dtype("x", xv)
+            return paged.quantize_e4m3(np.asarray(xv), checked.per_head(heads))
+        if np.dtype(xv.dtype) not in paged.QUANTIZED_WRITE_TYPES:
+            raise TypeError(f"x.dtype is {_arrays.dtype_name(xv.dtype)}; quantize_fp8 takes float16, bfloat16 or "
+                            "float32")
+        if head_dim % _params.constant("kCopyBytes"):
+            raise ValueError(f"x.shape[-1] (D) must be a multiple of {_params.constant('kCopyBytes')} (the write "
+                             f"kernel stores 16 bytes at a time), got {head_dim}")
+        out = _quantize_on_device(xv, checked, heads, head_dim, ctx.stream)
+        if ctx.kind == "torch":
+            import torch
+
+            return torch.from_dlpack(out).view(torch.float8_e4m3fn)
+        return ctx.to_caller(out)
+
+
+def _check_device_float(name, x) -> None:
+    if np.dtype(x.dtype) not in paged.QUANTIZED_WRITE_TYPES:
+        raise TypeError(f"{name}.dtype is {_arrays.dtype_name(x.dtype)}; expected float16, bfloat16 or float32")
+
+
+def _quantize_on_device(x, scale: _arrays.KvScale, heads: int, head_dim: int, stream):
+    """The cache write kernel with no slot ids: token n of x [N, H, D] into slot n of one page [N, H, D]."""
+    import cupy
+
+    tokens = x.reshape(-1, heads, head_dim)
+    if tokens.size and (tokens.strides[-1] != tokens.itemsize or tokens.data.ptr % _arrays.VECTOR_BYTES):
+        tokens = cupy.ascontiguousarray(tokens)
+    out = cupy.empty(x.shape, _arrays.E4M3_STORAGE)
+    num_tokens = int(tokens.shape[0])
+    if num_tokens == 0:
+        return out
+    # the kernel divides by scale[h]: one float32 per head on the device
+    per_head = scale.factor * (cupy.asarray(scale.array, cupy.float32).reshape(-1)[
+        np.arange(heads) * scale.stride] if scale.array is not None else cupy.ones(heads, cupy.float32))
+    per_head = cupy.ascontiguousarray(per_head, cupy.float32)
+    pages = out.reshape(1, num_tokens, heads, head_dim)
+    ts, ps = _arrays.element_strides(tokens), _arrays.element_strides(pages)
+    params = _params.pack(
+        "CacheParams", k=tokens, v=tokens, slot_ids=None, pairs=None, k_pages=pages, v_pages=pages,
+        k_scale=per_head, v_scale=per_head, k_sn=ts[0], k_sh=ts[1], v_sn=ts[0], v_sh=ts[1],
+        kp_sp=ps[0], kp_ss=ps[1], kp_sh=ps[2], vp_sp=ps[0], vp_ss=ps[1], vp_sh=ps[2],
+        num_tokens=num_tokens, num_kv_heads=heads, head_dim=head_dim, block_size=num_tokens, num_blocks=1,
+    )
+    spec = paged.cache_spec("cache_write_kernel", _arrays.FLOAT8_E4M3, x.dtype)
+    chunks = num_tokens * heads * head_dim // _params.constant("kCopyBytes")
+    grid = (math.ceil(chunks / _params.constant("kCacheThreads")), 1, 1)
+    _jit.prepare(spec, grid, params).run(_jit.stream_ptr(stream))
+    return out

@@ -1,0 +1,105 @@
+// fp8.cuh: the float8 e4m3 (e4m3fn: no infinities, max 448) storage type of quantised KV caches,
+// its conversion to the fp16/bf16 operands of mma.sync, and the quantiser of the cache writes.
+//
+// A cache element is one byte; its real value is stored x scale (a descale factor per tensor or
+// per kv head, applied by the kernels outside the GEMMs). Decode reads two bytes of a row at a
+// time and widens them to one packed T2 register (an mma operand), so the cache is never
+// expanded in memory. Every e4m3 value, subnormals included, is exact in fp16 and in bf16.
+#pragma once
+
+#include "common.cuh"
+
+namespace cuattn {
+
+// One e4m3 byte. A struct of its own (not unsigned char) so that kernels are instantiated on it
+// by name (`decode_kernel<__nv_bfloat16, cuattn::e4m3, ...>`) and no byte array is mistaken for it.
+struct e4m3 {
+  unsigned char bits;
+};
+
+constexpr float kE4m3Max = 448.f;  // the largest finite e4m3 value: writes saturate to +-448
+// e4m3: 4 exponent bits (bias 7), 3 mantissa bits
+constexpr int kE4m3MantissaBits = 3;
+constexpr int kE4m3Bias = 7;
+constexpr int kF32MantissaBits = 23;
+constexpr int kF32Bias = 127;
+
+// Two e4m3 values, bytes 0 and 2 of `w` (bytes 1 and 3 are ignored), as a packed T2 pair (byte 0
+// in the low half). The bit path places each byte's exponent and mantissa at the bottom of the
+// 16-bit type's exponent and mantissa fields, which divides the value by a power of two set by
+// the two exponent biases alone (subnormals land on subnormals, so it holds for them too); one
+// packed multiply restores it exactly. An e4m3 NaN (S.1111.111) reads as +-480 on the bit path.
+constexpr u32 kE4m3PairSigns = 0x00800080u;      // the sign bits of bytes 0 and 2
+constexpr u32 kE4m3PairMagnitudes = 0x007f007fu;  // exponent and mantissa bits of bytes 0 and 2
+constexpr int kHalfSignShift = 8;                 // bit 7 of a byte to bit 15 of its half
+
+template <int MANTISSA_BITS>
+__device__ __forceinline__ u32 e4m3x2_bits(u32 w) {
+  return ((w & kE4m3PairSigns) << kHalfSignShift) | ((w & kE4m3PairMagnitudes) << (MANTISSA_BITS - kE4m3MantissaBits));
+}
+
+template <typename T>
+__device__ __forceinline__ u32 e4m3x2_to(u32 w);
+
+template <>
+__device__ __forceinline__ u32 e4m3x2_to<__half>(u32 w) {
+#if __CUDA_ARCH__ >= 890
+  // sm_89 and later convert in hardware, from the two bytes side by side
+  const u32 pair = __byte_perm(w, 0, 0x0020);
+  u32 out;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(out) : "r"(pair));
+  return out;
+#else
+  // fp16: 5 exponent bits (bias 15), 10 mantissa bits; 2^(15 - 7) = 256 restores the value
+  constexpr int kHalfMantissaBits = 10;
+  constexpr float kRestore = 256.f;
+  const u32 bits = e4m3x2_bits<kHalfMantissaBits>(w);
+  __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&bits), __floats2half2_rn(kRestore, kRestore));
+  return *reinterpret_cast<u32*>(&h);
+#endif
+}
+
+template <>
+__device__ __forceinline__ u32 e4m3x2_to<__nv_bfloat16>(u32 w) {
+  // bf16: 8 exponent bits (bias 127), 7 mantissa bits; 2^(127 - 7) = 2^120 restores the value
+  // (bf16 multiplies keep subnormals). No hardware conversion to bf16 before sm_100.
+  constexpr int kBf16MantissaBits = 7;
+  const u32 bits = e4m3x2_bits<kBf16MantissaBits>(w);
+  const float restore = __uint_as_float(static_cast<u32>(kF32Bias + kF32Bias - kE4m3Bias) << kF32MantissaBits);
+  __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __floats2bfloat162_rn(restore, restore));
+  return *reinterpret_cast<u32*>(&h);
+}
+
+// Round x to the nearest e4m3 value, ties to even, saturating at +-448 (and +-inf to +-448); NaN
+// stays NaN. Done in integer arithmetic on the float's bits, the same on every architecture, so
+// the tests check it on the device against NumPy's rounding.
+__device__ __forceinline__ unsigned char float_to_e4m3(float x) {
+  constexpr u32 kSign = 0x80u;
+  constexpr u32 kNan = 0x7fu;
+  constexpr u32 kMaxBits = 0x7eu;  // 448 = 1.75 x 2^8
+  constexpr float kMinNormal = 0.015625f;  // 2^(1 - 7)
+  constexpr float kSubnormalUnit = 512.f;  // 1 / 2^(1 - 7 - 3): subnormals step by 2^-9
+  constexpr int kDrop = kF32MantissaBits - kE4m3MantissaBits;  // mantissa bits rounded away
+  const u32 f = __float_as_uint(x);
+  const u32 sign = (f >> 24) & kSign;
+  const float a = fabsf(x);
+  u32 magnitude;
+  if (a != a) {
+    magnitude = kNan;
+  } else if (a >= kE4m3Max) {
+    magnitude = kMaxBits;
+  } else if (a < kMinNormal) {
+    // subnormal (or zero): a multiple of 2^-9; rounding to 8 steps gives the smallest normal,
+    // whose bits (exponent 1, mantissa 0) are 8 as well
+    magnitude = static_cast<u32>(__float2int_rn(a * kSubnormalUnit));
+  } else {
+    // ties to even on the dropped mantissa bits; a carry moves into the exponent, as it should
+    const u32 bits = __float_as_uint(a);
+    const u32 rounded = bits + ((1u << (kDrop - 1)) - 1u) + ((bits >> kDrop) & 1u);
+    magnitude = (rounded >> kDrop) - (static_cast<u32>(kF32Bias - kE4m3Bias) << kE4m3MantissaBits);
+    // below 448 a value rounds to at most 448 (the next step, 480, is past the saturation test)
+  }
+  return static_cast<unsigned char>(sign | magnitude);
+}
+
+}  // namespace cuattn

@@ -1,0 +1,304 @@
+"""FP8 (e4m3) KV caches (cuattn/fp8.py and the e4m3 paths of decode, paged_attention and
+PagedKVCache): quantisation rules, the CPU reference path and its argument errors, and on the GPU
+every e4m3 byte widened exactly, decode and paged decode against the float64 reference of the
+dequantised cache, and the quantising writes bit for bit against NumPy.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import _registry, reference
+from conftest import BF16, DTYPE_IDS, DTYPES, randn
+from test_decode import check_decode
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+HEAD_DIMS = list(_registry.FAMILIES["decode"].head_dims)
+NAN_BYTES = (0x7F, 0xFF)  # e4m3fn has one NaN pattern per sign and no infinities
+POISON_BYTE = 0x7E  # 448: a slot past a sequence's length that leaked into the result would show
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def quantized_cache(rng, shape, heads_axis_scale):
+    """e4m3 bytes of a normal cache with a few outliers, and its float64 real values."""
+    x = randn(rng, shape, np.float32)
+    x.reshape(-1)[rng.choice(x.size, size=max(1, x.size // 500), replace=False)] *= 20.0
+    stored = cuattn.quantize_fp8(x, heads_axis_scale)
+    return stored, stored.astype(np.float64) * np.asarray(heads_axis_scale, np.float64).reshape(-1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantisation rules (CPU)
+
+
+def test_quantize_rounds_to_nearest_even_and_saturates():
+    x = np.array([[[0.0, 1.0625, 1.1875, -3.3, 447.0, 460.0, 1e6, -np.inf, 2.0 ** -10, 3 * 2.0 ** -10,
+                    1e-30, -0.0, 5.0, 240.0, 1.5, 0.1]]], np.float32)
+    got = cuattn.quantize_fp8(x, 1.0).astype(np.float64)[0, 0]
+    # 1.0625 lies halfway between 1 and 1.125: even mantissa (1); 1.1875 between 1.125 and 1.25: 1.25;
+    # 2^-10 is half the smallest subnormal 2^-9: ties to 0; 3 x 2^-10 ties to 2 x 2^-9
+    expected = [0.0, 1.0, 1.25, -3.25, 448.0, 448.0, 448.0, -448.0, 0.0, 2.0 ** -8, 0.0, -0.0, 5.0, 240.0, 1.5,
+                0.1015625]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_quantize_divides_by_the_per_head_scale():
+    rng = np.random.default_rng()
+    x = randn(rng, (3, 4, 2, 32), np.float32)
+    scale = np.array([0.5, 0.03], np.float32)
+    got = cuattn.quantize_fp8(x, scale)
+    assert got.dtype == E4M3 and got.shape == x.shape
+    expected = np.clip(x / scale[:, None], -448, 448).astype(E4M3)
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def test_scales_map_amax_to_448_per_tensor_and_per_head():
+    rng = np.random.default_rng()
+    x = randn(rng, (2, 5, 3, 16), np.float32)
+    x[:, :, 2] = 0.0  # an all-zero head keeps scale 1
+    per_tensor = cuattn.fp8_scales(x)
+    assert per_tensor.shape == () and per_tensor.dtype == np.float32
+    assert np.isclose(per_tensor, np.abs(x).max() / 448)
+    per_head = cuattn.fp8_scales(x, per_head=True)
+    np.testing.assert_allclose(per_head[:2], np.abs(x[:, :, :2]).max(axis=(0, 1, 3)) / 448, rtol=1e-6)
+    assert per_head[2] == 1.0
+    # the largest magnitude lands on 448 exactly (or one rounding of the division below it)
+    stored = cuattn.quantize_fp8(x, per_head).astype(np.float64)
+    assert np.abs(stored[:, :, :2]).max() == 448.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU path: the reference over the dequantised cache
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_decode_over_e4m3_cache_is_the_reference_of_its_real_values(per_head):
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 3, 4, 32), BF16)
+    k_scale = np.array([0.02, 0.05], np.float32) if per_head else np.float32(0.03)
+    v_scale = np.array([0.1, 0.01], np.float32) if per_head else 0.07
+    k8, k_real = quantized_cache(rng, (2, 40, 2, 32), np.broadcast_to(k_scale, (2,)))
+    v8, v_real = quantized_cache(rng, (2, 40, 2, 32), np.broadcast_to(np.float32(v_scale), (2,)))
+    lens = np.array([40, 9], np.int32)
+    out, lse = cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    ref, ref_lse = reference.decode(q, k_real, v_real, lens, return_lse=True)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(BF16).astype(np.float64), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse.astype(np.float32), rtol=1e-6)
+    # the same bytes as uint8 (how CuPy holds them) are read as e4m3 too
+    as_bytes = cuattn.decode(q, k8.view(np.uint8), v8.view(np.uint8), lens, k_scale=k_scale, v_scale=v_scale)
+    np.testing.assert_array_equal(as_bytes.astype(np.float32), out.astype(np.float32))
+
+
+def test_paged_cpu_cache_quantises_writes_and_attends_over_real_values():
+    rng = np.random.default_rng()
+    k_scale, v_scale = np.array([0.01, 0.02], np.float32), 0.05
+    cache = cuattn.PagedKVCache(6, 4, 2, 32, "float8_e4m3fn", device="cpu", k_scale=k_scale, v_scale=v_scale)
+    assert cache.k_pages.dtype == E4M3
+    k_new, v_new = randn(rng, (9, 2, 32), np.float32), randn(rng, (9, 2, 32), BF16)
+    slots = np.array([5, 6, 7, 8, 9, 10, 11, 12, 13], np.int32)
+    cache.write(k_new, v_new, slots)
+    expected_k = np.clip(k_new / k_scale[:, None], -448, 448).astype(E4M3)
+    np.testing.assert_array_equal(cache.k_pages.reshape(-1, 2, 32)[5:14].view(np.uint8), expected_k.view(np.uint8))
+    table = np.array([[1, 2, 3]], np.int32)
+    q = randn(rng, (1, 2, 4, 32), np.float16)
+    out = cuattn.paged_attention(q, cache, table, np.array([10], np.int32))
+    k_real = cache.k_pages.astype(np.float64) * k_scale[:, None]
+    v_real = cache.v_pages.astype(np.float64) * v_scale
+    ref = reference.paged_attention(q, k_real, v_real, table, np.array([10]))
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float16).astype(np.float64), atol=1e-12)
+
+
+def test_fp8_argument_errors():
+    rng = np.random.default_rng()
+    q = randn(rng, (1, 1, 4, 32), BF16)
+    k = randn(rng, (1, 8, 2, 32), BF16)
+    k8 = cuattn.quantize_fp8(randn(rng, (1, 8, 2, 32)), 0.01)
+    lens = np.array([8], np.int32)
+    with pytest.raises(ValueError, match=r"k_scale applies to float8_e4m3fn caches only; this cache holds bfloat16"):
+        cuattn.decode(q, k, k, lens, k_scale=0.5)
+    with pytest.raises(TypeError, match=r"v_cache.dtype must equal k_cache.dtype = float8_e4m3fn \(an e4m3 cache"):
+        cuattn.decode(q, k8, k, lens)
+    with pytest.raises(ValueError, match=r"k_scale.shape must be \(\), \(1,\) or \(Hk,\) = \(2,\) \(per tensor or "
+                                         r"per kv head\), got \(4,\)"):
+        cuattn.decode(q, k8, k8, lens, k_scale=np.ones(4, np.float32))
+    with pytest.raises(ValueError, match=r"v_scale must be a positive finite float, got -1.0"):
+        cuattn.decode(q, k8, k8, lens, v_scale=-1.0)
+    with pytest.raises(TypeError, match=r"k_scale must be a float or a float32 array"):
+        cuattn.decode(q, k8, k8, lens, k_scale="1")
+    with pytest.raises(ValueError, match=r"k_scale applies to float8_e4m3fn caches only; this cache holds float16"):
+        cuattn.PagedKVCache(4, 4, 2, 32, np.float16, device="cpu", k_scale=0.5)
+    with pytest.raises(ValueError, match=r"v_scale.shape must be \(\), \(1,\) or \(Hk,\) = \(2,\), got \(3,\)"):
+        cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu", v_scale=np.ones(3))
+    with pytest.raises(ValueError, match=r"k_scale must be positive and finite"):
+        cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu", k_scale=0.0)
+    cache = cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu")
+    with pytest.raises(ValueError, match=r"k_scale and v_scale come with a PagedKVCache"):
+        cuattn.paged_attention(q, cache, np.zeros((1, 1), np.int32), np.array([1], np.int32), k_scale=1.0)
+    with pytest.raises(TypeError, match=r"k.dtype is int32; an e4m3 cache takes float16, bfloat16 or float32"):
+        cache.write(np.zeros((1, 2, 32), np.int32), np.zeros((1, 2, 32), np.int32), [0])
+    with pytest.raises(ValueError, match=r"x must be \(..., H, D\) with at least 2 axes, got shape \(5,\)"):
+        cuattn.fp8_scales(np.ones(5, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_e4m3_byte_is_widened_exactly(dtype, head_dim):
+    """One key per sequence: the output is that key's value row, every e4m3 byte (NaN excepted)
+    at every head-dim position, so a wrong byte or a wrong column would show exactly."""
+    cupy = _cupy()
+    codes = np.array([c for c in range(256) if c not in NAN_BYTES], np.uint8)
+    rows = -(-codes.size // head_dim) * head_dim
+    pattern = np.resize(codes, rows).reshape(-1, head_dim)  # [heads, D], every code at least once
+    hk = pattern.shape[0]
+    rng = np.random.default_rng()
+    # a second sequence shifts the codes by one column, so each code meets several columns
+    v = np.stack([pattern, np.roll(pattern, 1, axis=1)])[:, None]  # [2, 1, Hk, D]
+    k = rng.integers(0, 0x70, size=v.shape, dtype=np.uint8)  # any finite keys: one key, weight 1
+    q = randn(rng, (2, 1, hk, head_dim), dtype)
+    out = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(np.array([1, 1], np.int32)))
+    expected = v.view(E4M3).astype(np.float64)[:, 0][:, None]  # exact in fp16 and bf16
+    np.testing.assert_array_equal(out.get().astype(np.float64), expected)
+
+
+def run_fp8_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, per_head, paged_block=None, **options):
+    cupy = _cupy()
+    k_scale = (rng.uniform(0.005, 0.02, hk) if per_head else np.full(hk, 0.01)).astype(np.float32)
+    v_scale = (rng.uniform(0.005, 0.02, hk) if per_head else np.full(hk, 0.015)).astype(np.float32)
+    k8, k_real = quantized_cache(rng, (b, s_max, hk, d), k_scale)
+    v8, v_real = quantized_cache(rng, (b, s_max, hk, d), v_scale)
+    k_bytes, v_bytes = k8.view(np.uint8).copy(), v8.view(np.uint8).copy()
+    for i, n in enumerate(lens):
+        k_bytes[i, n:] = POISON_BYTE
+        v_bytes[i, n:] = POISON_BYTE
+    q = randn(rng, (b, sq_new, hq, d), dtype)
+    lens = np.asarray(lens, np.int32)
+    scales = ({"k_scale": cupy.asarray(k_scale), "v_scale": cupy.asarray(v_scale)} if per_head
+              else {"k_scale": float(k_scale[0]), "v_scale": float(v_scale[0])})
+    if paged_block is None:
+        out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k_bytes), cupy.asarray(v_bytes), cupy.asarray(lens),
+                                 return_lse=True, **scales, **options)
+    else:
+        # the same caches cut into shuffled pages of paged_block tokens
+        per_seq = s_max // paged_block
+        order = rng.permutation(b * per_seq).astype(np.int32)
+        table = order.reshape(b, per_seq)
+        pages_k = np.empty((b * per_seq, paged_block, hk, d), np.uint8)
+        pages_v = np.empty_like(pages_k)
+        pages_k[table.reshape(-1)] = k_bytes.reshape(b * per_seq, paged_block, hk, d)
+        pages_v[table.reshape(-1)] = v_bytes.reshape(b * per_seq, paged_block, hk, d)
+        out, lse = cuattn.paged_attention(cupy.asarray(q), (cupy.asarray(pages_k), cupy.asarray(pages_v)),
+                                          cupy.asarray(table), cupy.asarray(lens), return_lse=True, **scales, **options)
+    options.pop("num_splits", None)
+    check_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get(), **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("num_splits", [1, None], ids=["1split", "auto"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_e4m3_cache(rng, dtype, head_dim, num_splits, per_head):
+    run_fp8_decode(rng, dtype, 3, 1, 8, 2, head_dim, 700, [700, 1, 333], per_head, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq_new, gqa", [(1, (32, 8)), (5, (8, 1)), (16, (4, 4))], ids=["32q8kv", "spec5-8q1kv", "spec16"])
+def test_decode_e4m3_gqa_speculative_and_options(rng, sq_new, gqa):
+    run_fp8_decode(rng, BF16, 2, sq_new, gqa[0], gqa[1], 128, 1029, [1029, 17], True, softcap=30.0,
+                   window=(300, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 7, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_e4m3_pages(rng, head_dim, block_size):
+    s_max = block_size * (1536 // block_size)
+    run_fp8_decode(rng, BF16, 3, 2, 8, 2, head_dim, s_max, [s_max, 1, 411], True, paged_block=block_size,
+                   num_splits=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_dtype", [np.float16, BF16, np.float32], ids=["fp16", "bf16", "fp32"])
+def test_paged_cache_quantising_write_matches_numpy_bit_for_bit(token_dtype):
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    k_scale = np.array([0.01, 0.002, 0.05], np.float32)
+    cache = cuattn.PagedKVCache(8, 16, 3, 64, E4M3, k_scale=k_scale, v_scale=0.02)
+    assert cache.k_pages.dtype == np.uint8
+    # normals, values past 448 x scale (saturated), subnormal-range values and exact ties
+    k = (randn(rng, (40, 3, 64), np.float32) * np.array([3.0, 0.5, 30.0])[:, None]).astype(token_dtype)
+    k[0, 0, :4] = np.array([1.0625, 1.1875, -2.0 ** -10, 1e-6], np.float32) * k_scale[0]
+    v = randn(rng, (40, 3, 64), token_dtype, scale=4.0)
+    slots = rng.permutation(128)[:40].astype(np.int32)
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots))
+    k_pages, v_pages = cache.k_pages.get().reshape(128, 3, 64), cache.v_pages.get().reshape(128, 3, 64)
+    for name, x, pages, scale in (("k", k, k_pages, k_scale), ("v", v, v_pages, np.full(3, 0.02, np.float32))):
+        expected = np.clip(x.astype(np.float32) / scale[:, None], -448, 448).astype(E4M3).view(np.uint8)
+        np.testing.assert_array_equal(pages[slots], expected, err_msg=name)
+    # the device quantiser of whole arrays is the same kernel
+    np.testing.assert_array_equal(cuattn.quantize_fp8(cupy.asarray(k), cupy.asarray(k_scale)).get(),
+                                  np.clip(k.astype(np.float32) / k_scale[:, None], -448, 448).astype(E4M3).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_paged_kv_cache_e4m3_end_to_end_and_plan_reads_scales_each_run(rng):
+    cupy = _cupy()
+    hk, d, block = 2, 128, 16
+    k_scale = cupy.asarray(np.array([0.01, 0.02], np.float32))
+    cache = cuattn.PagedKVCache(32, block, hk, d, E4M3, k_scale=k_scale, v_scale=0.01)
+    k = randn(rng, (100, hk, d), BF16)
+    v = randn(rng, (100, hk, d), BF16)
+    cache.write(cupy.asarray(k), cupy.asarray(v), cupy.arange(100, dtype=cupy.int32))
+    q = cupy.asarray(randn(rng, (1, 1, 8, d), BF16))
+    table = cupy.asarray(np.arange(7, dtype=np.int32)[None])
+    lens = cupy.asarray(np.array([100], np.int32))
+    out = cuattn.paged_attention(q, cache, table, lens)
+    k_real = cache.k_pages.get().view(E4M3).astype(np.float64) * k_scale.get()[:, None]
+    v_real = cache.v_pages.get().view(E4M3).astype(np.float64) * 0.01
+    check_decode(rng, BF16, q.get(), k_real[:7].reshape(1, 7 * block, hk, d), v_real[:7].reshape(1, 7 * block, hk, d),
+                 np.array([100]), out.get(), cuattn.paged_attention(q, cache, table, lens, return_lse=True)[1].get())
+    # a plan reads the descale array on the device at every run: doubling v_scale's array doubles out
+    v_scale = cupy.asarray(np.full(hk, 0.01, np.float32))
+    plan = cuattn.plan_paged_attention(q, (cache.k_pages, cache.v_pages), table, lens, k_scale=k_scale, v_scale=v_scale)
+    first = plan.run().get().astype(np.float64)
+    np.testing.assert_array_equal(first, out.get().astype(np.float64))
+    v_scale *= 2
+    np.testing.assert_allclose(plan.run().get().astype(np.float64), 2 * first, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_torch_float8_caches(rng):
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, 300, 2, 128, device="cuda")
+    v = torch.randn(2, 300, 2, 128, device="cuda")
+    k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v)
+    assert isinstance(k_scale, torch.Tensor) and k_scale.shape == (2,)
+    k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
+    assert k8.dtype == torch.float8_e4m3fn and k8.shape == k.shape
+    lens = torch.tensor([300, 41], dtype=torch.int32, device="cuda")
+    out = cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    k_real = k8.float().cpu().numpy() * k_scale.cpu().numpy()[:, None]
+    v_real = v8.float().cpu().numpy() * v_scale.cpu().numpy()
+    q_host = q.float().cpu().numpy().astype(BF16)
+    lse = cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale, return_lse=True)[1]
+    check_decode(rng, BF16, q_host, k_real, v_real, np.array([300, 41]), out.float().cpu().numpy(),
+                 lse.cpu().numpy())
+    # the e4m3 cache is within e4m3's rounding of the bf16 attention over the original values
+    full = cuattn.decode(q, k.bfloat16(), v.bfloat16(), lens)
+    assert (out.float() - full.float()).abs().max().item() < 0.05
