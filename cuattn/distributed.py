@@ -136,7 +136,7 @@ def zigzag_unshard(shards, axis: int = 1):
         raise ValueError(
             f"shards[0].shape[{axis}] (S_local) = {local} must be even: a zigzag shard is two equal chunks"
         )
-    half, world_size = local // 2, len(shards)
+    half = local // 2
     early = [_take(s, axis, 0, half) for s in shards]
     late = [_take(s, axis, half, local) for s in reversed(shards)]
     return _concat(early + late, axis)
@@ -357,18 +357,20 @@ def _is_torch_group(group) -> bool:
     return type(group).__module__.split(".")[0] == "torch" and "ProcessGroup" in type(group).__name__
 
 
-def _as_group(group, ctx, q):
-    """The group interface for this call, after checking it fits the arrays' framework and device."""
+def _as_group(group, kind: str, q):
+    """The group interface for a call on arrays of framework ``kind`` ("numpy", "cupy", "torch",
+    ...), after checking that the group fits that framework and q's device."""
+    on_host = kind == "numpy"
     if isinstance(group, LocalGroup):
-        if not ctx.on_host:
+        if not on_host:
             raise TypeError(f"group is a LocalGroup, which exchanges NumPy arrays between threads, but q is a "
-                            f"{ctx.kind} array: on GPUs use cuattn.distributed.NcclGroup or a torch.distributed "
+                            f"{kind} array: on GPUs use cuattn.distributed.NcclGroup or a torch.distributed "
                             "process group")
         return group
     if not isinstance(group, NcclGroup) and not _is_torch_group(group):
         raise TypeError(f"group must be a cuattn.distributed.NcclGroup, a torch.distributed ProcessGroup or (NumPy "
                         f"inputs) a cuattn.distributed.LocalGroup, got {type(group).__module__}.{type(group).__name__}")
-    if ctx.on_host:
+    if on_host:
         raise TypeError(f"q is a NumPy array, which runs on the CPU: use a cuattn.distributed.LocalGroup (one per "
                         f"simulated rank), not a {type(group).__name__}")
     device = _arrays._device_of(q)
@@ -605,7 +607,7 @@ def ring_attention(q, k, v, group, *, causal=False, scale=None, softcap=0.0, ret
     with _arrays.array_context(q=q, k=k, v=v) as ctx:
         qv, kv, vv = (ctx.view(x) for x in (q, k, v))
         _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
-        ring = _as_group(group, ctx, qv)
+        ring = _as_group(group, ctx.kind, qv)
         _handshake(ring, 0, qv, kv, causal, scale, softcap)
         out_acc, lse = _forward(ring, ctx.stream, qv, kv, vv, causal=causal, scale=scale, softcap=softcap)
         out = _result(ctx, out_acc, qv.dtype)
@@ -630,7 +632,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
             _arrays.check_same_dtype(name, x, "q", qv)
         if tuple(lv.shape) != (batch, num_heads, local):
             raise ValueError(f"lse.shape must be {(batch, num_heads, local)} (the forward's lse), got {tuple(lv.shape)}")
-        ring = _as_group(group, ctx, qv)
+        ring = _as_group(group, ctx.kind, qv)
         _handshake(ring, 1, qv, kv, causal, scale, softcap)
         grads = _backward(ring, ctx.stream, dov, qv, kv, vv, ov, lv, causal=causal, scale=scale, softcap=softcap)
         return tuple(_result(ctx, g, x.dtype) for g, x in zip(grads, (qv, kv, vv)))
