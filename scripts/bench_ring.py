@@ -69,6 +69,7 @@ def _group(args, folder: pathlib.Path, rank: int):
         import torch.distributed as dist
 
         device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)  # NCCL's P2P ops run on the current device
         dist.init_process_group("nccl", init_method=f"file://{folder / 'torch_store'}", rank=rank,
                                 world_size=WORLD_SIZE, device_id=device)
         return dist.group.WORLD

@@ -65,6 +65,7 @@ def run_torch(folder, rank, world_size, inputs, options):
     import cuattn.torch
 
     device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)  # NCCL's P2P ops run on the current device
     dist.init_process_group("nccl", init_method=f"file://{folder / 'torch_store'}", rank=rank,
                             world_size=world_size, device_id=device)
     try:

@@ -28,6 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CPU_TOLERANCE = 1e-5
 # lengths of one zigzag chunk: odd and not a multiple of any tile
 CHUNK = 17
+# a two-GPU run (two processes, kernels compiled on first use) takes well under this
+WORKER_TIMEOUT_S = 600
 OPTIONS = {
     "gqa-softcap": dict(heads=(4, 2), options=dict(softcap=5.0)),
     "mha-scale": dict(heads=(3, 3), options=dict(scale=0.3)),
@@ -232,7 +234,13 @@ def _spawn_ring(tmp_path, world_size, group_kind, causal):
                                  str(world_size), group_kind, str(int(causal))],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
                for rank in range(world_size)]
-    logs = [w.communicate(timeout=600)[0] for w in workers]
+    try:
+        logs = [w.communicate(timeout=WORKER_TIMEOUT_S)[0] for w in workers]
+    finally:
+        # a rank that failed leaves its peer blocked in NCCL: end both
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
     for rank, (worker, log) in enumerate(zip(workers, logs)):
         assert worker.returncode == 0, f"rank {rank} failed:\n{log}"
     return [np.load(tmp_path / f"rank{rank}.npz") for rank in range(world_size)]
