@@ -14,6 +14,8 @@ from .attention import attention, attention_backward, attention_varlen, attentio
 from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
 from .paged import BlockManager, PagedKVCache, paged_attention, plan_paged_attention
+# ring attention: NumPy and cuattn only at import (CuPy, NCCL and torch load when a group needs them)
+from . import distributed
 
 __all__ = [
     "BlockManager",
@@ -28,6 +30,7 @@ __all__ = [
     "attention_varlen_backward",
     "build",
     "decode",
+    "distributed",
     "info",
     "merge_states",
     "paged_attention",
