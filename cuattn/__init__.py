@@ -15,6 +15,8 @@ from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
 from .fp8 import fp8_scales, quantize_fp8
 from .paged import BlockManager, PagedKVCache, paged_attention, plan_paged_attention
+# ring attention: NumPy and cuattn only at import (CuPy, NCCL and torch load when a group needs them)
+from . import distributed
 
 __all__ = [
     "BlockManager",
@@ -29,6 +31,7 @@ __all__ = [
     "attention_varlen_backward",
     "build",
     "decode",
+    "distributed",
     "fp8_scales",
     "info",
     "merge_states",

@@ -4,10 +4,13 @@
     out = cuattn.torch.attention(q, k, v, causal=True)   # q (B, Sq, Hq, D), k, v (B, Sk, Hk, D)
     out.sum().backward()                                  # q.grad, k.grad, v.grad
     out = cuattn.torch.attention(q, k, v, sinks=sinks)   # sinks (Hq,) float32: sinks.grad too
+    out = cuattn.torch.ring_attention(q, k, v, group, causal=True)   # this rank's shards (cuattn.distributed)
 
 The op is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
 ``attention_bwd``) with fake implementations, so ``torch.compile`` traces through it instead of
-breaking the graph. torch is imported only when this module is.
+breaking the graph. ``ring_attention`` (context parallelism over a process group) is a plain
+``torch.autograd.Function``: its group is not a tensor, so it is not a custom op and
+``torch.compile`` breaks the graph around it. torch is imported only when this module is.
 """
 
 from __future__ import annotations
@@ -95,3 +98,35 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     out, _ = _attention_fwd(q, k, v, sinks, bool(causal), scale, int(window[0]), int(window[1]), float(softcap),
                             bool(deterministic))
     return out
+
+
+class _RingAttention(torch.autograd.Function):
+    """cuattn.distributed's ring forward; its backward sends dk and dv around the same ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, softcap):
+        from . import distributed
+
+        out, lse = distributed.ring_attention(q, k, v, group, causal=causal, scale=scale, softcap=softcap,
+                                              return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.options = group, dict(causal=causal, scale=scale, softcap=softcap)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from . import distributed
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout if _kernel_readable(dout) else dout.contiguous()
+        dq, dk, dv = distributed.ring_attention_backward(dout, q, k, v, out, lse, ctx.group, **ctx.options)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q, k, v, group, *, causal=False, scale=None, softcap=0.0):
+    """Differentiable :func:`cuattn.distributed.ring_attention` for this rank's CUDA tensor shards
+    ``(B, S_local, H, D)`` (zigzag layout when ``causal``); ``group`` a torch.distributed process
+    group or a ``cuattn.distributed.NcclGroup``. Returns ``out``; ``backward`` gives this rank's
+    q.grad and the grads of its k and v summed over every rank's queries (every rank must call
+    backward, as every rank called forward)."""
+    return _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap))
