@@ -431,7 +431,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     spec = decode_spec(q.dtype, head_dim, mt, paged is not None, e4m3)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
-                                       _jit.multiprocessor_count(), ctas_per_sm(spec) if paged is not None else 1)
+                                       _jit.multiprocessor_count(),
+                                       ctas_per_sm(spec) if paged is not None or e4m3 else 1)
     if batch == 0:
         return [], 0
 

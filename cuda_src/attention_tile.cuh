@@ -176,9 +176,12 @@ struct AttentionTile {
     exponentiate(scale);
   }
 
-  // Round the probabilities to T as mma A fragments: two n8 tiles of S make one k16 slice.
-  // Done before the second GEMM so the fp32 scores are dead while V streams in.
+  // Round the probabilities to P (T unless the PV GEMM runs in another type) as mma A
+  // fragments: two n8 tiles of S make one k16 slice. Done before the second GEMM so the fp32
+  // scores are dead while V streams in.
+  template <typename P = T>
   __device__ __forceinline__ void to_fragments(u32 (&p)[MT][NT / 2][4]) const {
+    using DTy = DType<P>;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

@@ -19,6 +19,16 @@ using u32 = unsigned int;
 using i64 = long long;
 static_assert(sizeof(u32) == 4 && sizeof(i64) == 8, "fixed-width types");
 
+// std::conditional without <type_traits> (NVRTC ships none): A if C, else B.
+template <bool C, typename A, typename B>
+struct Conditional {
+  using type = A;
+};
+template <typename A, typename B>
+struct Conditional<false, A, B> {
+  using type = B;
+};
+
 // +inf as a bit pattern: NVRTC has no constexpr infinity
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 constexpr float kLn2 = 0.69314718055994530942f;

@@ -247,8 +247,11 @@ __device__ __forceinline__ void decode_body(
   using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
   using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
   using Mm = Mma<T>;
-  // An e4m3 cache is widened to T in registers, between its shared-memory load and the GEMMs.
+  // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs: K to
+  // T (the S GEMM's operand type is q's), V to fp16 (see the P V GEMM).
   constexpr bool kFp8 = sizeof(Tkv) == 1;
+  using PvType = typename Conditional<kFp8, __half, T>::type;
+  using PvMm = Mma<PvType>;
   static_assert(sizeof(Tkv) == 2 || kFp8, "K/V elements are 2-byte floats or e4m3");
   constexpr int kStride = Smem::kStride;
   constexpr int kKvStride = Smem::kKvStride;
@@ -402,9 +405,12 @@ __device__ __forceinline__ void decode_body(
     }
     tile.softmax_update(mask.softmax_scale());
 
-    // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
+    // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15.
+    // With an e4m3 cache this GEMM runs in fp16 whatever q's type: e4m3 widens to fp16 in one
+    // instruction (to bf16 it takes bit arithmetic), and probabilities in [0, 2^8] keep 3 more
+    // bits in fp16 than in bf16 (below 2^-24 of the row max they flush, which no sum can see).
     u32 p[MT][1][4];
-    tile.to_fragments(p);
+    tile.template to_fragments<PvType>(p);
     if (!kFp8) {
 #pragma unroll
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
@@ -427,9 +433,9 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const u32 low = r[2 * (u / 2)] >> (8 * (u % 2)), high = r[2 * (u / 2) + 1] >> (8 * (u % 2));
-          const u32 b0 = e4m3x2_to<T>(low), b1 = e4m3x2_to<T>(high);
+          const u32 b0 = e4m3x2_to<PvType>(low), b1 = e4m3x2_to<PvType>(high);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) Mm::run(tile.o[mt][4 * j + u], p[mt][0], b0, b1);
+          for (int mt = 0; mt < MT; ++mt) PvMm::run(tile.o[mt][4 * j + u], p[mt][0], b0, b1);
         }
       }
     }

@@ -299,6 +299,8 @@ def test_torch_float8_caches(rng):
     lse = cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale, return_lse=True)[1]
     check_decode(rng, BF16, q_host, k_real, v_real, np.array([300, 41]), out.float().cpu().numpy(),
                  lse.cpu().numpy())
-    # the e4m3 cache is within e4m3's rounding of the bf16 attention over the original values
-    full = cuattn.decode(q, k.bfloat16(), v.bfloat16(), lens)
-    assert (out.float() - full.float()).abs().max().item() < 0.05
+    # against bf16 attention over the original values, e4m3's 3 mantissa bits (a relative
+    # rounding error of at most 2^-4, about 2^-5 on average) leave an RMS error of a few percent
+    full = cuattn.decode(q, k.bfloat16(), v.bfloat16(), lens).float()
+    relative_rms = ((out.float() - full).pow(2).mean() / full.pow(2).mean()).sqrt().item()
+    assert relative_rms < 2.0 ** -4, relative_rms
