@@ -40,6 +40,9 @@ MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 256
 # Two CTAs share an SM (paged caches) only when each split streams at least this many keys.
 SHARED_SM_MIN_KEYS_PER_SPLIT = 2048
+# An e4m3 CTA widens every byte it reads, a chain of dependent steps per block that one CTA per SM
+# leaves unhidden: e4m3 decode runs at least this many (scripts/tune_decode.py --fp8, H200).
+E4M3_MIN_CTAS_PER_SM = 2
 MAX_GRID_Z = 65535
 
 
@@ -125,7 +128,7 @@ def fast_divisor(divisor: int) -> tuple[np.uint32, np.int32]:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen: int, sms: int,
-                      ctas_per_sm: int = 1) -> int:
+                      ctas_per_sm: int = 1, min_ctas_per_sm: int = 1) -> int:
     """Splits so that one wave of CTAs fills the GPU, each split streaming enough keys.
 
     A contiguous cache streams fastest with one CTA per SM (``ctas_per_sm = 1``;
@@ -134,7 +137,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen
     then its first pages), and a second CTA per SM (``ctas_per_sm = 2``) hides that start, but only
     once each split streams ``SHARED_SM_MIN_KEYS_PER_SPLIT`` keys; shorter splits go back to one
     CTA per SM (scripts/tune_paged.py: B = 8, L = 8k 3.49 TB/s at 4 splits against 3.41 at 2;
-    B = 1, L = 32k 2.89 at 16 splits against 2.75 at 33; BENCHMARKS.md).
+    B = 1, L = 32k 2.89 at 16 splits against 2.75 at 33; BENCHMARKS.md). An e4m3 cache
+    (``min_ctas_per_sm = 2``) never goes below two CTAs per SM: a block costs an e4m3 CTA as long
+    as a 2-byte one although it reads half the bytes (B = 1, L = 32k: 29.6 us at 32 splits, 34.1
+    at 16; B = 8, L = 8k: 44.5 us at 4 splits, 59.2 at 2).
 
     Depends on shapes and the device only (never on the device's cache_seqlens): no sync.
     """
@@ -149,7 +155,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen
         shared = splits(ctas_per_sm * sms)
         if max_seqlen >= shared * SHARED_SM_MIN_KEYS_PER_SPLIT:
             return shared
-    return splits(sms)
+    return splits(min(min_ctas_per_sm, ctas_per_sm) * sms)
 
 
 # Shared memory the driver reserves per CTA on sm_80 and later.
@@ -432,7 +438,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(),
-                                       ctas_per_sm(spec) if paged is not None or e4m3 else 1)
+                                       ctas_per_sm(spec) if paged is not None or e4m3 else 1,
+                                       E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
     if batch == 0:
         return [], 0
 

@@ -266,6 +266,18 @@ def test_split_heuristic(batch, kv_heads, seqlen, per_sm, expected):
     assert choose_num_splits(batch, kv_heads, 1, seqlen, 132, per_sm) == expected
 
 
+@pytest.mark.parametrize(
+    "batch, kv_heads, seqlen, per_sm, expected",
+    # e4m3: three CTAs per SM with 2048-key splits, else never fewer than two
+    [(1, 8, 32768, 3, 33), (8, 8, 8192, 3, 4), (8, 8, 131072, 3, 6), (32, 8, 4096, 3, 1), (1, 8, 300, 3, 1),
+     (8, 8, 8192, 1, 2)],
+)
+def test_split_heuristic_e4m3(batch, kv_heads, seqlen, per_sm, expected):
+    from cuattn.decode import E4M3_MIN_CTAS_PER_SM, choose_num_splits
+
+    assert choose_num_splits(batch, kv_heads, 1, seqlen, 132, per_sm, E4M3_MIN_CTAS_PER_SM) == expected
+
+
 @pytest.mark.parametrize("divisor", list(range(1, 300)) + [1000, 4096, 65535])
 def test_fast_divisor_matches_integer_division(divisor):
     from cuattn.decode import fast_divisor
