@@ -156,7 +156,7 @@ def ctas_per_sm(spec: _jit.KernelSpec) -> int:
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+           window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
 
     Args:
@@ -166,19 +166,20 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
         num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
-        causal, scale, window, softcap, sinks: as in :func:`cuattn.attention`, with
-            Sk = cache_seqlens[b] per row.
+        causal, scale, window, softcap, sinks, alibi_slopes: as in :func:`cuattn.attention`, with
+            Sk = cache_seqlens[b] per row and Sq = Sq_new (ALiBi's distance of new token i to key j
+            is ``|i + cache_seqlens[b] - Sq_new - j|``).
         return_lse: also return lse ``(B, Hq, Sq_new)`` float32 (natural log).
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)``, in the framework of the inputs.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, planning=False)
+                   alibi_slopes, return_lse, planning=False)
 
 
 def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-                window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+                window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
 
     Takes the arguments of :func:`decode` (CuPy or torch arrays) and checks them once. The plan
@@ -189,27 +190,28 @@ def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=T
     in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, planning=True)
+                   alibi_slopes, return_lse, planning=True)
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, return_lse, *,
-            planning: bool):
+def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, alibi_slopes,
+            return_lse, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks),
+    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes),
                           (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = None if planning else _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_cache, v_cache, cache_seqlens, sinks)
+        result = plan(q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes)
         if result is not None:
             return result
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                               sinks=sinks) as ctx:
-        qv, kv, vv, lens, sv = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks))
+                               sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
+        qv, kv, vv, lens, sv, av = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
         _arrays.check_dtypes({"q": qv, "k_cache": kv, "v_cache": vv}, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        alibi_sb = check_alibi(av, qv, ctx.on_host)
         if ctx.on_host:
             if planning:
                 raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
@@ -217,7 +219,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
             lens = np.clip(lens, 0, int(kv.shape[1]))
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
-                                      softcap=softcap, return_lse=True, sinks=sv)
+                                      softcap=softcap, return_lse=True, sinks=sv, alibi_slopes=av)
             return _host_result(result, qv, return_lse)
 
         for name, x in (("q", qv), ("k_cache", kv), ("v_cache", vv)):
@@ -230,11 +232,11 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv,
+            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv, alibi=(av, alibi_sb),
         )
         if step is not None:
             return step
-        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks"), bound, workspace, qv.shape,
+        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes"), bound, workspace, qv.shape,
                                               (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
@@ -355,8 +357,17 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
     return buf.data.ptr
 
 
+def check_alibi(slopes, q, host: bool) -> int:
+    """Checks ``alibi_slopes`` (when given) against q ``(B, Sq_new, Hq, D)``; returns the batch
+    stride the decode kernel reads them with (0: one row of slopes for every sequence, or none)."""
+    if slopes is None:
+        return 0
+    return _arrays.check_alibi_slopes(slopes, int(q.shape[0]), int(q.shape[2]), host, "q", q)
+
+
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  stream, split_length: int | None = None, step=None, sinks=None) -> tuple[list, int]:
+                  stream, split_length: int | None = None, step=None, sinks=None,
+                  alibi=(None, 0)) -> tuple[list, int]:
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
     and ``lse`` [B, Hq, Sq_new] (or None).
 
@@ -365,7 +376,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     ``split_length`` the longest sequence the split heuristic plans for (default ``max_seqlen``).
     Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
     workspace, sinks) and the workspace bytes: the plan of later identical calls. ``sinks`` (float32
-    [Hq] or None) join in the decode kernel with one split, in the combine with several. With ``step`` (a
+    [Hq] or None) join in the decode kernel with one split, in the combine with several. ``alibi``: the
+    slopes ([B, Hq] | [Hq], or None) and their batch stride in elements; the decode kernel adds the
+    bias to the scores (the combine merges partials that already carry it). With ``step`` (a
     :class:`cuattn._calls.StepPlan`) nothing runs: the launches, with a workspace the step
     owns, are added to it instead.
     """
@@ -406,7 +419,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mul, shift = fast_divisor(max(block_size, 1))
     params = _params.pack(
         "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
-        part_lse=part_lse, sinks=sinks, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
+        part_lse=part_lse, sinks=sinks, alibi_slopes=alibi[0], alibi_sb=alibi[1], q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
         v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
         lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
         block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
@@ -422,7 +435,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
     bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
                                    "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role,
-                                   "sinks": "sinks"})]
+                                   "sinks": "sinks", "alibi_slopes": "alibi_slopes"})]
     if num_splits > 1:
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)

@@ -488,7 +488,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
 
 
 def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, check=True):
+                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+                    check=True):
     """Decode or short chunked prefill (``Sq_new <= 16``) of a batch over a paged KV cache.
 
     Args:
@@ -505,17 +506,18 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             capacity. Device tables and lengths are then copied to the host (a sync); pass
             ``check=False`` to skip that (e.g. inside a CUDA graph): lengths are then clamped to
             the capacity and block ids to the pool on the device.
-        num_splits, causal, scale, window, softcap, sinks, return_lse: as in :func:`cuattn.decode`.
+        num_splits, causal, scale, window, softcap, sinks, alibi_slopes, return_lse: as in
+            :func:`cuattn.decode`, with Sk = seq_lens[b].
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, check, planning=False)
+                            softcap, sinks, alibi_slopes, return_lse, check, planning=False)
 
 
 def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False):
+                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one paged decode step.
 
     Takes the arguments of :func:`paged_attention`, with ``block_table`` and ``seq_lens`` as
@@ -525,11 +527,11 @@ def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, n
     count plans for (default: the table's capacity). See :func:`cuattn.plan_decode` for ``run``.
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, False, planning=True)
+                            softcap, sinks, alibi_slopes, return_lse, False, planning=True)
 
 
 def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window, softcap,
-                     sinks, return_lse, check, *, planning: bool):
+                     sinks, alibi_slopes, return_lse, check, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
     if isinstance(cache, PagedKVCache):
         k_pages, v_pages = cache.k_pages, cache.v_pages
@@ -540,13 +542,15 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         named = {"q": q, "k_pages": k_pages, "v_pages": v_pages}
     if sinks is not None:
         named["sinks"] = sinks
+    if alibi_slopes is not None:
+        named["alibi_slopes"] = alibi_slopes
     call_key = None
     if not (check or planning):
-        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks),
+        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes),
                               (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks)
+        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes)
         if result is not None:
             return result
     with _arrays.array_context(**named) as ctx:
@@ -577,6 +581,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         sv = ctx.view(sinks)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        av = ctx.view(alibi_slopes)
+        alibi_sb = _decode.check_alibi(av, qv, ctx.on_host)
         host_lens = None
         if check or ctx.on_host:
             host_table = table if table_host else table.get()
@@ -587,7 +593,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
                 raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
                                 "cuattn.paged_attention for the CPU reference")
             result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,
-                                               window=(left, right), softcap=softcap, return_lse=True, sinks=sv)
+                                               window=(left, right), softcap=softcap, return_lse=True, sinks=sv,
+                                               alibi_slopes=av)
             return _decode._host_result(result, qv, return_lse)
 
         import cupy
@@ -609,13 +616,15 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
             stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step, sinks=sv,
+            alibi=(av, alibi_sb),
         )
         if step is not None:
             return step
         if not (check or table_host or lens_host):
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
-            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks"), bound, workspace,
-                                                          qv.shape, (batch, num_heads, sq_new), return_lse))
+            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes"),
+                                                          bound, workspace, qv.shape, (batch, num_heads, sq_new),
+                                                          return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 

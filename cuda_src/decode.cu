@@ -212,6 +212,7 @@ struct DecodeArgs {
   int split, num_splits;
   MaskParams mask;
   const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
+  const float* alibi_slopes;  // at (b, h0): [G] ALiBi slopes of the group's heads, or null
 };
 
 template <typename T, int HEAD_DIM, int MT, int STAGES, class KV>
@@ -303,6 +304,12 @@ __device__ __forceinline__ void decode_body(
   Tile tile;
   tile.init();
   const auto diag_of = [=](int mt, int r) { return (a.row_base + mt * 16 + lane / 4 + 8 * r) / a.group + offset; };
+  // ALiBi slope of the lane's row r of m16 tile mt (row r is head r % G), read per block (an L1
+  // hit) rather than held in registers across the loop
+  const auto alibi_of = [&](int mt, int r) {
+    return alibi_score_slope(a.alibi_slopes, 0, 0, (a.row_base + mt * 16 + lane / 4 + 8 * r) % a.group,
+                             mask.softmax_scale());
+  };
 
   for (int t = 0; t < num_blocks; ++t) {
     // block t has landed, and every warp is done with the stage the next load overwrites
@@ -343,6 +350,7 @@ __device__ __forceinline__ void decode_body(
     } else {
       tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
     }
+    if (a.alibi_slopes != nullptr) tile.add_alibi(diag_of, alibi_of, n0, lane);
     tile.softmax_update(mask.softmax_scale());
 
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
@@ -440,7 +448,8 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr,
+                     p.alibi_slopes != nullptr ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, HEAD_DIM, MT, STAGES>(
@@ -484,7 +493,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr};
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr,
+                     p.alibi_slopes != nullptr ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, HEAD_DIM, MT, STAGES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,

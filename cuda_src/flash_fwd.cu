@@ -1,6 +1,6 @@
 // flash_fwd.cu: tiled FlashAttention forward on tensor cores (mma.sync m16n8k16, sm_80+).
 //
-// Computes out = softmax(mask(cap(scale * q k^T))) v and the natural-log lse per query row,
+// Computes out = softmax(mask(cap(scale * q k^T) + alibi)) v and the natural-log lse per query row,
 // without ever writing the Sq x Sk score matrix: each CTA owns BLOCK_M query rows of one
 // (batch, head), walks the key blocks that any of its rows can see, and keeps the online-softmax
 // state (running max m, running sum l, unnormalised output) in registers.
@@ -155,6 +155,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   // Sk - Sq: aligns causal and window masks to the bottom-right corner
   const int offset = seq.offset;
   const float softmax_scale = mp.softmax_scale();
+  // this head's ALiBi slope in the units of the scores add_alibi sees (unread without ALiBi)
+  const float alibi =
+      p.alibi_slopes != nullptr ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, b, h, softmax_scale) : 0.f;
 
   // Heaviest causal blocks (the last query rows) are scheduled first.
   const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -206,6 +209,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     } else {
       fwd.template cap_and_mask<false>(mp, diag_of, n0, lane);
     }
+    if (p.alibi_slopes != nullptr) fwd.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane);
     fwd.softmax_update(softmax_scale);
     u32 p[Fwd::kMTiles][BLOCK_N / 16][4];
     fwd.to_fragments(p);

@@ -33,6 +33,8 @@ struct FwdParams {
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
   const float* sinks;      // [Hq] attention-sink logits (natural-log units), or null
+  const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_batch_stride 0) ALiBi slopes (natural-log units), or null
+  i64 alibi_batch_stride;
   i64 q_batch_stride;
   i64 q_row_stride;
   i64 q_head_stride;
@@ -72,6 +74,8 @@ struct DecodeParams {
   float* part_out;         // [splits, B, Sq_new, Hq, D] (splits > 1)
   float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
   const float* sinks;      // [Hq] attention-sink logits, or null (the combine adds them when splits > 1)
+  const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_sb 0) ALiBi slopes, or null
+  i64 alibi_sb;
   i64 q_sb;
   i64 q_ss;
   i64 q_sh;
