@@ -67,6 +67,13 @@ FWD_TILES = {
     128: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
     256: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
 }
+# flash_fwd_kernel's ALiBi variant (ALIBI) where FWD_TILES' tile spills with it: at D = 128 on
+# sm_80 the bias pass (the slope is read per key block, which is what keeps sm_90a's 64-key blocks
+# spill-free) spills 16 bytes with 64-key blocks and with 48; 32 keys take 242 registers
+# (`python -m cuattn build`). Not measured for speed yet (scripts/tune_fwd.py).
+FWD_ALIBI_TILES = {
+    128: {SM80: FwdTile(128, 32, 4)},
+}
 SUPPORTED_HEAD_DIMS = tuple(sorted(FWD_TILES))
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 
@@ -76,16 +83,25 @@ def arch_family(arch: str) -> str:
     return SM90 if arch.startswith("sm_90") else SM80
 
 
-def fwd_tile(head_dim: int, arch: str) -> FwdTile:
-    return FWD_TILES[head_dim][arch_family(arch)]
+def fwd_tile(head_dim: int, arch: str, alibi: bool = False) -> FwdTile:
+    """flash_fwd_kernel's tile for ``head_dim`` on ``arch``; ``alibi``: for its ALiBi variant."""
+    family = arch_family(arch)
+    alibi_tile = FWD_ALIBI_TILES.get(head_dim, {}).get(family) if alibi else None
+    return alibi_tile or FWD_TILES[head_dim][family]
+
+
+def _cpp_bool(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
+def fwd_spec(dtype, head_dim: int, tile: FwdTile, alibi: bool = False) -> _jit.KernelSpec:
+    """flash_fwd_kernel for ``tile``; ``alibi``: the variant that adds ALiBi's bias (its ALIBI flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
         "flash_fwd.cu",
-        f"cuattn::flash_fwd_kernel<{ctype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}>",
+        f"cuattn::flash_fwd_kernel<{ctype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
+        f"{_cpp_bool(alibi)}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
     )
@@ -150,8 +166,11 @@ def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``)."""
-    forward = [fwd_spec(dtype, d, fwd_tile(d, arch)) for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS]
+    """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
+    flash_fwd_kernel with and without ALiBi; flash_fwd_sm90_kernel reads the slopes' pointer at run
+    time (its registers did not move with ALiBi), so it has one variant per tile."""
+    forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
+               for d in SUPPORTED_HEAD_DIMS for alibi in (False, True)]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
     return forward + bwd_kernel_variants(arch)
@@ -464,11 +483,11 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
                              f"strides {q.strides}, {k.strides}, {v.strides})")
     if tile is None:
-        tile = fwd_tile(head_dim, arch)
+        tile = fwd_tile(head_dim, arch, alibi[0] is not None)
     if isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
+        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -613,22 +632,27 @@ def bwd_tile(head_dim: int, arch: str) -> BwdTile:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) -> tuple[_jit.KernelSpec, ...]:
-    """(preprocess, main, convert or deterministic dQ) kernels of the backward."""
+def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
+              alibi: bool = False) -> tuple[_jit.KernelSpec, ...]:
+    """(preprocess, main, convert or deterministic dQ) kernels of the backward; ``alibi``: the main
+    and dQ kernels' variants that fold ALiBi's bias into lse (their ALIBI flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     t = tile
     itemsize = np.dtype(dtype).itemsize
-    atomic = "false" if deterministic else "true"
+    atomic, with_alibi = _cpp_bool(not deterministic), _cpp_bool(alibi)
     if t.wgmma:
-        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}>"
+        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}, {with_alibi}>"
     else:
         main_name = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-                     f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}>")
+                     f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}, "
+                     f"{with_alibi}>")
     main = _jit.KernelSpec("flash_bwd.cu", main_name, threads=t.warps * 32,
                            smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=t.wgmma)
     if deterministic:
         last = _jit.KernelSpec(
-            "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
+            "flash_bwd.cu",
+            f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
+            f"{with_alibi}>",
             threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(head_dim, itemsize))
     else:
         last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>",
@@ -643,7 +667,7 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
 
 def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     specs = {spec for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for det in (False, True)
-             for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det)}
+             for alibi in (False, True) for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det, alibi)}
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -776,7 +800,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
     tile = bwd_tile(head_dim, _jit.target_arch())
-    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic, alibi[0] is not None)
     lse = cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly
@@ -792,9 +816,9 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             s[0] = 0
         acc_sb = 0
     null = np.uint64(0)
-    # the sequence offsets (varlen) and the ALiBi slopes [B, Hq] | [Hq] with their batch stride, or nulls
-    sequence_args = (*((cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)),
-                     null if alibi[0] is None else alibi[0], i64(alibi[1]))
+    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)
+    # the kernels' last arguments: the ALiBi slopes [B, Hq] | [Hq] and their batch stride, or null
+    alibi_args = (null if alibi[0] is None else alibi[0], i64(alibi[1]))
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     pre_batch = 1 if varlen else batch
@@ -812,14 +836,14 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     shape_args = (i32(batch), i32(num_heads), i32(num_kv_heads), i32(seqlen_q), i32(seqlen_k))
     mask_args = (f32(score_scale), f32(softcap_out), f32(softmax_scale), i32(left), i32(right))
     _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
-        q, k, v, dout, lse, delta, null if deterministic else dq_accum, dk, dv, *sequence_args, *qkv_strides,
+        q, k, v, dout, lse, delta, null if deterministic else dq_accum, dk, dv, *cu, *qkv_strides,
         *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
-        *shape_args, *mask_args), stream=stream)
+        *shape_args, *mask_args, *alibi_args), stream=stream)
 
     if deterministic:
         _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
-            q, k, v, dout, lse, delta, dq, *sequence_args, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
-            i64(lse_s[1]), *shape_args, *mask_args), stream=stream)
+            q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
+            i64(lse_s[1]), *shape_args, *mask_args, *alibi_args), stream=stream)
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
     total = int(dq_accum.size)
     _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (

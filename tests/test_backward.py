@@ -326,3 +326,24 @@ def test_backward_tiles_cover_the_forward_head_dims():
     attention_module = importlib.import_module("cuattn.attention")
 
     assert set(attention_module.BWD_TILES) == set(attention_module.FWD_TILES)
+
+
+@pytest.mark.parametrize("arch", list(SMEM_PER_BLOCK))
+def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
+    """With alibi_slopes the forward and backward dispatchers pick the ALIBI instantiations of the
+    kernels; every one they can pick is in kernel_variants (what `python -m cuattn build` and CI
+    compile and check for spills), and the plain ones stay listed."""
+    import importlib
+
+    attention_module = importlib.import_module("cuattn.attention")
+    listed = {spec.name for spec in attention_module.kernel_variants(arch)}
+    for dtype in ("float16", "bfloat16"):
+        for d in attention_module.SUPPORTED_HEAD_DIMS:
+            plain, alibi = (attention_module.fwd_spec(dtype, d, attention_module.fwd_tile(d, arch, a), a).name
+                            for a in (False, True))
+            assert {plain, alibi} <= listed and plain.endswith(", false>") and alibi.endswith(", true>")
+            for deterministic in (False, True):
+                for with_alibi in (False, True):
+                    specs = attention_module.bwd_specs(dtype, d, attention_module.bwd_tile(d, arch), deterministic,
+                                                       with_alibi)
+                    assert {spec.name for spec in specs} <= listed, (d, deterministic, with_alibi)
