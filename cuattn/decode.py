@@ -71,13 +71,20 @@ SUPPORTED_HEAD_DIMS = tuple(sorted(DECODE_TILES))
 MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 
 
+# ALiBi's decode variants (the kernels' ALIBI flag) take one m16 tile of packed rows: ALiBi models
+# are MHA (BLOOM, MPT), so a tile holds a step's 16 new tokens per kv head; more rows run as more
+# row chunks instead of doubling the variants.
+ALIBI_DECODE_MT = 1
+
+
 @functools.lru_cache(maxsize=None)
-def decode_spec(dtype, head_dim: int, mt: int, paged: bool) -> _jit.KernelSpec:
+def decode_spec(dtype, head_dim: int, mt: int, paged: bool, alibi: bool = False) -> _jit.KernelSpec:
     tile = DECODE_TILES[head_dim]
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    with_alibi = "true" if alibi else "false"
     return _jit.KernelSpec(
-        "decode.cu", f"cuattn::{kernel}<{ctype}, {head_dim}, {mt}, {tile.stages}>",
+        "decode.cu", f"cuattn::{kernel}<{ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}>",
         threads=_params.constant("kDecodeThreads"), smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt),
     )
 
@@ -95,6 +102,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
         for d, tile in DECODE_TILES.items():
             for mt in range(1, tile.max_mt + 1):
                 specs += [decode_spec(dtype, d, mt, paged=False), decode_spec(dtype, d, mt, paged=True)]
+            specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, alibi=True),
+                      decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, alibi=True)]
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
     specs.append(combine_spec(np.float32, np.float32))
     return specs
@@ -387,9 +396,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     group = num_heads // num_kv_heads
     rows = group * sq_new
     tile = DECODE_TILES[head_dim]
-    mt = 1 if rows <= 16 else tile.max_mt
+    with_alibi = alibi[0] is not None
+    mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
-    spec = decode_spec(q.dtype, head_dim, mt, paged is not None)
+    spec = decode_spec(q.dtype, head_dim, mt, paged is not None, with_alibi)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(), ctas_per_sm(spec) if paged is not None else 1)

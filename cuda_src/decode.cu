@@ -215,7 +215,9 @@ struct DecodeArgs {
   const float* alibi_slopes;  // at (b, h0): [G] ALiBi slopes of the group's heads, or null
 };
 
-template <typename T, int HEAD_DIM, int MT, int STAGES, class KV>
+// ALIBI: add ALiBi's bias (a.alibi_slopes is set); a template flag so that the kernels without it
+// keep the registers they had before ALiBi existed (the bias pass costs up to 34 more at D = 96).
+template <typename T, int HEAD_DIM, int MT, int STAGES, bool ALIBI, class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -350,7 +352,7 @@ __device__ __forceinline__ void decode_body(
     } else {
       tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
     }
-    if (a.alibi_slopes != nullptr) tile.add_alibi(diag_of, alibi_of, n0, lane);
+    if constexpr (ALIBI) tile.add_alibi(diag_of, alibi_of, n0, lane);
     tile.softmax_update(mask.softmax_scale());
 
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15
@@ -421,7 +423,7 @@ __device__ __forceinline__ void decode_body(
 }
 
 // grid: x = split, y = kv head * row chunks + chunk, z = sequence
-template <typename T, int HEAD_DIM, int MT, int STAGES>
+template <typename T, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
 __global__ void __launch_bounds__(kDecodeThreads)
 decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -449,10 +451,10 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr,
-                     p.alibi_slopes != nullptr ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, HEAD_DIM, MT, STAGES>(
+  decode_body<T, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
@@ -460,7 +462,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T> p) {
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, int HEAD_DIM, int MT, int STAGES>
+template <typename T, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
 __global__ void __launch_bounds__(kDecodeThreads)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -494,9 +496,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T> p) {
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale, softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr,
-                     p.alibi_slopes != nullptr ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, HEAD_DIM, MT, STAGES>(
+  decode_body<T, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,

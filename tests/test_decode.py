@@ -351,3 +351,16 @@ def test_merge_states_reads_strided_parts_in_place_or_copies_when_it_must(rng, l
         assert grown <= results + 1024, f"merge_states copied its parts: {grown} bytes"
     np.testing.assert_allclose(merged.get(), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(merged_lse.get(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_decode_variants_are_listed():
+    """Decode with alibi_slopes runs the ALIBI kernels with ALIBI_DECODE_MT tiles of rows; those are
+    in kernel_variants (compiled and spill-checked by `python -m cuattn build`) for every head dim."""
+    import importlib
+
+    decode_module = importlib.import_module("cuattn.decode")  # the module, not cuattn.decode the function
+    listed = {spec.name for spec in decode_module.kernel_variants("sm_80")}
+    for dtype in ("float16", "bfloat16"):
+        for d in HEAD_DIMS:
+            for paged in (False, True):
+                assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed
