@@ -436,3 +436,23 @@ def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, 
     if per_head and element_strides(scale)[0] != 1:
         raise ValueError(f"{name} must be contiguous, got a stride of {element_strides(scale)[0]} elements")
     return KvScale(1.0, scale, int(per_head))
+def check_alibi_slopes(slopes, batch: int, num_heads: int, host: bool, ref_name: str, ref) -> int:
+    """ALiBi slopes: ``(Hq,)`` (every sequence) or ``(B, Hq)`` (per sequence), float32 for the
+    kernels (any float on the host), on ``ref``'s device, contiguous along the heads. Returns the
+    batch stride in elements the kernels read them with: 0 for ``(Hq,)``."""
+    if slopes.ndim not in (1, 2):
+        raise ValueError(f"alibi_slopes must be 1-D (Hq) or 2-D (B, Hq), got shape {tuple(slopes.shape)}")
+    if slopes.ndim == 2:
+        check_axis("alibi_slopes", slopes, 0, "B", batch, "the batch size")
+    check_axis("alibi_slopes", slopes, slopes.ndim - 1, "Hq", num_heads, "the number of query heads")
+    if host:
+        check_host_float_dtype("alibi_slopes", slopes)
+        return 0
+    if np.dtype(slopes.dtype) != np.float32:
+        raise TypeError(f"alibi_slopes.dtype must be float32, got {dtype_name(slopes.dtype)}")
+    check_same_device("alibi_slopes", slopes, ref_name, ref)
+    strides = element_strides(slopes)
+    if slopes.size and num_heads > 1 and strides[-1] != 1:
+        raise ValueError(f"alibi_slopes must be contiguous along the heads (its last axis), got a stride of "
+                         f"{strides[-1]} elements")
+    return strides[0] if slopes.ndim == 2 and batch > 1 else 0

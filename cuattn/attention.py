@@ -67,6 +67,13 @@ FWD_TILES = {
     128: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
     256: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
 }
+# flash_fwd_kernel's ALiBi variant (ALIBI) where FWD_TILES' tile spills with it: at D = 128 on
+# sm_80 the bias pass (the slope is read per key block, which is what keeps sm_90a's 64-key blocks
+# spill-free) spills 16 bytes with 64-key blocks and with 48; 32 keys take 242 registers
+# (`python -m cuattn build`). Not measured for speed yet (scripts/tune_fwd.py).
+FWD_ALIBI_TILES = {
+    128: {SM80: FwdTile(128, 32, 4)},
+}
 SUPPORTED_HEAD_DIMS = tuple(sorted(FWD_TILES))
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 
@@ -76,16 +83,25 @@ def arch_family(arch: str) -> str:
     return SM90 if arch.startswith("sm_90") else SM80
 
 
-def fwd_tile(head_dim: int, arch: str) -> FwdTile:
-    return FWD_TILES[head_dim][arch_family(arch)]
+def fwd_tile(head_dim: int, arch: str, alibi: bool = False) -> FwdTile:
+    """flash_fwd_kernel's tile for ``head_dim`` on ``arch``; ``alibi``: for its ALiBi variant."""
+    family = arch_family(arch)
+    alibi_tile = FWD_ALIBI_TILES.get(head_dim, {}).get(family) if alibi else None
+    return alibi_tile or FWD_TILES[head_dim][family]
+
+
+def _cpp_bool(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_spec(dtype, head_dim: int, tile: FwdTile) -> _jit.KernelSpec:
+def fwd_spec(dtype, head_dim: int, tile: FwdTile, alibi: bool = False) -> _jit.KernelSpec:
+    """flash_fwd_kernel for ``tile``; ``alibi``: the variant that adds ALiBi's bias (its ALIBI flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
         "flash_fwd.cu",
-        f"cuattn::flash_fwd_kernel<{ctype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}>",
+        f"cuattn::flash_fwd_kernel<{ctype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
+        f"{_cpp_bool(alibi)}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
     )
@@ -150,8 +166,11 @@ def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``)."""
-    forward = [fwd_spec(dtype, d, fwd_tile(d, arch)) for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS]
+    """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
+    flash_fwd_kernel with and without ALiBi; flash_fwd_sm90_kernel reads the slopes' pointer at run
+    time (its registers did not move with ALiBi), so it has one variant per tile."""
+    forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
+               for d in SUPPORTED_HEAD_DIMS for alibi in (False, True)]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
     return forward + bwd_kernel_variants(arch)
@@ -216,8 +235,14 @@ def _check_device_arrays(named: dict) -> None:
 # Public API
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-              out=None):
+def _check_alibi(slopes, batch: int, num_heads: int, host: bool, q) -> int:
+    """Checks ``alibi_slopes`` (when given) against the batch and q's heads; returns the batch
+    stride the kernels read them with (0: one row of slopes for every sequence, or none)."""
+    return 0 if slopes is None else _arrays.check_alibi_slopes(slopes, batch, num_heads, host, "q", q)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
+              return_lse=False, out=None):
     """Exact softmax attention of q over k, v; FlashAttention-style, never materialising scores.
 
     Args:
@@ -231,6 +256,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         sinks: optional float32 ``(Hq,)`` attention-sink logits (score units): each joins its
             head's softmax denominators and carries no value; lse includes it, and a row with no
             visible key gets lse = sinks[h].
+        alibi_slopes: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes: after scale and
+            softcap, score (i, j) of head h gains ``-slope * |i + Sk - Sq - j|`` (FlashAttention-2's
+            convention; masked keys stay masked).
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``, natural log.
         out: optional ``(B, Sq, Hq, D)`` array (q's dtype and framework) to write into.
 
@@ -238,25 +266,26 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("attention", (q, k, v, out, sinks),
+    call_key = _calls.key("attention", (q, k, v, out, sinks, alibi_slopes),
                           (bool(causal), scale, left, right, softcap, bool(return_lse)))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k, v, out, sinks)
+        result = plan(q, k, v, out, sinks, alibi_slopes)
         if result is not None:
             return result
-    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks) as ctx:
-        qv, kv, vv, ov, sv = (ctx.view(x) for x in (q, k, v, out, sinks))
+    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
+        qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
             _check_out(ov, qv)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
         if ctx.on_host:
             result = reference.attention(
                 qv, kv, vv, causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True,
-                sinks=sv,
+                sinks=sv, alibi_slopes=av,
             )
             return _host_result(result, qv, ov, return_lse)
 
@@ -270,14 +299,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
             qv, kv, vv, ov, lse, None, None,
             batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
             causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream, sinks=sv,
+            alibi=(av, alibi_sb),
         )
         if launch is not None:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             _calls.remember(call_key, _calls.Plan(
-                inputs=("q", "k", "v", "out", "sinks"), outputs=outputs, aligned=("q", "k", "v", "out"),
+                inputs=("q", "k", "v", "out", "sinks", "alibi_slopes"), outputs=outputs, aligned=("q", "k", "v", "out"),
                 bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
-                                             "sinks": "sinks"})],
+                                             "sinks": "sinks", "alibi_slopes": "alibi_slopes"})],
                 finish=_fwd_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
@@ -301,7 +331,8 @@ def _fwd_result(return_lse: bool):
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-    causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, out=None,
+    causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+    out=None,
 ):
     """Attention over a packed batch of sequences of different lengths, no padding.
 
@@ -310,22 +341,24 @@ def attention_varlen(
     sequence with its own lengths. ``cu_seqlens_*`` are int32 ``(B + 1,)`` prefix sums on the
     same device (their values are not read on the host, so nothing synchronises), and
     ``max_seqlen_*`` are host ints bounding every sequence's length: a length above them is
-    not processed. ``sinks`` as in :func:`attention`. Returns ``out`` ``(total_q, Hq, D)``, and
+    not processed. ``sinks`` as in :func:`attention`; ``alibi_slopes`` too, ``(B, Hq)`` holding
+    one row per sequence, with Sq and Sk each sequence's own lengths. Returns ``out`` ``(total_q, Hq, D)``, and
     with ``return_lse`` also float32 lse ``(Hq, total_q)`` (natural log).
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     call_key = None
     if isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int):
-        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks),
+        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks, alibi_slopes),
                               (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks)
+        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks, alibi_slopes)
         if result is not None:
             return result
     with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out,
-                               sinks=sinks) as ctx:
-        qv, kv, vv, ov, cuq, cuk, sv = (ctx.view(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks))
+                               sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
+        qv, kv, vv, ov, cuq, cuk, sv, av = (ctx.view(x) for x in
+                                            (q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
@@ -333,10 +366,12 @@ def attention_varlen(
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, int(qv.shape[1]), ctx.on_host, qv)
         if ctx.on_host:
             result = reference.attention_varlen(
                 qv, kv, vv, cuq, cuk, max_seqlen_q, max_seqlen_k,
                 causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True, sinks=sv,
+                alibi_slopes=av,
             )
             return _host_result(result, qv, ov, return_lse)
 
@@ -353,15 +388,17 @@ def attention_varlen(
             qv[None], kv[None], vv[None], ov[None], lse[None] if lse is not None else None, cuq_c, cuk_c,
             batch=int(cuq.shape[0]) - 1, seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k),
             causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream, sinks=sv,
+            alibi=(av, alibi_sb),
         )
         # a plan reads the caller's cu_seqlens in place: only when no contiguous copy was needed
         if launch is not None and cuq_c is cuq and cuk_c is cuk:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             _calls.remember(call_key, _calls.Plan(
-                inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "sinks"), outputs=outputs,
-                aligned=("q", "k", "v", "out"),
+                inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "sinks", "alibi_slopes"),
+                outputs=outputs, aligned=("q", "k", "v", "out"),
                 bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
+                                             "alibi_slopes": "alibi_slopes",
                                              "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})],
                 finish=_varlen_result(return_lse)))
         result = out if out is not None else ctx.to_caller(ov)
@@ -421,10 +458,11 @@ def _host_result(result, q, out, return_lse):
 
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile=None, sinks=None):
+                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0)):
     """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
     flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
-    ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning).
+    ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
+    ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -445,11 +483,11 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
                              f"strides {q.strides}, {k.strides}, {v.strides})")
     if tile is None:
-        tile = fwd_tile(head_dim, arch)
+        tile = fwd_tile(head_dim, arch, alibi[0] is not None)
     if isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile)
+        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -477,6 +515,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     params = _params.pack(
         "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,
         q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
+        alibi_slopes=alibi[0], alibi_batch_stride=alibi[1],
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
         v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
@@ -593,22 +632,27 @@ def bwd_tile(head_dim: int, arch: str) -> BwdTile:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) -> tuple[_jit.KernelSpec, ...]:
-    """(preprocess, main, convert or deterministic dQ) kernels of the backward."""
+def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
+              alibi: bool = False) -> tuple[_jit.KernelSpec, ...]:
+    """(preprocess, main, convert or deterministic dQ) kernels of the backward; ``alibi``: the main
+    and dQ kernels' variants that fold ALiBi's bias into lse (their ALIBI flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     t = tile
     itemsize = np.dtype(dtype).itemsize
-    atomic = "false" if deterministic else "true"
+    atomic, with_alibi = _cpp_bool(not deterministic), _cpp_bool(alibi)
     if t.wgmma:
-        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}>"
+        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}, {with_alibi}>"
     else:
         main_name = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
-                     f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}>")
+                     f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}, "
+                     f"{with_alibi}>")
     main = _jit.KernelSpec("flash_bwd.cu", main_name, threads=t.warps * 32,
                            smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=t.wgmma)
     if deterministic:
         last = _jit.KernelSpec(
-            "flash_bwd.cu", f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}>",
+            "flash_bwd.cu",
+            f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
+            f"{with_alibi}>",
             threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(head_dim, itemsize))
     else:
         last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>",
@@ -623,7 +667,7 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False) 
 
 def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     specs = {spec for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for det in (False, True)
-             for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det)}
+             for alibi in (False, True) for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det, alibi)}
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -642,7 +686,7 @@ def _check_bwd_args(dout, out, lse, q, lse_shape: tuple, host: bool) -> None:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=(-1, -1), softcap=0.0,
-                       sinks=None, deterministic=False):
+                       sinks=None, alibi_slopes=None, deterministic=False):
     """Gradients ``(dq, dk, dv)`` of :func:`attention` by recomputation (FlashAttention-2 backward);
     with ``sinks``, ``(dq, dk, dv, dsinks)`` (dsinks float32 ``(Hq,)``).
 
@@ -653,25 +697,29 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     order varies between runs. ``deterministic=True`` needs no accumulator and gives
     bit-identical gradients run after run, at about 1.2-1.3x the time. The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
+    ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
-    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks) as ctx:
-        dov, qv, kv, vv, ov, lv, sv = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks))
+    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks,
+                               alibi_slopes=alibi_slopes) as ctx:
+        dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
         _check_bwd_args(dov, ov, lv, qv, (batch, num_heads, seqlen_q), ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, batch, num_heads, ctx.on_host, qv)
         if ctx.on_host:
             grads = reference.attention_backward(dov, qv, kv, vv, ov, lv, causal=causal, scale=scale,
-                                                 window=(left, right), softcap=softcap, sinks=sv)
+                                                 window=(left, right), softcap=softcap, sinks=sv, alibi_slopes=av)
             return _host_grads(grads, (qv, kv, vv))
         _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
         _arrays.check_same_device("lse", lv, "q", qv)
         grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
                             seqlen_k=int(kv.shape[1]), causal=causal, scale=scale, window=(left, right),
-                            softcap=softcap, deterministic=bool(deterministic), ctx=ctx, sinks=sv)
+                            softcap=softcap, deterministic=bool(deterministic), ctx=ctx, sinks=sv,
+                            alibi=(av, alibi_sb))
         return tuple(ctx.to_caller(g) for g in grads)
 
 
@@ -683,14 +731,14 @@ def _host_grads(grads, inputs):
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None,
-                              deterministic=False):
+                              alibi_slopes=None, deterministic=False):
     """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``. With ``sinks``,
     ``(dq, dk, dv, dsinks)`` as :func:`attention_backward`."""
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, sinks=sinks) as ctx:
-        dov, qv, kv, vv, ov, lv, cuq, cuk, sv = (ctx.view(x) for x in
-                                                 (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks))
+                               cu_seqlens_k=cu_seqlens_k, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
+        dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (
+            ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)
@@ -698,10 +746,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, num_heads, ctx.on_host, qv)
         if ctx.on_host:
             grads = reference.attention_varlen_backward(dov, qv, kv, vv, ov, lv, cuq, cuk, max_seqlen_q, max_seqlen_k,
                                                         causal=causal, scale=scale, window=(left, right),
-                                                        softcap=softcap, sinks=sv)
+                                                        softcap=softcap, sinks=sv, alibi_slopes=av)
             return _host_grads(grads, (qv, kv, vv))
         import cupy
 
@@ -711,13 +760,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                             cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk), batch=int(cuq.shape[0]) - 1,
                             seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), causal=causal, scale=scale,
                             window=(left, right), softcap=softcap, deterministic=bool(deterministic), ctx=ctx,
-                            sinks=sv)
+                            sinks=sv, alibi=(av, alibi_sb))
         return tuple(ctx.to_caller(g[0] if g.ndim > 1 else g) for g in grads)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
-                window, softcap, deterministic, ctx, sinks=None):
+                window, softcap, deterministic, ctx, sinks=None, alibi=(None, 0)):
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
+    ``alibi``: the slopes ([B, Hq] | [Hq], or None) and their batch stride in elements.
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
     Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
@@ -750,7 +800,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
     tile = bwd_tile(head_dim, _jit.target_arch())
-    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic, alibi[0] is not None)
     lse = cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly
@@ -767,6 +817,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         acc_sb = 0
     null = np.uint64(0)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)
+    # the kernels' last arguments: the ALiBi slopes [B, Hq] | [Hq] and their batch stride, or null
+    alibi_args = (null if alibi[0] is None else alibi[0], i64(alibi[1]))
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     pre_batch = 1 if varlen else batch
@@ -786,12 +838,12 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
         q, k, v, dout, lse, delta, null if deterministic else dq_accum, dk, dv, *cu, *qkv_strides,
         *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
-        *shape_args, *mask_args), stream=stream)
+        *shape_args, *mask_args, *alibi_args), stream=stream)
 
     if deterministic:
         _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
             q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
-            i64(lse_s[1]), *shape_args, *mask_args), stream=stream)
+            i64(lse_s[1]), *shape_args, *mask_args, *alibi_args), stream=stream)
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
     total = int(dq_accum.size)
     _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (

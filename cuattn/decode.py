@@ -80,16 +80,24 @@ SUPPORTED_HEAD_DIMS = tuple(sorted(DECODE_TILES))
 MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 
 
+# ALiBi's decode variants (the kernels' ALIBI flag) take one m16 tile of packed rows: ALiBi models
+# are MHA (BLOOM, MPT), so a tile holds a step's 16 new tokens per kv head; more rows run as more
+# row chunks instead of doubling the variants.
+ALIBI_DECODE_MT = 1
+
+
 @functools.lru_cache(maxsize=None)
-def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False) -> _jit.KernelSpec:
-    """A decode kernel for q of ``dtype`` over a cache of ``dtype``, or of e4m3 with ``e4m3``."""
+def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False) -> _jit.KernelSpec:
+    """A decode kernel for q of ``dtype`` over a cache of ``dtype``, or of e4m3 with ``e4m3``; ``alibi``
+    adds ALiBi's bias."""
     tile = DECODE_TILES[head_dim]
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
+    with_alibi = "true" if alibi else "false"
     return _jit.KernelSpec(
-        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}>",
+        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}>",
         threads=_params.constant("kDecodeThreads"),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
@@ -110,6 +118,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                 for e4m3 in (False, True):
                     specs += [decode_spec(dtype, d, mt, paged=False, e4m3=e4m3),
                               decode_spec(dtype, d, mt, paged=True, e4m3=e4m3)]
+            for e4m3 in (False, True):
+                specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
+                          decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
     specs.append(combine_spec(np.float32, np.float32))
     return specs
@@ -174,7 +185,8 @@ def ctas_per_sm(spec: _jit.KernelSpec) -> int:
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None, v_scale=None):
+           window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False, k_scale=None,
+           v_scale=None):
     """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
 
     Args:
@@ -186,8 +198,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
         num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
-        causal, scale, window, softcap, sinks: as in :func:`cuattn.attention`, with
-            Sk = cache_seqlens[b] per row.
+        causal, scale, window, softcap, sinks, alibi_slopes: as in :func:`cuattn.attention`, with
+            Sk = cache_seqlens[b] per row and Sq = Sq_new (ALiBi's distance of new token i to key j
+            is ``|i + cache_seqlens[b] - Sq_new - j|``).
         return_lse: also return lse ``(B, Hq, Sq_new)`` float32 (natural log).
         k_scale, v_scale: descales of an e4m3 cache (real value = stored x scale): None (1), a
             float, or a float32 array ``()``, ``(1,)`` or ``(Hk,)`` (per kv head) on q's device,
@@ -197,11 +210,12 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         ``out`` ``(B, Sq_new, Hq, D)`` in q's dtype, or ``(out, lse)``, in the framework of the inputs.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, k_scale, v_scale, planning=False)
+                   alibi_slopes, return_lse, k_scale, v_scale, planning=False)
 
 
 def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
-                window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None, v_scale=None):
+                window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False, k_scale=None,
+                v_scale=None):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
 
     Takes the arguments of :func:`decode` (CuPy or torch arrays) and checks them once. The plan
@@ -212,7 +226,7 @@ def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=T
     in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
-                   return_lse, k_scale, v_scale, planning=True)
+                   alibi_slopes, return_lse, k_scale, v_scale, planning=True)
 
 
 def scale_arrays(k_scale, v_scale) -> dict:
@@ -240,28 +254,30 @@ def dequantize(x, scale: _arrays.KvScale):
     return _arrays.as_e4m3(x).astype(np.float64) * per_head[:, None]
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, return_lse,
-            k_scale, v_scale, *, planning: bool):
+def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, alibi_slopes,
+            return_lse, k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     scales = scale_arrays(k_scale, v_scale)
-    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks, scales.get("k_scale"),
+    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
                                      scales.get("v_scale")),
                           (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
                            scale_options(k_scale, v_scale)))
     plan = None if planning else _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_cache, v_cache, cache_seqlens, sinks, scales.get("k_scale"), scales.get("v_scale"))
+        result = plan(q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
+                      scales.get("v_scale"))
         if result is not None:
             return result
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                               sinks=sinks, **scales) as ctx:
-        qv, kv, vv, lens, sv = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks))
+                               sinks=sinks, alibi_slopes=alibi_slopes, **scales) as ctx:
+        qv, kv, vv, lens, sv, av = (ctx.view(x) for x in (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes))
         k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) else x for x in (k_scale, v_scale))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
         e4m3, ks, vs = check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_cache", "v_cache"), ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        alibi_sb = check_alibi(av, qv, ctx.on_host)
         if ctx.on_host:
             if planning:
                 raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
@@ -271,7 +287,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             if e4m3:
                 kv, vv = dequantize(kv, ks), dequantize(vv, vs)
             result = reference.decode(qv, kv, vv, lens, causal=causal, scale=scale, window=(left, right),
-                                      softcap=softcap, return_lse=True, sinks=sv)
+                                      softcap=softcap, return_lse=True, sinks=sv, alibi_slopes=av)
             return _host_result(result, qv, return_lse)
 
         for name, x in (("q", qv), ("k_cache", kv), ("v_cache", vv)):
@@ -285,12 +301,12 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
             window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv, e4m3=e4m3,
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:
             return step
-        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "k_scale", "v_scale"), bound,
-                                              workspace, qv.shape, (batch, num_heads, sq_new), return_lse))
+        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes", "k_scale", "v_scale"),
+                                              bound, workspace, qv.shape, (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
@@ -410,8 +426,16 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
     return buf.data.ptr
 
 
+def check_alibi(slopes, q, host: bool) -> int:
+    """Checks ``alibi_slopes`` (when given) against q ``(B, Sq_new, Hq, D)``; returns the batch
+    stride the decode kernel reads them with (0: one row of slopes for every sequence, or none)."""
+    if slopes is None:
+        return 0
+    return _arrays.check_alibi_slopes(slopes, int(q.shape[0]), int(q.shape[2]), host, "q", q)
+
+
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,
-                  stream, split_length: int | None = None, step=None, sinks=None, e4m3: bool = False,
+                  stream, split_length: int | None = None, step=None, sinks=None, alibi=(None, 0), e4m3: bool = False,
                   k_scale: _arrays.KvScale = _arrays.NO_SCALE,
                   v_scale: _arrays.KvScale = _arrays.NO_SCALE) -> tuple[list, int]:
     """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
@@ -423,6 +447,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     Returns the launches bound to the call's roles (q, k, v, lens, table, out, lse and the
     workspace, sinks, scales) and the workspace bytes: the plan of later identical calls. ``sinks``
     (float32 [Hq] or None) join in the decode kernel with one split, in the combine with several.
+    ``alibi``: the slopes ([B, Hq] | [Hq], or None) and their batch stride in elements; the decode
+    kernel adds the bias to the scores (the combine merges partials that already carry it).
     ``e4m3``: k and v hold e4m3 bytes, with descales ``k_scale`` and ``v_scale``. With ``step`` (a
     :class:`cuattn._calls.StepPlan`) nothing runs: the launches, with a workspace the step
     owns, are added to it instead.
@@ -432,9 +458,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     group = num_heads // num_kv_heads
     rows = group * sq_new
     tile = DECODE_TILES[head_dim]
-    mt = 1 if rows <= 16 else tile.max_mt
+    with_alibi = alibi[0] is not None
+    mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
-    spec = decode_spec(q.dtype, head_dim, mt, paged is not None, e4m3)
+    spec = decode_spec(q.dtype, head_dim, mt, paged is not None, e4m3, with_alibi)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(),
@@ -466,7 +493,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mul, shift = fast_divisor(max(block_size, 1))
     params = _params.pack(
         "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
-        part_lse=part_lse, sinks=sinks, k_scale=k_scale.array, v_scale=v_scale.array, k_descale=k_scale.factor,
+        part_lse=part_lse, sinks=sinks, alibi_slopes=alibi[0], alibi_sb=alibi[1], k_scale=k_scale.array, v_scale=v_scale.array, k_descale=k_scale.factor,
         v_descale=v_scale.factor, k_scale_stride=k_scale.stride, v_scale_stride=v_scale.stride, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
         v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
         lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
@@ -483,7 +510,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
     bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
                                    "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role,
-                                   "sinks": "sinks", "k_scale": "k_scale", "v_scale": "v_scale"})]
+                                   "sinks": "sinks", "alibi_slopes": "alibi_slopes", "k_scale": "k_scale",
+                                   "v_scale": "v_scale"})]
     if num_splits > 1:
         dims = (num_splits, batch, sq_new, num_heads, head_dim)
         part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)

@@ -560,8 +560,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
 
 
 def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, check=True,
-                    k_scale=None, v_scale=None):
+                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+                    check=True, k_scale=None, v_scale=None):
     """Decode or short chunked prefill (``Sq_new <= 16``) of a batch over a paged KV cache.
 
     Args:
@@ -578,7 +578,8 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             capacity. Device tables and lengths are then copied to the host (a sync); pass
             ``check=False`` to skip that (e.g. inside a CUDA graph): lengths are then clamped to
             the capacity and block ids to the pool on the device.
-        num_splits, causal, scale, window, softcap, sinks, return_lse: as in :func:`cuattn.decode`.
+        num_splits, causal, scale, window, softcap, sinks, alibi_slopes, return_lse: as in
+            :func:`cuattn.decode`, with Sk = seq_lens[b].
         k_scale, v_scale: descales of e4m3 pages given as a pair (as in :func:`cuattn.decode`); a
             :class:`PagedKVCache` brings its own.
 
@@ -586,12 +587,12 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, check, k_scale, v_scale, planning=False)
+                            softcap, sinks, alibi_slopes, return_lse, check, k_scale, v_scale, planning=False)
 
 
 def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, k_scale=None,
-                         v_scale=None):
+                         scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+                         k_scale=None, v_scale=None):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one paged decode step.
 
     Takes the arguments of :func:`paged_attention`, with ``block_table`` and ``seq_lens`` as
@@ -601,11 +602,11 @@ def plan_paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, n
     count plans for (default: the table's capacity). See :func:`cuattn.plan_decode` for ``run``.
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
-                            softcap, sinks, return_lse, False, k_scale, v_scale, planning=True)
+                            softcap, sinks, alibi_slopes, return_lse, False, k_scale, v_scale, planning=True)
 
 
 def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window, softcap,
-                     sinks, return_lse, check, k_scale, v_scale, *, planning: bool):
+                     sinks, alibi_slopes, return_lse, check, k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
     own_scales = {}  # a PagedKVCache's scales: its own arrays, on its own device
     if isinstance(cache, PagedKVCache):
@@ -625,16 +626,19 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
     scales = _decode.scale_arrays(k_scale, v_scale)
     if sinks is not None:
         named["sinks"] = sinks
+    if alibi_slopes is not None:
+        named["alibi_slopes"] = alibi_slopes
     named.update({name: x for name, x in scales.items() if name not in own_scales})
     call_key = None
     if not (check or planning):
-        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks,
+        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes,
                                                   scales.get("k_scale"), scales.get("v_scale")),
                               (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
                                _decode.scale_options(k_scale, v_scale)))
     plan = _calls.lookup(call_key)
     if plan is not None:
-        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks, scales.get("k_scale"), scales.get("v_scale"))
+        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes, scales.get("k_scale"),
+                      scales.get("v_scale"))
         if result is not None:
             return result
     with _arrays.array_context(**named) as ctx:
@@ -667,6 +671,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         sv = ctx.view(sinks)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        av = ctx.view(alibi_slopes)
+        alibi_sb = _decode.check_alibi(av, qv, ctx.on_host)
         host_lens = None
         if check or ctx.on_host:
             host_table = table if table_host else table.get()
@@ -679,7 +685,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             if e4m3:
                 kv, vv = _decode.dequantize(kv, ks), _decode.dequantize(vv, vs)
             result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,
-                                               window=(left, right), softcap=softcap, return_lse=True, sinks=sv)
+                                               window=(left, right), softcap=softcap, return_lse=True, sinks=sv,
+                                               alibi_slopes=av)
             return _decode._host_result(result, qv, return_lse)
 
         import cupy
@@ -701,13 +708,14 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
             stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step, sinks=sv, e4m3=e4m3,
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:
             return step
         if not (check or table_host or lens_host):
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
-            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "k_scale", "v_scale"),
+            _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes",
+                                                           "k_scale", "v_scale"),
                                                           bound, workspace, qv.shape, (batch, num_heads, sq_new),
                                                           return_lse))
         out = ctx.to_caller(out)

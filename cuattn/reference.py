@@ -28,6 +28,11 @@ row's softmax denominator and carries no value (gpt-oss's attention sinks):
 ``lse = log(sum_j exp(s_j) + exp(sinks[h]))``; a row with no visible key then gives out = 0 and
 lse = sinks[h]. The backward also returns ``dsinks[h] = -sum_(b,i) exp(sinks[h] - lse) * D_i``
 with ``D_i = rowsum(dout * out)``.
+
+``alibi_slopes`` (float, ``(Hq,)`` or ``(B, Hq)`` per sequence): after scaling and softcap, score
+(i, j) of head h gains ``-slope[h] * |i + Sk - Sq - j|`` (FlashAttention-2's ALiBi), with Sq and
+Sk the sequence's own lengths (varlen: each sequence's; decode: the new queries and the cache
+length). Masked keys stay masked; the bias is not differentiated.
 """
 
 import math
@@ -135,15 +140,37 @@ def _sinks(sinks):
     return None if sinks is None else np.asarray(sinks, dtype=np.float64).reshape(-1)
 
 
+def _alibi(alibi_slopes, batch):
+    """Slopes as float64 ``(batch, Hq)`` (a ``(Hq,)`` array serves every sequence), or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    return np.broadcast_to(slopes, (batch, slopes.shape[-1]))
+
+
+def _alibi_bias(slopes, sq, sk):
+    """``(H, Sq, Sk)`` bias ``-slope[h] * |i + Sk - Sq - j|`` for slopes ``(H,)``."""
+    distance = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+    return -slopes[:, None, None] * distance
+
+
+def _with_alibi(s, slopes, mask):
+    """Add ALiBi's bias to scores ``s (H, Sq, Sk)`` (masked keys stay -inf); slopes None: s."""
+    if slopes is None:
+        return s
+    return np.where(mask, s + _alibi_bias(slopes, *s.shape[1:]).astype(s.dtype), -np.inf)
+
+
 def _options(q, scale, window):
     return _default_scale(scale, q.shape[-1]), tuple(int(w) for w in window)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUNDED),
-              softcap=0.0, return_lse=False, sinks=None):
+              softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
     """Dense attention. Returns out ``(B, Sq, Hq, D)`` and, with return_lse, lse ``(B, Hq, Sq)``."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     sinks = _sinks(sinks)
+    alibi = _alibi(alibi_slopes, q.shape[0])
     scale, window = _options(q, scale, window)
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
@@ -155,7 +182,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUND
     for bi in range(b):
         for hs in _head_chunks(hq, sq, sk):
             qh, kh, vh = (_heads_first(x[bi, :, hs]) for x in (q, k, v))
-            s = _masked_scores(qh, kh, mask, scale, softcap)
+            s = _with_alibi(_masked_scores(qh, kh, mask, scale, softcap), None if alibi is None else alibi[bi, hs],
+                            mask)
             o, lse[bi, hs] = _softmax_attend(s, vh, None if sinks is None else sinks[hs])
             out[bi, :, hs] = _heads_first(o)
     return (out, lse) if return_lse else out
@@ -202,11 +230,12 @@ def attention_tiled(q, k, v, *, block_k=64, causal=False, scale=None,
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                       window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None):
+                       window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of dense attention, shaped like q, k, v (float64); with
     ``sinks`` also ``dsinks`` ``(Hq,)``. ``lse`` is the forward's (sinks included)."""
     dout, q, k, v, out, lse = (_f64(x) for x in (dout, q, k, v, out, lse))
     sinks = _sinks(sinks)
+    alibi = _alibi(alibi_slopes, q.shape[0])
     dsinks = None if sinks is None else np.zeros(sinks.shape, np.float64)
     scale, window = _options(q, scale, window)
     b, sq, hq, _ = q.shape
@@ -221,7 +250,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
             qh, kh, vh, oh, doh = (_heads_first(x[bi, :, hs]) for x in (q, k, v, out, dout))
             lse_h = lse[bi, hs][..., None]
             s_raw = _raw_scores(qh, kh, scale)
-            s = np.where(mask, _cap(s_raw, softcap), -np.inf)
+            s = _with_alibi(np.where(mask, _cap(s_raw, softcap), -np.inf), None if alibi is None else alibi[bi, hs],
+                            mask)
             # Recompute the probabilities from the saved lse; rows with lse -inf saw no key.
             p = np.where(np.isfinite(lse_h), np.exp(s - _finite_or_zero(lse_h)), 0.0)
             dv[bi, :, hs] = _heads_first(p.transpose(0, 2, 1) @ doh)
@@ -234,7 +264,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                 dsinks[hs] -= (p_sink * di).sum(axis=(1, 2))
             ds = p * (dp - di)
             if softcap > 0:
-                # Chain rule through softcap * tanh(s_raw / softcap).
+                # Chain rule through softcap * tanh(s_raw / softcap) (ALiBi's additive bias has no share).
                 ds = ds * (1.0 - np.tanh(s_raw / softcap) ** 2)
             dq[bi, :, hs] = _heads_first(scale * (ds @ kh))
             dk[bi, :, hs] = _heads_first(scale * (ds.transpose(0, 2, 1) @ qh))
@@ -249,7 +279,7 @@ def _segments(cu_seqlens):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      causal=False, scale=None, window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0,
-                     return_lse=False, sinks=None):
+                     return_lse=False, sinks=None, alibi_slopes=None):
     """Packed variable-length attention: sequence b attends only within its own slices.
 
     Returns out ``(total_q, Hq, D)`` and, with return_lse, lse ``(Hq, total_q)``.
@@ -258,17 +288,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q, k, v = _f64(q), _f64(k), _f64(v)
     out = np.empty(q.shape, dtype=np.float64)
     lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float64)
+    segments = list(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)))
+    alibi = _alibi(alibi_slopes, len(segments))
     # Each sequence is an independent dense problem of batch 1 with its own lengths.
-    for qs, ks in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+    for bi, (qs, ks) in enumerate(segments):
         o, l = attention(q[None, qs], k[None, ks], v[None, ks], causal=causal, scale=scale,
-                         window=window, softcap=softcap, return_lse=True, sinks=sinks)
+                         window=window, softcap=softcap, return_lse=True, sinks=sinks,
+                         alibi_slopes=None if alibi is None else alibi[bi])
         out[qs], lse[:, qs] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                              window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None):
+                              window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, sinks=None, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of ``attention_varlen``, shaped like q, k, v (float64); with
     ``sinks`` also ``dsinks`` ``(Hq,)``."""
     dout, q, k, v, out, lse = (_f64(x) for x in (dout, q, k, v, out, lse))
@@ -277,10 +310,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dk = np.zeros(k.shape, dtype=np.float64)
     dv = np.zeros(v.shape, dtype=np.float64)
     # Keys outside every segment get no gradient, hence the zero initialisation.
-    for qs, ks in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+    segments = list(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)))
+    alibi = _alibi(alibi_slopes, len(segments))
+    for bi, (qs, ks) in enumerate(segments):
         g = attention_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
                                out[None, qs], lse[None, :, qs], causal=causal, scale=scale,
-                               window=window, softcap=softcap, sinks=sinks)
+                               window=window, softcap=softcap, sinks=sinks,
+                               alibi_slopes=None if alibi is None else alibi[bi])
         dq[qs], dk[ks], dv[ks] = (x[0] for x in g[:3])
         if sinks is not None:
             dsinks += g[3]
@@ -288,7 +324,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, causal=True, scale=None,
-           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
+           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
     """Attention of new tokens over a KV cache of per-row length ``cache_seqlens[b]``.
 
     Row b sees keys ``[0, cache_seqlens[b])`` with Sk = cache_seqlens[b] in the mask rules.
@@ -298,12 +334,13 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, causal=True, scale=None,
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
     out = np.empty(q.shape, dtype=np.float64)
     lse = np.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float64)
+    alibi = _alibi(alibi_slopes, q.shape[0])
     # Slicing the cache to each row's length keeps stale slots beyond it out of the result.
     for bi in range(q.shape[0]):
         n = int(lengths[bi])
         o, l = attention(q[bi:bi + 1], k_cache[bi:bi + 1, :n], v_cache[bi:bi + 1, :n],
                          causal=causal, scale=scale, window=window, softcap=softcap,
-                         return_lse=True, sinks=sinks)
+                         return_lse=True, sinks=sinks, alibi_slopes=None if alibi is None else alibi[bi])
         out[bi], lse[bi] = o[0], l[0]
     return (out, lse) if return_lse else out
 
@@ -353,16 +390,16 @@ def gather_pages(pages, block_table, seq_lens):
 
 
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, causal=True, scale=None,
-                    window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
+                    window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
     """``decode`` over a paged KV cache: gather each row's pages, then attend."""
     k_cache = gather_pages(k_pages, block_table, seq_lens)
     v_cache = gather_pages(v_pages, block_table, seq_lens)
     return decode(q, k_cache, v_cache, seq_lens, causal=causal, scale=scale, window=window,
-                  softcap=softcap, return_lse=return_lse, sinks=sinks)
+                  softcap=softcap, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
-                         window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None):
+                         window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None, alibi_slopes=None):
     """The straightforward same-precision computation that sets the tests' error budget.
 
     Emulates matmul -> softmax -> matmul in ``dtype`` (float16 or bfloat16): every matmul
@@ -384,6 +421,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
     mask = visible(sq, sk, causal, window)
+    alibi = _alibi(alibi_slopes, b)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
     out = np.empty(q.shape, dtype=np.float64)
     for bi in range(b):
@@ -392,7 +430,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
         if softcap > 0:
             cap = np.float32(softcap)
             s = rounded(cap * np.tanh(s / cap))
-        s = np.where(mask, s, -np.inf)
+        s = _with_alibi(np.where(mask, s, -np.inf), None if alibi is None else alibi[bi], mask).astype(np.float32)
         # Softmax in float32 (as framework kernels do internally), result rounded to dtype.
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
         sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
@@ -408,7 +446,8 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
 
 
 def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
-                                  window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None):
+                                  window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, dtype, sinks=None,
+                                  alibi_slopes=None):
     """The straightforward same-precision backward that sets the gradient tests' error budget.
 
     Emulates the textbook backward in ``dtype``: the forward's scores and probabilities and the
@@ -429,6 +468,7 @@ def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     mask = visible(sq, sk, causal, window)
+    alibi = _alibi(alibi_slopes, b)
     ke, ve = _expand_kv(k, hq), _expand_kv(v, hq)
     dq = np.empty(q.shape, np.float64)
     dk = np.empty(ke.shape, np.float64)
@@ -437,7 +477,7 @@ def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
         qh, kh, vh, doh = (_heads_first(x[bi]) for x in (q, ke, ve, dout))
         s_raw = rounded(scale * (qh @ kh.transpose(0, 2, 1)))
         s = rounded(np.float32(softcap) * np.tanh(s_raw / np.float32(softcap))) if softcap > 0 else s_raw
-        s = np.where(mask, s, -np.inf)
+        s = _with_alibi(np.where(mask, s, -np.inf), None if alibi is None else alibi[bi], mask).astype(np.float32)
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)
         sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
         if sink is not None:

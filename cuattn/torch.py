@@ -5,6 +5,7 @@
     out.sum().backward()                                  # q.grad, k.grad, v.grad
     out = cuattn.torch.attention(q, k, v, sinks=sinks)   # sinks (Hq,) float32: sinks.grad too
     out = cuattn.torch.ring_attention(q, k, v, group, causal=True)   # this rank's shards (cuattn.distributed)
+    out = cuattn.torch.attention(q, k, v, alibi_slopes=slopes)  # (Hq,) or (B, Hq) float32, no gradient
 
 The op is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
 ``attention_bwd``) with fake implementations, so ``torch.compile`` traces through it instead of
@@ -27,17 +28,18 @@ _ROW_ALIGN_BYTES = 16  # the kernels' cp.async and ldmatrix rows
 
 
 @torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], causal: bool,
-                   scale: float, window_left: int, window_right: int, softcap: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                   alibi_slopes: Optional[torch.Tensor], causal: bool, scale: float, window_left: int,
+                   window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward (through setup_context's inputs)
     out, lse = _forward(q, k, v, causal=causal, scale=scale, window=(window_left, window_right),
-                        softcap=softcap, sinks=sinks, return_lse=True)
+                        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
     return out, lse
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, sinks, causal, scale, window_left, window_right, softcap, deterministic):
+def _attention_fwd_fake(q, k, v, sinks, alibi_slopes, causal, scale, window_left, window_right, softcap,
+                        deterministic):
     # the kernels return fresh contiguous arrays whatever the inputs' strides
     batch, seqlen_q, num_heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
@@ -52,50 +54,53 @@ def _kernel_readable(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, sinks: Optional[torch.Tensor], causal: bool, scale: float, window_left: int,
-                   window_right: int, softcap: float,
+                   lse: torch.Tensor, sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
+                   scale: float, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # autograd may hand over an expanded (stride 0) or sliced gradient: copy only then. (Here, in
     # the op's eager body, not in the traced backward: fake tensors have no data pointer.)
     dout = dout if _kernel_readable(dout) else dout.contiguous()
     grads = _backward_kernels(dout, q, k, v, out, lse, causal=causal, scale=scale, window=(window_left, window_right),
-                              softcap=softcap, sinks=sinks, deterministic=deterministic)
+                              softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, deterministic=deterministic)
     # an op returns a fixed number of tensors: without sinks, an empty dsinks
     return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, sinks, causal, scale, window_left, window_right, softcap,
-                        deterministic):
+def _attention_bwd_fake(dout, q, k, v, out, lse, sinks, alibi_slopes, causal, scale, window_left, window_right,
+                        softcap, deterministic):
     dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, causal, scale, window_left, window_right, softcap, deterministic = inputs
+    q, k, v, sinks, alibi_slopes, causal, scale, window_left, window_right, softcap, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, alibi_slopes)
     ctx.options = (causal, scale, window_left, window_right, softcap, deterministic)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attention_bwd(dout, q, k, v, out, lse, sinks, *ctx.options)
-    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None
+    q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attention_bwd(dout, q, k, v, out, lse, sinks, alibi_slopes, *ctx.options)
+    # the slopes are a fixed bias: no gradient (as FlashAttention-2's)
+    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, deterministic=False):
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
+              deterministic=False):
     """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
 
     ``sinks``: optional float32 ``(Hq,)`` attention-sink logits, differentiated too (a learnable
-    per-head parameter). ``deterministic=True`` makes the backward bit-reproducible (see
+    per-head parameter). ``alibi_slopes``: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes, a
+    fixed bias that gets no gradient. ``deterministic=True`` makes the backward bit-reproducible (see
     :func:`cuattn.attention_backward`).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, _ = _attention_fwd(q, k, v, sinks, bool(causal), scale, int(window[0]), int(window[1]), float(softcap),
+    out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, int(window[0]), int(window[1]), float(softcap),
                             bool(deterministic))
     return out
 

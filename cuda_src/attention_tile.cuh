@@ -5,6 +5,7 @@
 // o[MT][DT][4] (DT n8 tiles of the head dim) and one SoftmaxState per row. The verbs are the
 // steps of the online softmax:
 //   cap_and_mask      softcap and causal/window/length mask (masks only on boundary blocks)
+//   add_alibi         ALiBi's linear distance bias (only in kernels given slopes)
 //   softmax_update    move the row max (lazily), rescale the output, exp2 into probabilities
 //   to_fragments      probabilities as fp16/bf16 A fragments for O += P V
 // flash_fwd.cu (rows split over warps) and decode.cu (keys split over warps) call them
@@ -36,6 +37,13 @@ struct MaskParams {
   // The exp2 multiplier: capped scores arrive in log2 units already, raw ones take the scale.
   __device__ __forceinline__ float softmax_scale() const { return softcap_out > 0.f ? 1.f : score_scale; }
 };
+
+// ALiBi slope of sequence b, head h ([B, H] slopes with `batch_stride`, 0 for [H]) in the units
+// add_alibi takes: the natural-log slope times log2(e) / softmax_scale.
+__device__ __forceinline__ float alibi_score_slope(const float* slopes, i64 batch_stride, int b, int h,
+                                                   float softmax_scale) {
+  return slopes[b * batch_stride + h] * kLog2e / softmax_scale;
+}
 
 template <typename T, int MT, int NT, int DT>
 struct AttentionTile {
@@ -98,6 +106,31 @@ struct AttentionTile {
               x = (j <= hi && j >= lo) ? x : -infinity();
             }
             s[mt][nt][2 * r + c] = x;
+          }
+      }
+  }
+
+  // ALiBi: score(i, j) -= slope * |diag_i - j| on every key of the block (masked keys stay
+  // -inf). `slope_of(mt, r)` gives the slope of the lane's row r of m16 tile mt in the units the
+  // scores are in here: the natural-log slope times log2(e) / softmax_scale(), since raw scores
+  // reach the exp2 multiplied by softmax_scale() and capped ones are in log2 units already. Called
+  // after cap_and_mask, so the bias adds to the capped score. Distances are exact in fp32 for any
+  // length below 2^24.
+  template <class DiagOf, class SlopeOf>
+  __device__ __forceinline__ void add_alibi(DiagOf diag_of, SlopeOf slope_of, int col0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // the row's diagonal relative to this lane's first column: key column j is at distance |diag - j|
+        const float diag = static_cast<float>(diag_of(mt, r) - col0 - (lane % 4) * 2);
+        const float slope = slope_of(mt, r);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float j = static_cast<float>(nt * 8 + c);
+            s[mt][nt][2 * r + c] = fmaf(-slope, fabsf(diag - j), s[mt][nt][2 * r + c]);
           }
       }
   }

@@ -222,6 +222,7 @@ struct DecodeArgs {
   MaskParams mask;    // score_scale includes the kv head's k descale (e4m3 caches)
   const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
   float v_descale;     // the kv head's v descale (e4m3 caches; 1 otherwise): multiplies the output
+  const float* alibi_slopes;  // at (b, h0): [G] ALiBi slopes of the group's heads, or null
 };
 
 // Column c (0 or 1) of lane quad position tq in n8 tile dt of the output accumulator: which head
@@ -236,7 +237,9 @@ __device__ __forceinline__ int output_column(int dt, int tq, int c) {
   return 32 * j + 16 * (u / 2) + 2 * (2 * tq + c) + u % 2;
 }
 
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, class KV>
+// ALIBI: add ALiBi's bias (a.alibi_slopes is set); a template flag so that the kernels without it
+// keep the registers they had before ALiBi existed (the bias pass costs up to 36 more at D = 96).
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -348,6 +351,12 @@ __device__ __forceinline__ void decode_body(
   Tile tile;
   tile.init();
   const auto diag_of = [=](int mt, int r) { return (a.row_base + mt * 16 + lane / 4 + 8 * r) / a.group + offset; };
+  // ALiBi slope of the lane's row r of m16 tile mt (row r is head r % G), read per block (an L1
+  // hit) rather than held in registers across the loop
+  const auto alibi_of = [&](int mt, int r) {
+    return alibi_score_slope(a.alibi_slopes, 0, 0, (a.row_base + mt * 16 + lane / 4 + 8 * r) % a.group,
+                             mask.softmax_scale());
+  };
 
   for (int t = 0; t < num_blocks; ++t) {
     // block t has landed, and every warp is done with the stage the next load overwrites
@@ -403,6 +412,7 @@ __device__ __forceinline__ void decode_body(
     } else {
       tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
     }
+    if constexpr (ALIBI) tile.add_alibi(diag_of, alibi_of, n0, lane);
     tile.softmax_update(mask.softmax_scale());
 
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15.
@@ -503,7 +513,7 @@ __device__ __forceinline__ float kv_descale(float host, const float* device, int
 }
 
 // grid: x = split, y = kv head * row chunks + chunk, z = sequence
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
 __global__ void __launch_bounds__(kDecodeThreads)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -530,10 +540,11 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk)};
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
@@ -541,7 +552,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
 __global__ void __launch_bounds__(kDecodeThreads)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -574,9 +585,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   // a length past the block table's capacity is clamped to it: never read outside the table
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk)};
+                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,

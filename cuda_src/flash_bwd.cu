@@ -19,6 +19,7 @@
 // Per query block the main kernel runs five warp GEMMs on shared tiles (warp tiles of 32 x 32
 // where the tile allows, so each fragment read from shared memory feeds several mma):
 //   S^T  = K Q^T    [BLOCK_N x BLOCK_M]  P^T = exp2(S^T * scale * log2e - lse * log2e), masked
+//                                        (ALiBi's bias joins as a per-element lse, BwdProblem::alibi_lse2)
 //   dP^T = V dO^T   [BLOCK_N x BLOCK_M]  dS^T = P^T (dP^T - delta) (x (1 - tanh^2) with a softcap)
 //   P^T and dS^T -> shared memory (fp16/bf16)
 //   dV  += P^T dO   [BLOCK_N x D]        dK += dS^T Q   [BLOCK_N x D]   (registers)
@@ -136,6 +137,17 @@ struct BwdProblem : SequenceRange {
     return exp2f(x - lse2);
   }
 
+  // ALiBi's bias in log2 units, b = -alibi2 * |query + Sk - Sq - key| (alibi2 = slope * log2(e)),
+  // joins P = exp2(x + b - lse2) as exp2(x - (lse2 - b)): folded into lse2, it leaves
+  // probability() as it is and score_grad() too: the bias is a constant of (query, key), so dS
+  // takes no term of its own, and the softcap's tanh is still recovered from log2(p) + (lse2 - b).
+  // Without ALIBI it is lse2 itself; an empty row's +inf stays +inf.
+  template <bool ALIBI>
+  __device__ __forceinline__ float alibi_lse2(float lse2, float alibi2, int query, int key) const {
+    if constexpr (!ALIBI) return lse2;
+    return fmaf(alibi2, fabsf(static_cast<float>(query + offset - key)), lse2);
+  }
+
   // dS = P (dP - delta), times the softcap's derivative 1 - tanh^2 (tanh recovered from P).
   __device__ __forceinline__ float score_grad(float p, float dp, float delta, float lse2) const {
     float grad = p * (dp - delta);
@@ -147,6 +159,12 @@ struct BwdProblem : SequenceRange {
   }
 };
 
+// ALiBi slope of (b, h) in log2 units (unread without ALIBI).
+template <bool ALIBI>
+__device__ __forceinline__ float bwd_alibi2(const float* alibi_slopes, i64 alibi_sb, int b, int h) {
+  return ALIBI ? alibi_slopes[b * alibi_sb + h] * kLog2e : 0.f;
+}
+
 // lse2 of a query row as the kernels use it: padding rows and empty rows (lse = -inf) get +inf,
 // so exp2(s - lse2) = 0, never NaN.
 __device__ __forceinline__ float bwd_lse2(const float* lse, i64 at, bool valid) {
@@ -156,8 +174,10 @@ __device__ __forceinline__ float bwd_lse2(const float* lse, i64 at, bool valid) 
 
 // Warp layouts: S_WARPS_N warps along the keys of S^T (the rest along queries), KV_WARPS_N along
 // the keys of dK/dV (the rest along D), DQ_WARPS_M along the queries of dQ (the rest along D).
+// ALIBI (here and in the other main and dQ kernels): alibi_slopes is set and its bias joins lse2; a
+// template flag so that the kernels without ALiBi keep the registers they had before it existed.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int S_WARPS_N, int KV_WARPS_N,
-          int DQ_WARPS_M, int STAGES, int MIN_BLOCKS, bool ATOMIC_DQ>
+          int DQ_WARPS_M, int STAGES, int MIN_BLOCKS, bool ATOMIC_DQ, bool ALIBI>
 __global__ void __launch_bounds__(NUM_WARPS * kWarpSize, MIN_BLOCKS)
 flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ dout,
@@ -170,7 +190,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
                  i64 lse_sb, i64 lse_sh, i64 acc_sb,
                  int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                 float score_scale, float softcap_out, float dk_scale, int window_left, int window_right) {
+                 float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
+                 // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
+                 const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -289,6 +311,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // P^T and dS^T: mask only tiles that cross a boundary
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+    const float alibi2 = bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h);
 #pragma unroll
     for (int mt = 0; mt < kSKeys / 16; ++mt)
 #pragma unroll
@@ -297,7 +320,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + s_key0 + mt * 16 + g + (e / 2) * 8;
           const int col = s_query0 + nt * 8 + 2 * tq + (e % 2);
-          const float lse2 = cLse[col];
+          const float lse2 = pb.alibi_lse2<ALIBI>(cLse[col], alibi2, m0 + col, key);
           float p = pb.probability(s[mt][nt][e], lse2);
           if (masked && !pb.visible(m0 + col, key)) p = 0.f;
           s[mt][nt][e] = p;
@@ -444,7 +467,7 @@ struct BwdSm90Smem {
   static constexpr int kBytes = kDelta + STAGES * BLOCK_M * sizeof(float) + kSwizzleAtomBytes;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool ATOMIC_DQ, bool ALIBI>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ dout,
@@ -457,7 +480,9 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss,
                       i64 dv_sh, i64 lse_sb, i64 lse_sh, i64 acc_sb,
                       int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                      float score_scale, float softcap_out, float dk_scale, int window_left, int window_right) {
+                      float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
+                      // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
+                      const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
   using DT = DType<T>;
   using Smem = BwdSm90Smem<HEAD_DIM, BLOCK_M>;
   using KTile = typename Smem::KTile;
@@ -594,11 +619,18 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
     const int key_row = n0 + key0 + wg_warp * 16 + g;
+    // lse2 of element e of query group j (query m0 + 8 j + 2 tq + e % 2, key key_row + 8 (e / 2)),
+    // ALiBi's bias included; the slope is read where it is used (an L1 hit) instead of held in a
+    // register across the GEMM waits: the atomic-dQ variant has none to spare
+    const auto element_lse2 = [&](int j, int e) {
+      return pb.alibi_lse2<ALIBI>(lse2[j][e % 2], bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h),
+                                  m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2));
+    };
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = pb.probability(s[4 * j + e], lse2[j][e % 2]);
+        float p = pb.probability(s[4 * j + e], element_lse2(j, e));
         if (masked && !pb.visible(m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2))) p = 0.f;
         s[4 * j + e] = p;
       }
@@ -621,7 +653,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2[j][e % 2]);
+        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], element_lse2(j, e));
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
@@ -715,7 +747,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 // as A fragments of dQ += dS K, and dQ sums in registers in a fixed key order.
 //   S = Q K^T, P = exp2(S * scale * log2e - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K
 // K and V blocks are double-buffered with cp.async.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool ALIBI>
 __global__ void __launch_bounds__(NUM_WARPS * kWarpSize)
 flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout,
@@ -726,7 +758,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
                     i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, i64 lse_sb, i64 lse_sh,
                     int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                    float score_scale, float softcap_out, float dq_scale, int window_left, int window_right) {
+                    float score_scale, float softcap_out, float dq_scale, int window_left, int window_right,
+                    // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
+                    const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -761,6 +795,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh,
                                                 do_ss, pb.seqlen_q - m0);
 
+  const float alibi2 = bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h);
   // lse2 and delta of this lane's rows g and g + 8 of each m16 tile
   float row_lse2[kMT][2], row_delta[kMT][2];
 #pragma unroll
@@ -824,9 +859,10 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
           const int r = e / 2;
           const int query = m0 + row0 + mt * 16 + g + 8 * r;
           const int key = n0 + nt * 8 + 2 * tq + (e % 2);
-          float p = pb.probability(s[mt][nt][e], row_lse2[mt][r]);
+          const float lse2 = pb.alibi_lse2<ALIBI>(row_lse2[mt][r], alibi2, query, key);
+          float p = pb.probability(s[mt][nt][e], lse2);
           if (masked && !pb.visible(query, key)) p = 0.f;
-          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], row_delta[mt][r], row_lse2[mt][r]);
+          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], row_delta[mt][r], lse2);
         }
 
     // dQ += dS K: dS as A fragments straight from registers, K [key][d] as B

@@ -1,6 +1,6 @@
 // flash_fwd.cu: tiled FlashAttention forward on tensor cores (mma.sync m16n8k16, sm_80+).
 //
-// Computes out = softmax(mask(cap(scale * q k^T))) v and the natural-log lse per query row,
+// Computes out = softmax(mask(cap(scale * q k^T) + alibi)) v and the natural-log lse per query row,
 // without ever writing the Sq x Sk score matrix: each CTA owns BLOCK_M query rows of one
 // (batch, head), walks the key blocks that any of its rows can see, and keeps the online-softmax
 // state (running max m, running sum l, unnormalised output) in registers.
@@ -116,7 +116,10 @@ struct FlashFwd : AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM /
   }
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+// ALIBI: add ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
+// pointer, so that the kernels without it compile to the code they had before ALiBi existed: the
+// bias pass and the slope held across the key loop cost registers the tiles have none of to spare.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool ALIBI>
 __global__ void __launch_bounds__(WARPS * kWarpSize, 2)
 flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   // the fields this kernel reads, as locals
@@ -205,6 +208,12 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
       fwd.template cap_and_mask<true>(mp, diag_of, n0, lane);
     } else {
       fwd.template cap_and_mask<false>(mp, diag_of, n0, lane);
+    }
+    if constexpr (ALIBI) {
+      // this head's slope in the units of the scores add_alibi sees, read per block (an L1 hit)
+      // rather than held in a register across the loop: D = 64 and 128 have none to spare on sm_90a
+      const float alibi = alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, b, h, softmax_scale);
+      fwd.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane);
     }
     fwd.softmax_update(softmax_scale);
     u32 p[Fwd::kMTiles][BLOCK_N / 16][4];

@@ -1,7 +1,7 @@
 // flash_fwd_sm90.cu: the FlashAttention forward on Hopper (sm_90a): TMA loads, wgmma, and
 // warp specialisation in the FlashAttention-3 design.
 //
-// Computes what flash_fwd.cu computes (same FwdParams, same masks, softcap, GQA, varlen, lse):
+// Computes what flash_fwd.cu computes (same FwdParams, same masks, softcap, ALiBi, GQA, varlen, lse):
 // out = softmax(mask(cap(scale * q k^T))) v, without writing the Sq x Sk scores.
 //
 // Layouts (FwdParams, params.cuh; the last axis contiguous, every other stride a multiple of
@@ -218,6 +218,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
     const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows
     const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale, p.softcap_out};
     const float softmax_scale = mp.softmax_scale();
+    // this head's ALiBi slope in the units of the scores add_alibi sees (0: no ALiBi, no bias pass)
+    const float alibi = p.alibi_slopes != nullptr
+                            ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale)
+                            : 0.f;
     const int offset = w.seq.offset;
     const auto diag_of = [=](int, int r) { return row0 + lane / 4 + 8 * r + offset; };
     if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
@@ -252,6 +256,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
       } else {
         tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
       }
+      if (alibi != 0.f) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane);
       const bool moved = tile.move_max(softmax_scale, factor);
       tile.exponentiate(softmax_scale);
       return moved;

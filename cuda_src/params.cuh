@@ -34,6 +34,8 @@ struct FwdParams {
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
   const float* sinks;      // [Hq] attention-sink logits (natural-log units), or null
+  const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_batch_stride 0) ALiBi slopes (natural-log units), or null
+  i64 alibi_batch_stride;
   i64 q_batch_stride;
   i64 q_row_stride;
   i64 q_head_stride;
@@ -80,6 +82,8 @@ struct DecodeParams {
   float v_descale;
   int k_scale_stride;
   int v_scale_stride;
+  const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_sb 0) ALiBi slopes, or null
+  i64 alibi_sb;
   i64 q_sb;
   i64 q_ss;
   i64 q_sh;

@@ -75,7 +75,8 @@ def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, **options):
     k = randn(rng, (b, sk, hk, d), dtype)
     v = randn(rng, (b, sk, hk, d), dtype)
     out = cupy.full((b, sq, hq, d), np.nan, dtype=dtype)  # poison: every element must be written
-    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
+    device_options = {**options, **{name: cupy.asarray(options[name]) for name in ("sinks", "alibi_slopes")
+                                     if name in options}}
     got, lse = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out,
                                 return_lse=True, **device_options)
     assert got is out
@@ -153,6 +154,78 @@ def test_sinks_argument_errors(rng):
         cuattn.attention(q, q, q, sinks=cupy.zeros((1, 4), cupy.float32))
     with pytest.raises(ValueError, match="sinks must be contiguous, got a stride of 2 elements"):
         cuattn.attention(q, q, q, sinks=cupy.zeros(8, cupy.float32)[::2])
+
+
+# ---------------------------------------------------------------------------------------------
+# ALiBi
+
+
+def _alibi_slopes(heads, batch=None):
+    """ALiBi's geometric slopes 2^(-8 h / H); per sequence, each row halved once more."""
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    if batch is not None:
+        slopes = slopes[None] * 0.5 ** np.arange(batch)[:, None]
+    return slopes.astype(np.float32)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_bias_by_distance(rng, head_dim, mask, per_sequence):
+    """Sq != Sk (bottom-right distances), lengths off every tile; with causal the first rows of
+    the second case see no key and stay out 0, lse -inf."""
+    slopes = _alibi_slopes(4, 2 if per_sequence else None)
+    run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, head_dim, alibi_slopes=slopes, **MASKS[mask])
+    run_and_check(rng, DTYPES[0], 2, 113, 17, 4, 4, head_dim, alibi_slopes=slopes, **MASKS[mask])
+
+
+def test_alibi_with_sinks_and_long_keys(rng):
+    """Distances into the thousands (fp32 exact) beside sinks, on a long non-causal row."""
+    run_and_check(rng, DTYPES[1], 1, 203, 4100, 8, 2, 128, alibi_slopes=_alibi_slopes(8), sinks=_sinks(rng, 8))
+
+
+def test_alibi_in_varlen(rng):
+    """Each sequence's own lengths and its own row of slopes."""
+    cupy = _cupy()
+    lens_q, lens_k = [13, 0, 150, 1], [40, 7, 150, 1023]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, (cu_q[-1], 4, 64), DTYPES[1])
+    k, v = (randn(rng, (cu_k[-1], 2, 64), DTYPES[1]) for _ in range(2))
+    slopes = _alibi_slopes(4, len(lens_q))
+    out, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), max(lens_q), max(lens_k),
+                                       causal=True, alibi_slopes=cupy.asarray(slopes), return_lse=True)
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                              alibi_slopes=slopes, return_lse=True)
+    naive = np.concatenate([reference.naive_attention_lowp(q[None, a:b], k[None, c:d], v[None, c:d], causal=True,
+                                                           dtype=q.dtype, alibi_slopes=slopes[i])[0]
+                            for i, (a, b, c, d) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]))])
+    budget = error_budget(np.abs(naive - ref).max(), q.dtype, 2.0, np.abs(ref).max())
+    assert np.abs(out.get().astype(np.float64) - ref).max() <= budget, f"seed {rng.seed}"
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse.get()), empty)
+    np.testing.assert_allclose(lse.get()[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3)
+
+
+def test_alibi_argument_errors(rng):
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (2, 8, 4, 64), DTYPES[0]))
+    with pytest.raises(TypeError, match="alibi_slopes.dtype must be float32, got float16"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros(4, cupy.float16))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(Hq\) must equal the number of query heads = 4, "
+                                         r"got 3"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros(3, cupy.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 1"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros((1, 4), cupy.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes must be 1-D \(Hq\) or 2-D \(B, Hq\)"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros((2, 4, 1), cupy.float32))
+    with pytest.raises(ValueError, match="alibi_slopes must be contiguous along the heads .* a stride of 2 elements"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros(8, cupy.float32)[::2])
+    with pytest.raises(ValueError, match="alibi_slopes must be contiguous along the heads"):
+        cuattn.attention(q, q, q, alibi_slopes=cupy.zeros((4, 2), cupy.float32).T)
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 3"):
+        cuattn.attention_backward(q, q, q, q, q, cupy.zeros((2, 4, 8), cupy.float32),
+                                  alibi_slopes=cupy.zeros((3, 4), cupy.float32))
 
 
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -74,6 +74,38 @@ def test_backward_with_sinks(rng, head_dim, mask, deterministic):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_backward_with_alibi(rng, head_dim, mask, deterministic, per_sequence):
+    """dq, dk, dv under the 3x rule with ALiBi (every backward kernel: mma.sync, the Hopper one
+    at 64 and 128, the deterministic dQ one); the slopes get no gradient."""
+    import cupy
+
+    b, sq, sk, hq, hk = 2, 113, 203, 4, 2
+    options = MASKS[mask]
+    slopes = 2.0 ** (-8.0 * np.arange(1, hq + 1) / hq)
+    slopes = (slopes * np.array([[1.0], [0.5]]) if per_sequence else slopes).astype(np.float32)
+    q, k, v = (randn(rng, shape, BF16) for shape in ((b, sq, hq, head_dim), (b, sk, hk, head_dim), (b, sk, hk, head_dim)))
+    dout = randn(rng, (b, sq, hq, head_dim), BF16)
+    qd, kd, vd, dod, ad = (cupy.asarray(x) for x in (q, k, v, dout, slopes))
+    out, lse = cuattn.attention(qd, kd, vd, alibi_slopes=ad, return_lse=True, **options)
+    grads = cuattn.attention_backward(dod, qd, kd, vd, out, lse, alibi_slopes=ad, deterministic=deterministic,
+                                      **options)
+    assert len(grads) == 3
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, alibi_slopes=slopes, **options)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, alibi_slopes=slopes, **options)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=BF16, alibi_slopes=slopes, **options)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
+        got = got.get().astype(np.float64)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (seed {rng.seed})"
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), BF16, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -294,3 +326,24 @@ def test_backward_tiles_cover_the_forward_head_dims():
     attention_module = importlib.import_module("cuattn.attention")
 
     assert set(attention_module.BWD_TILES) == set(attention_module.FWD_TILES)
+
+
+@pytest.mark.parametrize("arch", list(SMEM_PER_BLOCK))
+def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
+    """With alibi_slopes the forward and backward dispatchers pick the ALIBI instantiations of the
+    kernels; every one they can pick is in kernel_variants (what `python -m cuattn build` and CI
+    compile and check for spills), and the plain ones stay listed."""
+    import importlib
+
+    attention_module = importlib.import_module("cuattn.attention")
+    listed = {spec.name for spec in attention_module.kernel_variants(arch)}
+    for dtype in ("float16", "bfloat16"):
+        for d in attention_module.SUPPORTED_HEAD_DIMS:
+            plain, alibi = (attention_module.fwd_spec(dtype, d, attention_module.fwd_tile(d, arch, a), a).name
+                            for a in (False, True))
+            assert {plain, alibi} <= listed and plain.endswith(", false>") and alibi.endswith(", true>")
+            for deterministic in (False, True):
+                for with_alibi in (False, True):
+                    specs = attention_module.bwd_specs(dtype, d, attention_module.bwd_tile(d, arch), deterministic,
+                                                       with_alibi)
+                    assert {spec.name for spec in specs} <= listed, (d, deterministic, with_alibi)

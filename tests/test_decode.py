@@ -39,9 +39,11 @@ def check_decode(rng, dtype, q, k, v, lens, got, got_lse, **options):
     assert np.isfinite(got).all(), f"NaN or unwritten output (seed {rng.seed})"
     for b, n in enumerate(lens):
         # the straightforward same-precision computation on this row's live cache
+        row_options = {key: val for key, val in options.items() if key != "causal"}
+        if np.ndim(options.get("alibi_slopes")) == 2:
+            row_options["alibi_slopes"] = options["alibi_slopes"][b]  # (B, Hq): this row's slopes
         naive = reference.naive_attention_lowp(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], dtype=dtype,
-                                               causal=options.get("causal", True),
-                                               **{key: val for key, val in options.items() if key != "causal"})[0]
+                                               causal=options.get("causal", True), **row_options)[0]
         budget = error_budget(np.abs(naive - ref[b]).max(initial=0.0), dtype, 2.0, np.abs(ref[b]).max(initial=0.0))
         err = np.abs(got[b] - ref[b]).max(initial=0.0)
         assert err <= budget, f"row {b} (len {n}): error {err:.3g} > {budget:.3g} (seed {rng.seed})"
@@ -55,7 +57,8 @@ def run_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, **options):
     q = randn(rng, (b, sq_new, hq, d), dtype)
     k, v = make_cache(rng, dtype, b, s_max, hk, d, lens)
     lens = np.asarray(lens, np.int32)
-    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
+    device_options = {**options, **{name: cupy.asarray(options[name]) for name in ("sinks", "alibi_slopes")
+                                     if name in options}}
     out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
                              return_lse=True, **device_options)
     options.pop("num_splits", None)
@@ -93,6 +96,18 @@ def test_decode_sinks(rng, num_splits):
     (length 0) gets out 0 and lse = its sink."""
     sinks = (rng.standard_normal(8) * 2).astype(np.float32)
     run_decode(rng, BF16, 3, 2, 8, 2, 128, 900, [900, 0, 37], num_splits=num_splits, sinks=sinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["1split", "4splits"])
+@pytest.mark.parametrize("sq_new", [1, 3])
+def test_decode_alibi(rng, sq_new, num_splits, per_sequence):
+    """Rows pack (token, head) pairs: each row takes its own head's slope and its token's
+    distance i + len - Sq_new - j; the splits' partials carry the bias into the combine."""
+    slopes = 2.0 ** (-8.0 * np.arange(1, 9) / 8)
+    slopes = (slopes * 0.5 ** np.arange(3)[:, None] if per_sequence else slopes).astype(np.float32)
+    run_decode(rng, BF16, 3, sq_new, 8, 2, 128, 900, [900, 0, 37], num_splits=num_splits, alibi_slopes=slopes)
 
 
 @pytest.mark.gpu
@@ -348,3 +363,16 @@ def test_merge_states_reads_strided_parts_in_place_or_copies_when_it_must(rng, l
         assert grown <= results + 1024, f"merge_states copied its parts: {grown} bytes"
     np.testing.assert_allclose(merged.get(), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(merged_lse.get(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_decode_variants_are_listed():
+    """Decode with alibi_slopes runs the ALIBI kernels with ALIBI_DECODE_MT tiles of rows; those are
+    in kernel_variants (compiled and spill-checked by `python -m cuattn build`) for every head dim."""
+    import importlib
+
+    decode_module = importlib.import_module("cuattn.decode")  # the module, not cuattn.decode the function
+    listed = {spec.name for spec in decode_module.kernel_variants("sm_80")}
+    for dtype in ("float16", "bfloat16"):
+        for d in HEAD_DIMS:
+            for paged in (False, True):
+                assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed

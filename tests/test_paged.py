@@ -493,7 +493,8 @@ def check_paged_against_decode(rng, dtype, block_size, d, **options):
     manager, cache = paged_setup(rng, dtype, lens, block_size, hk, d, "cuda")
     q = randn(rng, (len(lens), 1, hq, d), dtype)
     table, seq_lens = manager.block_table(range(len(lens)))
-    device_options = {**options, **({"sinks": cupy.asarray(options["sinks"])} if "sinks" in options else {})}
+    device_options = {**options, **{name: cupy.asarray(options[name]) for name in ("sinks", "alibi_slopes")
+                                     if name in options}}
     out, lse = cuattn.paged_attention(cupy.asarray(q), cache, table, seq_lens, return_lse=True, **device_options)
     # the same cache gathered into contiguous rows, through the contiguous decode kernel
     k_cache = reference.gather_pages(cache.k_pages.get(), table, seq_lens).astype(dtype)
@@ -538,6 +539,14 @@ def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
 @pytest.mark.parametrize("window", [(50, 0), (333, -1)])
 def test_paged_attention_sliding_window(rng, block_size, window):
     check_paged_against_decode(rng, BF16, block_size, 128, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_alibi(rng, num_splits):
+    """(Hq,) slopes: every sequence, through the paged kernel and the contiguous one alike."""
+    slopes = (2.0 ** (-8.0 * np.arange(1, 9) / 8)).astype(np.float32)
+    check_paged_against_decode(rng, BF16, 16, 128, alibi_slopes=slopes, num_splits=num_splits)
 
 
 @pytest.mark.gpu

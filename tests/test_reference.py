@@ -552,3 +552,148 @@ def test_sinks_on_the_cpu_path_and_their_errors(rng, seed):
     grads = cuattn.attention_backward(q, q, k, v, got, cuattn.attention(q, k, v, sinks=sinks, return_lse=True)[1],
                                       sinks=sinks)
     assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (4,)
+
+
+# ------------------------------------------------------------------------------------ ALiBi
+
+
+def _explicit_alibi(q, k, v, slopes, causal=False, window=(-1, -1), softcap=0.0):
+    """ALiBi as a textbook bias matrix, one (batch, head, query, key) at a time: score = cap(scale
+    q.k) - slope * |i + Sk - Sq - j| over the visible keys. ``slopes`` is (Hq,) or (B, Hq)."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    slopes = np.asarray(slopes, np.float64)
+    mask = reference.visible(sq, sk, causal, window)
+    out = np.zeros(q.shape)
+    lse = np.full((b, hq, sq), -np.inf)
+    for bi in range(b):
+        for h in range(hq):
+            slope = slopes[h] if slopes.ndim == 1 else slopes[bi, h]
+            kv = h // (hq // hk)
+            for i in range(sq):
+                keys = [j for j in range(sk) if mask[i, j]]
+                if not keys:
+                    continue
+                s = (k[bi, keys, kv] @ q[bi, i, h]) / math.sqrt(d)
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
+                s = s - slope * np.array([abs(i + sk - sq - j) for j in keys])
+                m = s.max()
+                out[bi, i, h] = np.exp(s - m) @ v[bi, keys, kv] / np.exp(s - m).sum()
+                lse[bi, h, i] = m + np.log(np.exp(s - m).sum())
+    return out, lse
+
+
+def _slopes(rng, *shape):
+    """ALiBi's geometric slopes (2^(-8 h / H)) scaled per entry, so that (B, Hq) rows differ."""
+    heads = shape[-1]
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads) * rng.uniform(0.5, 2.0, shape)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
+@pytest.mark.parametrize("sq,sk", [(5, 9), (9, 5), (6, 6)])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (2, 3), 0.0), (True, (-1, -1), 1.5)])
+def test_alibi_equals_an_explicit_bias(rng, seed, per_sequence, sq, sk, causal, window, softcap):
+    """Bottom-right aligned distances with causal masks and windows (Sq > Sk leaves rows empty:
+    out 0, lse -inf, unaffected by the bias), and the bias added after the softcap."""
+    q, k, v = qkv(rng, 2, sq, sk, 4, 2, 8)
+    slopes = _slopes(rng, 2, 4) if per_sequence else _slopes(rng, 4)
+    out, lse = reference.attention(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=slopes,
+                                   return_lse=True)
+    want_out, want_lse = _explicit_alibi(q, k, v, slopes, causal=causal, window=window, softcap=softcap)
+    assert_close(out, want_out, seed, what="out")
+    assert_close(lse, want_lse, seed, what="lse")
+    # the bias must matter: without it the result differs
+    assert np.abs(out - reference.attention(q, k, v, causal=causal, window=window, softcap=softcap)).max() > 1e-3
+
+
+def test_alibi_hq_slopes_serve_every_sequence(rng, seed):
+    q, k, v = qkv(rng, 3, 7, 11, 4, 4, 8)
+    slopes = _slopes(rng, 4)
+    shared = reference.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    tiled = reference.attention(q, k, v, causal=True, alibi_slopes=np.tile(slopes, (3, 1)))
+    assert_close(shared, tiled, seed)
+
+
+def test_alibi_varlen_uses_each_sequences_own_lengths(rng, seed):
+    """Sequence b's distances are i + Sk_b - Sq_b - j: its own lengths and (B, Hq) row."""
+    lens_q, lens_k = [3, 0, 8, 5], [7, 4, 8, 2]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = randn(rng, cu_q[-1], 4, 8)
+    k, v = randn(rng, cu_k[-1], 2, 8), randn(rng, cu_k[-1], 2, 8)
+    slopes = _slopes(rng, 4, 4)
+    out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                          alibi_slopes=slopes, return_lse=True)
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = _explicit_alibi(q[None, qs], k[None, ks], v[None, ks], slopes[b], causal=True)
+        assert_close(out[qs], o[0], seed, what=f"out seq {b}")
+        assert_close(lse[:, qs], l[0], seed, what=f"lse seq {b}")
+
+
+def test_alibi_decode_with_several_new_queries(rng, seed):
+    """Decode: Sq is the number of new tokens, Sk the row's cache length (stale slots unread)."""
+    lens = np.array([9, 3, 0], np.int32)
+    q = randn(rng, 3, 3, 4, 8)
+    k_cache, v_cache = randn(rng, 3, 12, 2, 8), randn(rng, 3, 12, 2, 8)
+    slopes = _slopes(rng, 3, 4)
+    out, lse = reference.decode(q, k_cache, v_cache, lens, alibi_slopes=slopes, return_lse=True)
+    for b, n in enumerate(lens):
+        o, l = _explicit_alibi(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], slopes[b], causal=True)
+        assert_close(out[b], o[0], seed, what=f"out row {b}")
+        assert_close(lse[b], l[0], seed, what=f"lse row {b}")
+    table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    pages = (k_cache.reshape(12, 3, 2, 8), v_cache.reshape(12, 3, 2, 8))
+    paged = reference.paged_attention(q, *pages, table, lens, alibi_slopes=slopes)
+    assert_close(paged, out, seed, what="paged")
+
+
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.7)])
+def test_alibi_backward_matches_finite_differences(rng, seed, causal, softcap):
+    """The bias is a constant of (i, j): dq, dk, dv follow; the softcap's derivative is the
+    capped score's, not the biased one's."""
+    q, k, v = qkv(rng, 2, 4, 5, 2, 1, 3)
+    dout = randn(rng, 2, 4, 2, 3)
+    opts = dict(causal=causal, softcap=softcap, scale=0.9, alibi_slopes=_slopes(rng, 2, 2))
+
+    def loss():
+        return np.sum(reference.attention(q, k, v, **opts) * dout)
+
+    out, lse = reference.attention(q, k, v, return_lse=True, **opts)
+    got = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    want = finite_difference_grads(loss, [q, k, v])
+    for name, g, w in zip("qkv", got, want):
+        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=f"d{name}")
+
+
+def test_alibi_on_the_cpu_path_and_its_errors(rng, seed):
+    import cuattn
+
+    q, k, v = (x.astype(np.float32) for x in qkv(rng, 2, 6, 6, 4, 4, 32))
+    slopes = _slopes(rng, 4).astype(np.float32)
+    got = cuattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    assert_close(got, _explicit_alibi(q, k, v, slopes, causal=True)[0], seed, atol=1e-6, rtol=1e-6, what="out")
+    out, lse = cuattn.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
+    assert len(cuattn.attention_backward(q, q, k, v, out, lse, alibi_slopes=slopes)) == 3
+    cu = np.array([0, 2, 6], np.int32)
+    varlen = cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, alibi_slopes=np.stack([slopes, slopes / 2]))
+    second = _explicit_alibi(q[:, 2:], k[:, 2:], v[:, 2:], slopes / 2)[0][0]
+    assert_close(varlen[2:], second, seed, atol=1e-6, rtol=1e-6, what="varlen out")
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(Hq\) must equal the number of query heads = 4, "
+                                         r"got 2"):
+        cuattn.attention(q, k, v, alibi_slopes=slopes[:2])
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[1\] \(Hq\) must equal the number of query heads = 4, "
+                                         r"got 3"):
+        cuattn.attention(q, k, v, alibi_slopes=np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 3"):
+        cuattn.attention(q, k, v, alibi_slopes=np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 1"):
+        cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, alibi_slopes=slopes[None])
+    with pytest.raises(ValueError, match=r"alibi_slopes must be 1-D \(Hq\) or 2-D \(B, Hq\), got shape \(1, 2, 4\)"):
+        cuattn.attention(q, k, v, alibi_slopes=np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(TypeError, match="alibi_slopes.dtype is int32; expected a floating-point dtype"):
+        cuattn.attention(q, k, v, alibi_slopes=np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 5"):
+        cuattn.decode(q[:, :1], k, v, np.array([6, 3], np.int32), alibi_slopes=np.zeros((5, 4), np.float32))
