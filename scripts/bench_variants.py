@@ -1,0 +1,63 @@
+"""What the attention variants cost: forward (and backward) time with sinks or ALiBi against plain
+attention on the same inputs, on the current GPU (the variants issue's target: at most 5%).
+
+python scripts/bench_variants.py [--lengths 4096] [--head-dims 64,128] [--backward] [--json PATH]
+    one line per (head dim, N, mask, variant): ms, TFLOP/s and the ratio to the plain call;
+    bf16, 32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark
+"""
+
+import argparse
+import json
+import sys
+
+import cupy
+import numpy as np
+
+import cuattn
+from cuattn.bench import timing
+
+TOTAL_TOKENS, HIDDEN = 32768, 2048
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    bf16 = cupy.dtype("bfloat16")
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for n in (int(x) for x in args.lengths.split(",")):
+            b, h = max(1, TOTAL_TOKENS // n), HIDDEN // d
+            q, k, v, dout = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16)
+                             for _ in range(4))
+            variants = {
+                "plain": {},
+                "sinks": {"sinks": cupy.asarray(np.random.default_rng().standard_normal(h).astype(np.float32))},
+                "alibi": {"alibi_slopes": cupy.asarray((2.0 ** -np.arange(1, h + 1) * 8 / h).astype(np.float32))},
+            }
+            for causal in (False, True):
+                base = None
+                for name, options in variants.items():
+                    if args.backward:
+                        out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True, **options)
+                        fn = lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal, **options)
+                    else:
+                        fn = lambda: cuattn.attention(q, k, v, causal=causal, **options)
+                    ms = timing.time_cuda(fn)
+                    flops = timing.attention_flops(b, h, n, n, d, causal) * (timing.BACKWARD_FLOP_RATIO if args.backward else 1)
+                    base = base or ms
+                    row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, ms=ms,
+                               tflops=flops / ms / 1e9, ratio=ms / base, backward=args.backward)
+                    rows.append(row)
+                    print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {name:6s} {ms:8.3f} ms "
+                          f"{row['tflops']:6.1f} TFLOP/s  x{row['ratio']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
