@@ -246,6 +246,16 @@ class _Hub:
             inbox.put(self._ABORT)
 
 
+def _communicator(nccl, world_size: int, unique_id, rank: int):
+    """A NcclCommunicator from a unique id given as bytes or ints: CuPy 14 takes the id's 128 bytes,
+    earlier CuPy a tuple of (signed char) ints."""
+    raw = bytes(int(x) & 0xFF for x in unique_id)
+    try:
+        return nccl.NcclCommunicator(world_size, raw, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(world_size, tuple(int(x) for x in unique_id), rank)
+
+
 class NcclGroup:
     """One rank of a NCCL communicator (``cupy.cuda.nccl``) on the current CUDA device.
 
@@ -267,13 +277,14 @@ class NcclGroup:
         self.rank, self.world_size = rank, world_size
         self.device = int(cupy.cuda.Device().id if device is None else device)
         with cupy.cuda.Device(self.device):
-            self._comm = nccl.NcclCommunicator(world_size, tuple(unique_id), rank)
+            self._comm = _communicator(nccl, world_size, unique_id, rank)
             self.stream = cupy.cuda.Stream(non_blocking=True)
 
     @staticmethod
     def unique_id() -> tuple:
-        """A new NCCL unique id (a tuple of ints, picklable): create it once, give it to every rank."""
-        return _nccl().get_unique_id()
+        """A new NCCL unique id (a tuple of ints, picklable and JSON-able): create it once, give it
+        to every rank."""
+        return tuple(int(x) for x in _nccl().get_unique_id())
 
     def send_recv(self, send, recv) -> None:
         nccl = _nccl()
