@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Callable
 
 import numpy as np
@@ -47,6 +48,10 @@ HEAD_DIMS = (64, 128)
 MASKS = (False, True)  # causal
 ATTENTION_GRID = list(itertools.product(SEQLENS, HEAD_DIMS, MASKS))
 ATTENTION_IMPLS = ("cuattn", "torch-flash", "torch-cudnn", "naive-cupy")
+# The forward also runs beside JAX's cuDNN attention under jax.jit (jax.nn.dot_product_attention);
+# JAX differentiates forward and backward together, so the backward table has no JAX column
+# (scripts/bench_jax.py times forward + backward under jit).
+FORWARD_IMPLS = ATTENTION_IMPLS + ("jax-cudnn",)
 
 # Decode and paged decode: GQA 32 / 8, D = 128, one new token, the decode issue's (B, L) pairs.
 DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
@@ -187,7 +192,7 @@ class Prepared:
 
 
 FAMILIES = {
-    "forward": Family("forward", TFLOPS, ATTENTION_IMPLS, False,
+    "forward": Family("forward", TFLOPS, FORWARD_IMPLS, False,
                       "attention forward, Sq = Sk = N, H * D = 2048, FLOPs 4 * B * H * N * N * D (halved for causal)"),
     "backward": Family("backward", TFLOPS, ATTENTION_IMPLS, False,
                        "attention backward (dq, dk, dv from out and lse), Sq = Sk = N, H * D = 2048, "
@@ -311,6 +316,30 @@ def _torch():
     return torch
 
 
+def _jax():
+    # JAX would otherwise reserve most of the GPU's memory when it starts, beside CuPy's and torch's pools
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+    except ImportError as exc:
+        raise SkipCase(f"jax is not importable ({exc})") from None
+    if jax.default_backend() != "gpu":
+        raise SkipCase(f"jax runs on {jax.default_backend()}, not on the GPU")
+    return jax
+
+
+def _jax_cudnn_forward(q, k, v, causal: bool):
+    """JAX's cuDNN attention under jax.jit on the same inputs (zero-copy views of the CuPy arrays)."""
+    jax = _jax()
+    import jax.numpy as jnp
+
+    jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))
+    call = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
+    fn = lambda: call(jq, jk, jv)
+    _refused("jax-cudnn", lambda: fn().block_until_ready())
+    return fn
+
+
 def _sdpa(impl: str, tq, tk, tv, **options) -> Callable[[], object]:
     """A call of torch SDPA restricted to the implementation's backend (imports resolved here,
     outside the timed call)."""
@@ -364,13 +393,17 @@ def _prepare_forward(case: Case, dtype: np.dtype) -> Prepared:
         fn = lambda: cuattn.attention(q, k, v, causal=s.causal, out=out)
     elif impl == "naive-cupy":
         fn = lambda: timing.naive_attention_cupy(q, k, v, causal=s.causal)
+    elif impl == "jax-cudnn":
+        fn = _jax_cudnn_forward(q, k, v, s.causal)
     else:
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
         fn = _sdpa(impl, tq, tk, tv, is_causal=s.causal)
         _refused(impl, fn)
 
     def measure():
-        ms = timing.time_cuda(fn)
+        # JAX runs on its own stream: timed by the host clock around back-to-back jitted calls
+        ms = (timing.time_synced(fn, lambda out: out.block_until_ready()) if impl == "jax-cudnn"
+              else timing.time_cuda(fn))
         tflops = timing.attention_flops(s.batch, s.q_heads, s.seqlen, s.seqlen, s.head_dim, s.causal) / ms / 1e9
         info = _attention_info(impl, s, dtype, ms, tflops)
         return [Result(case.family, impl, s, dtype_name(dtype), ms, tflops, info)]

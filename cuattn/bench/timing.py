@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 BACKWARD_FLOP_RATIO = 2.5
 # 1 GiB per buffer: far beyond any L2 (50 MiB on H100/H200), so the copy streams from device memory.
@@ -66,6 +67,29 @@ def time_cuda(fn, *, warmup: int = 3, repeats: int = 10, inner: int | None = Non
         stop.record(stream)
         stop.synchronize()
         samples.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
+    return statistics.median(samples)
+
+
+def time_synced(fn, sync, *, warmup: int = 3, repeats: int = 10, target_ms: float = 20.0) -> float:
+    """Median milliseconds per call of ``fn`` by the host clock, ``sync(result)`` after each window.
+
+    For work on a stream CuPy's events do not see (JAX's): ``inner`` back-to-back calls per
+    window (chosen from a trial call so that a window lasts about ``target_ms``), then the host
+    waits for the last result, so dispatch overlaps execution as in a training loop.
+    """
+    for _ in range(warmup):
+        sync(fn())
+    start = time.perf_counter()
+    sync(fn())
+    trial_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
+    inner = max(1, min(1000, math.ceil(target_ms / trial_ms)))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            result = fn()
+        sync(result)
+        samples.append((time.perf_counter() - start) * 1e3 / inner)
     return statistics.median(samples)
 
 

@@ -24,7 +24,7 @@ IDS = [bench_cases.FAMILIES["forward"].shape_id(bench_cases.attention_shape(n, d
 LONG_SEQLEN, LONG_HEAD_DIM = 131072, 128
 
 
-@pytest.mark.parametrize("impl", bench_cases.ATTENTION_IMPLS)
+@pytest.mark.parametrize("impl", bench_cases.FORWARD_IMPLS)
 @pytest.mark.parametrize("n, d, causal", CASES, ids=IDS)
 def test_forward(benchmark, impl, n, d, causal):
     case = bench_cases.Case("forward", bench_cases.attention_shape(n, d, causal), (impl,))
