@@ -246,6 +246,17 @@ class _Hub:
             inbox.put(self._ABORT)
 
 
+def _highest_stream_priority() -> int:
+    """The current device's highest stream priority (CUDA's lowest number). The transfers' stream
+    takes it so that the block scheduler gives NCCL's kernels an SM as soon as one frees, instead
+    of after every CTA of the attention kernel queued before them has started: otherwise the
+    transfers mostly run after the compute they were meant to hide behind."""
+    import cupy
+
+    _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+    return int(greatest)
+
+
 def _communicator(nccl, world_size: int, unique_id, rank: int):
     """A NcclCommunicator from a unique id given as bytes or ints: CuPy 14 takes the id's 128 bytes,
     earlier CuPy a tuple of (signed char) ints."""
@@ -263,7 +274,8 @@ class NcclGroup:
         group = NcclGroup(rank, world_size, uid)
 
     NCCL comes from NVIDIA's wheel (``pip install 'cuattn[distributed-cuda13]'``, or
-    ``distributed-cuda12``). The group owns a non-blocking stream for its transfers.
+    ``distributed-cuda12``). The group owns a non-blocking stream of the highest priority for
+    its transfers.
     """
 
     def __init__(self, rank: int, world_size: int, unique_id, *, device: int | None = None):
@@ -278,7 +290,7 @@ class NcclGroup:
         self.device = int(cupy.cuda.Device().id if device is None else device)
         with cupy.cuda.Device(self.device):
             self._comm = _communicator(nccl, world_size, unique_id, rank)
-            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=_highest_stream_priority())
 
     @staticmethod
     def unique_id() -> tuple:
@@ -337,7 +349,9 @@ class _TorchGroup:
         self._next = dist.get_global_rank(process_group, (self.rank + 1) % self.world_size)
         self._prev = dist.get_global_rank(process_group, (self.rank - 1) % self.world_size)
         self.device = device
-        self._torch_stream = torch.cuda.Stream(device=device)
+        # NCCL runs on the process group's own streams (high priority when the group was made with
+        # ProcessGroupNCCL.Options(is_high_priority_stream=True)); this stream waits for them
+        self._torch_stream = torch.cuda.Stream(device=device, priority=_highest_stream_priority())
         self.stream = cupy.cuda.ExternalStream(self._torch_stream.cuda_stream, device)
 
     def send_recv(self, send, recv) -> None:
