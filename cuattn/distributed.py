@@ -246,15 +246,16 @@ class _Hub:
             inbox.put(self._ABORT)
 
 
-def _highest_stream_priority() -> int:
-    """The current device's highest stream priority (CUDA's lowest number). The transfers' stream
-    takes it so that the block scheduler gives NCCL's kernels an SM as soon as one frees, instead
-    of after every CTA of the attention kernel queued before them has started: otherwise the
-    transfers mostly run after the compute they were meant to hide behind."""
-    import cupy
+# A stream priority above every device's range: CUDA (and torch) clamp it to the device's highest.
+HIGHEST_STREAM_PRIORITY = -(2**16)
 
-    _least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
-    return int(greatest)
+
+def _highest_stream_priority() -> int:
+    """The transfers' stream priority: the device's highest (CUDA clamps HIGHEST_STREAM_PRIORITY
+    into its range). With it the block scheduler gives NCCL's kernels an SM as soon as one frees,
+    instead of after every CTA of the attention kernel queued before them has started: otherwise
+    the transfers mostly run after the compute they were meant to hide behind."""
+    return HIGHEST_STREAM_PRIORITY
 
 
 def _communicator(nccl, world_size: int, unique_id, rank: int):
