@@ -11,6 +11,7 @@ from . import reference
 from ._errors import CompileError, NoDeviceError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
+from .cascade import cascade_attention
 from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
 from .fp8 import fp8_scales, quantize_fp8
@@ -30,6 +31,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "build",
+    "cascade_attention",
     "decode",
     "distributed",
     "fp8_scales",

@@ -1,0 +1,109 @@
+"""Cascade attention (cuattn/cascade.py): a prefix shared by the batch plus each sequence's own
+paged tokens equals decode over each sequence's whole key list (prefix then own tokens), on the
+CPU (float64) and on the GPU (the 2x rule), with options, an e4m3 suffix cache, and its errors.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import reference
+from conftest import BF16, randn
+from test_decode import check_decode
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def make_batch(rng, dtype, batch=3, sq_new=2, hq=8, hk=2, d=64, prefix_len=37, block=16, lens=(5, 17, 40)):
+    """Queries, the shared prefix, paged own tokens (shuffled pages), and each sequence's whole
+    key list laid out contiguously for the reference: [B, L + max own, Hk, D]."""
+    q = randn(rng, (batch, sq_new, hq, d), dtype)
+    prefix_k, prefix_v = randn(rng, (prefix_len, hk, d), dtype), randn(rng, (prefix_len, hk, d), dtype)
+    per_seq = -(-max(lens) // block)
+    order = rng.permutation(batch * per_seq).astype(np.int32)
+    table = order.reshape(batch, per_seq)
+    k_pages = randn(rng, (batch * per_seq, block, hk, d), dtype)
+    v_pages = randn(rng, (batch * per_seq, block, hk, d), dtype)
+    full_len = prefix_len + per_seq * block
+    k_full = np.zeros((batch, full_len, hk, d), dtype)
+    v_full = np.zeros((batch, full_len, hk, d), dtype)
+    for b in range(batch):
+        k_full[b, :prefix_len], v_full[b, :prefix_len] = prefix_k, prefix_v
+        k_full[b, prefix_len:] = k_pages[table[b]].reshape(-1, hk, d)
+        v_full[b, prefix_len:] = v_pages[table[b]].reshape(-1, hk, d)
+    lens = np.asarray(lens, np.int32)
+    return q, (prefix_k, prefix_v), (k_pages, v_pages), table, lens, k_full, v_full, prefix_len + lens
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": False}, {"softcap": 20.0, "scale": 0.1}, {"sinks": "random"}],
+                         ids=["causal", "noncausal", "softcap-scale", "sinks"])
+@pytest.mark.parametrize("sq_new", [1, 3])
+def test_cascade_equals_decode_over_prefix_then_own_tokens(sq_new, options):
+    rng = np.random.default_rng()
+    q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(rng, np.float32, sq_new=sq_new)
+    if options.get("sinks") == "random":
+        options = {"sinks": rng.standard_normal(q.shape[2]).astype(np.float32)}
+    out, lse = cuattn.cascade_attention(q, prefix, pages, table, lens, return_lse=True, **options)
+    ref, ref_lse = reference.decode(q, k_full, v_full, full_lens, return_lse=True, **options)
+    assert out.dtype == np.float32 and out.shape == q.shape and lse.shape == (3, q.shape[2], sq_new)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-6)
+
+
+def test_cascade_argument_errors():
+    rng = np.random.default_rng()
+    q, prefix, pages, table, lens, *_ = make_batch(rng, np.float32, sq_new=3)
+    with pytest.raises(TypeError, match=r"prefix must be a \(prefix_k, prefix_v\) pair, got ndarray"):
+        cuattn.cascade_attention(q, prefix[0], pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_k must be 3-D \(L, Hk, D\), got shape \(1, 37, 2, 64\)"):
+        cuattn.cascade_attention(q, (prefix[0][None], prefix[1]), pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_v.shape\[0\] \(L\) must equal prefix_k.shape\[0\] = 37, got 36"):
+        cuattn.cascade_attention(q, (prefix[0], prefix[1][1:]), pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_k.shape\[2\] \(head_dim\) must equal q.shape\[3\] = 64, got 32"):
+        cuattn.cascade_attention(q, (prefix[0][..., :32], prefix[1][..., :32]), pages, table, lens)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 2 counts sequence 1's own tokens, the new ones included, "
+                                         r"so it must be at least q.shape\[1\] \(Sq_new\) = 3"):
+        cuattn.cascade_attention(q, prefix, pages, table, np.array([5, 2, 40], np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq_new", [1, 4])
+def test_cascade_on_the_gpu(rng, sq_new):
+    cupy = _cupy()
+    q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(
+        rng, BF16, batch=6, sq_new=sq_new, hq=32, hk=8, d=128, prefix_len=1000, lens=(5, 17, 400, 64, 9, 300))
+    out, lse = cuattn.cascade_attention(cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix),
+                                        tuple(cupy.asarray(x) for x in pages), cupy.asarray(table), cupy.asarray(lens),
+                                        return_lse=True)
+    check_decode(rng, BF16, q, k_full, v_full, full_lens, out.get(), lse.get())
+
+
+@pytest.mark.gpu
+def test_cascade_over_an_e4m3_paged_cache(rng):
+    cupy = _cupy()
+    q, prefix, (k_pages, v_pages), table, lens, _, _, full_lens = make_batch(rng, BF16, hq=8, hk=2, d=128)
+    cache = cuattn.PagedKVCache(k_pages.shape[0], k_pages.shape[1], 2, 128, "float8_e4m3fn", k_scale=0.01,
+                                v_scale=0.02)
+    slots = np.arange(k_pages.shape[0] * k_pages.shape[1], dtype=np.int32)
+    cache.write(cupy.asarray(k_pages.reshape(-1, 2, 128)), cupy.asarray(v_pages.reshape(-1, 2, 128)), slots)
+    out, lse = cuattn.cascade_attention(cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix), cache,
+                                        cupy.asarray(table), cupy.asarray(lens), return_lse=True)
+    # the reference over the prefix and the cache's real (dequantised) own tokens
+    k_real = cache.k_pages.get().view(E4M3).astype(np.float64) * 0.01
+    v_real = cache.v_pages.get().view(E4M3).astype(np.float64) * 0.02
+    prefix_len = prefix[0].shape[0]
+    k_full = np.concatenate([np.broadcast_to(prefix[0].astype(np.float64), (3, *prefix[0].shape)),
+                             k_real[table].reshape(3, -1, 2, 128)], axis=1)
+    v_full = np.concatenate([np.broadcast_to(prefix[1].astype(np.float64), (3, *prefix[1].shape)),
+                             v_real[table].reshape(3, -1, 2, 128)], axis=1)
+    assert k_full.shape[1] >= prefix_len + int(lens.max())
+    check_decode(rng, BF16, q, k_full, v_full, full_lens, out.get(), lse.get())
