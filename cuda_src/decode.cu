@@ -16,6 +16,10 @@
 //   paged KV       k, v [num_blocks, block_size, Hk, D]   block_table [B, max_blocks] int32
 //   partials       part_out [splits, B, Sq_new, Hq, D] fp32, part_lse [splits, B, Hq, Sq_new] fp32
 //
+// K and V hold q's type, or e4m3 bytes (Tkv = e4m3, fp8.cuh) with descales per tensor or kv head:
+// the stage ring then holds bytes and each warp widens its fragments in registers (K to q's type,
+// V to fp16 for an fp16 P V GEMM); the descales fold into the score scale and the output.
+//
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
 #include "attention_tile.cuh"
