@@ -27,6 +27,9 @@ runs on the CPU runs on the GPU:
     paged_attention   q (B, Sq_new, Hq, D) k_pages, v_pages (num_blocks, block_size, Hk, D)
                       block_table int32 (B, max_blocks)  seq_lens int32 (B,)
 
+    ring_attention    q (B, S_local, Hq, D) k, v (B, S_local, Hk, D)  one shard per device of a
+                      jax.shard_map mesh axis (zigzag shards when causal), differentiable
+
 XLA's buffers are dense and row-major, whatever the layout of the arrays the caller traced.
 
 ``attention`` is differentiable (``jax.custom_vjp``): the forward saves ``out`` and ``lse`` and
@@ -65,7 +68,7 @@ from .attention import attention_backward as _attention_backward_kernels
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
 
-__all__ = ["attention", "attention_varlen", "decode", "paged_attention"]
+__all__ = ["attention", "attention_varlen", "decode", "paged_attention", "ring_attention"]
 
 # How the callbacks meet jax.vmap (jax.pure_callback's vmap_method): "broadcast_all" moves every
 # vmapped axis in front and broadcasts unbatched operands, so the callback sees extra leading
@@ -571,3 +574,174 @@ def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_
         )
 
     return _forward_only("paged_attention", forward, q, k_pages, v_pages, block_table, seq_lens)
+
+
+# ---------------------------------------------------------------------------------------------
+# ring_attention (context parallelism inside jax.shard_map)
+#
+# The single-controller form of cuattn.distributed's ring: each device of a mesh axis holds one
+# shard of the sequence, K/V (and in the backward the dK/dV accumulators) travel to the next
+# device by jax.lax.ppermute, each step's block runs the attention kernels above, and the
+# partial results merge by their lse. Zigzag shards when causal: device r of P holds chunks r and
+# 2P-1-r of 2P, so at every step after the first each device computes half a block:
+#   K/V from src < r: every local query against the first held half (chunk src), no mask;
+#   K/V from src > r: the second local half (chunk 2P-1-r) against all of it, no mask.
+# Which of the two a step runs depends on the device (a traced index): lax.cond over branches
+# that return the full local shape, the rows a branch does not compute set to empty (lse -inf,
+# zero gradients).
+
+
+def _ring_shift(x, axis_name: str, size: int):
+    """x from every device to the next one around the ring."""
+    return jax.lax.ppermute(x, axis_name, [(i, (i + 1) % size) for i in range(size)])
+
+
+def _as_varying(x, axis_name: str):
+    """x typed as varying over the mesh axis, as shard_map checks a custom rule's results to be:
+    the kernels' results come from callbacks that JAX types as the same on every device."""
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)  # JAX >= 0.11 names the set of varying axes vma
+    if varying is None:
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    if axis_name in varying:
+        return x
+    pvary = getattr(jax.lax, "pvary", None)
+    return pvary(x, axis_name) if pvary is not None else jax.lax.pcast(x, axis_name, to="varying")
+
+
+def _merge_partial(out, lse, part, part_lse):
+    """Merge a partial (out, lse) over other keys into the running one (out float32 (B, S, H, D),
+    lse (B, H, S)); rows empty on both sides stay empty."""
+    merged = jnp.logaddexp(lse, part_lse)
+    reference_lse = jnp.where(jnp.isneginf(merged), 0.0, merged)
+    weight_self = jnp.exp(lse - reference_lse).transpose(0, 2, 1)[..., None]
+    weight_part = jnp.exp(part_lse - reference_lse).transpose(0, 2, 1)[..., None]
+    return out * weight_self + part.astype(jnp.float32) * weight_part, merged
+
+
+def _pad_rows(x, rows: int, before: bool, fill, axis: int = 1):
+    """Pad axis ``axis`` with ``rows`` entries of ``fill`` before or after x."""
+    pad_shape = list(x.shape)
+    pad_shape[axis] = rows
+    pad = jnp.full(pad_shape, fill, x.dtype)
+    return jnp.concatenate([pad, x] if before else [x, pad], axis=axis)
+
+
+def _ring_step_forward(q, k, v, mask: _Mask, step: int, rank, size: int):
+    """This step's partial (out, lse) over the local queries: full shape, rows not seen empty."""
+    if step == 0:
+        return _attention_forward(q, k, v, mask)
+    if not mask.causal:
+        return _attention_forward(q, k, v, mask)
+    half = q.shape[1] // 2
+    unmasked = dataclasses.replace(mask, causal=False)
+
+    def earlier(q, k, v):  # every query, the sender's first chunk
+        return _attention_forward(q, k[:, :half], v[:, :half], unmasked)
+
+    def later(q, k, v):  # the second local chunk, all of the sender's keys
+        out, lse = _attention_forward(q[:, half:], k, v, unmasked)
+        return _pad_rows(out, half, True, 0), _pad_rows(lse, half, True, -jnp.inf, axis=2)
+
+    source = (rank - step) % size
+    return jax.lax.cond(source < rank, earlier, later, q, k, v)
+
+
+def _ring_step_backward(dout, q, k, v, out, lse, mask: _Mask, step: int, rank, size: int):
+    """This step's share of (dq, dk, dv) for the held K/V: full shapes, unseen rows zero."""
+    deterministic = False
+    if step == 0 or not mask.causal:
+        return _attention_backward(dout, q, k, v, out, lse, mask, deterministic)
+    half = q.shape[1] // 2
+    unmasked = dataclasses.replace(mask, causal=False)
+
+    def earlier(dout, q, k, v, out, lse):
+        dq, dk, dv = _attention_backward(dout, q, k[:, :half], v[:, :half], out, lse, unmasked, deterministic)
+        return dq, _pad_rows(dk, half, False, 0), _pad_rows(dv, half, False, 0)
+
+    def later(dout, q, k, v, out, lse):
+        dq, dk, dv = _attention_backward(dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:], unmasked,
+                                         deterministic)
+        return _pad_rows(dq, half, True, 0), dk, dv
+
+    source = (rank - step) % size
+    return jax.lax.cond(source < rank, earlier, later, dout, q, k, v, out, lse)
+
+
+def _ring_forward(q, k, v, axis_name: str, mask: _Mask):
+    size = jax.lax.axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    held = (k, v)
+    out = lse = None
+    for step in range(size):
+        part, part_lse = _ring_step_forward(q, *held, mask, step, rank, size)
+        if out is None:
+            out, lse = part.astype(jnp.float32), part_lse
+        else:
+            out, lse = _merge_partial(out, lse, part, part_lse)
+        if step + 1 < size:
+            held = tuple(_ring_shift(x, axis_name, size) for x in held)
+    return _as_varying(out.astype(q.dtype), axis_name), _as_varying(lse, axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _differentiable_ring(q, k, v, axis_name: str, mask: _Mask):
+    return _ring_forward(q, k, v, axis_name, mask)
+
+
+def _differentiable_ring_fwd(q, k, v, axis_name: str, mask: _Mask):
+    out, lse = _ring_forward(q, k, v, axis_name, mask)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _differentiable_ring_bwd(axis_name: str, mask: _Mask, residuals, cotangents):
+    # lse leaves ring_attention() through stop_gradient, so its cotangent is zero
+    dout, _ = cotangents
+    q, k, v, out, lse = residuals
+    dout = dout.astype(q.dtype)
+    size = jax.lax.axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    held = (k, v)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    # the dK/dV accumulator of the K/V held now travels with it and is back at its owner at the end
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for step in range(size):
+        dq_part, dk_part, dv_part = _ring_step_backward(dout, q, *held, out, lse, mask, step, rank, size)
+        dq = dq + dq_part.astype(jnp.float32)
+        dk, dv = dk + dk_part.astype(jnp.float32), dv + dv_part.astype(jnp.float32)
+        if step + 1 < size:
+            held = tuple(_ring_shift(x, axis_name, size) for x in held)
+        dk, dv = (_ring_shift(x, axis_name, size) for x in (dk, dv))
+    return tuple(_as_varying(g.astype(x.dtype), axis_name) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+_differentiable_ring.defvjp(_differentiable_ring_fwd, _differentiable_ring_bwd)
+
+
+def ring_attention(q, k, v, axis_name: str, *, causal=False, scale=None, softcap=0.0, return_lse=False):
+    """Differentiable ring attention across the devices of mesh axis ``axis_name``, inside ``jax.shard_map``.
+
+    Each device holds one shard of the sequence: q ``(B, S_local, Hq, D)``, k and v ``(B, S_local,
+    Hk, D)`` (float16 or bfloat16, ``Hq % Hk == 0``), contiguous shards without ``causal`` and
+    zigzag shards with it (device r of P holds chunks r and 2P-1-r of 2P: lay the global sequence
+    out with ``cuattn.distributed.zigzag_shard`` before sharding). K and V travel around the ring
+    by ``jax.lax.ppermute``; each step runs cuattn's kernels (the reference on the CPU) and the
+    partial results merge by their lse. The backward sends dK/dV accumulators around the same
+    ring. Returns this shard's ``out`` ``(B, S_local, Hq, D)``, or ``(out, lse)`` with lse
+    ``(B, Hq, S_local)`` over every device's keys (through ``stop_gradient``).
+
+        mesh = jax.make_mesh((P,), ("ring",))
+        f = jax.shard_map(lambda q, k, v: cuattn.jax.ring_attention(q, k, v, "ring", causal=True),
+                          mesh=mesh, in_specs=PartitionSpec(None, "ring"), out_specs=PartitionSpec(None, "ring"))
+    """
+    q, k, v = _as_arrays(q=q, k=k, v=v)
+    _check_static("axis_name", axis_name)
+    mask = _mask_options(causal, scale, (-1, -1), softcap, return_lse=return_lse)
+    _check_qkv(q, k, v, packed=False)
+    _check_dtypes({"q": q, "k": k, "v": v})
+    _arrays.check_axis("k", k, 1, "S_local", int(q.shape[1]), "q.shape[1]")
+    if mask.causal and int(q.shape[1]) % 2:
+        raise ValueError(f"q.shape[1] (S_local) = {q.shape[1]} must be even with causal=True: a zigzag shard is "
+                         "two equal chunks")
+    out, lse = _differentiable_ring(q, k, v, axis_name, mask)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -11,6 +11,7 @@ inputs every run (the `rng` fixture), odd lengths.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -381,3 +382,65 @@ def _packed():
 def test_argument_errors_name_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+# ---------------------------------------------------------------------------------------------
+# ring_attention inside jax.shard_map: P simulated CPU devices in a child process (the device
+# count is fixed when JAX starts)
+
+_RING_PROBE = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+import cuattn.jax
+from cuattn import reference
+from cuattn.distributed import zigzag_shard, zigzag_unshard
+sys.path.insert(0, "tests")
+from conftest import error_budget
+
+world, causal = int(sys.argv[1]), sys.argv[2] == "causal"
+rng = np.random.default_rng()
+shape = lambda heads: (2, 6 * world, heads, 32)  # chunks of 3 tokens: nothing tile-aligned
+q, dout = (rng.standard_normal(shape(4)).astype(np.float16) for _ in range(2))
+k, v = (rng.standard_normal(shape(2)).astype(np.float16) for _ in range(2))
+mesh = jax.make_mesh((world,), ("ring",), devices=jax.devices()[:world])
+spec = PartitionSpec(None, "ring")
+lay = lambda x: np.concatenate([zigzag_shard(x, r, world) for r in range(world)], axis=1) if causal else x
+unlay = lambda x: zigzag_unshard(np.split(np.asarray(x), world, axis=1)) if causal else np.asarray(x)
+put = lambda x: jax.device_put(lay(x), NamedSharding(mesh, spec))
+ring = jax.shard_map(lambda a, b, c: cuattn.jax.ring_attention(a, b, c, "ring", causal=causal), mesh=mesh,
+                     in_specs=(spec, spec, spec), out_specs=spec)
+out = unlay(jax.jit(ring)(put(q), put(k), put(v))).astype(np.float64)
+cot = put(dout)
+loss = lambda a, b, c: jnp.sum(ring(a, b, c).astype(jnp.float32) * cot.astype(jnp.float32))
+grads = [unlay(g).astype(np.float64) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(put(q), put(k), put(v))]
+ref, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+ref_grads = reference.attention_backward(dout, q, k, v, ref, lse, causal=causal)
+naive = reference.naive_attention_lowp(q, k, v, causal=causal, dtype=np.float16)
+naive_grads = reference.naive_attention_backward_lowp(dout, q, k, v, causal=causal, dtype=np.float16)
+checks = [("out", out, ref, naive, 2.0)] + [(n, g, r, l, 3.0) for n, g, r, l in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads)]
+for name, got, exact, low, factor in checks:
+    budget = error_budget(np.abs(low - exact).max(), np.float16, factor, np.abs(exact).max())
+    err = np.abs(got - exact).max()
+    assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g}"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_ring_attention_in_shard_map_equals_attention_over_the_whole_sequence(world, mask):
+    """On P simulated CPU devices, out and the gradients of the shards, put back in sequence
+    order, equal the float64 reference over the whole sequence under the 2x / 3x rule."""
+    run = subprocess.run([sys.executable, "-c", _RING_PROBE, str(world), mask], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_ring_attention_argument_errors():
+    q = jnp.zeros((1, 5, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \(S_local\) = 5 must be even with causal=True"):
+        cuattn.jax.ring_attention(q, q, q, "ring", causal=True)
+    with pytest.raises(ValueError, match=r"k.shape\[1\] \(S_local\) must equal q.shape\[1\] = 5, got 4"):
+        cuattn.jax.ring_attention(q, q[:, :4], q[:, :4], "ring")
