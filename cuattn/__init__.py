@@ -16,6 +16,7 @@ from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
 from .fp8 import fp8_scales, quantize_fp8
 from .paged import BlockManager, PagedKVCache, paged_attention, plan_paged_attention
+from .paged_varlen import paged_attention_varlen
 # ring attention: NumPy and cuattn only at import (CuPy, NCCL and torch load when a group needs them)
 from . import distributed
 
@@ -38,6 +39,7 @@ __all__ = [
     "info",
     "merge_states",
     "paged_attention",
+    "paged_attention_varlen",
     "plan_decode",
     "plan_paged_attention",
     "quantize_fp8",

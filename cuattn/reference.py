@@ -389,6 +389,27 @@ def gather_pages(pages, block_table, seq_lens):
     return cache
 
 
+def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens, *, causal=True, scale=None,
+                           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
+    """Packed queries over a paged cache: sequence b's queries ``q[cu[b]:cu[b+1]]`` are its last
+    n tokens, and query i sees key j < seq_lens[b] iff ``j <= seq_lens[b] - n + i`` (causal).
+    Returns out ``(total_q, Hq, D)`` and, with return_lse, lse ``(Hq, total_q)``."""
+    q = _f64(q)
+    out = np.zeros(q.shape, dtype=np.float64)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    k_cache = gather_pages(k_pages, block_table, seq_lens)
+    v_cache = gather_pages(v_pages, block_table, seq_lens)
+    for bi, qs in enumerate(_segments(cu_seqlens_q)):
+        if qs.stop == qs.start:
+            continue
+        n_keys = int(seq_lens[bi])
+        # A sequence is a dense problem of its n queries over its keys, causal bottom-right.
+        o, l = attention(q[None, qs], k_cache[bi:bi + 1, :n_keys], v_cache[bi:bi + 1, :n_keys], causal=causal,
+                         scale=scale, window=window, softcap=softcap, return_lse=True)
+        out[qs], lse[:, qs] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, causal=True, scale=None,
                     window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
     """``decode`` over a paged KV cache: gather each row's pages, then attend."""
