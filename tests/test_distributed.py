@@ -229,7 +229,7 @@ def _group_available_or_skip(group_kind):
 
 def _spawn_ring(tmp_path, world_size, group_kind, causal):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (DESIGN.md)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off, as in the ring benchmark (BENCHMARKS.md)
     workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ring_worker.py"), str(tmp_path), str(rank),
                                  str(world_size), group_kind, str(int(causal))],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
