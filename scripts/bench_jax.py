@@ -23,8 +23,8 @@ import jax.numpy as jnp  # noqa: E402
 import cuattn  # noqa: E402
 import cuattn.jax  # noqa: E402
 from cuattn.bench import timing  # noqa: E402
+from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # noqa: E402 (the forward benchmark's shapes)
 
-TOTAL_TOKENS, HIDDEN = 32768, 2048
 
 
 def ready(result):

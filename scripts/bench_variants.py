@@ -15,8 +15,8 @@ import numpy as np
 
 import cuattn
 from cuattn.bench import timing
+from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
 
-TOTAL_TOKENS, HIDDEN = 32768, 2048
 
 
 def main(argv):
