@@ -532,21 +532,40 @@ class _Ops:
 # Forward and backward on the arrays as the kernels see them (CuPy views or NumPy arrays)
 
 
+class _KvRing:
+    """The K/V block a rank holds, and the two buffers the next block arrives in, alternating
+    (never the caller's k and v), moved by ``exchange``."""
+
+    def __init__(self, ops: "_Ops", k, v, exchange: _Exchange, world_size: int):
+        self.held = (ops.contiguous(k), ops.contiguous(v))
+        self._spare = [None, None]
+        self._xp, self._exchange, self._world_size = ops.xp, exchange, world_size
+
+    def send(self, step: int) -> None:
+        """Start passing the held block on and receiving the next one (none after the last step)."""
+        if step + 1 < self._world_size:
+            slot = step % 2
+            if self._spare[slot] is None:
+                self._spare[slot] = tuple(self._xp.empty_like(x) for x in self.held)
+            self._exchange.start(self.held, self._spare[slot])
+
+    def receive(self, step: int) -> None:
+        """Wait for the next block and hold it."""
+        self._exchange.wait()
+        if step + 1 < self._world_size and self._exchange.enabled:
+            self.held = self._spare[step % 2]
+
+
 def _forward(group, stream, q, k, v, *, causal, scale, softcap, compute=True, communicate=True):
     """(out in the accumulator dtype, lse float32) of the local queries over every rank's keys.
     ``compute`` / ``communicate`` False leave out the attention or the transfers (benchmark only)."""
     ops = _Ops(stream is None)
     world_size, rank, local = group.world_size, group.rank, int(q.shape[1])
-    exchange = _Exchange(group, stream, enabled=communicate and world_size > 1)
-    held = (ops.contiguous(k), ops.contiguous(v))
-    spare = [None, None]  # two receive buffers, alternating (never the caller's k and v)
+    ring = _KvRing(ops, k, v, _Exchange(group, stream, enabled=communicate and world_size > 1), world_size)
     out = lse = None
     for step in range(world_size):
-        if step + 1 < world_size:
-            slot = step % 2
-            if spare[slot] is None:
-                spare[slot] = tuple(ops.xp.empty_like(x) for x in held)
-            exchange.start(held, spare[slot])
+        ring.send(step)
+        held = ring.held
         if compute:
             block = _block(rank, world_size, step, causal, local)
             part, part_lse = attention(_rows(q, block.rows_q), _rows(held[0], block.rows_k),
@@ -560,9 +579,7 @@ def _forward(group, stream, q, k, v, *, causal, scale, softcap, compute=True, co
                                                   part, part_lse)
                 _rows(out, block.rows_q)[...] = merged
                 _rows(lse, block.rows_q, axis=2)[...] = merged_lse
-        exchange.wait()
-        if step + 1 < world_size and exchange.enabled:
-            held = spare[step % 2]
+        ring.receive(step)
     return out, lse
 
 
@@ -571,19 +588,14 @@ def _backward(group, stream, dout, q, k, v, out, lse, *, causal, scale, softcap,
     this rank's k and v summed over every rank's queries."""
     ops = _Ops(stream is None)
     world_size, rank, local = group.world_size, group.rank, int(q.shape[1])
-    kv_exchange = _Exchange(group, stream, enabled=communicate and world_size > 1)
+    ring = _KvRing(ops, k, v, _Exchange(group, stream, enabled=communicate and world_size > 1), world_size)
     grad_exchange = _Exchange(group, stream, enabled=communicate and world_size > 1)
-    held = (ops.contiguous(k), ops.contiguous(v))
-    spare = [None, None]
     dq = ops.zeros(q.shape)
     # the dk, dv accumulator of the K/V held now, and the one arriving for the next step
     grads = [(ops.zeros(k.shape), ops.zeros(v.shape)), (ops.zeros(k.shape), ops.zeros(v.shape))]
     for step in range(world_size):
-        if step + 1 < world_size:
-            slot = step % 2
-            if spare[slot] is None:
-                spare[slot] = tuple(ops.xp.empty_like(x) for x in held)
-            kv_exchange.start(held, spare[slot])
+        ring.send(step)
+        held = ring.held
         current = grads[step % 2]
         if compute:
             block = _block(rank, world_size, step, causal, local)
@@ -600,9 +612,7 @@ def _backward(group, stream, dout, q, k, v, out, lse, *, causal, scale, softcap,
             grad_exchange.wait()
         # pass the accumulator on; after the last step it reaches the rank that owns this K/V
         grad_exchange.start(current, grads[(step + 1) % 2])
-        kv_exchange.wait()
-        if step + 1 < world_size and kv_exchange.enabled:
-            held = spare[step % 2]
+        ring.receive(step)
     grad_exchange.wait()
     dk, dv = grads[world_size % 2] if grad_exchange.enabled else grads[0]
     return dq, dk, dv
