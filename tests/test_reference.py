@@ -217,6 +217,20 @@ def test_backward_of_empty_rows_is_zero(rng, seed):
 # --------------------------------------------------------------------------------- backward
 
 
+def check_backward_by_finite_differences(q, k, v, dout, seed, **opts):
+    """reference.attention_backward's dq, dk, dv equal the finite differences of sum(out * dout)."""
+
+    def loss():
+        return np.sum(reference.attention(q, k, v, **opts) * dout)
+
+    out, lse = reference.attention(q, k, v, return_lse=True, **opts)
+    got = reference.attention_backward(dout, q, k, v, out, lse, **opts)
+    want = finite_difference_grads(loss, [q, k, v])
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape
+        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=f"d{name}")
+
+
 def finite_difference_grads(loss, arrays):
     grads = []
     for x in arrays:
@@ -243,15 +257,7 @@ def test_backward_matches_finite_differences(rng, seed, hq, hk, sq, sk, causal, 
     dout = randn(rng, 2, sq, hq, 3)
     opts = dict(causal=causal, window=window, softcap=softcap, scale=0.9)
 
-    def loss():
-        return np.sum(reference.attention(q, k, v, **opts) * dout)
-
-    out, lse = reference.attention(q, k, v, return_lse=True, **opts)
-    got = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-    want = finite_difference_grads(loss, [q, k, v])
-    for name, g, w in zip("qkv", got, want):
-        assert g.shape == w.shape
-        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=f"d{name}")
+    check_backward_by_finite_differences(q, k, v, dout, seed, **opts)
 
 
 # ----------------------------------------------------------------------------------- varlen
@@ -658,14 +664,7 @@ def test_alibi_backward_matches_finite_differences(rng, seed, causal, softcap):
     dout = randn(rng, 2, 4, 2, 3)
     opts = dict(causal=causal, softcap=softcap, scale=0.9, alibi_slopes=_slopes(rng, 2, 2))
 
-    def loss():
-        return np.sum(reference.attention(q, k, v, **opts) * dout)
-
-    out, lse = reference.attention(q, k, v, return_lse=True, **opts)
-    got = reference.attention_backward(dout, q, k, v, out, lse, **opts)
-    want = finite_difference_grads(loss, [q, k, v])
-    for name, g, w in zip("qkv", got, want):
-        assert_close(g, w, seed, atol=FD_TOL, rtol=FD_TOL, what=f"d{name}")
+    check_backward_by_finite_differences(q, k, v, dout, seed, **opts)
 
 
 def test_alibi_on_the_cpu_path_and_its_errors(rng, seed):
