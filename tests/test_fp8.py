@@ -304,3 +304,22 @@ def test_torch_float8_caches(rng):
     full = cuattn.decode(q, k.bfloat16(), v.bfloat16(), lens).float()
     relative_rms = ((out.float() - full).pow(2).mean() / full.pow(2).mean()).sqrt().item()
     assert relative_rms < 2.0 ** -4, relative_rms
+
+
+@pytest.mark.gpu
+def test_fp8_device_argument_errors():
+    cupy = _cupy()
+    q = cupy.zeros((1, 1, 4, 32), BF16)
+    k8 = cupy.zeros((1, 8, 2, 32), np.uint8)
+    lens = cupy.asarray(np.array([8], np.int32))
+    with pytest.raises(TypeError, match=r"k_scale.dtype must be float32, got float64"):
+        cuattn.decode(q, k8, k8, lens, k_scale=cupy.ones(2, cupy.float64))
+    with pytest.raises(ValueError, match=r"v_scale must be contiguous, got a stride of 2 elements"):
+        cuattn.decode(q, k8, k8, lens, v_scale=cupy.ones(4, cupy.float32)[::2])
+    with pytest.raises(TypeError, match=r"x.dtype is int32; quantize_fp8 takes float16, bfloat16 or float32"):
+        cuattn.quantize_fp8(cupy.zeros((4, 2, 32), cupy.int32), 1.0)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] \(D\) must be a multiple of 16 \(the write kernel stores 16 "
+                                         r"bytes at a time\), got 24"):
+        cuattn.quantize_fp8(cupy.zeros((4, 2, 24), cupy.float32), 1.0)
+    with pytest.raises(TypeError, match=r"x.dtype is int32; expected float16, bfloat16 or float32"):
+        cuattn.fp8_scales(cupy.zeros((4, 2, 32), cupy.int32))
