@@ -58,6 +58,8 @@ class _Cupy:
 
 
 class _Torch:
+    _raw_stream = None  # torch._C._cuda_getCurrentRawStream, looked up once
+
     @staticmethod
     def signature(x):
         return ("torch", x.shape, x.stride(), x.dtype, x.device)
@@ -68,19 +70,23 @@ class _Torch:
 
     @staticmethod
     def stream(x) -> int:
-        import torch
+        raw = _Torch._raw_stream
+        if raw is None:
+            import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return raw(x.device.index)
-        return torch.cuda.current_stream(x.device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is None:  # a torch without the raw accessor: its public (slower) stream object
+                return torch.cuda.current_stream(x.device).cuda_stream
+            _Torch._raw_stream = raw
+        # get_device() is the index as an int, without building a torch.device
+        return raw(x.get_device())
 
     @staticmethod
     def device_ok(x, device_id: int) -> bool:
         import cupy
 
         # the plan's kernels were loaded on device_id, and CuPy's current device is where they launch
-        return x.device.index == device_id and cupy.cuda.runtime.getDevice() == device_id
+        return x.get_device() == device_id and cupy.cuda.runtime.getDevice() == device_id
 
     @staticmethod
     def empty(shape, like, float32: bool = False):
@@ -106,29 +112,53 @@ def framework(x):
 
 
 def key(name: str, arrays, options):
-    """The plan key of a call, or None when the call cannot use a plan.
+    """The plan key of a call, or None when the call cannot use a plan (see :func:`run`)."""
+    call_key = _read(name, arrays, options)[0]
+    try:
+        hash(call_key)
+    except TypeError:  # an option given as a list, say: such calls take the full path
+        return None
+    return call_key
 
-    Each array's signature names its framework, so a mix the full path accepts (torch queries
-    over a CuPy paged cache) has plans too; a mix it refuses never records one."""
+
+def _read(name, arrays, options):
+    """(key, readers): each array's signature names its framework, so a mix the full path accepts
+    (torch queries over a CuPy paged cache) has plans too; a mix it refuses never records one.
+    The key is None when an array has no fast reader."""
+    readers = []
     signatures = []
     for x in arrays:
         if x is None:
+            readers.append(None)
             signatures.append(None)
             continue
-        found = framework(x)
+        found = _FRAMEWORKS.get(type(x), _UNKNOWN)
+        if found is _UNKNOWN:
+            found = framework(x)
         if found is None:
-            return None
+            return None, None
+        readers.append(found)
         signatures.append(found.signature(x))
-    result = (name, options, *signatures)
+    return (name, options, *signatures), readers
+
+
+_UNKNOWN = object()
+
+
+def run(name: str, arrays, options):
+    """``(result, key)``: the result of the call's plan when one exists and accepts the arrays
+    (else None), and the key to :func:`remember` a plan under (None: this call cannot have one).
+    Each array is read once, for the key and for the launch."""
+    call_key, readers = _read(name, arrays, options)
+    if call_key is None:
+        return None, None
     try:
-        hash(result)
+        plan = _plans.get(call_key)
     except TypeError:  # an option given as a list, say: such calls take the full path
-        return None
-    return result
-
-
-def lookup(call_key):
-    return _plans.get(call_key) if call_key is not None else None
+        return None, None
+    if plan is None:
+        return None, call_key
+    return plan.run(arrays, readers), call_key
 
 
 def remember(call_key, plan) -> None:
@@ -174,43 +204,59 @@ class Plan:
         self.aligned = tuple(i for i, role in enumerate(self.inputs) if role in aligned)
         self.workspace, self.workspace_of = workspace, workspace_of
         self.device_id = bound[0].launch.device_id
+        if self.inputs[0] in outputs:
+            raise ValueError("a plan's first input is the array whose framework and device the call follows")
+        # each launch's pointer words by source: (slot, input index), (slot, output role), (slot, offset)
         self.launches = []
+        used = set()
         for b in bound:
-            words = []
+            from_inputs, from_outputs, from_workspace = [], [], []
             for field, role in b.fields.items():
                 slot = b.launch.slot(field)
                 if role.startswith("workspace+"):
-                    words.append((slot, "workspace", int(role[len("workspace+"):])))
+                    from_workspace.append((slot, int(role[len("workspace+"):])))
                 elif role in outputs or role not in self.inputs:
                     # a new output (`out` when the caller gave none), or a role this call leaves null
-                    words.append((slot, "output", role))
+                    from_outputs.append((slot, role))
                 else:
-                    words.append((slot, "input", self.inputs.index(role)))
-            self.launches.append((b.launch, words))
+                    from_inputs.append((slot, self.inputs.index(role)))
+                    used.add(self.inputs.index(role))
+            self.launches.append((b.launch, tuple(from_inputs), tuple(from_outputs), tuple(from_workspace)))
+        self.used = tuple(sorted(used | set(self.aligned)))
 
     def __call__(self, *arrays):
-        readers = [framework(x) if x is not None else None for x in arrays]
-        first = next(i for i, x in enumerate(arrays) if x is not None)
-        fw, like = readers[first], arrays[first]
-        if not fw.device_ok(like, self.device_id):
+        _, readers = _read("", arrays, ())
+        return None if readers is None else self.run(arrays, readers)
+
+    def run(self, arrays, readers):
+        """Launch over ``arrays`` (read by ``readers``, their frameworks), or None to send the
+        call down the full path (another device current, an unaligned address)."""
+        like, fw = arrays[0], readers[0]
+        if fw is None or not fw.device_ok(like, self.device_id):
             return None
-        addresses = [r.address(x) if r is not None else 0 for r, x in zip(readers, arrays)]
+        # plain loops: this runs on every planned call, and each comprehension is a function call
+        addresses = [0] * len(arrays)
+        for i in self.used:
+            x = arrays[i]
+            if x is not None:
+                addresses[i] = readers[i].address(x)
         for i in self.aligned:
             if addresses[i] % _arrays.VECTOR_BYTES:
                 return None  # the full path names the misaligned argument
-        results = {role: fw.empty(shape, like, float32) for role, shape, float32 in self.outputs}
-        out_addresses = {role: fw.address(x) for role, x in results.items()}
+        results, out_addresses = {}, {}
+        for role, shape, float32 in self.outputs:
+            x = results[role] = fw.empty(shape, like, float32)
+            out_addresses[role] = fw.address(x)
         stream = fw.stream(like)
         base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0
-        for launch, words in self.launches:
+        for launch, from_inputs, from_outputs, from_workspace in self.launches:
             pointers = []
-            for slot, kind, which in words:
-                if kind == "input":
-                    pointers.append((slot, addresses[which]))
-                elif kind == "output":
-                    pointers.append((slot, out_addresses.get(which, 0)))
-                else:
-                    pointers.append((slot, base + which))
+            for slot, i in from_inputs:
+                pointers.append((slot, addresses[i]))
+            for slot, role in from_outputs:
+                pointers.append((slot, out_addresses.get(role, 0)))
+            for slot, offset in from_workspace:
+                pointers.append((slot, base + offset))
             launch.run(stream, pointers)
         return self.finish(results, arrays)
 

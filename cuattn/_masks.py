@@ -20,6 +20,21 @@ MAX_TOTAL_LENGTH = 1 << 30
 def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
     """Validate window, softcap, scale and the boolean ``flags`` (causal, return_lse, ...) by
     name; returns the window as a pair of ints. Host and device paths both call this first."""
+    # Every call runs this, the planned ones too: the usual arguments (a tuple of two ints, a
+    # float softcap, no scale, plain bools) pass with identity and type tests only.
+    if type(window) is tuple and len(window) == 2 and (scale is None or type(scale) is float) and type(softcap) is float:
+        left, right = window
+        if (type(left) is int and type(right) is int and left >= -1 and right >= -1 and 0.0 <= softcap < math.inf
+                and (scale is None or 0.0 < scale < math.inf)):
+            for value in flags.values():
+                if value is not True and value is not False:
+                    break
+            else:
+                return left, right
+    return _check_options_generic(window, softcap, scale, flags)
+
+
+def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {value!r}")

@@ -266,13 +266,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
-    call_key = _calls.key("attention", (q, k, v, out, sinks, alibi_slopes),
-                          (bool(causal), scale, left, right, softcap, bool(return_lse)))
-    plan = _calls.lookup(call_key)
-    if plan is not None:
-        result = plan(q, k, v, out, sinks, alibi_slopes)
-        if result is not None:
-            return result
+    result, call_key = _calls.run("attention", (q, k, v, out, sinks, alibi_slopes),
+                                  (bool(causal), scale, left, right, softcap, bool(return_lse)))
+    if result is not None:
+        return result
     with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=False)
@@ -348,11 +345,9 @@ def attention_varlen(
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     call_key = None
     if isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int):
-        call_key = _calls.key("attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks, alibi_slopes),
-                              (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
-    plan = _calls.lookup(call_key)
-    if plan is not None:
-        result = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks, alibi_slopes)
+        result, call_key = _calls.run(
+            "attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out, sinks, alibi_slopes),
+            (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
         if result is not None:
             return result
     with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out,
@@ -765,9 +760,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
-                window, softcap, deterministic, ctx, sinks=None, alibi=(None, 0)):
+                window, softcap, deterministic, ctx, sinks=None, alibi=(None, 0), grads=None):
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
     ``alibi``: the slopes ([B, Hq] | [Hq], or None) and their batch stride in elements.
+    ``grads``: (dq, dk, dv) arrays of q's, k's and v's shapes to write into (cuattn.jax hands
+    XLA's output buffers), instead of new ones.
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
     Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
@@ -789,9 +786,18 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = zeros if varlen else ctx.empty
-    dq = (alloc if deterministic else ctx.empty)(tuple(q.shape), q.dtype)  # [B, Sq, Hq, D]
-    dk = alloc(tuple(k.shape), k.dtype)  # [B, Sk, Hk, D]
-    dv = alloc(tuple(v.shape), v.dtype)  # [B, Sk, Hk, D]
+
+    def gradient(index, like, make):
+        if grads is None:
+            return make(tuple(like.shape), like.dtype)
+        given = grads[index]
+        if make is zeros:
+            given.fill(0)
+        return given
+
+    dq = gradient(0, q, alloc if deterministic else ctx.empty)  # [B, Sq, Hq, D]
+    dk = gradient(1, k, alloc)  # [B, Sk, Hk, D]
+    dv = gradient(2, v, alloc)  # [B, Sk, Hk, D]
     if q.size == 0 or k.size == 0:
         dq[...] = 0
         dk[...] = 0

@@ -258,14 +258,12 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             return_lse, k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     scales = scale_arrays(k_scale, v_scale)
-    call_key = _calls.key("decode", (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
-                                     scales.get("v_scale")),
-                          (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
-                           scale_options(k_scale, v_scale)))
-    plan = None if planning else _calls.lookup(call_key)
-    if plan is not None:
-        result = plan(q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
-                      scales.get("v_scale"))
+    call_key = None
+    if not planning:
+        result, call_key = _calls.run(
+            "decode", (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
+                       scales.get("v_scale")),
+            (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse), scale_options(k_scale, v_scale)))
         if result is not None:
             return result
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,

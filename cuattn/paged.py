@@ -631,14 +631,11 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
     named.update({name: x for name, x in scales.items() if name not in own_scales})
     call_key = None
     if not (check or planning):
-        call_key = _calls.key("paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes,
-                                                  scales.get("k_scale"), scales.get("v_scale")),
-                              (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
-                               _decode.scale_options(k_scale, v_scale)))
-    plan = _calls.lookup(call_key)
-    if plan is not None:
-        result = plan(q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes, scales.get("k_scale"),
-                      scales.get("v_scale"))
+        result, call_key = _calls.run(
+            "paged_attention", (q, k_pages, v_pages, block_table, seq_lens, sinks, alibi_slopes, scales.get("k_scale"),
+                                scales.get("v_scale")),
+            (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
+             _decode.scale_options(k_scale, v_scale)))
         if result is not None:
             return result
     with _arrays.array_context(**named) as ctx:

@@ -168,12 +168,14 @@ def test_returned_lse_carries_no_gradient(device, rng):
 @pytest.mark.parametrize("device", ["gpu"], indirect=True)
 def test_repeated_jitted_calls_and_eager_calls_compute_fresh_results(device, rng):
     """One compiled program run on new inputs each time (XLA may replay the forward from a
-    command buffer: it must read the new buffers), and an eager call outside jit."""
+    command buffer, and a repeated callback launches its prepared launch: either way it must
+    read the new buffers), and an eager call outside jit."""
     call = jax.jit(lambda q, k, v: cuattn.jax.attention(q, k, v, causal=True, return_lse=True))
     for _ in range(3):
         q, k, v = qkv(rng, BF16, 2, 129, 257, 8, 2, 128)
         out, lse = call(*put(device, q, k, v))
         check_forward(rng, BF16, q, k, v, out, lse, causal=True)
+    assert any(key[0].causal for key in cuattn.jax._FWD_LAUNCHES), "the repeated forward kept no prepared launch"
     q, k, v = qkv(rng, DTYPES[0], 1, 77, 77, 2, 2, 64)
     out, lse = cuattn.jax.attention(*put(device, q, k, v), return_lse=True)
     check_forward(rng, DTYPES[0], q, k, v, out, lse)
@@ -390,7 +392,9 @@ def test_argument_errors_name_the_argument(call, error, message):
 
 _RING_PROBE = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+world, causal, platform = int(sys.argv[1]), sys.argv[2] == "causal", sys.argv[3]
+if platform == "cpu":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import cuattn.jax
@@ -399,11 +403,13 @@ from cuattn.distributed import zigzag_shard, zigzag_unshard
 sys.path.insert(0, "tests")
 from conftest import error_budget
 
-world, causal = int(sys.argv[1]), sys.argv[2] == "causal"
 rng = np.random.default_rng()
-shape = lambda heads: (2, 6 * world, heads, 32)  # chunks of 3 tokens: nothing tile-aligned
+# CPU: chunks of 3 tokens, nothing tile-aligned; GPU: chunks of 75 tokens (several key blocks, ragged)
+chunk, dim = (3, 32) if platform == "cpu" else (75, 128)
+shape = lambda heads: (2, 2 * chunk * world, heads, dim)
 q, dout = (rng.standard_normal(shape(4)).astype(np.float16) for _ in range(2))
 k, v = (rng.standard_normal(shape(2)).astype(np.float16) for _ in range(2))
+assert jax.default_backend() == platform, jax.default_backend()
 mesh = jax.make_mesh((world,), ("ring",), devices=jax.devices()[:world])
 spec = PartitionSpec(None, "ring")
 lay = lambda x: np.concatenate([zigzag_shard(x, r, world) for r in range(world)], axis=1) if causal else x
@@ -428,14 +434,31 @@ print("ok")
 """
 
 
+def _run_ring_probe(world, mask, platform):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu" if platform == "cpu" else "cuda"}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off, as in the ring benchmark (BENCHMARKS.md)
+    run = subprocess.run([sys.executable, "-c", _RING_PROBE, str(world), mask, platform], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mask", ["full", "causal"])
 def test_ring_attention_in_shard_map_equals_attention_over_the_whole_sequence(world, mask):
     """On P simulated CPU devices, out and the gradients of the shards, put back in sequence
     order, equal the float64 reference over the whole sequence under the 2x / 3x rule."""
-    run = subprocess.run([sys.executable, "-c", _RING_PROBE, str(world), mask], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+    _run_ring_probe(world, mask, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_ring_attention_on_two_gpus_equals_attention_over_the_whole_sequence(mask):
+    """The same check on two CUDA GPUs: the kernels through buffer_callback on each device, K and
+    V (and the dK/dV accumulators) passed by ppermute over NVLink."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
+    if len(gpus) < 2:
+        pytest.skip(f"needs two GPUs visible to JAX, found {len(gpus)}")
+    _run_ring_probe(2, mask, "gpu")
 
 
 def test_ring_attention_argument_errors():
