@@ -4,6 +4,7 @@ current GPU (the JAX issue's target: under jit within 5% of eager at N >= 4k).
 python scripts/bench_jax.py [--lengths 4096,16384] [--head-dim 128] [--json PATH]
     per (N, mask): forward and forward + backward in ms for
       eager      cuattn.attention (+ attention_backward) on CuPy arrays, back to back, CUDA events
+      eager-host the same, timed by the host clock like jit (a synchronise after each window)
       jit        cuattn.jax.attention under jax.jit (forward + backward: jax.vjp), host clock
       jax-cudnn  jax.nn.dot_product_attention(implementation="cudnn") under jax.jit, host clock
     bf16, 32k tokens in total (B = 32768 / N), H * D = 2048
@@ -29,6 +30,10 @@ from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # noqa: E402 (the forward b
 
 def ready(result):
     jax.block_until_ready(result)
+
+
+def sync(result):
+    cupy.cuda.get_current_stream().synchronize()
 
 
 def main(argv):
@@ -57,9 +62,11 @@ def main(argv):
             cudnn_fwd_bwd = jax.jit(lambda a, b_, c, g: jax.vjp(cudnn, a, b_, c)[1](g))
             times = {
                 "eager forward": timing.time_cuda(lambda: cuattn.attention(q, k, v, causal=causal)),
+                "eager-host forward": timing.time_synced(lambda: cuattn.attention(q, k, v, causal=causal), sync),
                 "jit forward": timing.time_synced(lambda: jit_fwd(jq, jk, jv), ready),
                 "jax-cudnn forward": timing.time_synced(lambda: cudnn_fwd(jq, jk, jv), ready),
                 "eager forward+backward": timing.time_cuda(eager_fwd_bwd),
+                "eager-host forward+backward": timing.time_synced(eager_fwd_bwd, sync),
                 "jit forward+backward": timing.time_synced(lambda: jit_fwd_bwd(jq, jk, jv, jdo), ready),
                 "jax-cudnn forward+backward": timing.time_synced(lambda: cudnn_fwd_bwd(jq, jk, jv, jdo), ready),
             }
@@ -73,7 +80,8 @@ def main(argv):
                       flush=True)
             for what in ("forward", "forward+backward"):
                 print(f"N={n:6d} {'causal' if causal else 'full  '} jit / eager {what}: "
-                      f"{times['jit ' + what] / times['eager ' + what]:.3f}", flush=True)
+                      f"{times['jit ' + what] / times['eager ' + what]:.3f} (host clock both: "
+                      f"{times['jit ' + what] / times['eager-host ' + what]:.3f})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
