@@ -22,7 +22,8 @@ def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
     name; returns the window as a pair of ints. Host and device paths both call this first."""
     # Every call runs this, the planned ones too: the usual arguments (a tuple of two ints, a
     # float softcap, no scale, plain bools) pass with identity and type tests only.
-    if type(window) is tuple and len(window) == 2 and (scale is None or type(scale) is float) and type(softcap) is float:
+    if (type(window) is tuple and len(window) == 2 and (scale is None or type(scale) is float)
+            and type(softcap) is float):
         left, right = window
         if (type(left) is int and type(right) is int and left >= -1 and right >= -1 and 0.0 <= softcap < math.inf
                 and (scale is None or 0.0 < scale < math.inf)):

@@ -128,6 +128,14 @@ def _as_arrays(**named) -> list:
     return arrays
 
 
+def _check_sinks(sinks, num_heads: int) -> None:
+    """Attention-sink logits: float32 ``(Hq,)`` on every platform (the kernels' type)."""
+    _arrays.check_ndim("sinks", sinks, "(Hq)")
+    _arrays.check_axis("sinks", sinks, 0, "Hq", num_heads, "the number of query heads")
+    if np.dtype(sinks.dtype) != np.float32:
+        raise TypeError(f"sinks.dtype must be float32, got {_arrays.dtype_name(sinks.dtype)}")
+
+
 def _check_dtypes(named: dict) -> None:
     """float16 or bfloat16, one dtype for all: the kernels' types, required on the CPU too."""
     (ref_name, ref), *rest = named.items()
@@ -254,9 +262,10 @@ def _forward_only(name: str, fn, *arrays):
 # attention: forward and backward
 
 
-def _host_attention(mask: _Mask, q, k, v):
+def _host_attention(mask: _Mask, q, k, v, *sinks):
     qf, kf, vf = _host_arrays((q, k, v), (_DENSE,) * 3)
-    out, lse = reference.attention(qf, kf, vf, return_lse=True, **mask.kwargs())
+    sv = np.asarray(sinks[0]) if sinks else None
+    out, lse = reference.attention(qf, kf, vf, return_lse=True, sinks=sv, **mask.kwargs())
     return out.astype(q.dtype).reshape(q.shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
@@ -265,7 +274,7 @@ def _host_attention(mask: _Mask, q, k, v):
 # stream. Under jit the callback runs on XLA's thread while the GPU waits for it, so its host
 # time is not hidden behind earlier kernels as an eager call's is.
 _FWD_LAUNCHES: dict = {}
-_FWD_FIELDS = ("q", "k", "v", "out", "lse")
+_FWD_FIELDS = ("q", "k", "v", "out", "lse", "sinks")
 
 
 def _buffer_address(buffer) -> int | None:
@@ -281,10 +290,10 @@ def _stream_handle(ctx) -> int:
     return int(ctx.stream() if callable(ctx.stream) else ctx.stream)
 
 
-def _device_attention(mask: _Mask, ctx, outs, q, k, v):
+def _device_attention(mask: _Mask, ctx, outs, q, k, v, *sinks):
     import cupy
 
-    buffers = (q, k, v, *outs)
+    buffers = (q, k, v, *outs, *sinks)
     addresses = [_buffer_address(b) for b in buffers]
     known = None not in addresses and all(a % _arrays.VECTOR_BYTES == 0 for a in addresses[:4])
     if known:
@@ -294,72 +303,91 @@ def _device_attention(mask: _Mask, ctx, outs, q, k, v):
         if launch is not None and cupy.cuda.runtime.getDevice() == device:
             launch.run(_stream_handle(ctx), [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)])
             return
-    with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,)) as (stream, views):
-        qv, kv, vv, ov, lv = views
+    with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,) + (_VECTOR,) * len(sinks)) as (stream, views):
+        qv, kv, vv, ov, lv = views[:5]
         _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
         batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
         launch = _launch_fwd(qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
-                             seqlen_k=int(kv.shape[1]), stream=stream, **mask.kwargs())
+                             seqlen_k=int(kv.shape[1]), stream=stream, sinks=views[5] if sinks else None,
+                             **mask.kwargs())
     if known and launch is not None:
         _FWD_LAUNCHES[call_key] = launch
 
 
-def _attention_forward(q, k, v, mask: _Mask):
+def _vmap_method(sinks) -> str:
+    """Without sinks every operand folds its vmapped axes into the batch; sinks are one row of
+    Hq logits per call, so with them XLA loops over the vmapped axes (one launch per element)."""
+    return FOLD_VMAPPED_AXES if sinks is None else LOOP_OVER_VMAPPED_AXES
+
+
+def _attention_forward(q, k, v, sinks, mask: _Mask):
     shapes = _result_shapes(q)
+    method = _vmap_method(sinks)
     return _per_platform(
-        (q, k, v),
-        host=_host_call(functools.partial(_host_attention, mask), shapes, FOLD_VMAPPED_AXES),
-        device=_device_call(functools.partial(_device_attention, mask), shapes, FOLD_VMAPPED_AXES, graph_safe=True),
+        (q, k, v) + ((sinks,) if sinks is not None else ()),
+        host=_host_call(functools.partial(_host_attention, mask), shapes, method),
+        device=_device_call(functools.partial(_device_attention, mask), shapes, method, graph_safe=True),
     )
 
 
-def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse):
+def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse, *sinks):
     arrays = _host_arrays((dout, q, k, v, out, lse), (_DENSE,) * 5 + (_LSE,))
-    grads = reference.attention_backward(*arrays, **mask.kwargs())
-    return tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v)))
+    sv = np.asarray(sinks[0]) if sinks else None
+    grads = reference.attention_backward(*arrays, sinks=sv, **mask.kwargs())
+    cast = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v)))
+    return cast + ((grads[3].astype(np.float32),) if sinks else ())
 
 
-def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse):
-    buffers = (dout, q, k, v, out, lse, *outs)
-    with _xla_stream(ctx, buffers, (_DENSE,) * 5 + (_LSE,) + (_DENSE,) * 3) as (stream, views):
-        dov, qv, kv, vv, ov, lv, dq, dk, dv = views
+def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *sinks):
+    buffers = (dout, q, k, v, out, lse, *sinks, *outs)
+    ranks = (_DENSE,) * 5 + (_LSE,) + (_VECTOR,) * len(sinks) + (_DENSE,) * 3 + (_VECTOR,) * len(sinks)
+    with _xla_stream(ctx, buffers, ranks) as (stream, views):
+        dov, qv, kv, vv, ov, lv = views[:6]
+        sv = views[6] if sinks else None
+        dq, dk, dv = views[6 + len(sinks):9 + len(sinks)]
         _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
         left, right = mask.window
         batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
-        # the gradients are written straight into XLA's buffers; the workspace (delta, the dQ
-        # accumulator) comes from CuPy's pool on XLA's stream
+        # the gradients are written straight into XLA's buffers (dsinks, a small reduction, is
+        # copied in); the workspace (delta, the dQ accumulator) comes from CuPy's pool on XLA's stream
         with _arrays.array_context(q=qv) as arrays:
-            _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
-                        seqlen_k=int(kv.shape[1]), causal=mask.causal, scale=mask.scale, window=(left, right),
-                        softcap=mask.softcap, deterministic=deterministic, ctx=arrays, grads=(dq, dk, dv))
+            grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
+                                seqlen_k=int(kv.shape[1]), causal=mask.causal, scale=mask.scale,
+                                window=(left, right), softcap=mask.softcap, deterministic=deterministic,
+                                ctx=arrays, sinks=sv, grads=(dq, dk, dv))
+        if sinks:
+            views[-1][...] = grads[3]
 
 
-def _attention_backward(dout, q, k, v, out, lse, mask: _Mask, deterministic: bool):
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+def _attention_backward(dout, q, k, v, out, lse, sinks, mask: _Mask, deterministic: bool):
+    grads_of = (q, k, v) + ((sinks,) if sinks is not None else ())
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
+    method = _vmap_method(sinks)
     return _per_platform(
-        (dout, q, k, v, out, lse),
-        host=_host_call(functools.partial(_host_attention_backward, mask), shapes, FOLD_VMAPPED_AXES),
-        # the backward allocates workspace and gradients with CuPy: not recordable in a graph
+        (dout, q, k, v, out, lse) + ((sinks,) if sinks is not None else ()),
+        host=_host_call(functools.partial(_host_attention_backward, mask), shapes, method),
+        # the backward allocates its workspace with CuPy: not recordable in a graph
         device=_device_call(functools.partial(_device_attention_backward, mask, deterministic), shapes,
-                            FOLD_VMAPPED_AXES, graph_safe=False),
+                            method, graph_safe=False),
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _differentiable_attention(q, k, v, mask: _Mask, deterministic: bool):
-    return _attention_forward(q, k, v, mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _differentiable_attention(q, k, v, sinks, mask: _Mask, deterministic: bool):
+    return _attention_forward(q, k, v, sinks, mask)
 
 
-def _differentiable_attention_fwd(q, k, v, mask: _Mask, deterministic: bool):
-    out, lse = _attention_forward(q, k, v, mask)
-    return (out, lse), (q, k, v, out, lse)
+def _differentiable_attention_fwd(q, k, v, sinks, mask: _Mask, deterministic: bool):
+    out, lse = _attention_forward(q, k, v, sinks, mask)
+    return (out, lse), (q, k, v, sinks, out, lse)
 
 
 def _differentiable_attention_bwd(mask: _Mask, deterministic: bool, residuals, cotangents):
     # lse leaves attention() through stop_gradient, so its cotangent is zero
     dout, _ = cotangents
-    q, k, v, out, lse = residuals
-    return _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, mask, deterministic)
+    q, k, v, sinks, out, lse = residuals
+    grads = _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, sinks, mask, deterministic)
+    return tuple(grads) if sinks is not None else (*grads, None)
 
 
 _differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_attention_bwd)
@@ -367,10 +395,10 @@ _differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_
 # Every entry point is jitted (inlined under an outer jit): an eager call then lowers for the
 # platform its inputs live on, which is where platform_dependent chooses, and is compiled once
 # per signature rather than dispatched op by op.
-_attention_call = jax.jit(_differentiable_attention, static_argnums=(3, 4))
+_attention_call = jax.jit(_differentiable_attention, static_argnums=(4, 5))
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, return_lse=False,
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
               deterministic=False):
     """Differentiable :func:`cuattn.attention` for JAX arrays, under ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
 
@@ -378,6 +406,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         q: ``(B, Sq, Hq, D)`` float16 or bfloat16.
         k, v: ``(B, Sk, Hk, D)``, q's dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA).
         causal, scale, window, softcap: as in :func:`cuattn.attention` (Python values).
+        sinks: optional float32 ``(Hq,)`` attention-sink logits, as in :func:`cuattn.attention`;
+            differentiable (their gradient is ``dsinks`` of :func:`cuattn.attention_backward`).
+            Under ``jax.vmap`` a call with sinks runs once per vmapped element.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)`` (natural log), through
             ``jax.lax.stop_gradient``: gradients flow through ``out`` only.
         deterministic: a bit-reproducible backward (see :func:`cuattn.attention_backward`).
@@ -390,7 +421,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     _check_qkv(q, k, v, packed=False)
     _check_dtypes({"q": q, "k": k, "v": v})
     _masks.check_total_length(int(q.shape[1]), int(k.shape[1]))
-    out, lse = _attention_call(q, k, v, mask, bool(deterministic))
+    if sinks is not None:
+        (sinks,) = _as_arrays(sinks=sinks)
+        _check_sinks(sinks, int(q.shape[2]))
+    out, lse = _attention_call(q, k, v, sinks, mask, bool(deterministic))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -650,17 +684,17 @@ def _pad_rows(x, rows: int, before: bool, fill, axis: int = 1):
 def _ring_step_forward(q, k, v, mask: _Mask, step: int, rank, size: int):
     """This step's partial (out, lse) over the local queries: full shape, rows not seen empty."""
     if step == 0:
-        return _attention_forward(q, k, v, mask)
+        return _attention_forward(q, k, v, None, mask)
     if not mask.causal:
-        return _attention_forward(q, k, v, mask)
+        return _attention_forward(q, k, v, None, mask)
     half = q.shape[1] // 2
     unmasked = dataclasses.replace(mask, causal=False)
 
     def earlier(q, k, v):  # every query, the sender's first chunk
-        return _attention_forward(q, k[:, :half], v[:, :half], unmasked)
+        return _attention_forward(q, k[:, :half], v[:, :half], None, unmasked)
 
     def later(q, k, v):  # the second local chunk, all of the sender's keys
-        out, lse = _attention_forward(q[:, half:], k, v, unmasked)
+        out, lse = _attention_forward(q[:, half:], k, v, None, unmasked)
         return _pad_rows(out, half, True, 0), _pad_rows(lse, half, True, -jnp.inf, axis=2)
 
     source = (rank - step) % size
@@ -671,16 +705,16 @@ def _ring_step_backward(dout, q, k, v, out, lse, mask: _Mask, step: int, rank, s
     """This step's share of (dq, dk, dv) for the held K/V: full shapes, unseen rows zero."""
     deterministic = False
     if step == 0 or not mask.causal:
-        return _attention_backward(dout, q, k, v, out, lse, mask, deterministic)
+        return _attention_backward(dout, q, k, v, out, lse, None, mask, deterministic)
     half = q.shape[1] // 2
     unmasked = dataclasses.replace(mask, causal=False)
 
     def earlier(dout, q, k, v, out, lse):
-        dq, dk, dv = _attention_backward(dout, q, k[:, :half], v[:, :half], out, lse, unmasked, deterministic)
+        dq, dk, dv = _attention_backward(dout, q, k[:, :half], v[:, :half], out, lse, None, unmasked, deterministic)
         return dq, _pad_rows(dk, half, False, 0), _pad_rows(dv, half, False, 0)
 
     def later(dout, q, k, v, out, lse):
-        dq, dk, dv = _attention_backward(dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:], unmasked,
+        dq, dk, dv = _attention_backward(dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:], None, unmasked,
                                          deterministic)
         return _pad_rows(dq, half, True, 0), dk, dv
 

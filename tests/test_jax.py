@@ -123,6 +123,44 @@ def test_gradients_under_jit_grad_match_reference_backward(device, rng, dtype, m
     check_gradients(rng, dtype, dout, q, k, v, grads, **options)
 
 
+@pytest.mark.parametrize("mask", ["full", "causal", "softcap-causal"])
+def test_sinks_forward_and_gradients_under_jit(device, rng, mask):
+    """out and lse with sinks under the 2x rule; dq, dk, dv and dsinks through jax.grad under the
+    3x rule (dsinks' straightforward value takes delta from the bf16-rounded forward output, as
+    in tests/test_backward.py)."""
+    options = MASKS[mask]
+    q, k, v = qkv(rng, BF16, 2, 41, 67, 4, 2, 64)
+    sinks = (rng.standard_normal(4) * 2).astype(np.float32)
+    dout = randn(rng, q.shape, BF16)
+    args = put(device, q, k, v, sinks)
+    out, lse = jax.jit(lambda q, k, v, s: cuattn.jax.attention(q, k, v, sinks=s, return_lse=True, **options))(*args)
+    check_forward(rng, BF16, q, k, v, out, lse, sinks=sinks, **options)
+    weights = jnp.asarray(dout).astype(jnp.float32)
+    loss = lambda q, k, v, s: jnp.sum(cuattn.jax.attention(q, k, v, sinks=s, **options).astype(jnp.float32) * weights)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    check_gradients(rng, BF16, dout, q, k, v, grads[:3], sinks=sinks, **options)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **options)
+    ref_dsinks = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, sinks=sinks, **options)[3]
+    out_lowp = reference.naive_attention_lowp(q, k, v, dtype=BF16, sinks=sinks, **options)
+    delta_lowp = np.sum(dout.astype(np.float64) * out_lowp, axis=-1).transpose(0, 2, 1)  # [B, Hq, Sq]
+    dsinks_lowp = -(np.exp(sinks[None, :, None] - ref_lse) * delta_lowp).sum(axis=(0, 2))
+    assert grads[3].dtype == jnp.float32 and grads[3].shape == (4,)
+    err = np.abs(host(grads[3]) - ref_dsinks).max()
+    budget = error_budget(np.abs(dsinks_lowp - ref_dsinks).max(), BF16, 3.0, np.abs(ref_dsinks).max())
+    assert err <= budget, f"dsinks: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
+def test_sinks_under_vmap_run_per_element(device, rng):
+    """vmap over q and sinks together: each element uses its own sinks row."""
+    q, k, v = qkv(rng, BF16, 1, 17, 21, 4, 4, 64)
+    qs = np.stack([q, randn(rng, q.shape, BF16)])
+    sinks = (rng.standard_normal((2, 4)) * 2).astype(np.float32)
+    qd, kd, vd, sd = put(device, qs, k, v, sinks)
+    outs = jax.jit(jax.vmap(lambda q, s: cuattn.jax.attention(q, kd, vd, sinks=s, return_lse=True)))(qd, sd)
+    for i in range(2):
+        check_forward(rng, BF16, qs[i], k, v, outs[0][i], outs[1][i], sinks=sinks[i])
+
+
 def test_value_and_grad_agrees_with_the_forward_and_grad(device, rng):
     q, k, v = qkv(rng, BF16, 1, 33, 33, 2, 2, 64)
     dout = randn(rng, q.shape, BF16)
@@ -355,6 +393,12 @@ def _packed():
         (lambda: cuattn.jax.attention(*_dense(), softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
         (lambda: jax.jit(lambda s: cuattn.jax.attention(*_dense(), scale=s))(0.5), TypeError,
          r"scale must be a Python value, got a traced array"),
+        (lambda: cuattn.jax.attention(*_dense(), sinks=jnp.zeros(3, jnp.float32)), ValueError,
+         r"sinks.shape\[0\] \(Hq\) must equal the number of query heads = 4, got 3"),
+        (lambda: cuattn.jax.attention(*_dense(), sinks=jnp.zeros(4, jnp.bfloat16)), TypeError,
+         r"sinks.dtype must be float32, got bfloat16"),
+        (lambda: cuattn.jax.attention(*_dense(), sinks=jnp.zeros((1, 4), jnp.float32)), ValueError,
+         r"sinks must be 1-D \(Hq\)"),
         (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 7], jnp.float32), 5, 7),
          TypeError, r"cu_seqlens_k.dtype must be int32, got float32"),
         (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 2, 7]), 5, 7),
@@ -378,7 +422,7 @@ def _packed():
          r"max_seq_len must be an int >= 1, got 0"),
     ],
     ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "causal-int",
-         "window", "softcap", "traced-scale", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
+         "window", "softcap", "traced-scale", "sinks-heads", "sinks-dtype", "sinks-ndim", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
          "num-splits", "table-batch", "block-size", "max-seq-len"],
 )
 def test_argument_errors_name_the_argument(call, error, message):
