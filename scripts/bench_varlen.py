@@ -1,0 +1,82 @@
+"""attention_varlen at ragged lengths against the dense forward at the same total tokens, on the
+current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
+
+python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--json PATH]
+    per (head dim, mean length N, mask): TFLOP/s of
+      dense          cuattn.attention, B = 32768 / N sequences of N tokens
+      varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
+      varlen-ragged  cuattn.attention_varlen over B sequences of lengths drawn uniformly from
+                     [N / 4, 7 N / 4] (the last one takes what is left of 32768 tokens)
+    TFLOP/s counts each sequence's own work (sum over sequences of its attention FLOPs), so
+    ragged lengths, which hold more work than equal ones, are compared by rate, not time.
+    bf16, H * D = 2048, CUDA events, the forward benchmark's timing.
+"""
+
+import argparse
+import json
+import sys
+
+import cupy
+import numpy as np
+
+import cuattn
+from cuattn.bench import timing
+from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
+
+
+def ragged_lengths(rng, count: int, mean: int) -> list[int]:
+    """``count`` lengths drawn from [mean / 4, 7 mean / 4] summing to count * mean (at least 1 each)."""
+    lengths = rng.integers(mean // 4, 7 * mean // 4 + 1, size=count)
+    lengths[-1] = 0
+    lengths[-1] = max(1, count * mean - int(lengths[:-1].sum()))
+    while lengths.sum() > count * mean:  # the draws overshot: trim the longest
+        i = int(np.argmax(lengths[:-1]))
+        lengths[i] -= min(int(lengths.sum()) - count * mean, int(lengths[i]) - 1)
+    return [int(n) for n in lengths]
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    bf16 = cupy.dtype("bfloat16")
+    rng = np.random.default_rng()
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        h = HIDDEN // d
+        q, k, v = (cupy.random.standard_normal((TOTAL_TOKENS, h, d), dtype=cupy.float32).astype(bf16)
+                   for _ in range(3))
+        for n in (int(x) for x in args.lengths.split(",")):
+            b = max(1, TOTAL_TOKENS // n)
+            layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
+            for causal in (False, True):
+                rates = {}
+                for name, lengths in layouts.items():
+                    total = sum(lengths)
+                    flops = sum(timing.attention_flops(1, h, s, s, d, causal) for s in lengths)
+                    if name == "dense":
+                        qd, kd, vd = (x[:total].reshape(b, n, h, d) for x in (q, k, v))
+                        fn = lambda: cuattn.attention(qd, kd, vd, causal=causal)  # noqa: E731
+                    else:
+                        cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+                        longest = max(lengths)
+                        qv, kv, vv = (x[:total] for x in (q, k, v))
+                        fn = lambda: cuattn.attention_varlen(qv, kv, vv, cu, cu, longest, longest,  # noqa: E731
+                                                             causal=causal)
+                    ms = timing.time_cuda(fn)
+                    rates[name] = flops / ms / 1e9
+                    rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
+                                     lengths=lengths, ms=ms, tflops=rates[name]))
+                print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} "
+                      + "  ".join(f"{name} {rate:6.1f}" for name, rate in rates.items())
+                      + f"  ragged/dense {rates['varlen-ragged'] / rates['dense']:.3f}"
+                      + f"  equal/dense {rates['varlen-equal'] / rates['dense']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
