@@ -29,6 +29,16 @@ struct Conditional<false, A, B> {
   using type = B;
 };
 
+// std::is_same, for the same reason.
+template <typename A, typename B>
+struct IsSame {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct IsSame<A, A> {
+  static constexpr bool value = true;
+};
+
 // +inf as a bit pattern: NVRTC has no constexpr infinity
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 constexpr float kLn2 = 0.69314718055994530942f;

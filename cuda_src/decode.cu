@@ -253,10 +253,13 @@ __device__ __forceinline__ void decode_body(
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
   using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
   using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
-  using Mm = Mma<T>;
-  // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs: K to
-  // T (the S GEMM's operand type is q's), V to fp16 (see the P V GEMM).
+  // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs, to
+  // fp16 whatever q's type: e4m3 widens to fp16 in one instruction on sm_89+ (to bf16 it takes
+  // bit arithmetic), and a bf16 q becomes fp16 once, in shared memory (exact in fp16's range,
+  // see bf16x2_to_half2). Both GEMMs then run in fp16.
   constexpr bool kFp8 = sizeof(Tkv) == 1;
+  using QkType = typename Conditional<kFp8, __half, T>::type;
+  using Mm = Mma<QkType>;
   using PvType = typename Conditional<kFp8, __half, T>::type;
   using PvMm = Mma<PvType>;
   static_assert(sizeof(Tkv) == 2 || kFp8, "K/V elements are 2-byte floats or e4m3");
@@ -328,6 +331,12 @@ __device__ __forceinline__ void decode_body(
   constexpr bool kQInRegisters = MT * kKSteps * 4 <= kMaxQFragmentRegisters && (!kFp8 || MT == 1);
   cp_async_wait<STAGES - 1>();
   __syncthreads();
+  if constexpr (kFp8 && !IsSame<QkType, T>::value) {
+    // a bf16 q over an e4m3 cache: every pair of sQ [kRows, D + pad] rewritten as fp16 in place
+    u32* words = reinterpret_cast<u32*>(sQ);
+    for (int i = threadIdx.x; i < kRows * kStride / 2; i += kDecodeThreads) words[i] = bf16x2_to_half2(words[i]);
+    __syncthreads();
+  }
   u32 qa[kQInRegisters ? MT : 1][kQInRegisters ? kKSteps : 1][4];
   const auto q_fragment = [&](int mt, int ks, u32(&frag)[4]) {
     if (!kFp8) {
@@ -397,10 +406,10 @@ __device__ __forceinline__ void decode_body(
           ldmatrix_x4(packed, sK + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + ks * 16 + (lane / 16) * 16);
         }
         const u32 keys_low = packed[2 * (ks % 2)], keys_high = packed[2 * (ks % 2) + 1];
-        b[0] = e4m3x2_to<T>(keys_low);
-        b[1] = e4m3x2_to<T>(keys_low >> 8);
-        b[2] = e4m3x2_to<T>(keys_high);
-        b[3] = e4m3x2_to<T>(keys_high >> 8);
+        b[0] = e4m3x2_to<QkType>(keys_low);
+        b[1] = e4m3x2_to<QkType>(keys_low >> 8);
+        b[2] = e4m3x2_to<QkType>(keys_high);
+        b[3] = e4m3x2_to<QkType>(keys_high >> 8);
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -420,9 +429,8 @@ __device__ __forceinline__ void decode_body(
     tile.softmax_update(mask.softmax_scale());
 
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15.
-    // With an e4m3 cache this GEMM runs in fp16 whatever q's type: e4m3 widens to fp16 in one
-    // instruction (to bf16 it takes bit arithmetic), and probabilities in [0, 2^8] keep 3 more
-    // bits in fp16 than in bf16 (below 2^-24 of the row max they flush, which no sum can see).
+    // With an e4m3 cache this GEMM runs in fp16 (see QkType): probabilities in [0, 2^8] keep 3
+    // more bits in fp16 than in bf16 (below 2^-24 of the row max they flush, which no sum can see).
     u32 p[MT][1][4];
     tile.template to_fragments<PvType>(p);
     if (!kFp8) {

@@ -70,6 +70,25 @@ __device__ __forceinline__ u32 e4m3x2_to<__nv_bfloat16>(u32 w) {
   return *reinterpret_cast<u32*>(&h);
 }
 
+// A bf16 pair as an fp16 pair, for the fp16 GEMMs of an e4m3 cache under a bf16 query. Exact
+// for every bf16 value in fp16's normal range (bf16's 8 significant bits fit in fp16's 11);
+// finite values beyond +-65504 saturate there, NaN and inf pass through, and magnitudes below
+// 2^-14 keep fp16's subnormal precision.
+constexpr float kHalfMax = 65504.f;
+
+__device__ __forceinline__ float saturate_to_half_range(float x) {
+  return fabsf(x) > kHalfMax && !isinf(x) ? copysignf(kHalfMax, x) : x;
+}
+
+__device__ __forceinline__ u32 bf16x2_to_half2(u32 w) {
+  constexpr u32 kHighHalf = 0xffff0000u;
+  constexpr int kHalfBits = 16;
+  const float low = saturate_to_half_range(__uint_as_float(w << kHalfBits));
+  const float high = saturate_to_half_range(__uint_as_float(w & kHighHalf));
+  __half2 h = __floats2half2_rn(low, high);
+  return *reinterpret_cast<u32*>(&h);
+}
+
 // Round x to the nearest e4m3 value, ties to even, saturating at +-448 (and +-inf to +-448); NaN
 // stays NaN. Done in integer arithmetic on the float's bits, the same on every architecture, so
 // the tests check it on the device against NumPy's rounding.
