@@ -245,7 +245,7 @@ def test_prefill_only_and_decode_only_batches_on_the_gpu(rng, caplog):
     launch), without return_lse, from a PagedKVCache."""
     import cupy
 
-    for runs, lens, forward_launches in ((64, 2000), (64, 4096), 1), ((1, 16, 5), (900, 16, 33), 0):
+    for runs, lens, forward_launches in ((64, 1200), (64, 2500), 1), ((1, 16, 5), (900, 16, 33), 0):
         q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, np.float16, 16, 16, 4, 128, runs, lens)
         cache = cuattn.PagedKVCache(k_pages.shape[0], 16, 4, 128, np.float16)
         cache.k_pages[...] = cupy.asarray(k_pages)
