@@ -6,12 +6,16 @@ python scripts/bench_paged_prefill.py OUT.json [--no-runs]
       prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
       mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
     one line per (case, path): ms and TFLOP/s (4 * H * D per visible query-key pair). The paged
-    times include the call's host planning (check=False, device tables). Unless --no-runs, a
-    third path times the decode-only schedule (every sequence cut into runs of 16 queries through
-    paged decode, what paged_attention_varlen did before the paged forward) on the same call.
+    times include the call's host planning (check=False, device tables). Dense is timed twice: as
+    dispatched (the Hopper forward on an H200) and on flash_fwd_kernel, the mma.sync kernel the
+    paged forward is a variant of, so the cost of the page lookups shows apart from the kernel's.
+    Unless --no-runs, a last path times the decode-only schedule (every sequence cut into runs of
+    16 queries through paged decode, what paged_attention_varlen did before the paged forward).
 """
 
 import argparse
+import contextlib
+import importlib
 import json
 import sys
 
@@ -19,8 +23,10 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn import paged_varlen
+from cuattn import _calls, paged_varlen
 from cuattn.bench import timing
+
+attention_module = importlib.import_module("cuattn.attention")  # the module, not the function
 
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 CASES = {
@@ -54,6 +60,24 @@ def make_case(rng, queries, keys):
     return q, k, v, cu_q, cu_k, tuple(pages), cupy.asarray(table), cupy.asarray(np.asarray(keys, np.int32))
 
 
+@contextlib.contextmanager
+def schedule(path: str):
+    """The dispatch a path times: mma.sync forward only (the Hopper tile table emptied, plans of
+    the other dispatch dropped), or every sequence through paged decode, or as shipped."""
+    tiles, threshold = dict(attention_module.FWD_SM90_TILES), paged_varlen.PREFILL_MIN_QUERIES
+    _calls.clear()
+    if "mma.sync" in path:
+        attention_module.FWD_SM90_TILES.clear()
+    if path.startswith("decode runs"):
+        paged_varlen.PREFILL_MIN_QUERIES = np.iinfo(np.int32).max
+    try:
+        yield
+    finally:
+        attention_module.FWD_SM90_TILES.update(tiles)
+        paged_varlen.PREFILL_MIN_QUERIES = threshold
+        _calls.clear()
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
@@ -74,18 +98,12 @@ def main(argv):
         diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
                               - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
         flops = 4.0 * HQ * D * visible_pairs(queries, keys)
-        timed = list(paths.items())
+        timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"])]
         if not args.no_runs:
             timed.append(("decode runs of 16 (old schedule)", paths["paged_attention_varlen"]))
         for path, fn in timed:
-            old = paged_varlen.PREFILL_MIN_QUERIES
-            if path.startswith("decode runs"):
-                # every sequence through paged decode: the schedule before the paged forward existed
-                paged_varlen.PREFILL_MIN_QUERIES = np.iinfo(np.int32).max
-            try:
+            with schedule(path):
                 ms = timing.time_cuda(fn)
-            finally:
-                paged_varlen.PREFILL_MIN_QUERIES = old
             row = dict(case=name, path=path, queries=list(queries)[:4] + (["..."] if len(queries) > 4 else []),
                        sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=flops / ms / 1e9,
                        max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=BLOCK)
