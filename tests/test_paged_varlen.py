@@ -299,3 +299,23 @@ def test_prefill_argument_errors_on_the_gpu(rng):
         cuattn.paged_attention_varlen(qd, pd, bad, cu, lens, 40)
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = 400 exceeds what block_table holds"):
         cuattn.paged_attention_varlen(qd, pd, table, cu, np.array([400, 50], np.int32), 40)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_on_the_gpu(rng):
+    """torch q, pages, table and lengths: both launches on torch's stream, out and lse torch tensors."""
+    torch = pytest.importorskip("torch")
+
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1, 3), (300, 50, 9))
+
+    def device(x):
+        x = np.asarray(x)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16)
+        return torch.from_numpy(x).cuda()
+
+    got, lse = cuattn.paged_attention_varlen(device(q), tuple(device(x) for x in pages), device(table), device(cu),
+                                             device(lens), 40, return_lse=True)
+    assert isinstance(got, torch.Tensor) and isinstance(lse, torch.Tensor)
+    check_against_reference(rng, got.float().cpu().numpy().astype(np.float64), lse.cpu().numpy(), q, pages, table, cu,
+                            lens, BF16, {})
