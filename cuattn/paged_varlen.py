@@ -162,7 +162,8 @@ def _check_pages(q, k, v, table, lens) -> None:
                          f"(num_kv_heads) = {int(k.shape[2])}")
     if int(q.shape[2]) not in SUPPORTED_HEAD_DIMS:
         supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-        raise ValueError(f"q.shape[-1] (head_dim) = {int(q.shape[2])} is not supported; supported head dims: {supported}")
+        raise ValueError(f"q.shape[-1] (head_dim) = {int(q.shape[2])} is not supported; "
+                         f"supported head dims: {supported}")
     if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
         raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
     _arrays.check_int32("block_table", table)

@@ -11,9 +11,9 @@
 // Row sources: where row j of a sequence's keys (or queries) lives in global memory, for the
 // tile loaders. DenseRows: row j at base + j * row_stride (dense and packed varlen tensors).
 // PagedRows: key j in slot j % block_size of page block_table[j / block_size] of a paged cache
-// [num_blocks, block_size, Hk, D]. A loader walks rows with a cursor (`at(first, row, col, step)`, then
-// `address()` / `next()`): a dense cursor is one pointer bumped by a fixed step; a paged one looks
-// the page up for every row, so any block size works, down to one token a page.
+// [num_blocks, block_size, Hk, D]. A loader walks rows with a cursor (`at(first, row, col,
+// step)`, then `address()` / `next()`): a dense cursor is one pointer bumped by a fixed step; a
+// paged one looks the page up for every row, so any block size works, down to one token a page.
 #pragma once
 
 #include "common.cuh"
@@ -79,7 +79,8 @@ struct DenseRows {
     const T* tile = fallback(first);
     return {tile + row * row_stride + col, step * row_stride};
   }
-  // A readable address for the copies of a tile from row `first` that only zero-fill (rows past the end).
+  // A readable address for the copies of a tile from row `first` that only zero-fill (rows past
+  // the end).
   __device__ __forceinline__ const T* fallback(int first) const { return base + first * row_stride; }
 };
 
