@@ -29,6 +29,7 @@ import functools
 import numpy as np
 
 from . import _arrays, _calls, _jit, _masks, _params, _tma, reference
+from .decode import fast_divisor
 
 
 
@@ -95,13 +96,14 @@ def _cpp_bool(flag: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_spec(dtype, head_dim: int, tile: FwdTile, alibi: bool = False) -> _jit.KernelSpec:
-    """flash_fwd_kernel for ``tile``; ``alibi``: the variant that adds ALiBi's bias (its ALIBI flag)."""
+def fwd_spec(dtype, head_dim: int, tile: FwdTile, alibi: bool = False, paged: bool = False) -> _jit.KernelSpec:
+    """flash_fwd_kernel for ``tile``; ``alibi``: the variant that adds ALiBi's bias (its ALIBI flag);
+    ``paged``: the variant reading keys and values from a paged cache (its PAGED flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
         "flash_fwd.cu",
         f"cuattn::flash_fwd_kernel<{ctype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
-        f"{_cpp_bool(alibi)}>",
+        f"{_cpp_bool(alibi)}, {_cpp_bool(paged)}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
     )
@@ -167,10 +169,13 @@ def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
-    flash_fwd_kernel with and without ALiBi; flash_fwd_sm90_kernel reads the slopes' pointer at run
-    time (its registers did not move with ALiBi), so it has one variant per tile."""
+    flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
+    runs, no ALiBi); flash_fwd_sm90_kernel reads the slopes' pointer at run time (its registers did
+    not move with ALiBi), so it has one variant per tile."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
                for d in SUPPORTED_HEAD_DIMS for alibi in (False, True)]
+    forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
+                for d in SUPPORTED_HEAD_DIMS]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
     return forward + bwd_kernel_variants(arch)
@@ -452,12 +457,32 @@ def _host_result(result, q, out, return_lse):
     return (value, lse_f64.astype(np.float32)) if return_lse else value
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedKeys:
+    """Keys and values of a paged cache for flash_fwd_kernel's PAGED variant (FwdParams' paged
+    fields): k and v passed to :func:`_launch_fwd` are the pages [num_blocks, block_size, Hk, D];
+    launch entry e is sequence ``batch_index[e]`` (int32 device arrays ``block_table`` [B_all,
+    max_blocks], ``seq_lens`` [B_all], ``batch_index`` [batch]); lengths are clamped to the table's
+    capacity and page ids to the pool on the device."""
+
+    block_table: object
+    seq_lens: object
+    batch_index: object
+    block_size: int
+    num_blocks: int
+
+    def capacity(self) -> int:
+        return int(self.block_table.shape[1]) * self.block_size
+
+
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0)):
+                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None):
     """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
     flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
-    ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]).
+    ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]). ``paged``: a
+    :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
+    ``cu_seqlens_q``, ``cu_seqlens_k`` None, ``seqlen_k`` the table's capacity).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -468,6 +493,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         return None
     arch = _jit.target_arch()
     maps = ()
+    if paged is not None:
+        tile = tile or fwd_tile(head_dim, arch)
     if tile is None or isinstance(tile, FwdSm90Tile):
         sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
         if sm90_tile is not None and arch == SM90:
@@ -482,7 +509,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     if isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None)
+        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None, paged is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -491,7 +518,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     lse_strides = [lse.strides[0] // 4, lse.strides[1] // 4] if lse is not None else [0, 0]
     if cu_seqlens_q is not None:
         # packed rows: a sequence starts at its cu_seqlens offset, not at b * batch_stride
-        for strides in (qs, ks, vs, os_, lse_strides):
+        # (paged keys keep axis 0 of k and v: the page stride)
+        for strides in (qs, os_, lse_strides) if paged is not None else (qs, ks, vs, os_, lse_strides):
             strides[0] = 0
     bh = batch * num_heads
     m_blocks = (seqlen_q + tile.block_m - 1) // tile.block_m
@@ -518,10 +546,22 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right,
+        **_paged_fields(paged),
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))
     return launch
+
+
+def _paged_fields(paged: PagedKeys | None) -> dict:
+    """FwdParams' paged fields: zero for dense and varlen launches."""
+    if paged is None:
+        return dict(block_table=None, seq_lens=None, batch_index=None, table_stride=0, block_size=0,
+                    block_size_mul=np.uint32(0), block_size_shift=0, num_blocks=0)
+    mul, shift = fast_divisor(paged.block_size)
+    return dict(block_table=paged.block_table, seq_lens=paged.seq_lens, batch_index=paged.batch_index,
+                table_stride=_arrays.element_strides(paged.block_table)[0], block_size=paged.block_size,
+                block_size_mul=mul, block_size_shift=shift, num_blocks=paged.num_blocks)
 
 
 def _fwd_maps(q, k, v, tile: FwdSm90Tile):

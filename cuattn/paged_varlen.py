@@ -5,17 +5,28 @@ Sequence b's queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` (n of them, 0 al
 last n tokens; its keys are its first ``seq_lens[b]`` tokens through ``block_table[b]``, and
 query i sees key j iff ``j <= seq_lens[b] - n + i`` (causal, bottom-right).
 
-How one call schedules them: every sequence's queries are cut into runs of S = min(16, longest n)
-consecutive tokens, and all runs of all sequences go through ONE paged decode launch
-(``cuattn.paged_attention``, its batch axis being the runs), each run with its sequence's block
-table row and the length its last token sees: run tokens p .. p + S - 1 of n see keys up to
-``seq_lens[b] - n + p + S - 1``, which is the decode kernel's causal rule for a row of length
-``seq_lens[b] - n + p + S``. A run shorter than S (a decode row, or a sequence's tail) is
-completed with query rows whose outputs are dropped: the last run of a sequence ends at its last
-token. Decode rows therefore cost what ``paged_attention`` costs, in the same launch as the
-prefill chunks, and split-KV spreads long sequences over the GPU. A long prefill run is read
-16 tokens at a time: the key/value bytes are streamed once per run, where a prefill tile of 128
-queries would stream them once per 128 (BENCHMARKS names this as the next step).
+How one call schedules them (on the GPU, fp16/bf16 pages):
+
+* Sequences with at most ``PREFILL_MIN_QUERIES - 1`` = 16 queries (decode rows, speculative
+  tokens, short chunks) go through ONE paged decode launch (``cuattn.paged_attention``, split-KV):
+  each such sequence is one run of S = min(16, longest such n) query rows, with its block table
+  row and the key count its last token sees (a shorter sequence is completed with filler rows
+  whose outputs are dropped). 16 is the decode kernel's most query rows per launch entry
+  (``decode.MAX_NEW_TOKENS``): up to it a sequence is one run, so its keys are read once, and
+  split-KV spreads long contexts over the SMs even when the batch is small.
+* Sequences with more queries go through ONE launch of the tensor-core forward over the paged
+  cache (``flash_fwd_kernel``'s PAGED variant): tiles of BLOCK_M = 64-128 queries, so the keys
+  are read once per tile rather than once per 16 queries, and each tile's GEMMs are full. The
+  launch covers only these sequences: its entries index them in the batch (``batch_index``,
+  built on the host), q is read in place through the full ``cu_seqlens_q``, and the kernel writes
+  its rows of ``out`` and ``lse`` in place.
+
+Both launches run on the caller's stream and write disjoint rows of the one output (the decode
+rows are scattered there from the decode launch's run rows). With 17 to ~BLOCK_M queries a
+forward tile is partly empty, but every alternative reads the keys more often: the decode kernel
+would need two or more runs. FP8 (e4m3) pages take the decode path for every sequence (runs of
+16 tokens, keys read once per run): the forward reads 2-byte pages only. NumPy inputs run every
+sequence through the runs on the CPU, each run an exact float64 reference problem.
 
 Layouts: q, out ``(total_q, Hq, D)``; lse ``(Hq, total_q)`` float32; cu_seqlens_q int32
 ``(B + 1,)``, read on the host (device prefix sums are copied: a sync); block_table ``(B,
@@ -27,20 +38,23 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import _check_host_cu_seqlens
+from .attention import PagedKeys, SUPPORTED_HEAD_DIMS, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS
-from .paged import paged_attention
+from .paged import MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_page_strides, _check_table, paged_attention
+
+# The fewest queries a sequence sends through the paged forward; fewer go through paged decode.
+PREFILL_MIN_QUERIES = MAX_NEW_TOKENS + 1
 
 
 def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, *, causal=True, scale=None,
                            window=(-1, -1), softcap=0.0, return_lse=False, max_seq_len=None, check=True, k_scale=None,
-                           v_scale=None):
+                           v_scale=None, out=None):
     """Attention of packed query runs of any lengths (decode rows and prefill chunks) over a paged cache.
 
     Args:
         q: ``(total_q, Hq, D)`` float16 or bfloat16 (any float for NumPy inputs).
         cache: a :class:`PagedKVCache` or a ``(k_pages, v_pages)`` pair, as in :func:`cuattn.paged_attention`
-            (e4m3 pages with ``k_scale`` / ``v_scale`` too).
+            (e4m3 pages with ``k_scale`` / ``v_scale`` too; those run every sequence through paged decode).
         block_table: int32 ``(B, max_blocks)``; seq_lens: int32 ``(B,)`` keys per sequence.
         cu_seqlens_q: int32 ``(B + 1,)`` prefix sums of the query runs (0 allowed), starting at 0
             and ending at total_q; read on the host.
@@ -48,6 +62,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         causal, scale, softcap, return_lse, max_seq_len, check: as in :func:`cuattn.paged_attention`.
         window: ``(left, -1)`` or ``(left, 0)`` with ``causal`` (a left window); the default
             ``(-1, -1)`` sees every earlier key.
+        out: optional ``(total_q, Hq, D)`` array of q's dtype and framework to write into.
 
     Returns:
         ``out`` ``(total_q, Hq, D)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` float32.
@@ -68,37 +83,114 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     _arrays.check_ndim("block_table", block_table, "(B, max_blocks)")
     _arrays.check_axis("cu_seqlens_q", cu, 0, "B + 1", int(block_table.shape[0]) + 1, "block_table.shape[0] + 1")
     _check_host_cu_seqlens(cu, int(q.shape[0]), max_seqlen_q, "q")
-    runs = _Runs.of(cu)
-    # q, and the table and lengths when they live on the device, are viewed in one framework
-    named = {"q": q, **({} if table_host else {"block_table": block_table}), **({} if lens_host else {"seq_lens": seq_lens})}
+    pages_named = {} if isinstance(cache, PagedKVCache) else dict(zip(("k_pages", "v_pages"), _cache_pair(cache)))
+    # q, out, the pages of a pair, and the table and lengths when they live on the device, are viewed in one framework
+    named = {"q": q, **({} if out is None else {"out": out}), **pages_named,
+             **({} if table_host else {"block_table": block_table}), **({} if lens_host else {"seq_lens": seq_lens})}
     with _arrays.array_context(**named) as ctx:
-        qv = ctx.view(q)
+        qv, ov = ctx.view(q), ctx.view(out)
         table = block_table if table_host else ctx.view(block_table)
         lens = seq_lens if lens_host else ctx.view(seq_lens)
+        if ov is not None:
+            _check_out(ov, qv)
+            if not ctx.on_host:
+                _arrays.check_kernel_layout("out", ov)
+                _arrays.check_same_device("out", ov, "q", qv)
+        if isinstance(cache, PagedKVCache):
+            kv, vv, pair = cache.k_pages, cache.v_pages, cache
+        else:
+            kv, vv = ctx.view(pages_named["k_pages"]), ctx.view(pages_named["v_pages"])
+            pair = (kv, vv)
+        # array scales of the caller's framework, as CuPy views beside the viewed pages
+        k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) and _arrays.array_kind(x) == ctx.kind else x
+                            for x in (k_scale, v_scale))
+        lengths = np.diff(cu.astype(np.int64))
+        prefill = np.zeros(lengths.shape, bool)
+        if not ctx.on_host and not _arrays.is_e4m3(kv):
+            prefill = lengths >= PREFILL_MIN_QUERIES
+        options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
+        if prefill.any():
+            _check_pages(qv, kv, vv, table, lens)
+            if check:
+                _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
+                             int(kv.shape[0]), int(kv.shape[1]))
+                check = False  # the decode part's rows of the table were just checked
+        total_q, num_heads, head_dim = map(int, qv.shape)
         xp = np if ctx.on_host else __import__("cupy")
-        num_heads, head_dim = int(qv.shape[1]), int(qv.shape[2])
-        if runs.count == 0:
-            out, lse = xp.zeros((0, num_heads, head_dim), qv.dtype), xp.zeros((num_heads, 0), np.float32)
-            out, lse = (ctx.to_caller(out), ctx.to_caller(lse)) if not ctx.on_host else (out, lse)
-            return (out, lse) if return_lse else out
-        # each run's S query rows [runs, S, Hq, D] (filler positions repeat a real row), its
-        # sequence's table row, and the keys its last token sees (seq_lens less the tokens after it)
-        run_q = qv[xp.asarray(runs.rows)]
-        run_table = _rows_of(table, runs.sequence)
-        run_lens = _rows_of(lens, runs.sequence).astype(np.int32)
-        if causal:
-            run_lens = run_lens - _like(run_lens, runs.tail)
-            run_lens = (run_lens * (run_lens > 0)).astype(np.int32)  # a run before the first key sees none
-        run_out, run_lse = paged_attention(run_q, cache, run_table, run_lens, max_seq_len=max_seq_len, causal=causal,
-                                           scale=scale, window=(left, right), softcap=softcap, return_lse=True,
-                                           check=check, k_scale=k_scale, v_scale=v_scale)
-        # each query's result among the runs' rows: out [total_q, Hq, D], lse [Hq, total_q]
-        keep = xp.asarray(runs.keep)
-        out = xp.ascontiguousarray(run_out.reshape(-1, num_heads, head_dim)[keep])
-        lse = xp.ascontiguousarray(run_lse.transpose(1, 0, 2).reshape(num_heads, -1)[:, keep])
+        if ov is None:
+            ov = np.empty(qv.shape, qv.dtype) if ctx.on_host else ctx.empty(qv.shape, qv.dtype)
+        lse = xp.empty((num_heads, total_q), np.float32) if ctx.on_host or not return_lse else \
+            ctx.empty((num_heads, total_q), np.float32)
+        if prefill.any():
+            _launch_prefill(qv, kv, vv, table, lens, cu, prefill, ov, lse if return_lse else None, ctx, **options)
+        runs = _Runs.of(cu, ~prefill)
+        if runs.count:
+            # each run's S query rows [runs, S, Hq, D] (filler positions repeat a real row), its
+            # sequence's table row, and the keys its last token sees (seq_lens less the tokens after it)
+            run_q = qv[xp.asarray(runs.rows)]
+            run_table = _rows_of(table, runs.sequence)
+            run_lens = _rows_of(lens, runs.sequence).astype(np.int32)
+            if causal:
+                run_lens = run_lens - _like(run_lens, runs.tail)
+                run_lens = (run_lens * (run_lens > 0)).astype(np.int32)  # a run before the first key sees none
+            run_out, run_lse = paged_attention(run_q, pair, run_table, run_lens, max_seq_len=max_seq_len,
+                                               return_lse=True, check=check, k_scale=k_scale, v_scale=v_scale,
+                                               **options)
+            # the decode rows' results among the runs' rows: out [total_q, Hq, D], lse [Hq, total_q]
+            rows, keep = xp.asarray(runs.query_rows), xp.asarray(runs.keep)
+            ov[rows] = run_out.reshape(-1, num_heads, head_dim)[keep]
+            lse.T[rows] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep]
         if not ctx.on_host:
-            out, lse = ctx.to_caller(out), ctx.to_caller(lse)
-        return (out, lse) if return_lse else out
+            ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
+        return (ov, lse) if return_lse else ov
+
+
+def _check_pages(q, k, v, table, lens) -> None:
+    """What the paged forward reads: pages (num_blocks, block_size, Hk, D) of q's dtype and head dim,
+    Hq a multiple of Hk, the table's and lengths' dtypes and shapes (paged_attention checks the same
+    for the decode rows)."""
+    layout = "(num_blocks, block_size, Hk, D)"
+    _arrays.check_ndim("k_pages", k, layout)
+    _arrays.check_ndim("v_pages", v, layout)
+    for axis, axis_name in enumerate(layout.strip("()").split(", ")):
+        _arrays.check_axis("v_pages", v, axis, axis_name, int(k.shape[axis]), f"k_pages.shape[{axis}]")
+    _arrays.check_axis("k_pages", k, 3, "head_dim", int(q.shape[2]), "q.shape[2]")
+    _arrays.check_positive("k_pages", k, 2, "Hk")
+    _arrays.check_dtypes({"q": q, "k_pages": k, "v_pages": v}, host=False)
+    if int(q.shape[1]) % int(k.shape[2]):
+        raise ValueError(f"q.shape[1] (num_heads) = {int(q.shape[1])} must be a multiple of k_pages.shape[2] "
+                         f"(num_kv_heads) = {int(k.shape[2])}")
+    if int(q.shape[2]) not in SUPPORTED_HEAD_DIMS:
+        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        raise ValueError(f"q.shape[-1] (head_dim) = {int(q.shape[2])} is not supported; "
+                         f"supported head dims: {supported}")
+    if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
+        raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
+    _arrays.check_int32("block_table", table)
+    _arrays.check_ndim("seq_lens", lens, "(B)")
+    _arrays.check_axis("seq_lens", lens, 0, "batch", int(table.shape[0]), "block_table.shape[0]")
+    _arrays.check_int32("seq_lens", lens)
+    for name, x in (("q", q), ("k_pages", k), ("v_pages", v)):
+        _arrays.check_kernel_layout(name, x)
+        _arrays.check_same_device(name, x, "q", q)
+    for name, x in (("k_pages", k), ("v_pages", v)):
+        _check_page_strides(name, _arrays.element_strides(x))
+
+
+def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, prefill: np.ndarray, out, lse, ctx, *, causal, scale,
+                    window, softcap) -> None:
+    """One flash_fwd_kernel (PAGED) launch over the sequences marked in ``prefill``: q, out and lse
+    in place (their rows through the full prefix sums), launch entry e being sequence batch_index[e]."""
+    import cupy
+
+    index = np.flatnonzero(prefill).astype(np.int32)
+    longest = int(np.diff(cu.astype(np.int64))[index].max())
+    paged = PagedKeys(block_table=cupy.ascontiguousarray(cupy.asarray(table, dtype=cupy.int32)),
+                      seq_lens=cupy.ascontiguousarray(cupy.asarray(lens, dtype=cupy.int32)),
+                      batch_index=cupy.asarray(index), block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
+    _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cupy.asarray(cu), None,
+                batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal, scale=scale,
+                window=window, softcap=softcap, stream=ctx.stream, paged=paged)
 
 
 def _rows_of(x, index: np.ndarray):
@@ -119,37 +211,43 @@ def _host_prefix_sums(cu):
 
 
 class _Runs:
-    """The runs of S query tokens the call launches, planned on the host from the prefix sums.
+    """The runs of S query tokens the decode launch computes, planned on the host from the prefix sums.
 
     ``rows`` [runs, S]: the packed query row of each run position (filler positions repeat the
     run's first real row); ``sequence`` [runs]: the run's sequence; ``tail`` [runs]: how many of
     the sequence's tokens follow the run's last token (its key count is seq_lens - tail);
-    ``keep`` [total_q]: where each query's result sits among the runs' flattened rows."""
+    ``query_rows`` [n]: the packed query rows the runs answer, and ``keep`` [n]: where each one's
+    result sits among the runs' flattened rows."""
 
-    def __init__(self, rows, sequence, tail, keep):
-        self.rows, self.sequence, self.tail, self.keep = rows, sequence, tail, keep
+    def __init__(self, rows, sequence, tail, query_rows, keep):
+        self.rows, self.sequence, self.tail, self.query_rows, self.keep = rows, sequence, tail, query_rows, keep
         self.count = int(sequence.shape[0])
 
     @classmethod
-    def of(cls, cu: np.ndarray) -> "_Runs":
+    def of(cls, cu: np.ndarray, selected: np.ndarray) -> "_Runs":
+        """Runs of the sequences marked in ``selected`` (bool [B])."""
         lengths = np.diff(cu.astype(np.int64))
-        size = int(min(MAX_NEW_TOKENS, max(int(lengths.max(initial=0)), 1)))
-        rows, sequence, tail = [], [], []
-        keep = np.zeros(int(cu[-1]), np.int64)
-        for b, n in enumerate(lengths):
-            n = int(n)
-            starts = list(range(0, n, size))
-            for start in starts:
+        size = int(min(MAX_NEW_TOKENS, max(int(lengths[selected].max(initial=0)), 1)))
+        rows, sequence, tail, query_rows, keep = [], [], [], [], []
+        for b in np.flatnonzero(selected):
+            n = int(lengths[b])
+            answered = 0  # the sequence's positions below this have a run already
+            for start in range(0, n, size):
                 # the last run ends at the sequence's last token (it may overlap the one before);
                 # a sequence shorter than S is preceded by filler positions
                 start = min(start, n - size)
                 positions = np.arange(start, start + size)
                 index = len(rows)
                 rows.append(int(cu[b]) + np.maximum(positions, 0))
-                sequence.append(b)
+                sequence.append(int(b))
                 tail.append(n - (start + size))
-                real = positions >= 0
-                keep[int(cu[b]) + positions[real]] = index * size + np.flatnonzero(real)
+                # the positions this run answers: an overlapping last run leaves the earlier ones to the run before
+                new = np.flatnonzero(positions >= answered)
+                query_rows.append(int(cu[b]) + positions[new])
+                keep.append(index * size + new)
+                answered = start + size
         if not rows:
-            return cls(np.zeros((0, size), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), keep)
-        return cls(np.stack(rows), np.asarray(sequence, np.int64), np.asarray(tail, np.int32), keep)
+            empty = np.zeros(0, np.int64)
+            return cls(np.zeros((0, size), np.int64), empty, np.zeros(0, np.int32), empty, empty)
+        return cls(np.stack(rows), np.asarray(sequence, np.int64), np.asarray(tail, np.int32),
+                   np.concatenate(query_rows), np.concatenate(keep))

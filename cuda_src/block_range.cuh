@@ -7,6 +7,13 @@
 // (the host turns `causal` into window_right = 0 and an unbounded side into a bound no row
 // reaches). The forward kernels walk the key blocks a query block can see and evaluate the mask
 // only on blocks that cross a boundary; these are the ranges they need.
+//
+// Row sources: where row j of a sequence's keys (or queries) lives in global memory, for the
+// tile loaders. DenseRows: row j at base + j * row_stride (dense and packed varlen tensors).
+// PagedRows: key j in slot j % block_size of page block_table[j / block_size] of a paged cache
+// [num_blocks, block_size, Hk, D]. A loader walks rows with a cursor (`at(first, row, col,
+// step)`, then `address()` / `next()`): a dense cursor is one pointer bumped by a fixed step; a
+// paged one looks the page up for every row, so any block size works, down to one token a page.
 #pragma once
 
 #include "common.cuh"
@@ -32,6 +39,10 @@ struct SequenceRange {
     offset = seqlen_k - seqlen_q;
   }
 
+  // Paged keys: the queries packed from row q_start, the keys 0 .. seqlen_k of the block table.
+  __device__ __forceinline__ SequenceRange(i64 q_first, int sq, int sk)
+      : q_start(q_first), k_start(0), seqlen_q(sq), seqlen_k(sk), offset(sk - sq) {}
+
   // Key blocks of BLOCK_N keys any of query rows [m0, m0 + rows) sees: [first, last).
   template <int BLOCK_N>
   __device__ __forceinline__ void key_blocks(int m0, int rows, int left, int right, int& first, int& last) const {
@@ -49,6 +60,61 @@ struct SequenceRange {
     const int clean_begin = m0 + rows - 1 + offset - left;
     return n0 + BLOCK_N > clean_end || n0 < clean_begin;
   }
+};
+
+// Rows at a fixed pitch from `base` (row 0 of the sequence at this head).
+template <typename T>
+struct DenseRows {
+  const T* base;
+  i64 row_stride;
+
+  struct Cursor {
+    const T* ptr;
+    i64 step;
+    __device__ __forceinline__ const T* address() const { return ptr; }
+    __device__ __forceinline__ void next() { ptr += step; }
+  };
+  // Column `col` of row first + row, moving `step` rows at a time.
+  __device__ __forceinline__ Cursor at(int first, int row, int col, int step) const {
+    const T* tile = fallback(first);
+    return {tile + row * row_stride + col, step * row_stride};
+  }
+  // A readable address for the copies of a tile from row `first` that only zero-fill (rows past
+  // the end).
+  __device__ __forceinline__ const T* fallback(int first) const { return base + first * row_stride; }
+};
+
+// Keys of one sequence in a paged cache: `base` is page 0, slot 0 at this kv head; `table` the
+// sequence's row of the block table. Page ids are clamped into the pool, as the paged decode
+// does, so an unchecked table cannot send a copy outside the cache.
+template <typename T>
+struct PagedRows {
+  const T* base;
+  const int* table;
+  i64 page_stride;
+  i64 row_stride;
+  FastDivisor block_size;
+  int num_blocks;
+
+  __device__ __forceinline__ const T* row(int j, int col) const {
+    const int page = block_size.div(j);
+    const int slot = block_size.mod(j, page);
+    const int block = min(max(__ldg(table + page), 0), num_blocks - 1);
+    return base + block * page_stride + slot * row_stride + col;
+  }
+
+  struct Cursor {
+    const PagedRows* rows;
+    int j;
+    int col;
+    int step;
+    __device__ __forceinline__ const T* address() const { return rows->row(j, col); }
+    __device__ __forceinline__ void next() { j += step; }
+  };
+  __device__ __forceinline__ Cursor at(int first, int row, int col, int step) const {
+    return {this, first + row, col, step};
+  }
+  __device__ __forceinline__ const T* fallback(int) const { return base; }
 };
 
 }  // namespace cuattn

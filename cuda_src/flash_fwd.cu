@@ -27,31 +27,35 @@
 
 namespace cuattn {
 
-// Copy `ROWS` rows of D elements (row pitch `row_stride` in global memory) into a padded
-// shared tile with 16-byte cp.async, zero-filling rows at or past `valid_rows`.
-template <typename T, int ROWS, int HEAD_DIM, int THREADS>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 row_stride, int valid_rows) {
+// Copy rows first_row .. first_row + ROWS - 1 of D elements from `rows` (a DenseRows or
+// PagedRows source, block_range.cuh) into a padded shared tile with 16-byte cp.async,
+// zero-filling tile rows at or past `valid_rows`.
+template <typename T, int ROWS, int HEAD_DIM, int THREADS, class Rows>
+__device__ __forceinline__ void load_tile(T* smem, const Rows& rows, int first_row, int valid_rows) {
   constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
   // A pass copies kRowsPerPass whole rows; with D = 96 (12 chunks a row) a few threads idle.
   constexpr int kRowsPerPass = THREADS / kChunksPerRow;
   constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
   if (threadIdx.x >= kRowsPerPass * kChunksPerRow) return;
-  // Each thread keeps one column and walks down the rows: one pointer bumped by a fixed step,
-  // rather than a 64-bit address per copy held live across the main loop.
+  // Each thread keeps one column and walks down the rows with one cursor (a dense one is a
+  // pointer bumped by a fixed step, rather than a 64-bit address per copy held live across the
+  // main loop; a paged one looks up each row's page).
   const int col = (threadIdx.x % kChunksPerRow) * kElemsPerChunk;
   int row = threadIdx.x / kChunksPerRow;
-  const T* src = gmem + row * row_stride + col;
-  const i64 step = kRowsPerPass * row_stride;
+  auto src = rows.at(first_row, row, col, kRowsPerPass);
   T* dst = smem + row * SmemRow<HEAD_DIM>::kStride + col;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     if (ROWS % kRowsPerPass == 0 || row < ROWS) {
       const bool valid = row < valid_rows;
-      cp_async_16(dst, valid ? src : gmem, valid);
+      // rows past the end are zero-filled from a readable address, never looked up
+      const T* from = rows.fallback(first_row);
+      if (valid) from = src.address();
+      cp_async_16(dst, from, valid);
     }
     row += kRowsPerPass;
-    src += step;
+    src.next();
     dst += kRowsPerPass * SmemRow<HEAD_DIM>::kStride;
   }
 }
@@ -116,20 +120,52 @@ struct FlashFwd : AttentionTile<T, BLOCK_M / WARPS / 16, BLOCK_N / 8, HEAD_DIM /
   }
 };
 
+// Where a launch entry's keys are: dense or packed varlen rows (PAGED false), or a paged cache
+// through its block table (PAGED true, FwdParams' paged fields).
+template <typename T, bool PAGED>
+struct KvSource;
+
+template <typename T>
+struct KvSource<T, false> {
+  using Rows = DenseRows<T>;
+  __device__ __forceinline__ static int sequence(const FwdParams<T>&, int entry) { return entry; }
+  __device__ __forceinline__ static SequenceRange range(const FwdParams<T>& p, int b) {
+    return SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k);
+  }
+  __device__ __forceinline__ static Rows rows(const FwdParams<T>&, const T* x, i64 batch_stride, i64 row_stride,
+                                              i64 head_stride, int b, int h_kv, const SequenceRange& seq) {
+    return {x + b * batch_stride + seq.k_start * row_stride + h_kv * head_stride, row_stride};
+  }
+};
+
+template <typename T>
+struct KvSource<T, true> {
+  using Rows = PagedRows<T>;
+  __device__ __forceinline__ static int sequence(const FwdParams<T>& p, int entry) { return p.batch_index[entry]; }
+  // keys clamped to [0, the table's capacity], as the paged decode clamps unchecked lengths
+  __device__ __forceinline__ static SequenceRange range(const FwdParams<T>& p, int b) {
+    const int q_start = p.cu_seqlens_q[b];
+    const int seqlen_k = min(max(p.seq_lens[b], 0), p.seqlen_k);
+    return SequenceRange(q_start, p.cu_seqlens_q[b + 1] - q_start, seqlen_k);
+  }
+  __device__ __forceinline__ static Rows rows(const FwdParams<T>& p, const T* x, i64 page_stride, i64 row_stride,
+                                              i64 head_stride, int b, int h_kv, const SequenceRange&) {
+    return {x + h_kv * head_stride, p.block_table + b * p.table_stride, page_stride, row_stride,
+            FastDivisor{p.block_size, p.block_size_mul, p.block_size_shift}, p.num_blocks};
+  }
+};
+
 // ALIBI: add ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer, so that the kernels without it compile to the code they had before ALiBi existed: the
 // bias pass and the slope held across the key loop cost registers the tiles have none of to spare.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool ALIBI>
+// PAGED: keys and values from a paged cache (KvSource), queries packed as in varlen.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool ALIBI, bool PAGED>
 __global__ void __launch_bounds__(WARPS * kWarpSize, 2)
 flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   // the fields this kernel reads, as locals
   const T* __restrict__ q = p.q;
-  const T* __restrict__ k = p.k;
-  const T* __restrict__ v = p.v;
   T* __restrict__ out = p.out;
   float* __restrict__ lse = p.lse;
-  const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
-  const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
   const i64 q_batch_stride = p.q_batch_stride, q_row_stride = p.q_row_stride, q_head_stride = p.q_head_stride;
   const i64 k_batch_stride = p.k_batch_stride, k_row_stride = p.k_row_stride, k_head_stride = p.k_head_stride;
   const i64 v_batch_stride = p.v_batch_stride, v_row_stride = p.v_row_stride, v_head_stride = p.v_head_stride;
@@ -143,16 +179,18 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   constexpr int kStride = Fwd::kStride;
   constexpr int kThreads = Fwd::kThreads;
 
+  using Kv = KvSource<T, PAGED>;
+
   // B * H can pass 65535: it is split over grid.y and grid.z
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bh >= static_cast<i64>(batch) * num_heads) return;
-  const int b = static_cast<int>(bh / num_heads);
+  const int b = Kv::sequence(p, static_cast<int>(bh / num_heads));
   const int h = static_cast<int>(bh % num_heads);
   const int h_kv = h / (num_heads / num_kv_heads);
 
   // Locate this sequence: packed varlen rows start at cu_seqlens, dense ones at b * batch_stride.
-  const SequenceRange seq(cu_seqlens_q, cu_seqlens_k, b, p.seqlen_q, p.seqlen_k);
-  const i64 q_start = seq.q_start, k_start = seq.k_start;
+  const SequenceRange seq = Kv::range(p, b);
+  const i64 q_start = seq.q_start;
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
   const MaskParams mp{seqlen_k, window_left, window_right, score_scale, softcap_out};
   // Sk - Sq: aligns causal and window masks to the bottom-right corner
@@ -164,9 +202,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const int m0 = m_block * BLOCK_M;
   if (m0 >= seqlen_q) return;
 
-  const T* q_ptr = q + b * q_batch_stride + q_start * q_row_stride + h * q_head_stride + m0 * q_row_stride;
-  const T* k_ptr = k + b * k_batch_stride + k_start * k_row_stride + h_kv * k_head_stride;
-  const T* v_ptr = v + b * v_batch_stride + k_start * v_row_stride + h_kv * v_head_stride;
+  const DenseRows<T> q_rows{q + b * q_batch_stride + q_start * q_row_stride + h * q_head_stride + m0 * q_row_stride,
+                            q_row_stride};
+  const typename Kv::Rows k_rows = Kv::rows(p, p.k, k_batch_stride, k_row_stride, k_head_stride, b, h_kv, seq);
+  const typename Kv::Rows v_rows = Kv::rows(p, p.v, v_batch_stride, v_row_stride, v_head_stride, b, h_kv, seq);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M, D + pad]
@@ -184,10 +223,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   fwd.init();
 
   // prologue: Q and the last visible K block travel together
-  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_ptr, q_row_stride, seqlen_q - m0);
+  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_rows, 0, seqlen_q - m0);
   if (n_block_max > n_block_min) {
     const int n0 = (n_block_max - 1) * BLOCK_N;
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n0 * k_row_stride, k_row_stride, seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n0, seqlen_k - n0);
   }
   cp_async_commit();
 
@@ -199,7 +238,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     // K[n] has landed, and every warp is done reading V[n+1]: its buffer may be refilled
     cp_async_wait<0>();
     __syncthreads();
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_ptr + n0 * v_row_stride, v_row_stride, seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_rows, n0, seqlen_k - n0);
     cp_async_commit();
 
     fwd.qk(sQ, sK, warp, lane);
@@ -224,8 +263,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     __syncthreads();
     if (n_block > n_block_min) {
       const int n_prev = n0 - BLOCK_N;
-      load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_ptr + n_prev * k_row_stride, k_row_stride,
-                                                seqlen_k - n_prev);
+      load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n_prev, seqlen_k - n_prev);
     }
     cp_async_commit();
     fwd.pv(p, sV, lane);

@@ -21,6 +21,13 @@ namespace cuattn {
 // [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens). The tensor maps are
 // the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1, S = total) with a
 // box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
+//
+// Paged keys (flash_fwd_kernel's PAGED variants): k and v are pages [num_blocks, block_size, Hk,
+// D] (k_batch_stride / v_batch_stride: the page stride), key j of sequence b is slot
+// j % block_size of page block_table[b, j / block_size], sequence b has min(seq_lens[b],
+// seqlen_k) keys (seqlen_k: the table's capacity) and its queries are packed at cu_seqlens_q[b].
+// Launch entry e is sequence batch_index[e], so one launch can cover any subset of a batch.
+// Dense and varlen launches leave these fields zero.
 template <typename T>
 struct FwdParams {
   TensorMap q_map;
@@ -59,6 +66,14 @@ struct FwdParams {
   float softcap_out;       // softcap * log2(e), or 0
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
+  const int* block_table;  // paged: [B_all, max_blocks] page ids, or null
+  const int* seq_lens;     // paged: [B_all] keys per sequence, or null
+  const int* batch_index;  // paged: [batch] the sequence (row of block_table) of each launch entry, or null
+  i64 table_stride;
+  int block_size;
+  u32 block_size_mul;      // FastDivisor of block_size
+  int block_size_shift;
+  int num_blocks;          // page ids are clamped to [0, num_blocks)
 };
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages

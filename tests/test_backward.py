@@ -341,7 +341,7 @@ def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
         for d in attention_module.SUPPORTED_HEAD_DIMS:
             plain, alibi = (attention_module.fwd_spec(dtype, d, attention_module.fwd_tile(d, arch, a), a).name
                             for a in (False, True))
-            assert {plain, alibi} <= listed and plain.endswith(", false>") and alibi.endswith(", true>")
+            assert {plain, alibi} <= listed and plain.endswith(", false, false>") and alibi.endswith(", true, false>")
             for deterministic in (False, True):
                 for with_alibi in (False, True):
                     specs = attention_module.bwd_specs(dtype, d, attention_module.bwd_tile(d, arch), deterministic,

@@ -1,6 +1,9 @@
 """paged_attention_varlen (cuattn/paged_varlen.py): packed query runs of any length (0 included)
 over a paged cache against the float64 reference of each sequence's dense problem, on the CPU
-(through the same run planning as the GPU path) and on the GPU (the 2x rule), and its errors.
+(every sequence through the run planning of the decode path) and on the GPU (the 2x rule): mixes
+of decode rows and long prefill chunks, so that both launches (paged decode for runs of at most
+16 queries, the paged forward for longer ones) write their rows of one poisoned output; and its
+errors.
 """
 
 from __future__ import annotations
@@ -59,6 +62,34 @@ def test_e4m3_pages_on_the_cpu():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_run_plan_answers_every_selected_row_once():
+    """The decode launch's runs cover each selected sequence's rows exactly once (an overlapping last
+    run answers only the rows the run before left), and nothing of the other sequences."""
+    from cuattn.paged_varlen import _Runs
+
+    lengths = np.array([0, 1, 16, 17, 40, 5, 300])
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    selected = np.array([True, True, True, True, True, True, False])
+    runs = _Runs.of(cu, selected)
+    want = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in np.flatnonzero(selected)])
+    assert np.array_equal(np.sort(runs.query_rows), want)
+    # each answered row sits at its own position of its run
+    size = runs.rows.shape[1]
+    assert np.array_equal(runs.rows.reshape(-1)[runs.keep], runs.query_rows)
+    assert size == 16 and np.unique(runs.keep).size == runs.keep.size
+
+
+def test_out_argument_on_the_cpu():
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    got = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, out=out)
+    assert got is out and np.isfinite(out).all()
+    np.testing.assert_allclose(out, reference.paged_attention_varlen(q, *pages, table, cu, lens), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"out.shape must equal q.shape = \(77, 8, 64\), got \(76, 8, 64\)"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, out=out[1:])
+
+
 def test_argument_errors():
     rng = np.random.default_rng()
     q, pages, table, cu, lens = make_problem(rng, np.float32)
@@ -103,3 +134,188 @@ def test_packed_runs_on_the_gpu(rng, block):
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), empty)
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3)
+
+
+# Query runs of a mixed batch: empty, decode rows, a speculative run, the longest decode-path run,
+# the shortest prefill run (its first rows see no key: 17 queries over 9 keys), long prefill
+# chunks (the first over its whole prompt), and more decode rows after them.
+MIXED_RUNS = (0, 1, 7, 16, 17, 200, 1030, 1, 3)
+MIXED_LENS = (5, 301, 7, 40, 9, 200, 1337, 1, 2)
+
+
+def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS):
+    """A batch over a pool with spare pages: each sequence's pages drawn from a shuffled pool, table
+    entries past a sequence's pages set to -1 (the kernels must not read them)."""
+    cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+    q = randn(rng, (int(cu[-1]), hq, d), dtype)
+    per_seq = -(-max(lens) // block)
+    num_blocks = len(lens) * per_seq + 3
+    pool = rng.permutation(num_blocks).astype(np.int32)
+    table = np.full((len(lens), per_seq), -1, np.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        pages = -(-n // block)
+        table[b, :pages] = pool[used:used + pages]
+        used += pages
+    k_pages = randn(rng, (num_blocks, block, hk, d), dtype)
+    v_pages = randn(rng, (num_blocks, block, hk, d), dtype)
+    return q, (k_pages, v_pages), table, cu, np.asarray(lens, np.int32)
+
+
+def check_against_reference(rng, got, lse, q, pages, table, cu, lens, dtype, options):
+    """Each sequence within 2x the naive same-precision error of the float64 reference; lse (unless
+    None) -inf exactly on empty rows and close elsewhere."""
+    ref, ref_lse = reference.paged_attention_varlen(q, *pages, table, cu, lens, return_lse=True, **options)
+    k_cache = reference.gather_pages(pages[0], table, lens)
+    v_cache = reference.gather_pages(pages[1], table, lens)
+    assert np.isfinite(got).all(), f"unwritten or NaN output (seed {rng.seed})"
+    for b in range(len(lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        naive = reference.naive_attention_lowp(q[None, rows], k_cache[b:b + 1, :lens[b]], v_cache[b:b + 1, :lens[b]],
+                                               dtype=dtype, causal=options.get("causal", True),
+                                               **{k: v for k, v in options.items() if k != "causal"})[0]
+        ref_max = np.abs(ref[rows]).max(initial=0.0)
+        budget = error_budget(np.abs(naive - ref[rows]).max(initial=0.0), dtype, 2.0, ref_max)
+        err = np.abs(got[rows] - ref[rows]).max(initial=0.0)
+        assert err <= budget, f"sequence {b}: max error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    empty = np.isneginf(ref_lse)
+    assert (got[empty.T] == 0).all(), "rows with no visible key must be 0"
+    if lse is not None:
+        assert np.array_equal(np.isneginf(lse), empty), f"empty rows differ (seed {rng.seed})"
+        np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+MIXED_OPTIONS = {
+    "causal": {},
+    "left-window": {"window": (100, 0)},
+    "softcap-scale": {"softcap": 20.0, "scale": 0.1},
+    "noncausal": {"causal": False},
+}
+
+
+# (dtype, mask options, block size): each option and block size with each dtype at least once,
+# rather than the full product (its float64 references are the slow part of a device run)
+MIXED_CASES = [
+    (BF16, "causal", 16), (np.float16, "causal", 1), (BF16, "left-window", 7), (np.float16, "left-window", 16),
+    (np.float16, "softcap-scale", 7), (BF16, "softcap-scale", 1), (BF16, "noncausal", 16), (np.float16, "noncausal", 7),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,mask,block", MIXED_CASES,
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{m}-block{b}" for d, m, b in MIXED_CASES])
+def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, dtype, mask, block):
+    """GQA 32/8 at D = 128: the long runs take the paged forward (its PAGED kernel is named in the
+    debug log), the short ones paged decode, into one NaN-poisoned output."""
+    import cupy
+
+    options = MIXED_OPTIONS[mask]
+    q, pages, table, cu, lens = make_mixed(rng, dtype, block, hq=32, hk=8, d=128)
+    out = cupy.full(q.shape, np.nan, dtype)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages),
+                                                 cupy.asarray(table), cupy.asarray(cu), cupy.asarray(lens),
+                                                 max(MIXED_RUNS), return_lse=True, out=out, **options)
+    assert got is out
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    assert len(chosen) == 1 and chosen[0].endswith(", false, true>"), chosen
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, dtype, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 8)), (256, (4, 1)), (32, (6, 2)), (96, (4, 2))],
+                         ids=["d64-mha", "d256-mqa", "d32-gqa", "d96-gqa"])
+@pytest.mark.parametrize("block", [256, 2])
+def test_head_dims_and_block_sizes_on_the_gpu(rng, head_dim, heads, block):
+    """Every head dim of the forward; a block bigger than any key tile and one of two tokens."""
+    import cupy
+
+    runs, lens = (33, 1, 300, 0, 129), (33, 77, 1000, 3, 500)
+    q, pages, table, cu, lens = make_mixed(rng, BF16, block, heads[0], heads[1], head_dim, runs, lens)
+    got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), table, cu, lens,
+                                             max(runs), return_lse=True)
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16, {})
+
+
+@pytest.mark.gpu
+def test_prefill_only_and_decode_only_batches_on_the_gpu(rng, caplog):
+    """A batch of prefill chunks only (no decode launch) and one of decode rows only (no forward
+    launch), without return_lse, from a PagedKVCache."""
+    import cupy
+
+    for runs, lens, forward_launches in ((64, 1200), (64, 2500), 1), ((1, 16, 5), (900, 16, 33), 0):
+        q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, np.float16, 16, 16, 4, 128, runs, lens)
+        cache = cuattn.PagedKVCache(k_pages.shape[0], 16, 4, 128, np.float16)
+        cache.k_pages[...] = cupy.asarray(k_pages)
+        cache.v_pages[...] = cupy.asarray(v_pages)
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="cuattn"):
+            got = cuattn.paged_attention_varlen(cupy.asarray(q), cache, cupy.asarray(table), cu, cupy.asarray(lens),
+                                                max(runs))
+        chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+        assert len(chosen) == forward_launches, chosen
+        check_against_reference(rng, got.get().astype(np.float64), None, q, (k_pages, v_pages), table, cu, lens,
+                                np.float16, {})
+
+
+@pytest.mark.gpu
+def test_e4m3_pages_take_the_decode_path_on_the_gpu(rng, caplog):
+    import cupy
+
+    q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1), (300, 50))
+    k8, v8 = cuattn.quantize_fp8(k_pages, 0.02), cuattn.quantize_fp8(v_pages, 0.03)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
+                                                              cupy.asarray(v8.view(np.uint8))),
+                                            table, cu, lens, 40, k_scale=0.02, v_scale=0.03)
+    assert not [r for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    ref = reference.paged_attention_varlen(q, k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03, table, cu,
+                                           lens)
+    assert np.abs(got.get().astype(np.float64) - ref).max() < 3e-2, f"seed {rng.seed}"
+
+
+@pytest.mark.gpu
+def test_prefill_argument_errors_on_the_gpu(rng):
+    """The checks of the paged forward's inputs, reached when a sequence has more than 16 queries."""
+    import cupy
+
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1), (300, 50))
+    qd, pd = cupy.asarray(q), tuple(cupy.asarray(x) for x in pages)
+    with pytest.raises(TypeError, match=r"block_table.dtype must be int32, got int64"):
+        cuattn.paged_attention_varlen(qd, pd, table.astype(np.int64), cu, lens, 40)
+    with pytest.raises(TypeError, match=r"k_pages.dtype must equal q.dtype = bfloat16, got float16"):
+        cuattn.paged_attention_varlen(qd, tuple(x.astype(np.float16) for x in pd), table, cu, lens, 40)
+    with pytest.raises(ValueError, match=r"k_pages.shape\[3\] \(head_dim\) must equal q.shape\[2\] = 64, got 32"):
+        cuattn.paged_attention_varlen(qd, tuple(x[..., :32] for x in pd), table, cu, lens, 40)
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \(num_heads\) = 8 must be a multiple of k_pages.shape\[2\] "
+                                         r"\(num_kv_heads\) = 3"):
+        cuattn.paged_attention_varlen(qd, tuple(cupy.concatenate([x, x[:, :, :1]], axis=2) for x in pd), table, cu,
+                                      lens, 40)
+    bad = table.copy()
+    bad[0, 2] = pages[0].shape[0]
+    with pytest.raises(ValueError, match=rf"block_table\[0, 2\] = {pages[0].shape[0]} is outside the pool"):
+        cuattn.paged_attention_varlen(qd, pd, bad, cu, lens, 40)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 400 exceeds what block_table holds"):
+        cuattn.paged_attention_varlen(qd, pd, table, cu, np.array([400, 50], np.int32), 40)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_on_the_gpu(rng):
+    """torch q, pages, table and lengths: both launches on torch's stream, out and lse torch tensors."""
+    torch = pytest.importorskip("torch")
+
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1, 3), (300, 50, 9))
+
+    def device(x):
+        x = np.asarray(x)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16)
+        return torch.from_numpy(x).cuda()
+
+    got, lse = cuattn.paged_attention_varlen(device(q), tuple(device(x) for x in pages), device(table), device(cu),
+                                             device(lens), 40, return_lse=True)
+    assert isinstance(got, torch.Tensor) and isinstance(lse, torch.Tensor)
+    check_against_reference(rng, got.float().cpu().numpy().astype(np.float64), lse.cpu().numpy(), q, pages, table, cu,
+                            lens, BF16, {})

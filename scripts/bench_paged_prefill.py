@@ -1,0 +1,118 @@
+"""Prefill throughput over a paged KV cache: cuattn.paged_attention_varlen against cuattn.attention_varlen
+on the same tokens in a dense packed layout, on the current GPU.
+
+python scripts/bench_paged_prefill.py OUT.json [--no-runs]
+    bf16, D = 128, GQA 32/8, block size 16, pages shuffled over the pool, causal (bottom-right):
+      prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
+      mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
+    one line per (case, path): ms and TFLOP/s (4 * H * D per visible query-key pair). The paged
+    times include the call's host planning (check=False, device tables). Dense is timed twice: as
+    dispatched (the Hopper forward on an H200) and on flash_fwd_kernel, the mma.sync kernel the
+    paged forward is a variant of, so the cost of the page lookups shows apart from the kernel's.
+    Unless --no-runs, a last path times the decode-only schedule (every sequence cut into runs of
+    16 queries through paged decode, what paged_attention_varlen did before the paged forward).
+"""
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+
+import cupy
+import numpy as np
+
+import cuattn
+from cuattn import _calls, paged_varlen
+from cuattn.bench import timing
+
+attention_module = importlib.import_module("cuattn.attention")  # the module, not the function
+
+HQ, HK, D, BLOCK = 32, 8, 128, 16
+CASES = {
+    # name: (queries per sequence, keys per sequence)
+    "prefill": ((4096,) * 4, (4096, 6144, 8192, 8192)),
+    "mixed": ((2048,) + (1,) * 64, (4096,) * 65),
+}
+
+
+def visible_pairs(queries, keys) -> int:
+    """Query-key pairs a causal bottom-right mask leaves: query i of n sees keys j <= Sk - n + i."""
+    return sum(n * (sk - n) + n * (n + 1) // 2 for n, sk in zip(queries, keys))
+
+
+def make_case(rng, queries, keys):
+    """Packed q, dense packed k and v, and the same keys and values scattered over shuffled pages."""
+    bf16 = cupy.dtype("bfloat16")
+    cu_q = np.concatenate([[0], np.cumsum(queries)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(keys)]).astype(np.int32)
+    q, k, v = (cupy.random.standard_normal((int(cu[-1]), h, D), dtype=cupy.float32).astype(bf16)
+               for cu, h in ((cu_q, HQ), (cu_k, HK), (cu_k, HK)))
+    per_seq = -(-max(keys) // BLOCK)
+    order = rng.permutation(len(keys) * per_seq).astype(np.int32)
+    table = order.reshape(len(keys), per_seq)
+    pages = [cupy.zeros((order.size, BLOCK, HK, D), bf16) for _ in range(2)]
+    for b, n in enumerate(keys):
+        blocks = -(-n // BLOCK)
+        slots = (table[b, :blocks, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
+        for dense, paged in zip((k, v), pages):
+            paged.reshape(-1, HK, D)[cupy.asarray(slots)] = dense[int(cu_k[b]):int(cu_k[b + 1])]
+    return q, k, v, cu_q, cu_k, tuple(pages), cupy.asarray(table), cupy.asarray(np.asarray(keys, np.int32))
+
+
+@contextlib.contextmanager
+def schedule(path: str):
+    """The dispatch a path times: mma.sync forward only (the Hopper tile table emptied, plans of
+    the other dispatch dropped), or every sequence through paged decode, or as shipped."""
+    tiles, threshold = dict(attention_module.FWD_SM90_TILES), paged_varlen.PREFILL_MIN_QUERIES
+    _calls.clear()
+    if "mma.sync" in path:
+        attention_module.FWD_SM90_TILES.clear()
+    if path.startswith("decode runs"):
+        paged_varlen.PREFILL_MIN_QUERIES = np.iinfo(np.int32).max
+    try:
+        yield
+    finally:
+        attention_module.FWD_SM90_TILES.update(tiles)
+        paged_varlen.PREFILL_MIN_QUERIES = threshold
+        _calls.clear()
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json")
+    parser.add_argument("--no-runs", action="store_true")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (queries, keys) in CASES.items():
+        q, k, v, cu_q, cu_k, pages, table, lens = make_case(rng, queries, keys)
+        cuq_d, cuk_d = cupy.asarray(cu_q), cupy.asarray(cu_k)
+        paths = {
+            "dense attention_varlen": lambda: cuattn.attention_varlen(q, k, v, cuq_d, cuk_d, max(queries), max(keys),
+                                                                      causal=True),
+            "paged_attention_varlen": lambda: cuattn.paged_attention_varlen(q, pages, table, cu_q, lens, max(queries),
+                                                                            check=False),
+        }
+        # agreement first: the two layouts hold the same tokens
+        diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
+                              - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
+        flops = 4.0 * HQ * D * visible_pairs(queries, keys)
+        timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"])]
+        if not args.no_runs:
+            timed.append(("decode runs of 16 (old schedule)", paths["paged_attention_varlen"]))
+        for path, fn in timed:
+            with schedule(path):
+                ms = timing.time_cuda(fn)
+            row = dict(case=name, path=path, queries=list(queries)[:4] + (["..."] if len(queries) > 4 else []),
+                       sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=flops / ms / 1e9,
+                       max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=BLOCK)
+            rows.append(row)
+            print(f"{name:8s} {path:34s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
+        print(f"{name:8s} max |paged - dense| = {diff:.3g}", flush=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
