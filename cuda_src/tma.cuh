@@ -123,12 +123,18 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // reduction, long enough to keep the spinning thread off the L2 port
 constexpr int kSemaphoreBackoffNs = 64;
 
+// Reads of a semaphore before a waiter gives up (at least kSemaphoreBackoffNs apart: over 30 s).
+// A value that never comes is a bug in the ordering (or an earlier CTA that faulted); trapping
+// turns what would be a hung GPU into a launch error.
+constexpr int kSemaphoreMaxSpins = 1 << 29;
+
 // Spin until the global semaphore reads `value` (acquire, GPU scope).
 __device__ __forceinline__ void semaphore_wait_equal(const int* sem, int value) {
   int seen;
-  while (true) {
+  for (int spins = 0;; ++spins) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
     if (seen == value) break;
+    if (spins == kSemaphoreMaxSpins) __trap();
     __nanosleep(kSemaphoreBackoffNs);
   }
 }

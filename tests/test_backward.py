@@ -428,3 +428,54 @@ def test_sm90_backward_picks_bulk_dq():
             assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (tile.block_m * d * 4 if tile.bulk_dq else 0)
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
+
+
+def _visited_query_blocks(n, sq, sk, left, right, block_m, block_n):
+    """flash_bwd_sm90_kernel's query blocks of key block n (m_block_begin, m_blocks), restated."""
+    offset, n0 = sk - sq, n * block_n
+    m_begin, m_end = max(0, n0 - offset - right), min(sq, n0 + block_n - 1 - offset + left + 1)
+    first = m_begin // block_m
+    return range(first, -(-m_end // block_m)) if m_end > m_begin else range(0)
+
+
+def _rank_range(m, sq, sk, left, right, block_m, block_n):
+    """The [first, last] key blocks its ordered dQ ranks assume for query block m, restated."""
+    offset, m0 = sk - sq, m * block_m
+    first = max(0, m0 + offset - left) // block_n
+    last = min(-(-sk // block_n) - 1, (m0 + block_m - 1 + offset + right) // block_n)
+    return first, last
+
+
+def test_ordered_dq_ranks_are_the_visiting_key_blocks(rng):
+    """The ordered bulk dQ (kBwdDqOrdered) waits, at query block m, for semaphore value = the CTA's
+    rank in [first(m), last(m)]: a hang unless the key blocks that visit m are exactly that range
+    for every mask. The kernel's formulas, restated, over random lengths and windows; and the
+    varlen tile start (cu_seqlens_q[b] + b * BLOCK_M) // BLOCK_M gives each sequence's blocks
+    their own tiles below the host's count."""
+    import importlib
+
+    from cuattn import _masks
+
+    attention_module = importlib.import_module("cuattn.attention")
+    tile = attention_module.bwd_tile(128, "sm_90a")
+    block_m, block_n = tile.block_m, tile.block_n
+    for _ in range(300):
+        sq, sk = (int(x) for x in rng.integers(1, 1200, size=2))
+        causal = bool(rng.integers(2))
+        window = tuple(int(rng.choice([-1, int(rng.integers(0, 500))])) for _ in range(2))
+        left, right = _masks.window_bounds(causal, window, sq + sk + block_n)
+        key_blocks = -(-sk // block_n)
+        visits = [set(_visited_query_blocks(n, sq, sk, left, right, block_m, block_n)) for n in range(key_blocks)]
+        for m in range(-(-sq // block_m)):
+            who = [n for n in range(key_blocks) if m in visits[n]]
+            if who:
+                first, last = _rank_range(m, sq, sk, left, right, block_m, block_n)
+                assert who == list(range(first, last + 1)), (sq, sk, causal, window, m, rng.seed)
+    for _ in range(100):
+        lens = rng.integers(0, 400, size=int(rng.integers(1, 9)))
+        starts, batch = np.concatenate([[0], np.cumsum(lens)]), len(lens)
+        tiles_per_head = (int(starts[-1]) + batch * block_m) // block_m  # _launch_bwd's acc_tile_sh
+        used = [t for b in range(batch) for t in
+                range((int(starts[b]) + b * block_m) // block_m,
+                      (int(starts[b]) + b * block_m) // block_m + -(-int(lens[b]) // block_m))]
+        assert len(used) == len(set(used)) and all(t < tiles_per_head for t in used), (lens, rng.seed)
