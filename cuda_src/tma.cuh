@@ -123,10 +123,11 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // reduction, long enough to keep the spinning thread off the L2 port
 constexpr int kSemaphoreBackoffNs = 64;
 
-// Reads of a semaphore before a waiter gives up (at least kSemaphoreBackoffNs apart: over 30 s).
-// A value that never comes is a bug in the ordering (or an earlier CTA that faulted); trapping
-// turns what would be a hung GPU into a launch error.
-constexpr int kSemaphoreMaxSpins = 1 << 29;
+// Reads of a semaphore before a waiter gives up: at least kSemaphoreBackoffNs apart plus an L2
+// round trip each, so between about 2 s and 20 s, where a legitimate wait (for an earlier CTA
+// to reach the same tile) lasts microseconds to milliseconds. A value that never comes is a bug
+// in the ordering (or an earlier CTA that faulted); trapping turns a hung GPU into a launch error.
+constexpr int kSemaphoreMaxSpins = 1 << 25;
 
 // Spin until the global semaphore reads `value` (acquire, GPU scope).
 __device__ __forceinline__ void semaphore_wait_equal(const int* sem, int value) {
