@@ -744,8 +744,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
     and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` summed with atomics, whose
-    order varies between runs. ``deterministic=True`` needs no accumulator and gives
-    bit-identical gradients run after run, at about 1.2-1.3x the time. The sinks' gradient is
+    order varies between runs. ``deterministic=True`` gives bit-identical gradients run after
+    run: a second kernel sums dQ in a fixed order (no accumulator), or on sm_90a at D = 64 and
+    128 the main kernel adds its dQ tiles in a fixed order (a tile accumulator of the same size
+    and one int32 semaphore per tile half). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
