@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import numpy as np
 
@@ -593,6 +594,10 @@ def _split_grid(count: int) -> tuple[int, int]:
 # Backward
 
 
+# How flash_bwd_sm90_kernel's dQ reaches global memory (BwdTile.dq_mode)
+BWD_DQ_MODES = ("bulk", "atomic")
+
+
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
     """Tiles of the backward kernels for one head dim.
@@ -605,6 +610,10 @@ class BwdTile:
     step, `dq_warps` warps of 16 query rows each.
     `wgmma`: the main kernel is flash_bwd_sm90_kernel instead (sm_90a; two warpgroups, BLOCK_N =
     128, two Q/dO stages; only block_m counts, the warp layout fields do not apply).
+    `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
+    per part, and deterministic=True orders those reductions with per-tile semaphores in the same
+    kernel; "atomic" is the earlier design, float4 atomics and, for deterministic=True,
+    flash_bwd_dq_kernel (kept selectable to compare and to fall back).
     """
 
     block_m: int
@@ -619,18 +628,31 @@ class BwdTile:
     dq_block_n: int
     dq_warps: int
     wgmma: bool = False
+    dq_mode: str = "bulk"
+
+    def __post_init__(self):
+        if self.dq_mode not in BWD_DQ_MODES:
+            raise ValueError(f"dq_mode must be one of {BWD_DQ_MODES}, got {self.dq_mode!r}")
+
+    @property
+    def bulk_dq(self) -> bool:
+        """Whether the main kernel is flash_bwd_sm90_kernel with bulk-reduced dQ."""
+        return self.wgmma and self.dq_mode == "bulk"
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """K, V [BLOCK_N, D + 8]; Q, dO [stages, BLOCK_M, D + 8]; P^T, dS^T [BLOCK_N, BLOCK_M + 8];
         lse, delta [stages, BLOCK_M] fp32. wgmma (BwdSm90Smem): unpadded swizzled K, V, two Q/dO
-        stages, dS^T, lse and delta, and the alignment slack."""
+        stages, dS^T, lse and delta, the bulk dQ staging tile [BLOCK_M, D] fp32 (bulk_dq), and the
+        alignment slack."""
         if self.wgmma:
             # flash_bwd.cu's kBwdSm90BlockN keys and kBwdSm90Stages buffers; swizzled tiles start on
             # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
             block_n, stages = _params.constant("kBwdSm90BlockN"), _params.constant("kBwdSm90Stages")
             tiles = (2 * block_n + 2 * stages * self.block_m) * head_dim * itemsize
             stats = 2 * stages * self.block_m * 4
-            return tiles + block_n * self.block_m * itemsize + stats + _params.constant("kSwizzleAtomBytes")
+            staging = self.block_m * head_dim * 4 if self.bulk_dq else 0
+            return (tiles + block_n * self.block_m * itemsize + stats + staging
+                    + _params.constant("kSwizzleAtomBytes"))
         pad = _params.constant("kPadElems")
         tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
         return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
@@ -661,8 +683,20 @@ BWD_TILES = {
 }
 
 
-def bwd_tile(head_dim: int, arch: str) -> BwdTile:
-    return BWD_TILES[head_dim][arch_family(arch)]
+# Head dims whose ordered bulk dQ (deterministic=True) spills with ALiBi's bias on sm_90a: at D =
+# 128 the kernel sits at 255 registers, and the semaphore spin adds 16 bytes of spill
+# (`python -m cuattn build`). There deterministic ALiBi keeps the earlier path (BwdTile.dq_mode
+# "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
+BWD_ORDERED_ALIBI_FALLBACK = (128,)
+
+
+def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False) -> BwdTile:
+    """The backward's tiles for ``head_dim`` on ``arch``; ``deterministic`` and ``alibi`` pick the
+    dQ path where one combination takes another (BWD_ORDERED_ALIBI_FALLBACK)."""
+    tile = BWD_TILES[head_dim][arch_family(arch)]
+    if tile.bulk_dq and deterministic and alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK:
+        return dataclasses.replace(tile, dq_mode="atomic")
+    return tile
 
 
 
@@ -676,14 +710,23 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
     itemsize = np.dtype(dtype).itemsize
     atomic, with_alibi = _cpp_bool(not deterministic), _cpp_bool(alibi)
     if t.wgmma:
-        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {atomic}, {with_alibi}>"
+        # flash_bwd.cu's DQ_MODE constants
+        if t.bulk_dq:
+            mode = _params.constant("kBwdDqOrdered" if deterministic else "kBwdDqBulk")
+        else:
+            mode = _params.constant("kBwdDqNone" if deterministic else "kBwdDqAtomic")
+        main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {mode}, {with_alibi}>"
     else:
         main_name = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
                      f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}, "
                      f"{with_alibi}>")
     main = _jit.KernelSpec("flash_bwd.cu", main_name, threads=t.warps * 32,
                            smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=t.wgmma)
-    if deterministic:
+    if t.bulk_dq:
+        last = _jit.KernelSpec("flash_bwd.cu",
+                               f"cuattn::bwd_convert_dq_tiles_kernel<{ctype}, {head_dim}, {t.block_m}>",
+                               threads=_params.constant("kConvertTileThreads"))
+    elif deterministic:
         last = _jit.KernelSpec(
             "flash_bwd.cu",
             f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
@@ -701,8 +744,15 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
 
 
 def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    specs = {spec for dtype in _arrays.CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for det in (False, True)
-             for alibi in (False, True) for spec in bwd_specs(dtype, d, bwd_tile(d, arch), det, alibi)}
+    """What the backward dispatcher can pick, and (wgmma tiles) the other dq_mode too, which stays
+    selectable for comparison and fallback."""
+    specs = set()
+    for dtype, d, det, alibi in itertools.product(_arrays.CUDA_TYPES, SUPPORTED_HEAD_DIMS, (False, True),
+                                                  (False, True)):
+        tile = bwd_tile(d, arch, det, alibi)
+        modes = BWD_DQ_MODES if tile.wgmma and tile == BWD_TILES[d][arch_family(arch)] else (tile.dq_mode,)
+        for mode in modes:
+            specs.update(bwd_specs(dtype, d, dataclasses.replace(tile, dq_mode=mode), det, alibi))
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -729,8 +779,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
     and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` summed with atomics, whose
-    order varies between runs. ``deterministic=True`` needs no accumulator and gives
-    bit-identical gradients run after run, at about 1.2-1.3x the time. The sinks' gradient is
+    order varies between runs. ``deterministic=True`` gives bit-identical gradients run after
+    run: a second kernel sums dQ in a fixed order (no accumulator), or on sm_90a at D = 64 and
+    128 the main kernel adds its dQ tiles in a fixed order (a tile accumulator of the same size
+    and one int32 semaphore per tile half). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
@@ -809,6 +861,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
     Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
     in registers in a fixed order (no atomics: bit-identical run to run, about 1.4x the work).
+    Bulk dQ (sm_90a, BwdTile.bulk_dq): the main kernel reduces whole dQ tiles into a tile
+    accumulator, in a fixed order per tile when deterministic; then a tile convert.
     """
     import cupy
 
@@ -826,6 +880,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = zeros if varlen else ctx.empty
+    tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None)
 
     def gradient(index, like, make):
         if grads is None:
@@ -835,7 +890,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             given.fill(0)
         return given
 
-    dq = gradient(0, q, alloc if deterministic else ctx.empty)  # [B, Sq, Hq, D]
+    # (the bulk path's tile convert writes only rows inside a sequence)
+    dq = gradient(0, q, alloc if deterministic or tile.bulk_dq else ctx.empty)  # [B, Sq, Hq, D]
     dk = gradient(1, k, alloc)  # [B, Sk, Hk, D]
     dv = gradient(2, v, alloc)  # [B, Sk, Hk, D]
     if q.size == 0 or k.size == 0:
@@ -845,12 +901,32 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    tile = bwd_tile(head_dim, _jit.target_arch())
     pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic, alibi[0] is not None)
     lse = cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
-    # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly
+    # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
+    # [tiles, BLOCK_M * D], each sequence's query blocks on their own tiles (flash_bwd.cu)
     dq_accum = None if deterministic else zeros((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32)
+    # flash_bwd_sm90_kernel's last arguments: tile strides, semaphores, ticket, rank order
+    tile_args = (np.int64(0), np.int64(0), np.uint64(0), np.uint64(0), np.int32(0)) if tile.wgmma else ()
+    if tile.bulk_dq:
+        if varlen:
+            # sequence b's blocks start at tile (cu_seqlens_q[b] + b * BLOCK_M) // BLOCK_M
+            acc_tile_sb, acc_tile_sh = 0, (rows_q + batch * tile.block_m) // tile.block_m
+        else:
+            acc_tile_sh = -(-seqlen_q // tile.block_m)
+            acc_tile_sb = num_heads * acc_tile_sh
+        tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
+        dq_accum = zeros((tiles, tile.block_m * head_dim), np.float32)
+        semaphores = ticket = np.uint64(0)
+        if deterministic:
+            # [tiles, kBwdSm90DqPartsMax] semaphores, then the CTA ticket, all zero
+            parts = _params.constant("kBwdSm90DqPartsMax")
+            sync = zeros((tiles * parts + 1,), np.int32)
+            semaphores, ticket = sync, sync[tiles * parts:]
+        # ranks descend where the right window side is bounded (causal): see flash_bwd.cu
+        descending = causal or window[1] >= 0
+        tile_args = (np.int64(acc_tile_sb), np.int64(acc_tile_sh), semaphores, ticket, np.int32(descending))
     i64, i32, f32 = np.int64, np.int32, np.float32
     strides = {name: list(_arrays.element_strides(x)) for name, x in
                (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
@@ -882,19 +958,23 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     shape_args = (i32(batch), i32(num_heads), i32(num_kv_heads), i32(seqlen_q), i32(seqlen_k))
     mask_args = (f32(score_scale), f32(softcap_out), f32(softmax_scale), i32(left), i32(right))
     _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
-        q, k, v, dout, lse, delta, null if deterministic else dq_accum, dk, dv, *cu, *qkv_strides,
+        q, k, v, dout, lse, delta, null if dq_accum is None else dq_accum, dk, dv, *cu, *qkv_strides,
         *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
-        *shape_args, *mask_args, *alibi_args), stream=stream)
+        *shape_args, *mask_args, *alibi_args, *tile_args), stream=stream)
 
-    if deterministic:
+    if tile.bulk_dq:
+        _jit.launch(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)), (
+            dq_accum, dq, cu[0], *map(i64, strides["dq"][:3]), i64(tile_args[0]), i64(tile_args[1]), i32(batch),
+            i32(num_heads), i32(seqlen_q), f32(softmax_scale)), stream=stream)
+    elif deterministic:
         _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
             q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
             i64(lse_s[1]), *shape_args, *mask_args, *alibi_args), stream=stream)
-        return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
-    total = int(dq_accum.size)
-    _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (
-        dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads), i32(head_dim),
-        f32(softmax_scale)), stream=stream)
+    else:
+        total = int(dq_accum.size)
+        _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (
+            dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads),
+            i32(head_dim), f32(softmax_scale)), stream=stream)
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
 
 

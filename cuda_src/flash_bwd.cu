@@ -13,8 +13,11 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
-//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job (same arguments) on warpgroup
-//                           MMA for D = 64 and 128; described above its definition
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job on warpgroup MMA for D = 64 and
+//                           128, with dQ by float4 atomics, by one bulk reduction per tile, or
+//                           (deterministic) by bulk reductions in a fixed order; described above
+//                           its definition
+//   bwd_convert_dq_tiles_kernel  dq = scale * the bulk reductions' tile accumulator, in q's dtype
 //
 // Per query block the main kernel runs five warp GEMMs on shared tiles (warp tiles of 32 x 32
 // where the tile allows, so each fragment read from shared memory feeds several mma):
@@ -29,10 +32,12 @@
 //
 // Layouts (element strides are arguments; the last axis is contiguous):
 //   q, out, dout, dq   [B, Sq, Hq, D]    k, v, dk, dv [B, Sk, Hk, D]    lse, delta [B, Hq, Sq]
-//   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host
+//   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
+//                      kernel's bulk dQ: tiles of BLOCK_M x D, see BwdSm90Smem
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
 #include "attention_tile.cuh"
 #include "block_range.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace cuattn {
@@ -390,18 +395,76 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // accumulators straight as the register A operand of dV += P^T dO and dK += dS^T Q, with no
 // shared-memory round trip; dS^T also goes to shared memory for dQ = dS K. At D = 128 the two
 // warpgroups split dQ by D (each sums over all 128 keys, after a CTA barrier); at D = 64 each
-// adds its own 64 keys' share of all of dQ (twice the atomics, but only a warpgroup barrier and
-// no n32 tile). Per query block:
+// computes its own 64 keys' share of all of dQ (only a warpgroup barrier and no n32 tile).
+// Per query block:
 //   S^T  = K Q^T, dP^T = V dO^T        ss, both operands K-major, two commit groups
 //   P^T, dS^T in registers             the exponentials start while dP^T is in flight
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the same tiles
-//   dS^T -> shared; dQ = dS K          ss, both operands MN-major; atomicAdd to dq_accum
+//   dS^T -> shared; dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
 // All tiles are 128-byte swizzled (wgmma.cuh). Q, dO, lse and delta of the next query block
 // stream in with cp.async while this one computes.
+//
+// DQ_MODE, how each step's dQ tile (64 queries x D, fp32) reaches global memory:
+//   kBwdDqNone     not at all (flash_bwd_dq_kernel computes dQ: the older deterministic path)
+//   kBwdDqAtomic   float4 atomicAdd per element quad into dq_accum [B, Sq, Hq, D]; at D = 64 both
+//                  warpgroups add their keys' share (twice the atomics)
+//   kBwdDqBulk     the tile goes to shared memory and one thread per part issues one
+//                  cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
+//                  accumulator: a few instructions per tile instead of 2048 (D = 128) vector
+//                  atomics, and L2 sees whole lines. At D = 64 the two warpgroups' shares are
+//                  summed in shared memory first (warpgroup 0 stores, warpgroup 1 adds: one part)
+//   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile happen in a fixed CTA order, so
+//                  dQ is bit-identical run to run (deterministic=True) at the cost of the wait
+//
+// Tile accumulator (bulk modes): dq_accum [tiles, BLOCK_M * D] fp32, tile = b * acc_tile_sb +
+// h * acc_tile_sh + q_block0(b) + query block, where q_block0 is 0 dense and
+// (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
+// tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
+// Inside a tile, part p (p < kBwdSm90DqParts<D>: the warpgroup's D half at D = 128, all of D at
+// D = 64) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
+// stores are conflict-free float4s of consecutive threads:
+//   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
+//   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
+// (t the thread of the warpgroup holding it, 4 j + 2 r + col % 2 its accumulator index);
+// bwd_convert_dq_tiles_kernel undoes it. Rows past the sequence's end hold zeros (their
+// probabilities are masked to 0), which the convert kernel does not read.
+//
+// Ordered reductions (kBwdDqOrdered). dq_semaphores [tiles, kBwdSm90DqPartsMax] int32, zeroed,
+// count the reductions done into each tile part; cta_ticket [1] int32, zeroed, hands out work in
+// the order CTAs start. The key blocks that visit query block m form a range [first(m), last(m)]
+// (the mask is a band); a CTA's rank there is key_block - first(m) (ascending) or last(m) -
+// key_block (dq_descending: a bounded right window side, e.g. causal, where the highest key
+// block reaches a query block first because it starts at its diagonal). The issuing thread of a
+// part spins until the semaphore equals its rank, reduces, waits for the writes to be performed
+// and adds one. Deadlock-free without co-residency: a CTA takes its (kv head, key block) from
+// the ticket, ordered so that it only ever waits on CTAs with smaller tickets, which were
+// running before it and themselves only wait on smaller tickets.
+//
+// Barriers: 0 (__syncthreads) at the top of each step and before an all-keys dQ GEMM; 1 and 2
+// per warpgroup; 3 (D = 64 bulk modes) hands warpgroup 0's staged dQ share to warpgroup 1. The
+// shared dQ staging area is rewritten only after the issuing thread has seen its previous
+// reduction's source read (bulk_wait_read), which it does before a barrier every writer passes.
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Warpgroups = 2;
 constexpr int kBwdSm90Threads = kBwdSm90Warpgroups * kWarpgroupThreads;
 constexpr int kBwdSm90Stages = 2;  // Q/dO/lse/delta buffers: this step's and the next one's
+constexpr int kBwdDqNone = 0;
+constexpr int kBwdDqAtomic = 1;
+constexpr int kBwdDqBulk = 2;
+constexpr int kBwdDqOrdered = 3;
+constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
+constexpr int kBwdDqHandoffBarrier = 3;
+
+// dQ columns per warpgroup: all of D at D = 64 (own keys), half of D at D = 128 (all keys)
+template <int HEAD_DIM>
+__host__ __device__ constexpr bool bwd_sm90_dq_own_keys() { return HEAD_DIM <= kSwizzlePanelCols; }
+template <int HEAD_DIM>
+__host__ __device__ constexpr int bwd_sm90_dq_cols() {
+  return bwd_sm90_dq_own_keys<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Warpgroups;
+}
+// parts of a bulk dQ tile, each reduced by one thread (HEAD_DIM / kDqCols)
+template <int HEAD_DIM>
+__host__ __device__ constexpr int bwd_sm90_dq_parts() { return HEAD_DIM / bwd_sm90_dq_cols<HEAD_DIM>(); }
 
 // cp.async copies of [ROWS, COLS] row blocks into a SwizzledTile by all THREADS threads. Each
 // thread keeps one 16-byte column chunk and walks the rows kRowsPerPass apart; a pass is a
@@ -450,7 +513,7 @@ __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
 
 // Shared memory of flash_bwd_sm90_kernel, byte offsets from a 1024-byte-aligned base. Python
 // mirrors kBytes (cuattn/attention.py, BwdSm90Tile).
-template <int HEAD_DIM, int BLOCK_M>
+template <int HEAD_DIM, int BLOCK_M, bool BULK_DQ>
 struct BwdSm90Smem {
   static constexpr int STAGES = kBwdSm90Stages;
   using KTile = SwizzledTile<kBwdSm90BlockN, HEAD_DIM>;  // K, V   [BLOCK_N, D]
@@ -463,17 +526,20 @@ struct BwdSm90Smem {
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
   static constexpr int kLse = kdS + STile::kBytes;                     // [STAGES, BLOCK_M] fp32, natural log
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
+  static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);  // bulk dQ: [BLOCK_M * D] fp32
+  static constexpr int kdQBytes = BULK_DQ ? BLOCK_M * HEAD_DIM * sizeof(float) : 0;
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
-  static constexpr int kBytes = kDelta + STAGES * BLOCK_M * sizeof(float) + kSwizzleAtomBytes;
+  static constexpr int kBytes = kdQ + kdQBytes + kSwizzleAtomBytes;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool ATOMIC_DQ, bool ALIBI>
+template <typename T, int HEAD_DIM, int BLOCK_M, int DQ_MODE, bool ALIBI>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ dout,
                       const float* __restrict__ lse,    // [B, Hq, Sq] natural log
                       const float* __restrict__ delta,  // [B, Hq, Sq]
-                      float* __restrict__ dq_accum,     // [B, Sq, Hq, D] contiguous (varlen: [total_q, Hq, D])
+                      float* __restrict__ dq_accum,     // atomic: [B, Sq, Hq, D] contiguous (varlen: [total_q,
+                                                        // Hq, D]); bulk: [tiles, BLOCK_M * D] (above)
                       T* __restrict__ dk, T* __restrict__ dv,  // [B, Sk, Hk, D]
                       const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
@@ -482,17 +548,23 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
                       float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
                       // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
-                      const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
+                      const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
+                      // bulk modes: the tile accumulator's strides in tiles (varlen: acc_tile_sb 0);
+                      // kBwdDqOrdered: the semaphores [tiles, kBwdSm90DqPartsMax], the ticket [1]
+                      // and the rank order (1: descending key blocks); else unread
+                      i64 acc_tile_sb, i64 acc_tile_sh, int* __restrict__ dq_semaphores,
+                      int* __restrict__ cta_ticket, int dq_descending) {
+  constexpr bool kBulkDq = DQ_MODE == kBwdDqBulk || DQ_MODE == kBwdDqOrdered;
   using DT = DType<T>;
-  using Smem = BwdSm90Smem<HEAD_DIM, BLOCK_M>;
+  using Smem = BwdSm90Smem<HEAD_DIM, BLOCK_M, kBulkDq>;
   using KTile = typename Smem::KTile;
   using QTile = typename Smem::QTile;
   using STile = typename Smem::STile;
   constexpr int BLOCK_N = kBwdSm90BlockN;
   constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Warpgroups;
   // dQ of one warpgroup: half of D over all keys, or (D = 64) all of D over its own keys
-  constexpr bool kDqOwnKeys = HEAD_DIM <= kSwizzlePanelCols;
-  constexpr int kDqCols = kDqOwnKeys ? HEAD_DIM : HEAD_DIM / kBwdSm90Warpgroups;
+  constexpr bool kDqOwnKeys = bwd_sm90_dq_own_keys<HEAD_DIM>();
+  constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   constexpr int kDqKeys = kDqOwnKeys ? kKeysPerWarpgroup : BLOCK_N;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
   using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
@@ -500,15 +572,30 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per warpgroup");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dV, dK and dQ tiles of n64 or n128");
+  static_assert(bwd_sm90_dq_parts<HEAD_DIM>() <= kBwdSm90DqPartsMax, "a semaphore per part");
+  // one part of a bulk dQ tile: BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
+  constexpr int kDqPartFloats = BLOCK_M * kDqCols;
+  static_assert(kDqPartFloats == DQ::kAccumulators * kWarpgroupThreads, "a part is one warpgroup's accumulators");
 
-  const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  // (kv head, key block) of this CTA: the grid position, or (ordered dQ) the ticket's, so that
+  // the semaphore waits only ever point at CTAs that started earlier
+  i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  int key_block = blockIdx.x;
+  if constexpr (DQ_MODE == kBwdDqOrdered) {
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(cta_ticket, 1);
+    __syncthreads();
+    bhk = ticket / static_cast<int>(gridDim.x);
+    const int x = ticket % static_cast<int>(gridDim.x);
+    key_block = dq_descending ? static_cast<int>(gridDim.x) - 1 - x : x;
+  }
   if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
   const int b = static_cast<int>(bhk / num_kv_heads);
   const int hk = static_cast<int>(bhk % num_kv_heads);
   const int group = num_heads / num_kv_heads;
   const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
                       softcap_out);
-  const int n0 = blockIdx.x * BLOCK_N;
+  const int n0 = key_block * BLOCK_N;
   if (n0 >= pb.seqlen_k) return;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -520,6 +607,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   float* sDelta = reinterpret_cast<float*>(base + Smem::kDelta);
 
   const int wg = threadIdx.x / kWarpgroupThreads;
+  const int wg_thread = threadIdx.x % kWarpgroupThreads;
   const int wg_warp = (threadIdx.x / kWarpSize) % kWarpsPerWarpgroup;
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
@@ -545,7 +633,11 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
   // Every key block of a head adds into the same dQ rows: starting each CTA at a different query
   // block spreads the atomics over the accumulator instead of queueing them on the same lines.
-  const int m_rotation = m_blocks > 0 ? static_cast<int>(blockIdx.x % m_blocks) : 0;
+  // Ordered reductions walk the query blocks in ascending order instead, so that the CTA a rank
+  // waits for reaches each block before it (descending ranks: it started further along) or at
+  // the same step (ascending ranks: then the CTAs of a head settle one reduction apart).
+  const int m_rotation =
+      DQ_MODE != kBwdDqOrdered && m_blocks > 0 ? static_cast<int>(blockIdx.x % m_blocks) : 0;
   const auto step_m0 = [&](int step) {
     int m = step % m_blocks + m_rotation;
     m = m >= m_blocks ? m - m_blocks : m;
@@ -669,7 +761,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       KV::template rs<1>(dK, dsa[j], mnmajor_descriptor<QTile>(cQ, 0, j), 1);
     wgmma_commit();
 
-    if constexpr (ATOMIC_DQ) {
+    if constexpr (DQ_MODE != kBwdDqNone) {
       // dS^T to shared memory: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
 #pragma unroll
       for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
@@ -682,8 +774,14 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       // every dS^T row the dQ GEMM reads is written and visible to wgmma: the whole tile, or
       // (own keys) this warpgroup's rows
       fence_proxy_async();
-      if constexpr (kDqOwnKeys) warpgroup_barrier(wg);
-      else __syncthreads();
+      if constexpr (kDqOwnKeys) {
+        warpgroup_barrier(wg);
+      } else {
+        // (bulk) this warpgroup's staging part is rewritten below: its previous reduction must
+        // have read it, and the barrier passes that on to the whole warpgroup
+        if (kBulkDq && wg_thread == 0) bulk_wait_read<0>();
+        __syncthreads();
+      }
       // dQ = dS K over keys [dq_key0, dq_key0 + kDqKeys): dS read MN-major from dS^T, K MN-major ([key][d])
       const u32 dS_keys = sdS + dq_key0 * kSwizzleRowBytes, k_keys = sK + dq_key0 * kSwizzleRowBytes;
       float dq[DQ::kAccumulators];
@@ -694,38 +792,106 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq);
-      // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
-      // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
-      const bool odd = tq % 2;
+      // the dV and dK GEMMs are done too: their A fragments are free from here on
+      fence_registers(pa);
+      fence_registers(dsa);
+      fence_registers(dV);
+      fence_registers(dK);
+      if constexpr (DQ_MODE == kBwdDqAtomic) {
+        // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
+        // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
+        const bool odd = tq % 2;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int query = m0 + wg_warp * 16 + g + 8 * r;
-        float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 +
-                     2 * (tq & ~1);
+        for (int r = 0; r < 2; ++r) {
+          const int query = m0 + wg_warp * 16 + g + 8 * r;
+          float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 +
+                       2 * (tq & ~1);
 #pragma unroll
-        for (int j = 0; j < kDqCols / 8; j += 2) {
-          const float* even_tile = dq + 4 * j + 2 * r;
-          const float* odd_tile = dq + 4 * (j + 1) + 2 * r;
-          // the pair this lane adds, and the one it hands its partner (selects, not a runtime
-          // index: the accumulator must stay in registers)
-          const float mine0 = odd ? odd_tile[0] : even_tile[0], mine1 = odd ? odd_tile[1] : even_tile[1];
-          const float give0 = odd ? even_tile[0] : odd_tile[0], give1 = odd ? even_tile[1] : odd_tile[1];
-          const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
-          const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
-          const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
-          if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
+          for (int j = 0; j < kDqCols / 8; j += 2) {
+            const float* even_tile = dq + 4 * j + 2 * r;
+            const float* odd_tile = dq + 4 * (j + 1) + 2 * r;
+            // the pair this lane adds, and the one it hands its partner (selects, not a runtime
+            // index: the accumulator must stay in registers)
+            const float mine0 = odd ? odd_tile[0] : even_tile[0], mine1 = odd ? odd_tile[1] : even_tile[1];
+            const float give0 = odd ? even_tile[0] : odd_tile[0], give1 = odd ? even_tile[1] : odd_tile[1];
+            const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
+            const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
+            const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
+            if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
+          }
+        }
+      } else {
+        // Stage the tile in accumulator order (float4 j of thread t at j * 128 + t), then one
+        // thread per part reduces the part into the tile accumulator. Own keys (D = 64): one part
+        // for both warpgroups; warpgroup 0 stores its share and signals, warpgroup 1 adds its own
+        // (always in that order: bit-identical sums) and issues.
+        float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + (kDqOwnKeys ? 0 : wg) * (kDqPartFloats / 4);
+        const bool issuing_warpgroup = !kDqOwnKeys || wg == 1;
+        if (kDqOwnKeys && wg == 1)
+          asm volatile("bar.sync %0, %1;\n" ::"n"(kBwdDqHandoffBarrier), "n"(kBwdSm90Threads) : "memory");
+#pragma unroll
+        for (int j = 0; j < DQ::kAccumulators / 4; ++j) {
+          float4 quad = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+          if (kDqOwnKeys && wg == 1) {
+            const float4 first = part[j * kWarpgroupThreads + wg_thread];
+            quad = make_float4(first.x + quad.x, first.y + quad.y, first.z + quad.z, first.w + quad.w);
+          }
+          part[j * kWarpgroupThreads + wg_thread] = quad;
+        }
+        if (!issuing_warpgroup) {
+          asm volatile("bar.arrive %0, %1;\n" ::"n"(kBwdDqHandoffBarrier), "n"(kBwdSm90Threads) : "memory");
+        } else {
+          // the stores reach the bulk copy's async proxy, and every thread's are in
+          fence_proxy_async();
+          warpgroup_barrier(wg);
+          if (wg_thread == 0) {
+            const int part_index = kDqOwnKeys ? 0 : wg;
+            // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
+            const int q_block0 =
+                cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
+            const int tile = b * static_cast<int>(acc_tile_sb) + h * static_cast<int>(acc_tile_sh) + q_block0 + m0 / BLOCK_M;
+            float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
+            const u32 src = smem0 + Smem::kdQ + part_index * kDqPartFloats * static_cast<int>(sizeof(float));
+            constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
+            if constexpr (DQ_MODE == kBwdDqOrdered) {
+              // rank among the key blocks that visit this query block (the range [first, last])
+              const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
+              const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
+                                   (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
+              int* sem = dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
+              // (the key block from n0, which the masks keep live anyway: no register of its own)
+              const int key_block_now = n0 / BLOCK_N;
+              semaphore_wait_equal(sem, dq_descending ? last - key_block_now : key_block_now - first);
+              // the earlier CTAs' reductions (released with the semaphore) come before ours
+              fence_proxy_async_global();
+              bulk_reduce_add_f32(dst, src, kPartBytes);
+              bulk_commit();
+              bulk_wait<0>();
+              fence_proxy_async_global();
+              semaphore_increment(sem);
+            } else {
+              bulk_reduce_add_f32(dst, src, kPartBytes);
+              bulk_commit();
+              // own keys: warpgroup 0 rewrites the part after the next step's first barrier,
+              // which this thread reaches only once the part has been read
+              if constexpr (kDqOwnKeys) bulk_wait_read<0>();
+            }
+          }
         }
       }
     } else {
       wgmma_wait<0>();
+      // the A fragments and accumulators are free again only now
+      fence_registers(pa);
+      fence_registers(dsa);
+      fence_registers(dV);
+      fence_registers(dK);
     }
-    // the A fragments and accumulators are free again only now
-    fence_registers(pa);
-    fence_registers(dsa);
-    fence_registers(dV);
-    fence_registers(dK);
   }
   cp_async_wait<0>();
+
+  // (bulk) the last reductions read their staging part before the CTA's shared memory goes
+  if (kBulkDq && wg_thread == 0) bulk_wait<0>();
 
   // dK (times the softmax scale) and dV of this warpgroup's 64 keys
 #pragma unroll
@@ -921,6 +1087,43 @@ bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // [B, Sq, Hq, D] con
   const int i = static_cast<int>((idx / (static_cast<i64>(head_dim) * num_heads)) % seqlen_q);
   const int b = static_cast<int>(idx / (static_cast<i64>(head_dim) * num_heads * seqlen_q));
   dq[b * dq_sb + i * dq_ss + h * dq_sh + d] = DType<T>::from_float(dq_accum[idx] * scale);
+}
+
+// dq = scale * the sm_90a kernel's bulk tile accumulator (layout above flash_bwd_sm90_kernel), in
+// q's dtype: one CTA per (query block, sequence, query head), each thread two neighbouring
+// columns of a row per pass (a float2 of the tile, a 4-byte store of dq). Rows past the
+// sequence's end are left alone (varlen: the host zeroes dq).
+constexpr int kConvertTileThreads = 256;
+template <typename T, int HEAD_DIM, int BLOCK_M>
+__global__ void __launch_bounds__(kConvertTileThreads)
+bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum,  // [tiles, BLOCK_M * D]
+                            T* __restrict__ dq,                  // [B, Sq, Hq, D] strided
+                            const int* __restrict__ cu_seqlens_q, i64 dq_sb, i64 dq_ss, i64 dq_sh,
+                            i64 acc_tile_sb, i64 acc_tile_sh, int batch, int num_heads, int seqlen_q,
+                            float scale) {
+  constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
+  constexpr int kPairsPerRow = HEAD_DIM / 2;
+  const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
+  if (bh >= static_cast<i64>(batch) * num_heads) return;
+  const int b = static_cast<int>(bh / num_heads);
+  const int h = static_cast<int>(bh % num_heads);
+  // (the key lengths do not matter here: the query ones stand in for them)
+  const SequenceRange seq(cu_seqlens_q, cu_seqlens_q, b, seqlen_q, seqlen_q);
+  const int m0 = blockIdx.x * BLOCK_M;
+  if (m0 >= seq.seqlen_q) return;
+  const i64 q_block0 = cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
+  const float* tile = dq_accum + (b * acc_tile_sb + h * acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
+  const int rows = min(BLOCK_M, seq.seqlen_q - m0);
+  for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
+    const int row = idx / kPairsPerRow;
+    const int col = (idx % kPairsPerRow) * 2;
+    const int part = col / kDqCols, c = col % kDqCols;
+    const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
+    const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);
+    const float2 pair = *reinterpret_cast<const float2*>(tile + at);
+    T* dst = dq + b * dq_sb + (seq.q_start + m0 + row) * dq_ss + h * dq_sh + col;
+    *reinterpret_cast<u32*>(dst) = DType<T>::pack(pair.x * scale, pair.y * scale);
+  }
 }
 
 }  // namespace cuattn

@@ -1,6 +1,7 @@
 // tma.cuh: sm_90 bulk tensor copies (TMA), the shared-memory barriers they complete on
 // (mbarrier), and the warp-specialisation primitives of the Hopper kernels (register
-// reallocation with setmaxnreg, named barriers between warpgroups).
+// reallocation with setmaxnreg, named barriers between warpgroups), and the bulk reductions
+// from shared to global memory with the semaphores that put them in a fixed order.
 //
 // A TMA load copies one box of a global tensor, described by a tensor map the host encodes
 // (cuTensorMapEncodeTiled: base address, dims, byte strides, box, 128-byte swizzle), into shared
@@ -86,6 +87,61 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk reductions from shared to global memory, and the global semaphores that order them.
+//
+// cp.reduce.async.bulk adds `bytes` (a multiple of 16, both addresses 16-byte aligned) of fp32
+// from shared memory into global memory element by element, in L2, as one asynchronous
+// operation of the issuing thread: one instruction per tile instead of one atomic per element
+// pair. Its bulk async-group completes in two steps: `.read` once the shared source may be
+// overwritten, plain once the global writes are performed.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, u32 smem, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most N of this thread's bulk groups still read their shared source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// At most N of this thread's bulk groups are not yet complete (global writes performed).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's generic-proxy and async-proxy accesses to global memory (the bulk
+// reductions run in the async proxy, the semaphores in the generic one).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// nanoseconds between two reads of a semaphore that is not yet ours: short against a tile's
+// reduction, long enough to keep the spinning thread off the L2 port
+constexpr int kSemaphoreBackoffNs = 64;
+
+// Reads of a semaphore before a waiter gives up: at least kSemaphoreBackoffNs apart plus an L2
+// round trip each, so between about 2 s and 20 s, where a legitimate wait (for an earlier CTA
+// to reach the same tile) lasts microseconds to milliseconds. A value that never comes is a bug
+// in the ordering (or an earlier CTA that faulted); trapping turns a hung GPU into a launch error.
+constexpr int kSemaphoreMaxSpins = 1 << 25;
+
+// Spin until the global semaphore reads `value` (acquire, GPU scope).
+__device__ __forceinline__ void semaphore_wait_equal(const int* sem, int value) {
+  int seen;
+  for (int spins = 0;; ++spins) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+    if (seen == value) break;
+    if (spins == kSemaphoreMaxSpins) __trap();
+    __nanosleep(kSemaphoreBackoffNs);
+  }
+}
+// Add one to the global semaphore, releasing this thread's earlier writes (GPU scope).
+__device__ __forceinline__ void semaphore_increment(int* sem) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 
 }  // namespace cuattn

@@ -5,6 +5,8 @@ Fresh random inputs every run; the forward's own out and lse feed the backward, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -115,9 +117,12 @@ def test_backward_dtype_head_dim_mask(rng, dtype, head_dim, mask, deterministic)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{"causal": True}, {"window": (100, 3), "softcap": 20.0}], ids=["causal", "window-softcap"])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (100, 3), "softcap": 20.0}],
+                         ids=["full", "causal", "window-softcap"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
+    """(On sm_90a, full masks order the dQ reductions by ascending key block, bounded right window
+    sides by descending ones: both orders are here.)"""
     import cupy
 
     q, k, v, dout = (cupy.asarray(randn(rng, shape, BF16)) for shape in
@@ -132,6 +137,40 @@ def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
     atomic = cuattn.attention_backward(dout, q, k, v, out, lse, **options)
     for a, b in zip(first, atomic):
         assert float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max()) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dq_mode", ["bulk", "atomic"])
+def test_sm90_dq_modes(rng, monkeypatch, dq_mode, head_dim, mask, deterministic):
+    """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode) under the 3x rule, with several
+    key blocks per query block and several query heads per kv head (so several CTAs reduce into
+    each dQ tile, in order when deterministic, and bit-identical run to run then)."""
+    import importlib
+
+    import cupy
+
+    from cuattn import _jit
+
+    attention_module = importlib.import_module("cuattn.attention")
+    arch = _jit.target_arch()
+    if attention_module.arch_family(arch) != attention_module.SM90:
+        pytest.skip(f"flash_bwd_sm90_kernel needs sm_90a, this GPU is {arch}")
+    default = attention_module.BWD_TILES[head_dim][attention_module.SM90]
+    monkeypatch.setitem(attention_module.BWD_TILES[head_dim], attention_module.SM90,
+                        dataclasses.replace(default, dq_mode=dq_mode))
+    run_backward(rng, BF16, 2, 300, 517, 8, 2, head_dim, deterministic=deterministic, **MASKS[mask])
+    if deterministic:
+        q, k, v, dout = (cupy.asarray(randn(rng, shape, BF16)) for shape in
+                         ((1, 640, 4, head_dim), (1, 900, 2, head_dim), (1, 900, 2, head_dim), (1, 640, 4, head_dim)))
+        out, lse = cuattn.attention(q, k, v, return_lse=True, **MASKS[mask])
+        first = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=True, **MASKS[mask])
+        for _ in range(3):
+            again = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=True, **MASKS[mask])
+            for name, a, b in zip(("dq", "dk", "dv"), first, again):
+                assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs between runs"
 
 
 LENGTHS = [(1, 1), (17, 17), (203, 113), (113, 203), (1023, 1023), (130, 257)]
@@ -172,8 +211,11 @@ def test_backward_strided_views_match_contiguous(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_varlen_backward_matches_per_sequence_reference(rng, deterministic):
+def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, causal):
+    """(On sm_90a the bulk dQ path puts each sequence's query blocks on their own accumulator
+    tiles: a sequence of 1, of 0 and of more than one tile sit side by side here.)"""
     import cupy
 
     # a sequence with no queries, one with no keys (its queries' dq is 0), one longer than a tile
@@ -186,21 +228,21 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic):
     v = randn(rng, (cu_k[-1], hk, d), np.float16)
     dout = randn(rng, q.shape, np.float16)
     args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lens_q), max(lens_k))
-    out, lse = cuattn.attention_varlen(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *args, causal=True,
+    out, lse = cuattn.attention_varlen(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), *args, causal=causal,
                                        return_lse=True)
     grads = cuattn.attention_varlen_backward(cupy.asarray(dout), cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
-                                             out, lse, *args, causal=True, deterministic=deterministic)
-    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                             out, lse, *args, causal=causal, deterministic=deterministic)
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                   return_lse=True)
     refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, max(lens_q), max(lens_k),
-                                               causal=True)
+                                               causal=causal)
     naive = [np.zeros_like(r) for r in refs]
     for b in range(len(lens_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lens_q[b] == 0 or lens_k[b] == 0:
             continue
         low = reference.naive_attention_backward_lowp(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
-                                                      causal=True, dtype=np.float16)
+                                                      causal=causal, dtype=np.float16)
         for total, part, rows in zip(naive, low, (qs, ks, ks)):
             total[rows] = part[0]
     for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
@@ -314,10 +356,13 @@ def test_backward_tiles_fit_their_arch(arch):
 
     attention_module = importlib.import_module("cuattn.attention")
     for d in attention_module.SUPPORTED_HEAD_DIMS:
-        tile = attention_module.bwd_tile(d, arch)
-        # fp16 and bf16 both take 2 bytes
-        assert tile.smem_bytes(d, 2) <= SMEM_PER_BLOCK[arch], (d, tile)
-        assert tile.dq_smem_bytes(d, 2) <= SMEM_PER_BLOCK[arch], (d, tile)
+        default = attention_module.bwd_tile(d, arch)
+        # both dQ paths of the wgmma kernel (the bulk one stages a dQ tile in shared memory)
+        for mode in attention_module.BWD_DQ_MODES:
+            tile = dataclasses.replace(default, dq_mode=mode)
+            # fp16 and bf16 both take 2 bytes
+            assert tile.smem_bytes(d, 2) <= SMEM_PER_BLOCK[arch], (d, tile)
+            assert tile.dq_smem_bytes(d, 2) <= SMEM_PER_BLOCK[arch], (d, tile)
 
 
 def test_backward_tiles_cover_the_forward_head_dims():
@@ -344,6 +389,93 @@ def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
             assert {plain, alibi} <= listed and plain.endswith(", false, false>") and alibi.endswith(", true, false>")
             for deterministic in (False, True):
                 for with_alibi in (False, True):
-                    specs = attention_module.bwd_specs(dtype, d, attention_module.bwd_tile(d, arch), deterministic,
-                                                       with_alibi)
+                    tile = attention_module.bwd_tile(d, arch, deterministic, with_alibi)
+                    specs = attention_module.bwd_specs(dtype, d, tile, deterministic, with_alibi)
                     assert {spec.name for spec in specs} <= listed, (d, deterministic, with_alibi)
+
+
+def test_sm90_backward_picks_bulk_dq():
+    """On sm_90a the wgmma tiles reduce dQ by bulk reductions: the deterministic path is the same
+    main kernel (ordered) plus the tile convert, not flash_bwd_dq_kernel, except where
+    BWD_ORDERED_ALIBI_FALLBACK sends deterministic ALiBi to the earlier path; dq_mode "atomic"
+    keeps the float4 atomics, and every one of these is listed for the build."""
+    import importlib
+
+    from cuattn import _params
+
+    attention_module = importlib.import_module("cuattn.attention")
+    arch = "sm_90a"
+    listed = {spec.name for spec in attention_module.kernel_variants(arch)}
+    for d in (64, 128):
+        for deterministic, alibi in ((False, False), (True, False), (False, True), (True, True)):
+            tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
+            assert tile.wgmma
+            fallback = deterministic and alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
+            assert tile.bulk_dq == (not fallback), (d, deterministic, alibi)
+            _, main, last = attention_module.bwd_specs("bfloat16", d, tile, deterministic, alibi)
+            if fallback:
+                mode = _params.constant("kBwdDqNone")
+                assert "flash_bwd_dq_kernel" in last.name
+            else:
+                mode = _params.constant("kBwdDqOrdered" if deterministic else "kBwdDqBulk")
+                assert "bwd_convert_dq_tiles_kernel" in last.name
+            assert main.name.endswith(f", {mode}, {'true' if alibi else 'false'}>"), main.name
+            assert {main.name, last.name} <= listed
+            atomic = dataclasses.replace(tile, dq_mode="atomic")
+            names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, atomic, deterministic, alibi)}
+            assert names <= listed, (d, deterministic, alibi)
+            # the staging tile: BLOCK_M x D fp32 more shared memory on the bulk path
+            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (tile.block_m * d * 4 if tile.bulk_dq else 0)
+    with pytest.raises(ValueError, match="dq_mode must be one of"):
+        attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
+
+
+def _visited_query_blocks(n, sq, sk, left, right, block_m, block_n):
+    """flash_bwd_sm90_kernel's query blocks of key block n (m_block_begin, m_blocks), restated."""
+    offset, n0 = sk - sq, n * block_n
+    m_begin, m_end = max(0, n0 - offset - right), min(sq, n0 + block_n - 1 - offset + left + 1)
+    first = m_begin // block_m
+    return range(first, -(-m_end // block_m)) if m_end > m_begin else range(0)
+
+
+def _rank_range(m, sq, sk, left, right, block_m, block_n):
+    """The [first, last] key blocks its ordered dQ ranks assume for query block m, restated."""
+    offset, m0 = sk - sq, m * block_m
+    first = max(0, m0 + offset - left) // block_n
+    last = min(-(-sk // block_n) - 1, (m0 + block_m - 1 + offset + right) // block_n)
+    return first, last
+
+
+def test_ordered_dq_ranks_are_the_visiting_key_blocks(rng):
+    """The ordered bulk dQ (kBwdDqOrdered) waits, at query block m, for semaphore value = the CTA's
+    rank in [first(m), last(m)]: a hang unless the key blocks that visit m are exactly that range
+    for every mask. The kernel's formulas, restated, over random lengths and windows; and the
+    varlen tile start (cu_seqlens_q[b] + b * BLOCK_M) // BLOCK_M gives each sequence's blocks
+    their own tiles below the host's count."""
+    import importlib
+
+    from cuattn import _masks
+
+    attention_module = importlib.import_module("cuattn.attention")
+    tile = attention_module.bwd_tile(128, "sm_90a")
+    block_m, block_n = tile.block_m, tile.block_n
+    for _ in range(300):
+        sq, sk = (int(x) for x in rng.integers(1, 1200, size=2))
+        causal = bool(rng.integers(2))
+        window = tuple(int(rng.choice([-1, int(rng.integers(0, 500))])) for _ in range(2))
+        left, right = _masks.window_bounds(causal, window, sq + sk + block_n)
+        key_blocks = -(-sk // block_n)
+        visits = [set(_visited_query_blocks(n, sq, sk, left, right, block_m, block_n)) for n in range(key_blocks)]
+        for m in range(-(-sq // block_m)):
+            who = [n for n in range(key_blocks) if m in visits[n]]
+            if who:
+                first, last = _rank_range(m, sq, sk, left, right, block_m, block_n)
+                assert who == list(range(first, last + 1)), (sq, sk, causal, window, m, rng.seed)
+    for _ in range(100):
+        lens = rng.integers(0, 400, size=int(rng.integers(1, 9)))
+        starts, batch = np.concatenate([[0], np.cumsum(lens)]), len(lens)
+        tiles_per_head = (int(starts[-1]) + batch * block_m) // block_m  # _launch_bwd's acc_tile_sh
+        used = [t for b in range(batch) for t in
+                range((int(starts[b]) + b * block_m) // block_m,
+                      (int(starts[b]) + b * block_m) // block_m + -(-int(lens[b]) // block_m))]
+        assert len(used) == len(set(used)) and all(t < tiles_per_head for t in used), (lens, rng.seed)
