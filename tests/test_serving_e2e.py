@@ -17,13 +17,16 @@ the same weights run in float64 (``truth``), along the reference's tokens (teach
 1. logits: the server, fed the reference's tokens, gives logits whose largest error against
    ``truth`` is within the repo's error budget (conftest.error_budget: 2x the error of sdpa's own
    ``generate`` logits in the same dtype, plus one unit in the last place). A real fault
-   (a key missing from a row, a position off, a wrong scale) costs 5 to 100 times that;
-2. greedy tokens, step by step: at each of the 64 steps the server's argmax equals the
-   reference's token, or the two tokens' float64 logits differ by less than the two errors
-   allowed (a tie that either side may break);
-3. free-running greedy generation (the server's own tokens fed back) yields the reference's
-   tokens until the first such tie, and every token where there is none.
+   (a key missing from a row, a wrong scale) costs 5 to 100 times that; a position shift common
+   to every token is no fault (RoPE sees only differences);
+2. greedy tokens: free-running generation (the server's own argmax fed back) yields the
+   reference's 64 tokens, or the same tokens up to a step where the two pick different tokens
+   whose float64 logits differ by less than the two errors allowed (2x the budget): a tie,
+   which either side may break, after which the sequences part. Given 1, a tie is the only way
+   they can differ; 2 states the outcome in tokens, and checks that the argmax is what is fed
+   back.
 
+With ``pytest -rP`` each case prints, per prompt, how many greedy tokens matched and the errors.
 float32 on the CPU runs the same loop with cuattn's float64 NumPy reference attention; float16
 and bfloat16 run the kernels on the GPU.
 """
@@ -60,7 +63,7 @@ NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.
                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
 
 CASES = [
-    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cpu", torch.float32, id="cpu-fp32", marks=pytest.mark.slow),  # about a minute on two cores
     pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
     pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
 ]
@@ -120,20 +123,15 @@ def test_llama_served_on_paged_cache_matches_sdpa(device, dtype):
         # 1. logits along the reference's tokens
         assert served_err <= budget, (f"{where}: served logits off by {served_err:.3g} from float64, over the budget "
                                       f"{budget:.3g} (sdpa's own error: {sdpa_err:.3g})")
-        # 2. each step's greedy choice, ties excepted
+        # 2. free-running greedy generation: the same tokens, up to a tie if there is one
         tie = 2 * budget
-        choices = served.argmax(-1).tolist()
-        for step, (want, got) in enumerate(zip(tokens, choices)):
-            gap = abs(truth[step, want] - truth[step, got]).item()
-            assert got == want or gap <= tie, (f"{where}, step {step}: cuattn picks token {got}, sdpa {want}, whose "
-                                               f"float64 logits differ by {gap:.3g} (a tie is within {tie:.3g})")
-        # 3. free-running greedy generation: the same tokens up to the first tie
         assert len(greedy.output) == NEW_TOKENS
         differ = [step for step in range(NEW_TOKENS) if greedy.output[step] != tokens[step]]
+        matched = differ[0] if differ else NEW_TOKENS
         if differ:
-            step = differ[0]
-            gap = abs(truth[step, tokens[step]] - truth[step, greedy.output[step]]).item()
-            assert gap <= tie, (f"{where}: greedy tokens differ from sdpa's first at step {step} "
-                                f"({greedy.output[step]} against {tokens[step]}), where the float64 logits differ "
-                                f"by {gap:.3g}, no tie (within {tie:.3g})")
-            assert greedy.output[:step] == tokens[:step]
+            gap = abs(truth[matched, tokens[matched]] - truth[matched, greedy.output[matched]]).item()
+            assert gap <= tie, (f"{where}: greedy tokens differ from sdpa's first at step {matched} "
+                                f"({greedy.output[matched]} against {tokens[matched]}), where the float64 logits "
+                                f"differ by {gap:.3g}, no tie (within {tie:.3g})")
+        print(f"{where}: {matched} of {NEW_TOKENS} greedy tokens equal to sdpa's{' up to a tie' if differ else ''}; "
+              f"logits error {served_err:.3g} (sdpa {sdpa_err:.3g}, budget {budget:.3g})")
