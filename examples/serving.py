@@ -230,16 +230,20 @@ class Server:
         self.stats = Stats()
 
     def run(self, requests) -> Stats:
-        """Serve every request to completion; returns the run's statistics (``self.stats``)."""
+        """Serve every request to completion (arrival steps count from this call); returns this
+        run's statistics, also ``self.stats``. The prefix cache carries over to the next run."""
         import torch
 
+        self.stats = Stats()
         waiting = collections.deque(sorted(enumerate(requests), key=lambda item: item[1].arrival))
-        for _, request in waiting:
+        for index, request in waiting:
+            if not request.prompt or request.max_new_tokens < 1:
+                raise ValueError(f"request {index} needs a prompt and max_new_tokens >= 1, got "
+                                 f"{len(request.prompt)} prompt tokens and max_new_tokens = {request.max_new_tokens}")
             total = len(request.prompt) + request.max_new_tokens
-            if not request.prompt or -(-total // self.manager.block_size) > self.manager.num_blocks:
-                raise ValueError(f"a request of {len(request.prompt)} prompt tokens and {request.max_new_tokens} new "
-                                 f"ones does not fit a pool of {self.manager.num_blocks} blocks of "
-                                 f"{self.manager.block_size} (or its prompt is empty)")
+            if -(-total // self.manager.block_size) > self.manager.num_blocks:
+                raise ValueError(f"request {index} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
+                                 f"does not fit a pool of {self.manager.num_blocks} blocks of {self.manager.block_size}")
         running: list[_Running] = []
         begin = time.perf_counter()
         with torch.no_grad():
