@@ -10,8 +10,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # these need a framework's CUDA build; the others fall back to the CPU reference path
 GPU_ONLY = {"torch_training.py"}
-# these import a framework that runs on the CPU too (the test extra installs it; this only guards)
-FRAMEWORK = {"jax_attention.py": "jax"}
+# these import frameworks that run on the CPU too (the test extra installs jax; torch and
+# transformers come with the serving extra): without them the example is skipped
+FRAMEWORK = {"jax_attention.py": ("jax",), "serving.py": ("torch", "transformers")}
 EXAMPLES = [
     pytest.param(path, id=path.name, marks=[pytest.mark.gpu] if path.name in GPU_ONLY else [])
     for path in sorted((ROOT / "examples").glob("*.py"))
@@ -20,8 +21,8 @@ EXAMPLES = [
 
 @pytest.mark.parametrize("path", EXAMPLES)
 def test_example_runs(path):
-    if path.name in FRAMEWORK:
-        pytest.importorskip(FRAMEWORK[path.name])
+    for module in FRAMEWORK.get(path.name, ()):
+        pytest.importorskip(module)
     # the checkout must be importable also where cuattn is not installed (the GPU machine)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600,
