@@ -15,7 +15,7 @@ import sys
 import cuattn
 import cuattn.fp8
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 from test_decode import check_decode
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -496,3 +496,103 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.fp8.quantize_qkv(q8, k8, k8, granularity="row")
     with pytest.raises(ValueError, match="must be a power of two for the Hadamard rotation, got 96"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 96), np.float32), np.ones(96))
+
+
+def _require_sm90():
+    from cuattn import _jit
+
+    if _jit.target_arch() != "sm_90a":
+        pytest.skip(f"the FP8 forward needs sm_90a; this GPU is {_jit.target_arch()}")
+
+
+def fp8_budget(real, out, causal, out_dtype, ref):
+    """The tolerance of an FP8 forward: 4x the naive FP8 error (fp8_emulated: the same inputs, P
+    rounded to e4m3 once, exact otherwise) plus one unit of the output dtype. The kernel rounds
+    P against a lazily moved max (probabilities up to 2^8 rather than 1: the same relative
+    rounding), and in another order, so its errors are the naive ones' kind, not the same values."""
+    naive = fp8_emulated(*real, causal=causal)
+    naive_err = float(np.abs(naive - ref).max())
+    return error_budget(naive_err, out_dtype, 4.0, float(np.abs(ref).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("granularity, shape", [
+    ("tensor", (2, 197, 333, 4, 2)),   # odd lengths, GQA
+    ("head", (1, 300, 300, 8, 8)),     # MHA
+    ("block", (3, 129, 257, 6, 1)),    # MQA; partial last q and k scale blocks
+], ids=["tensor-gqa", "head-mha", "block-mqa"])
+def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape):
+    _require_sm90()
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    b, sq, sk, hq, hk = shape
+    (q8, k8, v8), scales, real = fp8_inputs(rng, b, sq, sk, hq, hk, head_dim, granularity)
+    ref, ref_lse = reference.attention(*real, causal=causal, return_lse=True)
+    for out_dtype in (BF16, np.float16):
+        poisoned = cupy.full(q8.shape, np.nan, out_dtype)
+        out, lse = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), causal=causal,
+                                    q_scale=cupy.asarray(scales[0]), k_scale=cupy.asarray(scales[1]),
+                                    v_scale=cupy.asarray(scales[2]), out_dtype=out_dtype, out=poisoned,
+                                    return_lse=True)
+        got = out.get().astype(np.float64)
+        assert np.isfinite(got).all()
+        err = float(np.abs(got - ref).max())
+        assert err <= fp8_budget(real, got, causal, out_dtype, ref), (out_dtype, err)
+        # the scores are exact products of e4m3 values summed in fp32: lse moves by fp32 rounding only
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_fp8_forward_host_float_scales_and_torch(rng):
+    _require_sm90()
+    torch = pytest.importorskip("torch")
+    (q8, k8, v8), _, _ = fp8_inputs(np.random.default_rng(), 2, 256, 512, 4, 4, 128, "tensor")
+    real = [x.astype(np.float64) * sc for x, sc in ((q8, 0.02), (k8, 0.03), (v8, 0.5))]
+    ref = reference.attention(*real)
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn) for x in (q8, k8, v8))
+    out = cuattn.attention(tq, tk, tv, q_scale=0.02, k_scale=0.03, v_scale=0.5, out_dtype=torch.float16)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float16
+    got = out.float().cpu().numpy().astype(np.float64)
+    assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, False, np.float16, ref)
+
+
+@pytest.mark.gpu
+def test_fp8_forward_accuracy_on_outliers():
+    """RMSE against float64 on FlashAttention-3's outlier inputs, per mode, under FP8_RMSE_BOUNDS;
+    bf16 through the bf16 kernel for comparison. The numbers the benchmark reports."""
+    _require_sm90()
+    cupy = _cupy()
+    errors = {}
+    for mode, (granularity, incoherent) in FP8_MODES.items():
+        rng = np.random.default_rng(11)
+        (q8, k8, v8), scales, _ = fp8_inputs(rng, 1, 1024, 1024, 4, 4, 128, granularity, incoherent)
+        rng = np.random.default_rng(11)
+        q, k, v = (outlier_inputs(rng, (1, 1024, 4, 128)) for _ in range(3))
+        ref = reference.attention(q, k, v)
+        out = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)),
+                               **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)})
+        errors[mode] = rmse(out.get(), ref)
+    bf16 = cuattn.attention(*(cupy.asarray(x.astype(BF16)) for x in (q, k, v)))
+    errors["bf16"] = rmse(bf16.get(), ref)
+    for mode, err in errors.items():
+        assert err < FP8_RMSE_BOUNDS[mode], errors
+    assert errors["incoherent"] < errors["plain"], errors
+
+
+@pytest.mark.gpu
+def test_fp8_forward_device_errors():
+    cupy = _cupy()
+    q8 = cupy.zeros((1, 64, 2, 64), np.uint8)
+    from cuattn import _jit
+
+    if _jit.target_arch() != "sm_90a":
+        with pytest.raises(NotImplementedError, match="runs on sm_90a only .* Supported: sm_90a"):
+            cuattn.attention(q8, q8, q8, q_scale=1.0, k_scale=1.0, v_scale=1.0)
+        return
+    with pytest.raises(ValueError, match=r"head_dim\) = 64 is not supported with FP8 inputs; supported head dims: 128, 256"):
+        cuattn.attention(q8, q8, q8, q_scale=1.0, k_scale=1.0, v_scale=1.0)
+    q8 = cupy.zeros((1, 64, 2, 128), np.uint8)
+    with pytest.raises(TypeError, match="q_scale.dtype must be float32, got float64"):
+        cuattn.attention(q8, q8, q8, q_scale=cupy.ones(2), k_scale=1.0, v_scale=1.0)
