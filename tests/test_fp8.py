@@ -540,8 +540,9 @@ def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape)
         assert np.isfinite(got).all()
         err = float(np.abs(got - ref).max())
         assert err <= fp8_budget(real, got, causal, out_dtype, ref), (out_dtype, err)
-        # the scores are exact products of e4m3 values summed in fp32: lse moves by fp32 rounding only
-        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-4, atol=1e-4)
+        # P's rounding does not reach lse (fp32 scores of exact e4m3 products, fp32 sums): the
+        # 16-bit forward's lse tolerance
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3)
 
 
 @pytest.mark.gpu
