@@ -192,7 +192,7 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, tile, out) for out in _arrays.CUDA_TYPES
-                    for d, tile in FWD_SM90_FP8_TILES.items()]
+                    for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
 
 
@@ -550,6 +550,31 @@ def fp8_key_order(group: int = 16) -> np.ndarray:
     return (8 * h + 2 * t + e).reshape(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_transpose_spec() -> _jit.KernelSpec:
+    """fp8_v_transpose_kernel (flash_fwd_sm90.cu): V^T of fp8_v_transposed on the device."""
+    return _jit.KernelSpec("flash_fwd_sm90.cu", "cuattn::fp8_v_transpose_kernel",
+                           threads=_params.constant("kFp8TransposeThreads"), needs_sm90a=True)
+
+
+def _fp8_v_transposed_on_device(v, stream):
+    """fp8_v_transposed by fp8_v_transpose_kernel: one pass over V (read once, V^T written once)."""
+    import cupy
+
+    b, sk, hk, d = map(int, v.shape)
+    group = _params.constant("kFp8KeyGroup")
+    padded_len = -(-sk // group) * group
+    v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
+    threads = b * hk * (padded_len // group) * (d // _params.constant("kFp8TransposeBytes"))
+    if threads:
+        sb, ss, sh, _ = _arrays.element_strides(v)
+        spec = fp8_transpose_spec()
+        _jit.launch(spec, (-(-threads // spec.threads), 1, 1), (
+            v, v_t, np.int64(sb), np.int64(ss), np.int64(sh), np.int32(b), np.int32(sk), np.int32(padded_len),
+            np.int32(hk), np.int32(d)), stream=stream)
+    return v_t
+
+
 def fp8_v_transposed(v, xp=np):
     """V^T for the FP8 kernel: e4m3 bytes ``v`` (B, Sk, Hk, D) -> (B, Hk, D, Sk_pad), Sk padded with
     zeros to a multiple of 16 (rows of whole 16-byte units, as the TMA needs), the keys of each
@@ -617,9 +642,14 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
         if ov is None:
             ov = ctx.empty(qv.shape, dtype)
         lse = ctx.empty(lse_shape, np.float32) if return_lse else None
-        import cupy
-
-        v_t = fp8_v_transposed(vv, cupy)  # CuPy holds e4m3 as uint8
+        if int(kv.shape[1]) == 0 or qv.size == 0:
+            # no key: out = 0 and lse = -inf (or the row's sink), as the 16-bit forward gives
+            ov[...] = 0
+            if lse is not None:
+                lse[...] = -np.inf if sv is None else sv[None, :, None]
+            result = out if out is not None else ctx.to_caller(ov)
+            return (result, ctx.to_caller(lse)) if return_lse else result
+        v_t = _fp8_v_transposed_on_device(vv, ctx.stream)  # CuPy holds e4m3 as uint8
         _launch_fwd(qv, kv, v_t, ov, lse, None, None, batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
                     causal=causal, scale=scale, window=window, softcap=softcap, stream=ctx.stream, sinks=sv,
                     alibi=(av, alibi_sb), fp8=args)

@@ -34,11 +34,12 @@
 //   tiles   Q [BLOCK_M, D] and K [BLOCK_N, D] bytes, 128 e4m3 columns per swizzled row (TMA box
 //           [rows, 128]); D = 128 or 256.
 //   V       8-bit wgmma operands are K-major only, so B of O += P V must be V^T with the keys
-//           contiguous. The host writes it once per call, v_map reading [B, Hk, D, Sk_pad]
-//           (Sk padded to 16 with zeros, keys of each 16 in the order pi of
+//           contiguous. fp8_v_transpose_kernel (below) writes it once per call, v_map reading
+//           [B, Hk, D, Sk_pad] (Sk padded to 16 with zeros, keys of each 16 in the order pi of
 //           AttentionTile::to_e4m3_fragments); a stage holds V^T [D, BLOCK_N] (one 128-key box
-//           of D rows), read K-major. Cost: one extra read and write of V in bytes (B Sk Hk D
-//           each), about 2-5 % of the attention time at the benchmark shapes (BENCHMARKS.md).
+//           of D rows), read K-major. Cost: one extra read and write of V (B Sk Hk D bytes
+//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, some 40 us at H200
+//           bandwidth, against 1-2 ms of attention at N = 4k-8k), and a V^T buffer of V's size.
 //   P       the fp32 probabilities are rounded to e4m3 in registers (to_e4m3_fragments), as
 //           FlashAttention-3 does; the row sums l stay in fp32 from the unrounded values.
 //   scales  q_descale x k_descale (per tensor, head, or q block of 64 rows) multiply the score
@@ -472,6 +473,52 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       }
     }
     if (!Smem::kOwnO) mbarrier_arrive(q_empty);  // O was staged in Q's tile: read out now
+  }
+}
+
+// ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,
+// padded] (contiguous, padded = Sk rounded up to 16), the keys of each group of 16 in the order
+// pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds key 8 h + 2 t + e, keys
+// past Sk read 0. Thread i takes 4 head-dim bytes of one group of 16 keys: 16 4-byte loads (a
+// warp reads 128 contiguous bytes of a key row per load), a byte transpose in registers, and 4
+// 16-byte stores (16 keys of one V^T row each). The reference is attention.fp8_v_transposed.
+constexpr int kFp8TransposeThreads = 256;
+constexpr int kFp8KeyGroup = 16;  // keys per permutation group (and the padding of Sk)
+constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread
+
+__global__ void __launch_bounds__(kFp8TransposeThreads)
+fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_stride, i64 v_row_stride,
+                       i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
+  const int chunks = head_dim / kFp8TransposeBytes;
+  const int groups = padded / kFp8KeyGroup;
+  const i64 i = static_cast<i64>(blockIdx.x) * kFp8TransposeThreads + threadIdx.x;
+  if (i >= static_cast<i64>(batch) * num_kv_heads * groups * chunks) return;
+  const int chunk = static_cast<int>(i % chunks);
+  const int group = static_cast<int>(i / chunks % groups);
+  const int h = static_cast<int>(i / chunks / groups % num_kv_heads);
+  const int b = static_cast<int>(i / chunks / groups / num_kv_heads);
+  const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * kFp8TransposeBytes;
+  u32 w[kFp8KeyGroup];  // w[p]: 4 head-dim bytes of the key at position p
+#pragma unroll
+  for (int p = 0; p < kFp8KeyGroup; ++p) {
+    const int t = p / 4, hi = p % 4 / 2, e = p % 2;
+    const int key = group * kFp8KeyGroup + 8 * hi + 2 * t + e;
+    w[p] = key < seqlen_k ? *reinterpret_cast<const u32*>(src + key * v_row_stride) : 0u;
+  }
+  unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * kFp8TransposeBytes) * padded +
+                       group * kFp8KeyGroup;
+#pragma unroll
+  for (int c = 0; c < kFp8TransposeBytes; ++c) {
+    // byte c of w[4 j] .. w[4 j + 3] -> word j of head-dim row chunk * 4 + c
+    const u32 select = c | ((c + 4) << 4);
+    u32 words[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 lo = __byte_perm(w[4 * j], w[4 * j + 1], select);
+      const u32 hi = __byte_perm(w[4 * j + 2], w[4 * j + 3], select);
+      words[j] = __byte_perm(lo, hi, 0x5410);
+    }
+    *reinterpret_cast<uint4*>(dst + static_cast<i64>(c) * padded) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 

@@ -6,7 +6,8 @@ python scripts/bench_fp8_fwd.py [--lengths 4096,8192,16384] [--head-dims 128,256
 Speed: one line per (head dim, N, mask): ms and TFLOP/s of
     fp8        cuattn.attention on e4m3 q, k, v with per-head scales, bf16 output: the whole call,
                the host-side V^T copy included
-    fp8-kernel the same minus the V^T copy (timed alone: "vt" ms, one read and write of V)
+    fp8-kernel the same minus the V^T copy (fp8_v_transpose_kernel timed alone: "vt" ms, one read
+               and one write of V)
     bf16       cuattn.attention on bf16 q, k, v (flash_fwd_sm90_kernel)
     sdpa       torch.nn.functional.scaled_dot_product_attention, bf16 (when torch imports)
     32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark.
@@ -54,7 +55,7 @@ def speed(lengths, head_dims, rows):
             q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3))
             q8, k8, v8, qs, ks, vs = cuattn.fp8.quantize_qkv(q, k, v, granularity="head")
             qb, kb, vb = (x.astype(bf16) for x in (q, k, v))
-            vt_ms = timing.time_cuda(lambda: attention_module.fp8_v_transposed(v8, cupy))
+            vt_ms = timing.time_cuda(lambda: attention_module._fp8_v_transposed_on_device(v8, None))
             for causal in (False, True):
                 flops = timing.attention_flops(b, h, n, n, d, causal)
                 fp8_ms = timing.time_cuda(lambda: cuattn.attention(q8, k8, v8, causal=causal, q_scale=qs, k_scale=ks,

@@ -597,3 +597,16 @@ def test_fp8_forward_device_errors():
     q8 = cupy.zeros((1, 64, 2, 128), np.uint8)
     with pytest.raises(TypeError, match="q_scale.dtype must be float32, got float64"):
         cuattn.attention(q8, q8, q8, q_scale=cupy.ones(2), k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_k", [37, 128, 1])
+def test_fp8_v_transpose_kernel_matches_numpy(seqlen_k):
+    """fp8_v_transpose_kernel against fp8_v_transposed, bit for bit, on a strided view of V."""
+    _require_sm90()
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    whole = rng.integers(0, 256, (2, seqlen_k, 6, 128), dtype=np.uint8)
+    v = whole[:, :, 1::2]  # every other head: a head stride of 256 bytes
+    got = attention_module._fp8_v_transposed_on_device(cupy.asarray(whole)[:, :, 1::2], None).get()
+    np.testing.assert_array_equal(got, attention_module.fp8_v_transposed(v))
