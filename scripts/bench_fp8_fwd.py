@@ -1,7 +1,7 @@
 """The FP8 forward (#16) on the current GPU: speed beside the bf16 forward and torch SDPA, and
 accuracy against float64 on inputs with outliers.
 
-python scripts/bench_fp8_fwd.py [--lengths 4096,8192,16384] [--head-dims 128,256] [--json PATH]
+python scripts/bench_fp8_fwd.py [--lengths 4096,8192,16384] [--head-dims 128,256] [--json PATH] [--tune]
 
 Speed: one line per (head dim, N, mask): ms and TFLOP/s of
     fp8        cuattn.attention on e4m3 q, k, v with per-head scales, bf16 output: the whole call,
@@ -11,6 +11,8 @@ Speed: one line per (head dim, N, mask): ms and TFLOP/s of
     bf16       cuattn.attention on bf16 q, k, v (flash_fwd_sm90_kernel)
     sdpa       torch.nn.functional.scaled_dot_product_attention, bf16 (when torch imports)
     32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark.
+--tune: first time FP8 tile candidates (stages, overlap, pingpong) at N = 8192 for the
+FWD_SM90_FP8_TILES table (every candidate compiles without spills: `python -m cuattn build`).
 Accuracy: RMSE against the float64 reference of the unquantised inputs (FlashAttention-3's
 outliers: N(0, 1) plus N(0, 10^2) on 0.1 % of the elements) for plain FP8 (per-tensor scales),
 block quantisation (q per 64 rows, k per 128 keys, v per head), block + incoherent processing
@@ -94,14 +96,43 @@ def accuracy(head_dims, rows):
                   + "  ".join(f"{mode} {err:.2e}" for mode, err in errors.items()), flush=True)
 
 
+def tune(head_dims, rows):
+    tile = attention_module.FwdSm90Tile
+    candidates = {
+        128: [tile(128, 2, stages, overlap, pingpong) for stages in (2, 3, 4) for overlap in (True, False)
+              for pingpong in (True, False)],
+        256: [tile(128, 2, 2, False, pingpong) for pingpong in (True, False)],
+    }
+    n = 8192
+    for d in head_dims:
+        b, h = max(1, TOTAL_TOKENS // n), HIDDEN // d
+        q8, k8, v8, qs, ks, vs = cuattn.fp8.quantize_qkv(
+            *(cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3)), granularity="head")
+        default = attention_module.FWD_SM90_FP8_TILES[d]
+        for candidate in candidates.get(d, []):
+            attention_module.FWD_SM90_FP8_TILES[d] = candidate
+            for causal in (False, True):
+                ms = timing.time_cuda(lambda: cuattn.attention(q8, k8, v8, causal=causal, q_scale=qs, k_scale=ks,
+                                                               v_scale=vs))
+                tflops = timing.attention_flops(b, h, n, n, d, causal) / ms / 1e9
+                rows.append(dict(kind="tune", head_dim=d, seqlen=n, causal=causal, tile=str(candidate), ms=ms,
+                                 tflops=tflops))
+                print(f"tune D={d:3d} {'causal' if causal else 'full  '} {candidate}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s",
+                      flush=True)
+        attention_module.FWD_SM90_FP8_TILES[d] = default
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--head-dims", default="128,256")
     parser.add_argument("--json")
+    parser.add_argument("--tune", action="store_true")
     args = parser.parse_args(argv)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     rows = []
+    if args.tune:
+        tune(head_dims, rows)
     accuracy(head_dims, rows)
     speed([int(x) for x in args.lengths.split(",")], head_dims, rows)
     if args.json:

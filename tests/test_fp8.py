@@ -546,7 +546,7 @@ def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape)
 
 
 @pytest.mark.gpu
-def test_fp8_forward_host_float_scales_and_torch(rng):
+def test_fp8_forward_host_float_scales_and_torch():
     _require_sm90()
     torch = pytest.importorskip("torch")
     (q8, k8, v8), _, _ = fp8_inputs(np.random.default_rng(), 2, 256, 512, 4, 4, 128, "tensor")
