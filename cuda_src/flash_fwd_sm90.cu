@@ -279,9 +279,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if constexpr (kFp8) {
       const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
       qk_descale = p.q_descale * p.k_descale;
+      // this warpgroup's block of q rows; a warpgroup wholly past the last row (its rows are
+      // never stored) reads the last block's scale rather than past the array
+      const int q_block = min(wg_m0, w.seq.seqlen_q - 1) / kWgmmaM;
       if (p.q_scale != nullptr)
         qk_descale *= p.q_scale[w.b * p.q_scale_batch_stride + w.h * p.q_scale_head_stride +
-                                (wg_m0 / kWgmmaM) * p.q_scale_block_stride];
+                                q_block * p.q_scale_block_stride];
       if (p.k_scale != nullptr) {
         const float* k_scale = p.k_scale + w.b * p.k_scale_batch_stride + h_kv * p.k_scale_head_stride;
         if (p.k_scale_block_stride != 0) k_block_scale = k_scale;
