@@ -19,6 +19,10 @@ the softmax denominator. A row with no visible key gives out = 0 and lse = -inf,
 
 NumPy inputs run the float64 reference (``cuattn.reference``) on the CPU and return NumPy
 arrays in q's dtype.
+
+FP8: e4m3 q, k, v with ``q_scale``, ``k_scale``, ``v_scale`` (real value = stored x scale) run
+``flash_fwd_sm90_kernel`` on e4m3 tensor cores (sm_90a, D = 128 or 256) and return ``out_dtype``
+(bf16 by default); see ``_attention_fp8`` and ``cuattn.fp8.quantize_qkv``.
 """
 
 from __future__ import annotations
