@@ -205,8 +205,8 @@ def dequantize_fp8(x, scale, block_rows):
         rows = np.arange(s) // block_rows
         per_row = scale[:, :, rows].transpose(0, 2, 1)  # (B, S, H)
     else:
-        per_row = np.broadcast_to(scale.reshape(-1), (h,)) if scale.size > 1 else np.full(h, float(scale.reshape(-1)[0]))
-        per_row = np.broadcast_to(per_row, (b, s, h))
+        # one value for every head, or one per head
+        per_row = np.broadcast_to(scale.reshape(-1), (b, s, h))
     return x.astype(np.float64) * per_row[..., None]
 
 
