@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 # CUtensorMapDataType values of the element types the kernels take
-_DATA_TYPES = {np.dtype(np.float16): 6}
+_DATA_TYPES = {np.dtype(np.float16): 6, np.dtype(np.uint8): 0}  # uint8: the bytes of e4m3
 _BFLOAT16_DATA_TYPE = 9
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3

@@ -19,6 +19,10 @@ the softmax denominator. A row with no visible key gives out = 0 and lse = -inf,
 
 NumPy inputs run the float64 reference (``cuattn.reference``) on the CPU and return NumPy
 arrays in q's dtype.
+
+FP8: e4m3 q, k, v with ``q_scale``, ``k_scale``, ``v_scale`` (real value = stored x scale) run
+``flash_fwd_sm90_kernel`` on e4m3 tensor cores (sm_90a, D = 128 or 256) and return ``out_dtype``
+(bf16 by default); see ``_attention_fp8`` and ``cuattn.fp8.quantize_qkv``.
 """
 
 from __future__ import annotations
@@ -130,14 +134,16 @@ class FwdSm90Tile:
     def threads(self) -> int:
         return _params.constant("kWarpgroupThreads") * (self.consumers + 1)
 
-    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        """FwdSm90Smem: Q [BLOCK_M, D], K and V [stages, BLOCK_N, D] (swizzled, unpadded), two
-        8-byte mbarriers for Q and four per stage, an atom of alignment slack, and an O tile
-        [BLOCK_M, D] where that still fits (else O is staged in Q's)."""
+    def smem_bytes(self, head_dim: int, itemsize: int, out_itemsize: int = 2) -> int:
+        """FwdSm90Smem: Q [BLOCK_M, D], K and V (or V^T) [stages, BLOCK_N, D] (swizzled, unpadded;
+        ``itemsize`` 2, or 1 for e4m3), two 8-byte mbarriers for Q and four per stage, an atom of
+        alignment slack, and an O tile [BLOCK_M, D] of the 16-bit output where that still fits
+        (else O is staged in Q's)."""
         q_tile = self.block_m * head_dim * itemsize
+        o_tile = self.block_m * head_dim * out_itemsize
         fixed = (q_tile + 2 * self.stages * self.block_n * head_dim * itemsize + 8 * (2 + 4 * self.stages)
                  + _params.constant("kSwizzleAtomBytes"))
-        return fixed + q_tile if fixed + q_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
+        return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
 
 # Head dims the Hopper forward takes; the others (32, 96: not whole 64-column swizzle panels)
@@ -150,20 +156,36 @@ FWD_SM90_TILES = {
     128: FwdSm90Tile(128, 2, 2),
     256: FwdSm90Tile(80, 2, 2, overlap=False),
 }
+# The FP8 forward (e4m3 q, k, v; flash_fwd_sm90_kernel with T = e4m3): D = 128 and 256 (a row of
+# D = 64 is half a 128-byte swizzle row). Key blocks of kFp8ScaleBlockKeys = 128 (one 128-byte
+# row of V^T per D row). D = 256 takes no intra-warpgroup overlap, as in 16 bits: the 128
+# accumulator registers of O leave no room for a second block's P. Not tuned on the H200 yet.
+FWD_SM90_FP8_TILES = {
+    128: FwdSm90Tile(128, 2, 2),
+    256: FwdSm90Tile(128, 2, 2, overlap=False),
+}
+FP8_HEAD_DIMS = tuple(sorted(FWD_SM90_FP8_TILES))
+FP8_OUT_DTYPES = ("bfloat16", "float16")
+
 # Longest key range a causal or windowed call still runs on the persistent grid (measured: 1k
 # faster persistent, 4k and 16k faster with one CTA per tile).
 FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile) -> _jit.KernelSpec:
-    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile, out_dtype=None) -> _jit.KernelSpec:
+    """flash_fwd_sm90_kernel for ``tile``: 16-bit ``dtype`` (output the same), or e4m3 inputs
+    (``dtype`` float8_e4m3fn or its uint8 storage) with a 16-bit ``out_dtype``."""
+    fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
+    ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
+    out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
     flags = f"{str(tile.overlap).lower()}, {str(tile.pingpong).lower()}"
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
-        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {tile.block_n}, {tile.consumers}, {tile.stages}, {flags}>",
+        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {tile.block_n}, {tile.consumers}, "
+        f"{tile.stages}, {flags}>",
         threads=tile.threads(),
-        smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize),
+        smem_bytes=tile.smem_bytes(head_dim, 1 if fp8 else np.dtype(dtype).itemsize),
         needs_sm90a=True,
     )
 
@@ -179,6 +201,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                 for d in SUPPORTED_HEAD_DIMS]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
+        forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, tile, out) for out in _arrays.CUDA_TYPES
+                    for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
 
 
@@ -248,7 +272,7 @@ def _check_alibi(slopes, batch: int, num_heads: int, host: bool, q) -> int:
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
-              return_lse=False, out=None):
+              return_lse=False, out=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
     """Exact softmax attention of q over k, v; FlashAttention-style, never materialising scores.
 
     Args:
@@ -266,18 +290,34 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
             softcap, score (i, j) of head h gains ``-slope * |i + Sk - Sq - j|`` (FlashAttention-2's
             convention; masked keys stay masked).
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``, natural log.
-        out: optional ``(B, Sq, Hq, D)`` array (q's dtype and framework) to write into.
+        out: optional ``(B, Sq, Hq, D)`` array (q's dtype and framework; with FP8 inputs
+            ``out_dtype``) to write into.
+        q_scale, k_scale, v_scale: descales of FP8 inputs (q, k, v all float8_e4m3fn, CuPy uint8
+            storage, torch.float8_e4m3fn), required with them: real value = stored x scale. Each
+            a positive float or a float32 array ``()``, ``(1,)`` or ``(H,)`` (per head of that
+            tensor); q and k also ``(B, H, ceil(S / block))`` for block quantisation, one scale
+            per 64 rows of q and per 128 keys of k (``cuattn.fp8.quantize_qkv`` makes them).
+            FP8 runs on sm_90a, D = 128 or 256 (``FP8_HEAD_DIMS``), not with varlen.
+        out_dtype: the output dtype of FP8 inputs, float16 or bfloat16 (default bfloat16).
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
+    fp8 = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype)
+    if any(x is not None for x in fp8.values()):
+        return _attention_fp8(q, k, v, causal=causal, scale=scale, window=(left, right), softcap=softcap, sinks=sinks,
+                              alibi_slopes=alibi_slopes, return_lse=return_lse, out=out, **fp8)
     result, call_key = _calls.run("attention", (q, k, v, out, sinks, alibi_slopes),
                                   (bool(causal), scale, left, right, softcap, bool(return_lse)))
     if result is not None:
         return result
     with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
+        if any(_arrays.is_e4m3(x) for x in (qv, kv, vv)):
+            _check_fp8_dtypes(qv, kv, vv)
+            raise ValueError("q_scale is required with float8_e4m3fn q (real value = stored x q_scale); "
+                             "so are k_scale and v_scale")
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
@@ -360,6 +400,9 @@ def attention_varlen(
                                sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         qv, kv, vv, ov, cuq, cuk, sv, av = (ctx.view(x) for x in
                                             (q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
+        if any(_arrays.is_e4m3(x) for x in (qv, kv, vv)):
+            raise TypeError("attention_varlen takes float16 or bfloat16 q, k, v; FP8 (float8_e4m3fn) inputs run "
+                            "through attention (dense (B, S, H, D) inputs, sm_90a, D = 128 or 256)")
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
@@ -402,6 +445,219 @@ def attention_varlen(
                                              "alibi_slopes": "alibi_slopes",
                                              "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})],
                 finish=_varlen_result(return_lse)))
+        result = out if out is not None else ctx.to_caller(ov)
+        return (result, ctx.to_caller(lse)) if return_lse else result
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 forward: e4m3 q, k, v with descales, a 16-bit output
+
+
+def fp8_block_rows() -> tuple[int, int]:
+    """Rows per scale of block-quantised q and k: one consumer warpgroup's query rows (64) and one
+    key block of the FP8 kernels (kFp8ScaleBlockKeys = 128)."""
+    return _params.constant("kWgmmaM"), _params.constant("kFp8ScaleBlockKeys")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scale:
+    """A checked descale of e4m3 q, k or v: real value of row s, head h of sequence b =
+    stored x factor x array[b * strides[0] + h * strides[1] + (s // block_rows) * strides[2]]
+    (array None: factor alone). ``value`` is what the caller passed (the host reference reads it)."""
+
+    factor: float = 1.0
+    array: object = None
+    strides: tuple = (0, 0, 0)
+    value: object = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Args:
+    """The FP8 launch's scales (FwdParams' q/k/v scale fields); the default is the 16-bit launch's."""
+
+    q: Fp8Scale = Fp8Scale()
+    k: Fp8Scale = Fp8Scale()
+    v: Fp8Scale = Fp8Scale()
+
+    def fields(self) -> dict:
+        f = {"q_scale": self.q.array, "k_scale": self.k.array, "v_scale": self.v.array,
+             "q_descale": self.q.factor, "k_descale": self.k.factor, "v_descale": self.v.factor,
+             "v_scale_head_stride": self.v.strides[1]}
+        for name, sc in (("q", self.q), ("k", self.k)):
+            for axis, stride in zip(("batch", "head", "block"), sc.strides):
+                f[f"{name}_scale_{axis}_stride"] = stride
+        return f
+
+
+def _check_fp8_dtypes(q, k, v) -> None:
+    others = [f"{name}.dtype is {_arrays.dtype_name(x.dtype)}" for name, x in (("q", q), ("k", k), ("v", v))
+              if not _arrays.is_e4m3(x)]
+    if others:
+        raise TypeError("FP8 attention takes q, k and v all in float8_e4m3fn (CuPy: its uint8 storage); "
+                        + ", ".join(others))
+
+
+def _check_fp8_scale(name: str, scale, x, x_name: str, block_rows: int, blocks: bool, host: bool) -> Fp8Scale:
+    """``q_scale``, ``k_scale`` or ``v_scale`` of e4m3 ``x`` (B, S, H, D): a positive float, or a
+    float32 array (any float on the host) of shape (), (1,), (H,) or, with ``blocks``,
+    (B, H, ceil(S / block_rows)), on x's device."""
+    batch, seqlen, heads = int(x.shape[0]), int(x.shape[1]), int(x.shape[2])
+    block_shape = (batch, heads, -(-seqlen // block_rows))
+    shapes = "(), (1,), (H,) = " + f"({heads},)" + (f" or (B, H, ceil(S / {block_rows})) = {block_shape}"
+                                                     if blocks else "")
+    if scale is None:
+        raise ValueError(f"{name} is required with float8_e4m3fn {x_name} (real value = stored x {name})")
+    if not _arrays.is_array(scale):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
+        value = float(scale)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        return Fp8Scale(factor=value, value=value)
+    shape = tuple(int(n) for n in scale.shape)
+    if shape not in ((), (1,), (heads,)) and not (blocks and shape == block_shape):
+        raise ValueError(f"{name}.shape must be {shapes}, got {shape}")
+    if host:
+        _arrays.check_host_float_dtype(name, scale)
+        return Fp8Scale(value=np.asarray(scale))
+    if np.dtype(scale.dtype) != np.float32:
+        raise TypeError(f"{name}.dtype must be float32, got {_arrays.dtype_name(scale.dtype)}")
+    _arrays.check_same_device(name, scale, x_name, x)
+    if len(shape) == 3:
+        strides = tuple(s if n > 1 else 0 for s, n in zip(_arrays.element_strides(scale), shape))
+    elif shape == (heads,) and heads > 1:
+        strides = (0, _arrays.element_strides(scale)[0], 0)
+    else:
+        strides = (0, 0, 0)
+    return Fp8Scale(array=scale, strides=strides, value=scale)
+
+
+def _fp8_out_dtype(out_dtype) -> np.dtype:
+    """out_dtype: None (bfloat16), a NumPy dtype or its name, or a torch dtype."""
+    if out_dtype is None:
+        return _arrays.BFLOAT16
+    by_name = {"bfloat16": _arrays.BFLOAT16, "float16": _arrays.FLOAT16}
+    name = str(out_dtype).removeprefix("torch.")
+    try:
+        dtype = by_name.get(name) or np.dtype(out_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in _arrays.CUDA_TYPES:
+        raise TypeError(f"out_dtype must be float16 or bfloat16 (FP8 attention's output), got {out_dtype!r}")
+    return dtype
+
+
+def fp8_key_order(group: int = 16) -> np.ndarray:
+    """The keys of one group of 16 in V^T's order: position 4 t + 2 h + e holds key 8 h + 2 t + e
+    (pi of AttentionTile::to_e4m3_fragments, the order each lane's probabilities take in the 8-bit
+    A fragment of the PV wgmma)."""
+    t, h, e = np.meshgrid(np.arange(group // 4), np.arange(2), np.arange(2), indexing="ij")
+    return (8 * h + 2 * t + e).reshape(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_transpose_spec() -> _jit.KernelSpec:
+    """fp8_v_transpose_kernel (flash_fwd_sm90.cu): V^T of fp8_v_transposed on the device."""
+    return _jit.KernelSpec("flash_fwd_sm90.cu", "cuattn::fp8_v_transpose_kernel",
+                           threads=_params.constant("kFp8TransposeThreads"), needs_sm90a=True)
+
+
+def _fp8_v_transposed_on_device(v, stream):
+    """fp8_v_transposed by fp8_v_transpose_kernel: one pass over V (read once, V^T written once)."""
+    import cupy
+
+    b, sk, hk, d = map(int, v.shape)
+    group = _params.constant("kFp8KeyGroup")
+    padded_len = -(-sk // group) * group
+    v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
+    threads = b * hk * (padded_len // group) * (d // _params.constant("kFp8TransposeBytes"))
+    if threads:
+        sb, ss, sh, _ = _arrays.element_strides(v)
+        spec = fp8_transpose_spec()
+        _jit.launch(spec, (-(-threads // spec.threads), 1, 1), (
+            v, v_t, np.int64(sb), np.int64(ss), np.int64(sh), np.int32(b), np.int32(sk), np.int32(padded_len),
+            np.int32(hk), np.int32(d)), stream=stream)
+    return v_t
+
+
+def fp8_v_transposed(v, xp=np):
+    """V^T for the FP8 kernel: e4m3 bytes ``v`` (B, Sk, Hk, D) -> (B, Hk, D, Sk_pad), Sk padded with
+    zeros to a multiple of 16 (rows of whole 16-byte units, as the TMA needs), the keys of each
+    group of 16 in the order of :func:`fp8_key_order`. One copy of V (B Sk Hk D bytes read and
+    written): the 8-bit wgmma reads B K-major only, so O += P V needs the keys contiguous."""
+    b, sk, hk, d = map(int, v.shape)
+    group = 16
+    padded_len = -(-sk // group) * group
+    if padded_len != sk:
+        padded = xp.zeros((b, padded_len, hk, d), v.dtype)
+        padded[:, :sk] = v
+        v = padded
+    # key 8 h + 2 t + e of group G as axes (G, h, t, e), reordered (G, t, h, e)
+    keys = v.reshape(b, padded_len // group, 2, group // 4, 2, hk, d)
+    return xp.ascontiguousarray(keys.transpose(0, 5, 6, 1, 3, 2, 4)).reshape(b, hk, d, padded_len)
+
+
+def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slopes, return_lse, out, q_scale,
+                   k_scale, v_scale, out_dtype):
+    """attention() with e4m3 q, k, v: checks, the float64 reference of the dequantised inputs on
+    the host, flash_fwd_sm90_kernel with T = e4m3 on the device (not through the call plans)."""
+    scales = {name: x for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
+              if _arrays.is_array(x)}
+    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes, **scales) as ctx:
+        qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
+        given = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+        sc = {name: ctx.view(x) if name in scales else x for name, x in given.items()}
+        _check_fp8_dtypes(qv, kv, vv)
+        _check_qkv(qv, kv, vv, packed=False)
+        dtype = _fp8_out_dtype(out_dtype)
+        if ov is not None:
+            if tuple(ov.shape) != tuple(qv.shape):
+                raise ValueError(f"out.shape must equal q.shape = {tuple(qv.shape)}, got {tuple(ov.shape)}")
+            if np.dtype(ov.dtype) != dtype:
+                raise TypeError(f"out.dtype must equal out_dtype = {_arrays.dtype_name(dtype)}, got "
+                                f"{_arrays.dtype_name(ov.dtype)}")
+        q_rows, k_rows = fp8_block_rows()
+        args = Fp8Args(
+            q=_check_fp8_scale("q_scale", sc["q_scale"], qv, "q", q_rows, True, ctx.on_host),
+            k=_check_fp8_scale("k_scale", sc["k_scale"], kv, "k", k_rows, True, ctx.on_host),
+            v=_check_fp8_scale("v_scale", sc["v_scale"], vv, "v", k_rows, False, ctx.on_host))
+        if sv is not None:
+            _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
+        if ctx.on_host:
+            real = [reference.dequantize_fp8(x, s.value, rows) for x, s, rows in
+                    ((qv, args.q, q_rows), (kv, args.k, k_rows), (vv, args.v, k_rows))]
+            result = reference.attention(*real, causal=causal, scale=scale, window=window, softcap=softcap,
+                                         return_lse=True, sinks=sv, alibi_slopes=av)
+            return _host_result(result, np.empty(0, dtype), ov, return_lse)
+
+        head_dim = int(qv.shape[3])
+        arch = _jit.target_arch()
+        if arch != SM90:
+            raise NotImplementedError(
+                f"FP8 attention (float8_e4m3fn q, k, v) runs on sm_90a only (e4m3 wgmma); this GPU is {arch}. "
+                f"Supported: sm_90a, dense (B, S, H, D) inputs, head dims {', '.join(map(str, FP8_HEAD_DIMS))}, "
+                "output float16 or bfloat16; elsewhere dequantise to bfloat16 and call attention without scales")
+        if head_dim not in FWD_SM90_FP8_TILES:
+            raise ValueError(f"q.shape[3] (head_dim) = {head_dim} is not supported with FP8 inputs; supported head "
+                             f"dims: {', '.join(map(str, FP8_HEAD_DIMS))}")
+        _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
+        batch, seqlen_q, num_heads, _ = map(int, qv.shape)
+        lse_shape = (batch, num_heads, seqlen_q)
+        if ov is None:
+            ov = ctx.empty(qv.shape, dtype)
+        lse = ctx.empty(lse_shape, np.float32) if return_lse else None
+        if int(kv.shape[1]) == 0 or qv.size == 0:
+            # no key: out = 0 and lse = -inf (or the row's sink), as the 16-bit forward gives
+            ov[...] = 0
+            if lse is not None:
+                lse[...] = -np.inf if sv is None else sv[None, :, None]
+            result = out if out is not None else ctx.to_caller(ov)
+            return (result, ctx.to_caller(lse)) if return_lse else result
+        v_t = _fp8_v_transposed_on_device(vv, ctx.stream)  # CuPy holds e4m3 as uint8
+        _launch_fwd(qv, kv, v_t, ov, lse, None, None, batch=batch, seqlen_q=seqlen_q, seqlen_k=int(kv.shape[1]),
+                    causal=causal, scale=scale, window=window, softcap=softcap, stream=ctx.stream, sinks=sv,
+                    alibi=(av, alibi_sb), fp8=args)
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 
@@ -477,13 +733,14 @@ class PagedKeys:
 
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None):
+                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None):
     """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
     flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
     ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]). ``paged``: a
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
-    ``cu_seqlens_q``, ``cu_seqlens_k`` None, ``seqlen_k`` the table's capacity).
+    ``cu_seqlens_q``, ``cu_seqlens_k`` None, ``seqlen_k`` the table's capacity). ``fp8``: e4m3 q,
+    k and ``v`` already V^T (``_fp8_v_transposed``), with their checked scales (:class:`Fp8Args`).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -496,7 +753,13 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     maps = ()
     if paged is not None:
         tile = tile or fwd_tile(head_dim, arch)
-    if tile is None or isinstance(tile, FwdSm90Tile):
+    if fp8 is not None:
+        tile = tile or FWD_SM90_FP8_TILES[head_dim]
+        maps = _fwd_maps(q, k, v, tile, fp8=True)
+        if not maps:
+            raise ValueError("FP8 attention reads q and k through the TMA: every stride but the last must be a "
+                             f"multiple of 16 bytes, got q.strides {q.strides}, k.strides {k.strides}")
+    elif tile is None or isinstance(tile, FwdSm90Tile):
         sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
         if sm90_tile is not None and arch == SM90:
             maps = _fwd_maps(q, k, v, sm90_tile)
@@ -507,7 +770,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
                              f"strides {q.strides}, {k.strides}, {v.strides})")
     if tile is None:
         tile = fwd_tile(head_dim, arch, alibi[0] is not None)
-    if isinstance(tile, FwdSm90Tile):
+    if fp8 is not None:
+        spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, tile, np.dtype(out.dtype))
+    elif isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
         spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None, paged is not None)
@@ -516,6 +781,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
 
     qs, ks, vs, os_ = (list(_arrays.element_strides(x)) for x in (q, k, v, out))
+    if fp8 is not None:
+        vs = [0, 0, 0, 0]  # V^T is read through its tensor map only
     lse_strides = [lse.strides[0] // 4, lse.strides[1] // 4] if lse is not None else [0, 0]
     if cu_seqlens_q is not None:
         # packed rows: a sequence starts at its cu_seqlens offset, not at b * batch_stride
@@ -539,6 +806,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     params = _params.pack(
         "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,
         q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
+        **(fp8 or Fp8Args()).fields(),
         alibi_slopes=alibi[0], alibi_batch_stride=alibi[1],
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
@@ -565,16 +833,23 @@ def _paged_fields(paged: PagedKeys | None) -> dict:
                 block_size_mul=mul, block_size_shift=shift, num_blocks=paged.num_blocks)
 
 
-def _fwd_maps(q, k, v, tile: FwdSm90Tile):
+def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False):
     """The TMA views of q, k, v [B, S, H, D] for flash_fwd_sm90_kernel: 4-D (D, S, H, B), boxes of
-    [BLOCK rows, 64 columns]; () when one of them cannot be read that way (a byte stride that is
-    not a multiple of 16, an empty axis)."""
-    panel = _params.constant("kSwizzlePanelCols")
+    [BLOCK rows, one 128-byte row of columns] (64 16-bit or 128 e4m3 elements); () when one of
+    them cannot be read that way (a byte stride that is not a multiple of 16, an empty axis).
+    ``fp8``: v is V^T [B, Hk, D, Sk_pad], read as (Sk_pad, D, Hk, B) in boxes of [D rows, 128 keys]."""
+    row_bytes = _params.constant("kSwizzleRowBytes")
     maps = []
     for field, x, rows in (("q", q, tile.block_m), ("k", k, tile.block_n), ("v", v, tile.block_n)):
         b, s, h, d = map(int, x.shape)
         sb, ss, sh, sd = _arrays.element_strides(x)
-        layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel, rows, 1, 1))
+        panel = row_bytes // x.dtype.itemsize
+        if fp8 and field == "v":
+            b, h, d, s = map(int, x.shape)
+            sb, sh, sd, ss = _arrays.element_strides(x)
+            layout = _tma.MapLayout.of(x.dtype, (s, d, h, b), (ss, sd, sh, sb), (panel, d, 1, 1))
+        else:
+            layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel, rows, 1, 1))
         if layout is None:
             return ()
         maps.append((f"{field}_map", field, layout))

@@ -1,4 +1,4 @@
-"""FP8 (float8 e4m3) KV caches: scales and quantisation.
+"""FP8 (float8 e4m3): scales and quantisation of KV caches and of the FP8 forward's q, k, v.
 
 An e4m3 cache stores each key and value in one byte (4 exponent bits, 3 mantissa bits, largest
 value 448) with a float32 descale per tensor or per kv head: real value = stored x scale.
@@ -8,6 +8,13 @@ its write kernel. This module makes the scales and quantises whole arrays (a con
 
     fp8_scales(x, per_head=False)   amax / 448: a float32 scalar array, or (H,) over x's axis -2
     quantize_fp8(x, scale)          round-to-nearest-even(x / scale), saturated to +-448
+    quantize_qkv(q, k, v, granularity="tensor", incoherent=False, seed=0)
+                                    q, k, v (B, S, H, D) for attention(..., q_scale, k_scale,
+                                    v_scale): per-tensor, per-head or block scales, and optionally
+                                    incoherent processing (a random-sign Hadamard rotation of the
+                                    head dim applied to q and k, which leaves q k^T unchanged and
+                                    spreads outliers over the head dim before rounding)
+    hadamard_rotate(x, signs)       x diag(signs) H / sqrt(D), the fast Walsh-Hadamard transform
 
 Layouts: ``x`` is ``(..., H, D)`` (a cache ``(B, S, Hk, D)``, pages ``(num_blocks, block_size,
 Hk, D)``, new tokens ``(N, Hk, D)``). On the GPU the quantised array is CuPy uint8 (CuPy has no
@@ -21,6 +28,8 @@ import math
 import numpy as np
 
 from . import _arrays, _jit, _params, paged
+
+GRANULARITIES = ("tensor", "head", "block")
 
 
 def fp8_scales(x, *, per_head: bool = False):
@@ -104,3 +113,117 @@ def _quantize_on_device(x, scale: _arrays.KvScale, heads: int, head_dim: int, st
     grid = (math.ceil(chunks / _params.constant("kCacheThreads")), 1, 1)
     _jit.prepare(spec, grid, params).run(_jit.stream_ptr(stream))
     return out
+
+
+def random_signs(head_dim: int, seed: int = 0) -> np.ndarray:
+    """float32 (D,) of +-1, the sign flips of incoherent processing (the same for q and k)."""
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), head_dim)
+
+
+def _fwht(x, xp):
+    """Unnormalised Walsh-Hadamard transform of the last axis (a power of two): log2(D) passes of
+    sums and differences of the pairs (i, i + h) in each block of 2 h, on the array's device."""
+    d = int(x.shape[-1])
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        pairs = y.reshape(-1, d // (2 * h), 2, h)
+        y = xp.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), axis=2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+def hadamard_rotate(x, signs):
+    """``x`` (..., D) times diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix, D a power of
+    two), in float32: an orthogonal map, so rotating q and k by it leaves q k^T unchanged. NumPy or
+    CuPy arrays (torch through ``quantize_qkv``); ``signs`` (D,) of +-1."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    d = int(x.shape[-1])
+    if d & (d - 1) or d == 0:
+        raise ValueError(f"x.shape[-1] (D) must be a power of two for the Hadamard rotation, got {d}")
+    signed = x.astype(xp.float32) * xp.asarray(signs, xp.float32)
+    return _fwht(signed, xp) * np.float32(1.0 / math.sqrt(d))
+
+
+def _amax_scale(amax, xp):
+    return xp.where(amax > 0, amax / np.float32(_arrays.E4M3_MAX), np.float32(1)).astype(np.float32)
+
+
+def _scales_and_ratio(x, granularity: str, block_rows: int, xp):
+    """The descales of x (B, S, H, D) float32 and x / scale (per element) for one granularity."""
+    b, s, h, d = map(int, x.shape)
+    a = xp.abs(x)
+    if granularity == "tensor":
+        scale = _amax_scale(a.max(), xp)
+        return scale, x / scale
+    if granularity == "head":
+        scale = _amax_scale(a.max(axis=(0, 1, 3)), xp)
+        return scale, x / scale[:, None]
+    blocks = -(-s // block_rows)
+    padded = xp.zeros((b, blocks * block_rows, h, d), xp.float32)
+    padded[:, :s] = a
+    amax = padded.reshape(b, blocks, block_rows, h, d).max(axis=(2, 4))  # (B, blocks, H)
+    scale = xp.ascontiguousarray(_amax_scale(amax, xp).transpose(0, 2, 1))  # (B, H, blocks)
+    per_row = scale[:, :, xp.arange(s) // block_rows].transpose(0, 2, 1)  # (B, S, H)
+    return scale, x / per_row[..., None]
+
+
+def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = False, seed: int = 0):
+    """q, k, v ``(B, S, H, D)`` (fp16, bf16 or fp32) as e4m3 with descales, the inputs of
+    ``attention(q8, k8, v8, q_scale=..., k_scale=..., v_scale=...)``. Returns
+    ``(q8, k8, v8, q_scale, k_scale, v_scale)``, the scales float32 arrays of the same framework.
+
+    granularity: ``"tensor"`` (one scale each, shape ()), ``"head"`` ((H,) per head of each
+        tensor) or ``"block"`` (q: one scale per 64 rows, k: per 128 keys, of each sequence and
+        head, shape (B, H, ceil(S / rows)), the blocks the FP8 kernel reads them in; v per head:
+        its scale multiplies the output, so it cannot vary along the keys).
+    incoherent: rotate q and k by the same random-sign Hadamard matrix of the head dim (seeded
+        by ``seed``) before quantising: q k^T is unchanged, and an outlier channel is spread over
+        all D channels, so a per-block amax no longer wastes the e4m3 range on it (QuaRot,
+        FlashAttention-3). D must be a power of two.
+    Each scale is amax / 448 of what it covers (1 where that is all zero); the values are
+    round-to-nearest-even(x / scale) saturated to +-448, as :func:`quantize_fp8`.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    from .attention import fp8_block_rows
+
+    with _arrays.array_context(q=q, k=k, v=v) as ctx:
+        views = {name: ctx.view(x) for name, x in (("q", q), ("k", k), ("v", v))}
+        for name, x in views.items():
+            _arrays.check_ndim(name, x, "(B, S, H, D)")
+            (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)(name, x)
+        xp = np if ctx.on_host else __import__("cupy")
+        q_rows, k_rows = fp8_block_rows()
+        signs = random_signs(int(views["q"].shape[-1]), seed) if incoherent else None
+        results, scales = [], []
+        for name, rows in (("q", q_rows), ("k", k_rows), ("v", k_rows)):
+            x = views[name].astype(xp.float32)
+            if signs is not None and name != "v":
+                x = hadamard_rotate(x, signs)
+            level = "head" if name == "v" and granularity == "block" else granularity
+            scale, ratio = _scales_and_ratio(x, level, rows, xp)
+            scales.append(scale)
+            results.append(_quantize_ratio(xp.ascontiguousarray(ratio, xp.float32), ctx))
+        return (*results, *(_scale_to_caller(sc, ctx) for sc in scales))
+
+
+def _quantize_ratio(ratio, ctx):
+    """e4m3 of values already divided by their scale (the write kernel's rounding, scale 1)."""
+    heads, head_dim = int(ratio.shape[-2]), int(ratio.shape[-1])
+    if ctx.on_host:
+        return paged.quantize_e4m3(ratio, np.ones(heads, np.float32))
+    out = _quantize_on_device(ratio, _arrays.KvScale(1.0), heads, head_dim, ctx.stream)
+    if ctx.kind == "torch":
+        import torch
+
+        return torch.from_dlpack(out).view(torch.float8_e4m3fn)
+    return ctx.to_caller(out)
+
+
+def _scale_to_caller(scale, ctx):
+    if ctx.on_host:
+        return np.asarray(scale, np.float32)
+    out = ctx.empty(scale.shape, np.float32)
+    out[...] = scale
+    return ctx.to_caller(out)

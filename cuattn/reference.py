@@ -189,6 +189,27 @@ def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUND
     return (out, lse) if return_lse else out
 
 
+def dequantize_fp8(x, scale, block_rows):
+    """Real float64 values of an e4m3 q, k or v ``(B, S, H, D)``: stored x scale, with ``scale`` a
+    float, an array ``()``, ``(1,)`` or ``(H,)`` (per head), or ``(B, H, ceil(S / block_rows))``
+    (one scale per block of ``block_rows`` rows of each sequence and head). Any array dtype;
+    uint8 arrays are read as e4m3 bytes."""
+    import ml_dtypes
+
+    x = np.asarray(x)
+    if x.dtype == np.uint8:
+        x = x.view(ml_dtypes.float8_e4m3fn)
+    b, s, h, _ = x.shape
+    scale = np.asarray(scale, np.float64)
+    if scale.ndim == 3:
+        rows = np.arange(s) // block_rows
+        per_row = scale[:, :, rows].transpose(0, 2, 1)  # (B, S, H)
+    else:
+        # one value for every head, or one per head
+        per_row = np.broadcast_to(scale.reshape(-1), (b, s, h))
+    return x.astype(np.float64) * per_row[..., None]
+
+
 def attention_tiled(q, k, v, *, block_k=64, causal=False, scale=None,
                     window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
     """``attention`` computed by the online-softmax recurrence over key blocks of ``block_k``.

@@ -8,11 +8,13 @@
 //   add_alibi         ALiBi's linear distance bias (only in kernels given slopes)
 //   softmax_update    move the row max (lazily), rescale the output, exp2 into probabilities
 //   to_fragments      probabilities as fp16/bf16 A fragments for O += P V
+//   to_e4m3_fragments probabilities as e4m3 A fragments of an 8-bit wgmma (the FP8 Hopper forward)
 // flash_fwd.cu (rows split over warps) and decode.cu (keys split over warps) call them
 // between their own GEMMs.
 #pragma once
 
 #include "common.cuh"
+#include "fp8.cuh"
 #include "mma.cuh"
 
 namespace cuattn {
@@ -226,6 +228,31 @@ struct AttentionTile {
       }
   }
 
+  // The probabilities as e4m3 A fragments of a k32 wgmma (wgmma.cuh), one per 32 keys. The
+  // accumulator gives lane (g, t) keys 8 j + 2 t and 8 j + 2 t + 1 of n8 tile j (rows g, g + 8);
+  // the 8-bit A fragment wants keys 4 t .. 4 t + 3 of each 16 (a[0], a[1]) and 16 + 4 t .. (a[2],
+  // a[3]). Rather than move bytes between lanes, each lane packs what it holds: within every 16
+  // keys, fragment column 4 t + i carries key
+  //     pi(4 t + i) = 2 t + (i % 2) + 8 (i / 2)        (i < 4)
+  // i.e. a[0] = keys (2 t, 2 t + 1) of n8 tile 4 s and of tile 4 s + 1 (row g), a[1] the same
+  // for row g + 8, a[2] and a[3] those of tiles 4 s + 2 and 4 s + 3. The B operand must hold the
+  // values of the same keys in the same order: the host stores V^T with the keys of each group
+  // of 16 permuted by pi (cuattn/attention.py, _fp8_v_transposed), so O += P V sums over the
+  // same key pairs. Probabilities are at most 2^kLazyRescaleLog2 = 256 < 448: no saturation.
+  // (A template so that tiles of fewer than 32 keys, which never call it, still declare it.)
+  template <int KSTEPS>
+  __device__ __forceinline__ void to_e4m3_fragments(u32 (&p)[KSTEPS][4]) const {
+    static_assert(MT == 1 && KSTEPS * 4 == NT, "one m16 tile per warp, k32 steps covering the block");
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float(&lo)[4] = s[0][4 * ks + 2 * half];
+        const float(&hi)[4] = s[0][4 * ks + 2 * half + 1];
+        p[ks][2 * half] = pack_e4m3x4(lo[0], lo[1], hi[0], hi[1]);      // row g
+        p[ks][2 * half + 1] = pack_e4m3x4(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
+      }
+  }
 };
 
 }  // namespace cuattn

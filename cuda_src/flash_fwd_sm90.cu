@@ -28,6 +28,24 @@
 //     softmax runs under the other's GEMMs.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first;
 // only blocks that cross a mask boundary evaluate the mask.
+//
+// FP8 (T = e4m3, output TOut fp16/bf16; cuattn.attention with e4m3 q, k, v): the same pipeline on
+// k32 e4m3 wgmma (wgmma.cuh). Differences, each under `if constexpr (kFp8)`:
+//   tiles   Q [BLOCK_M, D] and K [BLOCK_N, D] bytes, 128 e4m3 columns per swizzled row (TMA box
+//           [rows, 128]); D = 128 or 256.
+//   V       8-bit wgmma operands are K-major only, so B of O += P V must be V^T with the keys
+//           contiguous. fp8_v_transpose_kernel (below) writes it once per call, v_map reading
+//           [B, Hk, D, Sk_pad] (Sk padded to 16 with zeros, keys of each 16 in the order pi of
+//           AttentionTile::to_e4m3_fragments); a stage holds V^T [D, BLOCK_N] (one 128-key box
+//           of D rows), read K-major. Cost: one extra read and write of V (B Sk Hk D bytes
+//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, some 40 us at H200
+//           bandwidth, against 1-2 ms of attention at N = 4k-8k), and a V^T buffer of V's size.
+//   P       the fp32 probabilities are rounded to e4m3 in registers (to_e4m3_fragments), as
+//           FlashAttention-3 does; the row sums l stay in fp32 from the unrounded values.
+//   scales  q_descale x k_descale (per tensor, head, or q block of 64 rows) multiply the score
+//           scale; a k scale per block of kFp8ScaleBlockKeys keys (block quantisation) multiplies
+//           the block's raw scores instead (raw maxima of differently scaled blocks do not
+//           compare); v's descale multiplies the normalised output.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "params.cuh"
@@ -49,28 +67,48 @@ constexpr int kFwdSm90MaxSmem = 232448;
 // consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
 constexpr int kFwdSm90EpilogueBarrier = 5;
+// Keys per k scale of a block-quantised e4m3 k: the FP8 kernels' key block (BLOCK_N); q's blocks
+// are one consumer's kWgmmaM rows.
+constexpr int kFp8ScaleBlockKeys = 128;
+
+template <bool C, class A, class B>
+struct PickType {
+  using type = A;
+};
+template <class A, class B>
+struct PickType<false, A, B> {
+  using type = B;
+};
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
-// (cuattn/attention.py, FwdSm90Tile.smem_bytes).
-template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
+// (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
+// the output is 16-bit either way. SwizzledTile counts 16-bit columns, so a tile of e4m3 rows
+// of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh).
+template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2>
 struct FwdSm90Smem {
+  static constexpr bool kFp8 = ELEM_BYTES == 1;
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
-  using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;   // [BLOCK_M, D]
-  using KVTile = SwizzledTile<BLOCK_N, HEAD_DIM>;  // [BLOCK_N, D] per stage
+  static constexpr int kRowCols = HEAD_DIM * ELEM_BYTES / 2;  // a row of D elements in 16-bit columns
+  using QTile = SwizzledTile<BLOCK_M, kRowCols>;  // [BLOCK_M, D]
+  using KTile = SwizzledTile<BLOCK_N, kRowCols>;  // [BLOCK_N, D] per stage
+  // per stage: V [BLOCK_N, D] (16-bit, read MN-major), or V^T [D, BLOCK_N] (e4m3, read K-major)
+  using VTile = typename PickType<kFp8, SwizzledTile<HEAD_DIM, BLOCK_N / 2>, KTile>::type;
+  using OTile = SwizzledTile<BLOCK_M, HEAD_DIM>;  // [BLOCK_M, D] of the 16-bit output
   // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty (8 bytes each);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES;
-  static constexpr int kFixed =
-      QTile::kBytes + 2 * STAGES * KVTile::kBytes + kBarrierCount * kMbarrierBytes + kSwizzleAtomBytes;
+  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) +
+                                kBarrierCount * kMbarrierBytes + kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
-  // this one's epilogue); otherwise (D = 256) in Q's, which is then released after the stores.
-  static constexpr bool kOwnO = kFixed + QTile::kBytes <= kFwdSm90MaxSmem;
+  // this one's epilogue); otherwise (16-bit D = 256) in Q's, which is then released after the stores.
+  static constexpr bool kOwnO = kFixed + OTile::kBytes <= kFwdSm90MaxSmem;
+  static_assert(kOwnO || OTile::kBytes <= QTile::kBytes, "O staged in Q's tile fits there");
   static constexpr int kQ = 0;
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, D]
-  static constexpr int kK = kOwnO ? kO + QTile::kBytes : kQ + QTile::kBytes;
-  static constexpr int kV = kK + STAGES * KVTile::kBytes;
-  static constexpr int kBarriers = kV + STAGES * KVTile::kBytes;
-  static constexpr int kBytes = kFixed + (kOwnO ? QTile::kBytes : 0);
+  static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
+  static constexpr int kV = kK + STAGES * KTile::kBytes;
+  static constexpr int kBarriers = kV + STAGES * VTile::kBytes;
+  static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kFwdSm90MaxSmem, "tiles fit in shared memory");
 };
 
@@ -96,19 +134,30 @@ struct FwdSm90Work {
   __device__ __forceinline__ int blocks() const { return n_last - n_first; }
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool OVERLAP, bool PINGPONG>
+template <typename T, typename TOut, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool OVERLAP,
+          bool PINGPONG>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
-flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
-  using Smem = FwdSm90Smem<HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
+flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
+  constexpr bool kFp8 = kIsE4m3<T>;
+  using Smem = FwdSm90Smem<HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, sizeof(T)>;
   using QTile = typename Smem::QTile;
-  using KVTile = typename Smem::KVTile;
+  using KTile = typename Smem::KTile;
+  using VTile = typename Smem::VTile;
+  using OTile = typename Smem::OTile;
   constexpr int BLOCK_M = Smem::BLOCK_M;
-  constexpr int kPanels = HEAD_DIM / kSwizzlePanelCols;  // TMA boxes per tile: one per 64 columns
+  // TMA boxes per tile: one per 128-byte row of columns (64 16-bit or 128 e4m3 elements)
+  constexpr int kBoxCols = kSwizzleRowBytes / static_cast<int>(sizeof(T));
+  constexpr int kPanels = HEAD_DIM / kBoxCols;
+  constexpr int kVPanels = kFp8 ? BLOCK_N / kBoxCols : kPanels;  // V^T: boxes of 128 keys x D rows
   using S = Wgmma<T, BLOCK_N>;   // 64 rows x BLOCK_N keys
   using O = Wgmma<T, HEAD_DIM>;  // 64 rows x D
-  using Tile = AttentionTile<T, 1, BLOCK_N / 8, HEAD_DIM / 8>;
-  using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T>>;
-  static_assert(HEAD_DIM % kSwizzlePanelCols == 0, "whole 64-column panels");
+  constexpr int kPSteps = BLOCK_N / O::kK;  // k steps of the PV GEMM
+  using Tile = AttentionTile<TOut, 1, BLOCK_N / 8, HEAD_DIM / 8>;
+  using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T, TOut>>;
+  static_assert(sizeof(TOut) == 2 && (kFp8 || sizeof(T) == 2), "16-bit output; 16-bit or e4m3 inputs");
+  static_assert(HEAD_DIM % kBoxCols == 0, "whole 128-byte panels");
+  static_assert(!kFp8 || BLOCK_N % kBoxCols == 0, "V^T boxes of whole 128-key rows");
+  static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
   // (240 with two consumers, 160 with three)
@@ -127,8 +176,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
   const u32 smem0 = (raw_addr + kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
   unsigned char* base = smem_raw + (smem0 - raw_addr);
   const u32 sQ = smem0 + Smem::kQ;
-  const auto sK = [&](int stage) { return smem0 + Smem::kK + stage * KVTile::kBytes; };
-  const auto sV = [&](int stage) { return smem0 + Smem::kV + stage * KVTile::kBytes; };
+  const auto sK = [&](int stage) { return smem0 + Smem::kK + stage * KTile::kBytes; };
+  const auto sV = [&](int stage) { return smem0 + Smem::kV + stage * VTile::kBytes; };
   const u32 q_full = smem0 + Smem::kBarriers;
   const u32 q_empty = q_full + kMbarrierBytes;
   const auto k_full = [&](int stage) { return q_full + kMbarrierBytes * (2 + stage); };
@@ -169,24 +218,31 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
       mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
 #pragma unroll
       for (int panel = 0; panel < kPanels; ++panel)
-        tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kSwizzlePanelCols,
+        tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kBoxCols,
                     static_cast<int>(w.seq.q_start) + w.m0, w.h, tma_b);
       ++tiles;
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
         const int row = static_cast<int>(w.seq.k_start) + (w.n_last - 1 - i) * BLOCK_N;
         mbarrier_wait(k_empty(stage), parity ^ 1);
-        mbarrier_arrive_expect_tx(k_full(stage), KVTile::kBytes);
+        mbarrier_arrive_expect_tx(k_full(stage), KTile::kBytes);
 #pragma unroll
         for (int panel = 0; panel < kPanels; ++panel)
-          tma_load_4d(sK(stage) + panel * KVTile::kPanelBytes, &p.k_map, k_full(stage), panel * kSwizzlePanelCols,
-                      row, h_kv, tma_b);
+          tma_load_4d(sK(stage) + panel * KTile::kPanelBytes, &p.k_map, k_full(stage), panel * kBoxCols, row, h_kv,
+                      tma_b);
         mbarrier_wait(v_empty(stage), parity ^ 1);
-        mbarrier_arrive_expect_tx(v_full(stage), KVTile::kBytes);
+        mbarrier_arrive_expect_tx(v_full(stage), VTile::kBytes);
 #pragma unroll
-        for (int panel = 0; panel < kPanels; ++panel)
-          tma_load_4d(sV(stage) + panel * KVTile::kPanelBytes, &p.v_map, v_full(stage), panel * kSwizzlePanelCols,
-                      row, h_kv, tma_b);
+        for (int panel = 0; panel < kVPanels; ++panel) {
+          if constexpr (kFp8) {
+            // V^T [D rows, keys]: panel = 128 keys of all D rows (the key coordinate innermost)
+            tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), row + panel * kBoxCols, 0,
+                        h_kv, tma_b);
+          } else {
+            tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), panel * kBoxCols, row,
+                        h_kv, tma_b);
+          }
+        }
       }
     }
     return;
@@ -216,7 +272,27 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
     const int blocks = w.blocks();
     const int wg_m0 = w.m0 + c * kWgmmaM;
     const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows
-    const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale, p.softcap_out};
+    // FP8 descales (1 for 16-bit inputs): q's and a per-tensor or per-head k's fold into the score
+    // scale; a block-quantised k's multiplies each block's raw scores (k_block_scale)
+    float qk_descale = 1.f, v_descale = 1.f;
+    const float* k_block_scale = nullptr;
+    if constexpr (kFp8) {
+      const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
+      qk_descale = p.q_descale * p.k_descale;
+      // this warpgroup's block of q rows; a warpgroup wholly past the last row (its rows are
+      // never stored) reads the last block's scale rather than past the array
+      const int q_block = min(wg_m0, w.seq.seqlen_q - 1) / kWgmmaM;
+      if (p.q_scale != nullptr)
+        qk_descale *= p.q_scale[w.b * p.q_scale_batch_stride + w.h * p.q_scale_head_stride +
+                                q_block * p.q_scale_block_stride];
+      if (p.k_scale != nullptr) {
+        const float* k_scale = p.k_scale + w.b * p.k_scale_batch_stride + h_kv * p.k_scale_head_stride;
+        if (p.k_scale_block_stride != 0) k_block_scale = k_scale;
+        else qk_descale *= *k_scale;
+      }
+      v_descale = p.v_descale * (p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_head_stride] : 1.f);
+    }
+    const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale * qk_descale, p.softcap_out};
     const float softmax_scale = mp.softmax_scale();
     // this head's ALiBi slope in the units of the scores add_alibi sees (0: no ALiBi, no bias pass)
     const float alibi = p.alibi_slopes != nullptr
@@ -230,27 +306,38 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
     tile.init();
     float (&s_acc)[S::kAccumulators] = reinterpret_cast<float (&)[S::kAccumulators]>(tile.s);
     float (&o_acc)[O::kAccumulators] = reinterpret_cast<float (&)[O::kAccumulators]>(tile.o);
-    u32 pa[BLOCK_N / kWgmmaK][4];  // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15)
+    // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15, or 32 j .. 32 j + 31 in e4m3)
+    u32 pa[kPSteps][4];
 
     const auto stage_of = [&](int i) { return (loads + i) % STAGES; };
     const auto parity_of = [&](int i) { return ((loads + i) / STAGES) & 1; };
     const auto issue_s = [&](int stage) {
 #pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
+      for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
         S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
-                             kmajor_descriptor<KVTile>(sK(stage), 0, ks), ks > 0);
+                             kmajor_descriptor<KTile>(sK(stage), 0, ks), ks > 0);
       wgmma_commit();
     };
     const auto issue_pv = [&](int stage) {
 #pragma unroll
-      for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
-        O::template rs<1>(o_acc, pa[ks], mnmajor_descriptor<KVTile>(sV(stage), 0, ks), 1);
+      for (int ks = 0; ks < kPSteps; ++ks) {
+        if constexpr (kFp8) {
+          O::template rs<0>(o_acc, pa[ks], kmajor_descriptor<VTile>(sV(stage), 0, ks), 1);
+        } else {
+          O::template rs<1>(o_acc, pa[ks], mnmajor_descriptor<VTile>(sV(stage), 0, ks), 1);
+        }
+      }
       wgmma_commit();
     };
     // mask and softmax of block i's scores (key block n_last - 1 - i); returns whether the
     // output must be rescaled by `factor` (the caller does it once no GEMM adds into it)
     const auto softmax = [&](int i, float (&factor)[1][2]) {
       const int n0 = (w.n_last - 1 - i) * BLOCK_N;
+      if (kFp8 && k_block_scale != nullptr) {
+        const float k_descale = k_block_scale[(w.n_last - 1 - i) * p.k_scale_block_stride];
+#pragma unroll
+        for (int e = 0; e < S::kAccumulators; ++e) s_acc[e] *= k_descale;
+      }
       if (w.seq.template block_needs_mask<BLOCK_N>(wg_m0, kWgmmaM, n0, p.window_left, p.window_right)) {
         tile.template cap_and_mask<true>(mp, diag_of, n0, lane);
       } else {
@@ -262,8 +349,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
       return moved;
     };
     const auto to_fragments = [&] {
-      u32(&frag)[1][BLOCK_N / kWgmmaK][4] = reinterpret_cast<u32(&)[1][BLOCK_N / kWgmmaK][4]>(pa);
-      tile.to_fragments(frag);
+      if constexpr (kFp8) {
+        tile.to_e4m3_fragments(pa);
+      } else {
+        u32(&frag)[1][kPSteps][4] = reinterpret_cast<u32(&)[1][kPSteps][4]>(pa);
+        tile.to_fragments(frag);
+      }
     };
     // the last S GEMM of the tile has finished: Q may be refilled with the next tile's (unless
     // the epilogue still stages O there)
@@ -364,27 +455,73 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T> p) {
       SoftmaxState& st = tile.state[0][r];
       st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
       const float sink_factor = p.sinks != nullptr ? st.add_sink(p.sinks[w.h] * kLog2e) : 1.f;
-      const float inv = st.inv_sum() * sink_factor;
+      const float inv = st.inv_sum() * sink_factor * v_descale;
       const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the tile
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-        const u32 packed = DType<T>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
-        *reinterpret_cast<u32*>(base + Smem::kO + QTile::offset(row, dt * 8 + 2 * t)) = packed;
+        const u32 packed = DType<TOut>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(base + Smem::kO + OTile::offset(row, dt * 8 + 2 * t)) = packed;
       }
       if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
     }
     named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
-    constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
-    T* o_ptr = p.out + w.b * p.o_batch_stride + (w.seq.q_start + wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
+    constexpr int kChunksPerRow = HEAD_DIM * sizeof(TOut) / kCopyBytes;
+    TOut* o_ptr = p.out + w.b * p.o_batch_stride + (w.seq.q_start + wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
 #pragma unroll
     for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
       const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
       if (wg_m0 + row < w.seq.seqlen_q) {
-        *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(T))) =
-            *reinterpret_cast<const uint4*>(base + Smem::kO + QTile::chunk_offset(c * kWgmmaM + row, chunk));
+        *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(TOut))) =
+            *reinterpret_cast<const uint4*>(base + Smem::kO + OTile::chunk_offset(c * kWgmmaM + row, chunk));
       }
     }
     if (!Smem::kOwnO) mbarrier_arrive(q_empty);  // O was staged in Q's tile: read out now
+  }
+}
+
+// ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,
+// padded] (contiguous, padded = Sk rounded up to 16), the keys of each group of 16 in the order
+// pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds key 8 h + 2 t + e, keys
+// past Sk read 0. Thread i takes 4 head-dim bytes of one group of 16 keys: 16 4-byte loads (a
+// warp reads 128 contiguous bytes of a key row per load), a byte transpose in registers, and 4
+// 16-byte stores (16 keys of one V^T row each). The reference is attention.fp8_v_transposed.
+constexpr int kFp8TransposeThreads = 256;
+constexpr int kFp8KeyGroup = 16;  // keys per permutation group (and the padding of Sk)
+constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread
+
+__global__ void __launch_bounds__(kFp8TransposeThreads)
+fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_stride, i64 v_row_stride,
+                       i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
+  const int chunks = head_dim / kFp8TransposeBytes;
+  const int groups = padded / kFp8KeyGroup;
+  const i64 i = static_cast<i64>(blockIdx.x) * kFp8TransposeThreads + threadIdx.x;
+  if (i >= static_cast<i64>(batch) * num_kv_heads * groups * chunks) return;
+  const int chunk = static_cast<int>(i % chunks);
+  const int group = static_cast<int>(i / chunks % groups);
+  const int h = static_cast<int>(i / chunks / groups % num_kv_heads);
+  const int b = static_cast<int>(i / chunks / groups / num_kv_heads);
+  const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * kFp8TransposeBytes;
+  u32 w[kFp8KeyGroup];  // w[p]: 4 head-dim bytes of the key at position p
+#pragma unroll
+  for (int p = 0; p < kFp8KeyGroup; ++p) {
+    const int t = p / 4, hi = p % 4 / 2, e = p % 2;
+    const int key = group * kFp8KeyGroup + 8 * hi + 2 * t + e;
+    w[p] = key < seqlen_k ? *reinterpret_cast<const u32*>(src + key * v_row_stride) : 0u;
+  }
+  unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * kFp8TransposeBytes) * padded +
+                       group * kFp8KeyGroup;
+#pragma unroll
+  for (int c = 0; c < kFp8TransposeBytes; ++c) {
+    // byte c of w[4 j] .. w[4 j + 3] -> word j of head-dim row chunk * 4 + c
+    const u32 select = c | ((c + 4) << 4);
+    u32 words[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 lo = __byte_perm(w[4 * j], w[4 * j + 1], select);
+      const u32 hi = __byte_perm(w[4 * j + 2], w[4 * j + 3], select);
+      words[j] = __byte_perm(lo, hi, 0x5410);
+    }
+    *reinterpret_cast<uint4*>(dst + static_cast<i64>(c) * padded) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 

@@ -1,5 +1,6 @@
-// fp8.cuh: the float8 e4m3 (e4m3fn: no infinities, max 448) storage type of quantised KV caches,
-// its conversion to the fp16/bf16 operands of mma.sync, and the quantiser of the cache writes.
+// fp8.cuh: the float8 e4m3 (e4m3fn: no infinities, max 448) storage type of quantised KV caches
+// and of the FP8 Hopper forward's q, k, v; its conversion to the fp16/bf16 operands of mma.sync,
+// the quantiser of the cache writes, and the packing of fp32 probabilities into e4m3 operands.
 //
 // A cache element is one byte; its real value is stored x scale (a descale factor per tensor or
 // per kv head, applied by the kernels outside the GEMMs). Decode reads two bytes of a row at a
@@ -16,6 +17,12 @@ namespace cuattn {
 struct e4m3 {
   unsigned char bits;
 };
+
+// Whether an element type is e4m3 (the kernels templated on it take the FP8 paths).
+template <typename T>
+constexpr bool kIsE4m3 = false;
+template <>
+constexpr bool kIsE4m3<e4m3> = true;
 
 constexpr float kE4m3Max = 448.f;  // the largest finite e4m3 value: writes saturate to +-448
 // e4m3: 4 exponent bits (bias 7), 3 mantissa bits
@@ -119,6 +126,26 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float x) {
     // below 448 a value rounds to at most 448 (the next step, 480, is past the saturation test)
   }
   return static_cast<unsigned char>(sign | magnitude);
+}
+
+// Four floats as four e4m3 bytes of one register, `x0` in the lowest byte (the order of an 8-bit
+// wgmma/mma operand register: element 4 i + j of a fragment sits in byte j of register i),
+// rounded to nearest even and saturated to +-448. sm_89 and later convert two at a time in
+// hardware (cvt ... e4m3x2 d, a, b puts a in the high byte of d, b in the low one).
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+#if __CUDA_ARCH__ >= 890
+  u32 out;
+  asm("{\n .reg .b16 lo, hi;\n"
+      " cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      " cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      " mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(out)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  return out;
+#else
+  return static_cast<u32>(float_to_e4m3(x0)) | (static_cast<u32>(float_to_e4m3(x1)) << 8) |
+         (static_cast<u32>(float_to_e4m3(x2)) << 16) | (static_cast<u32>(float_to_e4m3(x3)) << 24);
+#endif
 }
 
 }  // namespace cuattn

@@ -28,7 +28,12 @@ namespace cuattn {
 // seqlen_k) keys (seqlen_k: the table's capacity) and its queries are packed at cu_seqlens_q[b].
 // Launch entry e is sequence batch_index[e], so one launch can cover any subset of a batch.
 // Dense and varlen launches leave these fields zero.
-template <typename T>
+//
+// The FP8 Hopper forward (T = e4m3, TOut fp16/bf16) reads v_map as V^T [B, Hk, D, Sk_pad] (keys
+// permuted, flash_fwd_sm90.cu) and takes descales: real q = stored x q_descale x q_scale[b * sb + h * sh + (row / 64) * sblk]
+// (a null array reads 1; strides 0 on broadcast axes), k likewise with blocks of kFp8ScaleBlockKeys
+// keys, v = stored x v_descale x v_scale[hk * v_scale_head_stride]. The 16-bit kernels ignore them.
+template <typename T, typename TOut = T>
 struct FwdParams {
   TensorMap q_map;
   TensorMap k_map;
@@ -36,8 +41,21 @@ struct FwdParams {
   const T* q;              // [B, Sq, Hq, D] | [total_q, Hq, D]
   const T* k;              // [B, Sk, Hk, D] | [total_k, Hk, D]
   const T* v;              // [B, Sk, Hk, D] | [total_k, Hk, D]
-  T* out;                  // [B, Sq, Hq, D] | [total_q, Hq, D]
+  TOut* out;               // [B, Sq, Hq, D] | [total_q, Hq, D]
   float* lse;              // [B, Hq, Sq] | [Hq, total_q], or null
+  const float* q_scale;    // [B, Hq, ceil(Sq / 64)] (broadcast axes stride 0), or null
+  const float* k_scale;    // [B, Hk, ceil(Sk / kFp8ScaleBlockKeys)] (broadcast axes stride 0), or null
+  const float* v_scale;    // [Hk] (or one value, stride 0), or null
+  i64 q_scale_batch_stride;
+  i64 q_scale_head_stride;
+  i64 q_scale_block_stride;
+  i64 k_scale_batch_stride;
+  i64 k_scale_head_stride;
+  i64 k_scale_block_stride;
+  i64 v_scale_head_stride;
+  float q_descale;         // host factors, 1 for 16-bit inputs
+  float k_descale;
+  float v_descale;
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
   const float* sinks;      // [Hq] attention-sink logits (natural-log units), or null

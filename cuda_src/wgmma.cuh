@@ -22,6 +22,7 @@
 //     accumulator columns 16 s .. 16 s + 15 pack straight into the A operand of k step s.
 #pragma once
 
+#include "fp8.cuh"
 #include "mma.cuh"
 
 namespace cuattn {
@@ -33,6 +34,7 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpsPerWarpgroup = 4;
 constexpr int kWgmmaM = 64;                // rows of one wgmma
 constexpr int kWgmmaK = 16;                // k of one wgmma with 16-bit operands
+constexpr int kWgmmaK8 = 32;               // k of one wgmma with 8-bit (e4m3) operands: the same 32 bytes
 constexpr int kSwizzleRowBytes = 128;      // one swizzled row: 64 16-bit elements
 constexpr int kSwizzlePanelCols = 64;
 constexpr int kSwizzleAtomBytes = 1024;    // 8 rows of 128 B: the swizzle pattern's period
@@ -155,6 +157,7 @@ struct Wgmma;
   template <>                                                                                                   \
   struct Wgmma<TYPE, N> {                                                                                       \
     static constexpr int kAccumulators = ACC;                                                                   \
+    static constexpr int kK = kWgmmaK;                                                                          \
     template <int TRANS_A, int TRANS_B>                                                                         \
     static __device__ __forceinline__ void ss(float (&d)[ACC], u64 desc_a, u64 desc_b, int accumulate) {       \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_TAIL                                                 \
@@ -202,6 +205,48 @@ CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 256, 128,
 CUATTN_DEFINE_WGMMA(__half, "f16.f16", 256, 128,
                     CUATTN_WGMMA_SS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132),
                     CUATTN_WGMMA_RS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133, 134))
+
+// e4m3 x e4m3 -> fp32, k32 per instruction (sm_90a). 8-bit operands have no transpose: A and B
+// are both K-major, so B of a GEMM over keys (O += P V) must be V^T with the keys contiguous.
+// A k32 step covers the same 32 bytes of a swizzled row as a 16-bit k16 step, so a tile of
+// e4m3 is a SwizzledTile<ROWS, BYTES / 2> (its "16-bit columns" are byte pairs) and
+// kmajor_descriptor's step s is k32 step s.
+// A from registers (PTX ISA, wgmma .m64nNk32 A fragment for 8-bit types; warp w, g = lane / 4,
+// t = lane % 4; byte j of a register is element j):
+//   a[0] row 16 w + g,     columns 4 t .. 4 t + 3        a[1] row 16 w + g + 8, columns 4 t ..
+//   a[2] row 16 w + g,     columns 16 + 4 t .. + 3       a[3] row 16 w + g + 8, columns 16 + 4 t ..
+#define CUATTN_DEFINE_WGMMA8(N, ACC, SS_TAIL, RS_TAIL)                                                         \
+  template <>                                                                                                   \
+  struct Wgmma<e4m3, N> {                                                                                       \
+    static constexpr int kAccumulators = ACC;                                                                   \
+    static constexpr int kK = kWgmmaK8;                                                                         \
+    template <int TRANS_A, int TRANS_B>                                                                         \
+    static __device__ __forceinline__ void ss(float (&d)[ACC], u64 desc_a, u64 desc_b, int accumulate) {       \
+      static_assert(TRANS_A == 0 && TRANS_B == 0, "8-bit wgmma operands are K-major");                         \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SS_TAIL                                                \
+                   : CUATTN_ACC##ACC##_OPERANDS(d)                                                              \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                \
+    }                                                                                                           \
+    template <int TRANS_B>                                                                                      \
+    static __device__ __forceinline__ void rs(float (&d)[ACC], const u32 (&a)[4], u64 desc_b, int accumulate) { \
+      static_assert(TRANS_B == 0, "8-bit wgmma operands are K-major");                                         \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" RS_TAIL                                                \
+                   : CUATTN_ACC##ACC##_OPERANDS(d)                                                              \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));                \
+    }                                                                                                           \
+  };
+// operands after the accumulators: ss  %ACC desc_a, +1 desc_b, +2 accumulate;
+//                                   rs  %ACC..+3 a, +4 desc_b, +5 accumulate
+#define CUATTN_WGMMA8_SS(N, ACC_LIST, A, B, P) \
+  #P ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " ACC_LIST ", %" #A ", %" #B ", p, 1, 1;\n}\n"
+#define CUATTN_WGMMA8_RS(N, ACC_LIST, A0, A1, A2, A3, B, P)                                              \
+  #P ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " ACC_LIST ", {%" #A0 ", %" #A1 \
+  ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1;\n}\n"
+
+CUATTN_DEFINE_WGMMA8(128, 64, CUATTN_WGMMA8_SS(128, CUATTN_ACC64_LIST, 64, 65, 66),
+                     CUATTN_WGMMA8_RS(128, CUATTN_ACC64_LIST, 64, 65, 66, 67, 68, 69))
+CUATTN_DEFINE_WGMMA8(256, 128, CUATTN_WGMMA8_SS(256, CUATTN_ACC128_LIST, 128, 129, 130),
+                     CUATTN_WGMMA8_RS(256, CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133))
 
 // Registers written by ordinary instructions are about to feed wgmma (accumulators, A fragments).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

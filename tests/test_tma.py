@@ -76,7 +76,8 @@ def test_encoding_through_the_driver_is_cached_per_address():
 
 def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
     """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against FwdSm90Smem::kBytes of
-    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the table."""
+    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the 16-bit and
+    FP8 tables."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
     from cuattn import _jit
 
@@ -85,6 +86,10 @@ def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
         f"static_assert(cuattn::FwdSm90Smem<{d}, {t.block_n}, {t.consumers}, {t.stages}>::kBytes == "
         f"{t.smem_bytes(d, 2)}, \"D = {d}\");"
         for d, t in attention_module.FWD_SM90_TILES.items()
+    ] + [
+        f"static_assert(cuattn::FwdSm90Smem<{d}, {t.block_n}, {t.consumers}, {t.stages}, 1>::kBytes == "
+        f"{t.smem_bytes(d, 1)}, \"FP8 D = {d}\");"
+        for d, t in attention_module.FWD_SM90_FP8_TILES.items()
     ]
     sources = tmp_path / "sources"
     sources.mkdir()

@@ -7,20 +7,31 @@ with a plain matrix mismatch rather than as a wrong gradient.
   ss_kk  C[64 x 64]  = A[64 x 128] B[64 x 128]^T   A, B K-major (S^T = K Q^T)
   rs_mn  C[64 x 128] = A[64 x 64] B[64 x 128]      A from registers, B MN-major (dV = P^T dO)
   ss_mn  C[64 x 64]  = A[128 x 64]^T B[128 x 128][:, 64:128]   A, B MN-major (dQ = dS K)
+and the e4m3 forms of the FP8 forward:
+  ss_e4m3  C[64 x 128] = A[64 x 128] B[128 x 128]^T   e4m3, A and B K-major (S = Q K^T)
+  pv_e4m3  C[64 x 128] = e4m3(P)[64 x 128] V[128 x 128]   P given in the fp32 accumulator layout,
+           packed by AttentionTile::to_e4m3_fragments, V^T as the host writes it
+           (fp8_v_transposed: keys permuted to the fragments' order), k32 from registers
 """
 
 from __future__ import annotations
 
 import pathlib
+import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+import cuattn  # noqa: F401 (registers cuattn.attention, the module the V^T layout comes from)
 from conftest import BF16
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 SRC_DIR = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
 
 SOURCE = r"""
+#include "attention_tile.cuh"
 #include "wgmma.cuh"
 using namespace cuattn;
 using T = __nv_bfloat16;
@@ -94,6 +105,59 @@ extern "C" __global__ void rs_mn(const T* a, const T* b, float* c) {  // a [64][
   store_acc(c, d);
 }
 
+// rows x bytes row-major e4m3 -> SwizzledTile<ROWS, BYTES / 2> (16-byte chunks are the same)
+template <int ROWS, int BYTES>
+__device__ void to_tile8(unsigned char* smem, const unsigned char* g) {
+  using Tile = SwizzledTile<ROWS, BYTES / 2>;
+  for (int idx = threadIdx.x; idx < ROWS * BYTES / 16; idx += kWarpgroupThreads) {
+    const int row = idx / (BYTES / 16), chunk = idx % (BYTES / 16);
+    *reinterpret_cast<uint4*>(smem + Tile::chunk_offset(row, chunk)) =
+        *reinterpret_cast<const uint4*>(g + row * BYTES + chunk * 16);
+  }
+}
+
+extern "C" __global__ void ss_e4m3(const unsigned char* a, const unsigned char* b, float* c) {  // a [64][128], b [128][128]
+  using ATile = SwizzledTile<64, 64>;
+  using BTile = SwizzledTile<128, 64>;
+  unsigned char* smem = aligned_smem();
+  to_tile8<64, 128>(smem, a);
+  to_tile8<128, 128>(smem + ATile::kBytes, b);
+  fence_proxy_async();
+  __syncthreads();
+  const u32 sa = smem_address(smem), sb = sa + ATile::kBytes;
+  float d[64];
+  wgmma_fence();
+  for (int ks = 0; ks < 4; ++ks)
+    Wgmma<e4m3, 128>::ss<0, 0>(d, kmajor_descriptor<ATile>(sa, 0, ks), kmajor_descriptor<BTile>(sb, 0, ks), ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(d);
+  store_acc(c, d);
+}
+
+// p [64][128] fp32 (rows, keys), vt [128][128] e4m3 (D rows, keys permuted as the host's V^T)
+extern "C" __global__ void pv_e4m3(const float* p, const unsigned char* vt, float* c) {
+  using VTile = SwizzledTile<128, 64>;
+  unsigned char* smem = aligned_smem();
+  to_tile8<128, 128>(smem, vt);
+  fence_proxy_async();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  AttentionTile<T, 1, 16, 16> tile;
+  for (int j = 0; j < 16; ++j)
+    for (int e = 0; e < 4; ++e) tile.s[0][j][e] = p[(16 * warp + g + 8 * (e / 2)) * 128 + 8 * j + 2 * t + e % 2];
+  u32 frag[4][4];
+  tile.to_e4m3_fragments(frag);
+  float d[64];
+  wgmma_fence();
+  for (int s = 0; s < 4; ++s)
+    Wgmma<e4m3, 128>::rs<0>(d, frag[s], kmajor_descriptor<VTile>(smem_address(smem), 0, s), s > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(d);
+  store_acc(c, d);
+}
+
 extern "C" __global__ void ss_mn(const T* a, const T* b, float* c) {  // a [128][64] (k, m), b [128][128] (k, n)
   using ATile = SwizzledTile<128, 64>;
   using BTile = SwizzledTile<128, 128>;
@@ -155,3 +219,36 @@ def test_wgmma_operand_forms(rng, name):
     got = cupy.asnumpy(c)
     # fp32 accumulation of exact bf16 products: only summation-order rounding
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"seed {rng.seed}")
+
+
+@pytest.mark.gpu
+def test_wgmma_e4m3_qk(rng):
+    """S = Q K^T on e4m3 tiles (both K-major): exact products, fp32 sums."""
+    import cupy
+
+    kernel = _module().get_function("ss_e4m3")
+    kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
+    a = rng.standard_normal((64, 128)).astype(E4M3)
+    b = rng.standard_normal((128, 128)).astype(E4M3)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    c = cupy.full(want.shape, np.nan, cupy.float32)
+    kernel((1,), (128,), (cupy.asarray(a.view(np.uint8)), cupy.asarray(b.view(np.uint8)), c), shared_mem=SMEM_BYTES)
+    np.testing.assert_allclose(cupy.asnumpy(c), want, rtol=1e-4, atol=1e-3, err_msg=f"seed {rng.seed}")
+
+
+@pytest.mark.gpu
+def test_wgmma_e4m3_pv_from_accumulator_layout(rng):
+    """O = e4m3(P) V with P packed from the accumulator layout and V^T in the host's permuted order:
+    a wrong fragment packing or permutation pairs probabilities with the wrong keys' values."""
+    import cupy
+
+    attention_module = sys.modules["cuattn.attention"]
+    kernel = _module().get_function("pv_e4m3")
+    kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
+    p = rng.random((64, 128)).astype(np.float32) * 2.0  # probabilities of a lazily moved max: up to 2^8
+    v = rng.standard_normal((128, 128)).astype(E4M3)  # [keys, D]
+    vt = attention_module.fp8_v_transposed(v.view(np.uint8)[None, :, None, :])[0, 0]  # [D, keys]
+    want = p.astype(E4M3).astype(np.float64) @ v.astype(np.float64)
+    c = cupy.full(want.shape, np.nan, cupy.float32)
+    kernel((1,), (128,), (cupy.asarray(p), cupy.asarray(vt), c), shared_mem=SMEM_BYTES)
+    np.testing.assert_allclose(cupy.asnumpy(c), want, rtol=1e-4, atol=1e-3, err_msg=f"seed {rng.seed}")
