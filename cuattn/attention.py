@@ -967,9 +967,12 @@ BWD_ORDERED_ALIBI_FALLBACK = (128,)
 
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False) -> BwdTile:
     """The backward's tiles for ``head_dim`` on ``arch``; ``deterministic`` and ``alibi`` pick the
-    dQ path where one combination takes another (BWD_ORDERED_ALIBI_FALLBACK)."""
+    dQ path. A "bulk" tile runs its ordered bulk reductions for deterministic=True (1.15-1.22x
+    faster than flash_bwd_dq_kernel at D = 128 on the H200) but float4 atomics otherwise (there
+    the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by bulk reductions"), and the
+    earlier path where deterministic ALiBi would spill (BWD_ORDERED_ALIBI_FALLBACK)."""
     tile = BWD_TILES[head_dim][arch_family(arch)]
-    if tile.bulk_dq and deterministic and alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK:
+    if tile.bulk_dq and (not deterministic or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
 
@@ -1025,7 +1028,9 @@ def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     for dtype, d, det, alibi in itertools.product(_arrays.CUDA_TYPES, SUPPORTED_HEAD_DIMS, (False, True),
                                                   (False, True)):
         tile = bwd_tile(d, arch, det, alibi)
-        modes = BWD_DQ_MODES if tile.wgmma and tile == BWD_TILES[d][arch_family(arch)] else (tile.dq_mode,)
+        # (deterministic ALiBi's ordered variant spills where BWD_ORDERED_ALIBI_FALLBACK says)
+        spills = det and alibi and d in BWD_ORDERED_ALIBI_FALLBACK
+        modes = BWD_DQ_MODES if tile.wgmma and not spills else (tile.dq_mode,)
         for mode in modes:
             specs.update(bwd_specs(dtype, d, dataclasses.replace(tile, dq_mode=mode), det, alibi))
     return sorted(specs, key=lambda spec: spec.name)
