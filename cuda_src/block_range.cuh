@@ -13,7 +13,8 @@
 // PagedRows: key j in slot j % block_size of page block_table[j / block_size] of a paged cache
 // [num_blocks, block_size, Hk, D]. A loader walks rows with a cursor (`at(first, row, col,
 // step)`, then `address()` / `next()`): a dense cursor is one pointer bumped by a fixed step; a
-// paged one looks the page up for every row, so any block size works, down to one token a page.
+// paged one finds each row's page (reading the table when the row leaves the last page it
+// read), so any block size works, down to one token a page.
 #pragma once
 
 #include "common.cuh"
@@ -96,23 +97,29 @@ struct PagedRows {
   FastDivisor block_size;
   int num_blocks;
 
-  __device__ __forceinline__ const T* row(int j, int col) const {
-    const int page = block_size.div(j);
-    const int slot = block_size.mod(j, page);
-    const int block = min(max(__ldg(table + page), 0), num_blocks - 1);
-    return base + block * page_stride + slot * row_stride + col;
-  }
-
+  // Walks rows j, j + step, ...: consecutive rows mostly share a page, so the cursor keeps the
+  // last page it looked up and reads the table again only when the page changes (each read is a
+  // dependent load in front of the copy).
   struct Cursor {
     const PagedRows* rows;
     int j;
     int col;
     int step;
-    __device__ __forceinline__ const T* address() const { return rows->row(j, col); }
+    int page;            // the page of the last lookup, or -1
+    const T* page_base;  // its slot 0 at this kv head, column col
+    __device__ __forceinline__ const T* address() {
+      const int p = rows->block_size.div(j);
+      if (p != page) {
+        const int block = min(max(__ldg(rows->table + p), 0), rows->num_blocks - 1);
+        page_base = rows->base + block * rows->page_stride + col;
+        page = p;
+      }
+      return page_base + rows->block_size.mod(j, p) * rows->row_stride;
+    }
     __device__ __forceinline__ void next() { j += step; }
   };
   __device__ __forceinline__ Cursor at(int first, int row, int col, int step) const {
-    return {this, first + row, col, step};
+    return {this, first + row, col, step, -1, base};
   }
   __device__ __forceinline__ const T* fallback(int) const { return base; }
 };
