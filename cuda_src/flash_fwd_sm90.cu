@@ -71,14 +71,6 @@ constexpr int kFwdSm90EpilogueBarrier = 5;
 // are one consumer's kWgmmaM rows.
 constexpr int kFp8ScaleBlockKeys = 128;
 
-template <bool C, class A, class B>
-struct PickType {
-  using type = A;
-};
-template <class A, class B>
-struct PickType<false, A, B> {
-  using type = B;
-};
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
@@ -92,7 +84,7 @@ struct FwdSm90Smem {
   using QTile = SwizzledTile<BLOCK_M, kRowCols>;  // [BLOCK_M, D]
   using KTile = SwizzledTile<BLOCK_N, kRowCols>;  // [BLOCK_N, D] per stage
   // per stage: V [BLOCK_N, D] (16-bit, read MN-major), or V^T [D, BLOCK_N] (e4m3, read K-major)
-  using VTile = typename PickType<kFp8, SwizzledTile<HEAD_DIM, BLOCK_N / 2>, KTile>::type;
+  using VTile = typename Conditional<kFp8, SwizzledTile<HEAD_DIM, BLOCK_N / 2>, KTile>::type;
   using OTile = SwizzledTile<BLOCK_M, HEAD_DIM>;  // [BLOCK_M, D] of the 16-bit output
   // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty (8 bytes each);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
