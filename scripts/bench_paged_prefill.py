@@ -5,6 +5,8 @@ python scripts/bench_paged_prefill.py OUT.json [--no-runs]
     bf16, D = 128, GQA 32/8, block size 16, pages shuffled over the pool, causal (bottom-right):
       prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
       mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
+      mixed-8k 1 chunk of 2048 queries + 63 decode rows, 8192 keys each; also the chunk alone and
+               the rows alone (paged_attention), and the ratio of the mixed call to their sum
     one line per (case, path): ms and TFLOP/s (4 * H * D per visible query-key pair). The paged
     times include the call's host planning (check=False, device tables). Dense is timed twice: as
     dispatched (the Hopper forward on an H200) and on flash_fwd_kernel, the mma.sync kernel the
@@ -33,7 +35,11 @@ CASES = {
     # name: (queries per sequence, keys per sequence)
     "prefill": ((4096,) * 4, (4096, 6144, 8192, 8192)),
     "mixed": ((2048,) + (1,) * 64, (4096,) * 65),
+    # the serving issue's mixed step: one 2k-token chunk and 63 decode rows over 8k contexts,
+    # also timed as its two parts launched separately (the chunk alone, the rows alone)
+    "mixed-8k": ((2048,) + (1,) * 63, (8192,) * 64),
 }
+SPLIT_CASES = ("mixed-8k",)
 
 
 def visible_pairs(queries, keys) -> int:
@@ -97,19 +103,34 @@ def main(argv):
         # agreement first: the two layouts hold the same tokens
         diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
                               - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
-        flops = 4.0 * HQ * D * visible_pairs(queries, keys)
         timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"])]
         if not args.no_runs:
             timed.append(("decode runs of 16 (old schedule)", paths["paged_attention_varlen"]))
+        if name in SPLIT_CASES:
+            # the chunk alone (sequence 0) and the decode rows alone (the others), over the same pages
+            chunk_cu, rows_cu = cu_q[:2], cu_q[1:] - cu_q[1]
+            timed.append(("the chunk alone", lambda: cuattn.paged_attention_varlen(
+                q[:int(cu_q[1])], pages, table[:1], chunk_cu, lens[:1], int(queries[0]), check=False)))
+            timed.append(("the decode rows alone", lambda: cuattn.paged_attention(
+                q[int(cu_q[1]):].reshape(len(queries) - 1, 1, HQ, D), pages, table[1:], lens[1:], check=False)))
+        times = {}
         for path, fn in timed:
             with schedule(path):
                 ms = timing.time_cuda(fn)
+            times[path] = ms
+            part = {"the chunk alone": slice(0, 1), "the decode rows alone": slice(1, None)}.get(path, slice(None))
+            work = 4.0 * HQ * D * visible_pairs(queries[part], keys[part])
             row = dict(case=name, path=path, queries=list(queries)[:4] + (["..."] if len(queries) > 4 else []),
-                       sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=flops / ms / 1e9,
+                       sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=work / ms / 1e9,
                        max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=BLOCK)
             rows.append(row)
             print(f"{name:8s} {path:34s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
         print(f"{name:8s} max |paged - dense| = {diff:.3g}", flush=True)
+        if name in SPLIT_CASES:
+            parts = times["the chunk alone"] + times["the decode rows alone"]
+            ratio = times["paged_attention_varlen"] / parts
+            rows.append(dict(case=name, path="mixed / (chunk alone + rows alone)", ratio=ratio))
+            print(f"{name:8s} one mixed call / the two parts separately = {ratio:.3f}", flush=True)
     with open(args.json, "w") as f:
         json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f, indent=1)
 
