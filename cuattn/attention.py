@@ -136,12 +136,15 @@ class FwdSm90Tile:
 
     def smem_bytes(self, head_dim: int, itemsize: int, out_itemsize: int = 2) -> int:
         """FwdSm90Smem: Q [BLOCK_M, D], K and V (or V^T) [stages, BLOCK_N, D] (swizzled, unpadded;
-        ``itemsize`` 2, or 1 for e4m3), two 8-byte mbarriers for Q and four per stage, an atom of
-        alignment slack, and an O tile [BLOCK_M, D] of the 16-bit output where that still fits
-        (else O is staged in Q's)."""
+        ``itemsize`` 2, or 1 for e4m3), two 8-byte mbarriers for Q, four per stage and two per
+        slot of the tile ring, the ring's int32 tile indices, an atom of alignment slack, and an O
+        tile [BLOCK_M, D] of the 16-bit output where that still fits (else O is staged in Q's)."""
         q_tile = self.block_m * head_dim * itemsize
         o_tile = self.block_m * head_dim * out_itemsize
-        fixed = (q_tile + 2 * self.stages * self.block_n * head_dim * itemsize + 8 * (2 + 4 * self.stages)
+        ring = _params.constant("kFwdSm90TileRing")
+        barriers = 2 + 4 * self.stages + 2 * ring
+        fixed = (q_tile + 2 * self.stages * self.block_n * head_dim * itemsize
+                 + _params.constant("kMbarrierBytes") * barriers + _params.constant("kFwdSm90TileIndexBytes") * ring
                  + _params.constant("kSwizzleAtomBytes"))
         return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
@@ -167,9 +170,71 @@ FWD_SM90_FP8_TILES = {
 FP8_HEAD_DIMS = tuple(sorted(FWD_SM90_FP8_TILES))
 FP8_OUT_DTYPES = ("bfloat16", "float16")
 
-# Longest key range a causal or windowed call still runs on the persistent grid (measured: 1k
-# faster persistent, 4k and 16k faster with one CTA per tile).
+# Longest key range a causal or windowed call still runs on the persistent grid under the static
+# schedule (measured: 1k faster persistent, 4k and 16k faster with one CTA per tile).
 FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
+
+# flash_fwd_sm90_kernel's tile schedule (the kernel file's opening comment):
+#   "dynamic"  one CTA per SM; each takes its next tile from a per-stream counter (an atomicAdd),
+#              the heaviest query blocks first, over L2 sections of heads;
+#   "static"   one CTA per SM with a fixed stride over (batch, head)-major tiles, or one CTA per
+#              tile for banded masks over more than FWD_SM90_PERSISTENT_BANDED_KEYS keys.
+# A module switch (tests, scripts/bench_varlen.py --schedules): plans keep the launch they were
+# made with, so clear them (_calls.clear()) after changing it.
+FWD_SM90_SCHEDULES = ("dynamic", "static")
+FWD_SM90_SCHEDULE = "dynamic"
+# L2 bytes of K and V one section of the dynamic schedule's heads may span (the H200 has 50 MB
+# of L2; the tiles running at once also hold Q and write O).
+FWD_SM90_L2_SECTION_BYTES = 32 << 20
+# The dynamic schedule's counters: int32 [2], next tile and finished CTAs (params.cuh)
+TILE_COUNTER_BYTES = 8
+
+_tile_counters: dict[tuple[int, int], object] = {}
+
+
+def tile_counter_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
+    """The dynamic schedule's counters of (device, stream): int32 [2], zeroed once on that stream
+    (ordered before the launches that follow there), then left at zero by every launch (its last
+    CTA resets them), so no launch needs a memset and a CUDA graph can replay it. One per stream:
+    launches running at once on two streams must not share counters. Held for the process's life
+    (a captured graph keeps the address). ``nbytes`` is TILE_COUNTER_BYTES (the plans' workspace call)."""
+    import cupy
+
+    key = (device_id, stream_ptr)
+    buf = _tile_counters.get(key)
+    if buf is None:
+        with cupy.cuda.Device(device_id):
+            buf = cupy.empty(nbytes // 4, cupy.int32)
+            cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, nbytes, stream_ptr)
+        _tile_counters[key] = buf
+    return buf.data.ptr
+
+
+def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
+                     itemsize: int) -> int:
+    """(batch, head) pairs per section of the dynamic schedule: as many as keep their K and V
+    within FWD_SM90_L2_SECTION_BYTES (the q heads of one kv head count once), at least one."""
+    kv_head_bytes = max(1, 2 * seqlen_k * head_dim * itemsize)
+    kv_heads = max(1, FWD_SM90_L2_SECTION_BYTES // kv_head_bytes)
+    return max(1, min(batch * num_heads, kv_heads * (num_heads // num_kv_heads)))
+
+
+def tile_counter_pointers(launch, stream_ptr: int) -> list[tuple[int, int]]:
+    """For a launch re-run on ``stream_ptr`` outside the plans (cuattn.jax's cached launches):
+    the (slot, address) pair pointing a dynamic launch at that stream's counters, else none."""
+    slot = launch.slot("tile_counter")
+    if int(launch.params[slot]) == 0:
+        return []
+    return [(slot, tile_counter_address(TILE_COUNTER_BYTES, stream_ptr, launch.device_id))]
+
+
+def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
+    """A forward plan's Bound fields and Plan workspace arguments: a dynamic launch reads the
+    counters of the stream each planned call runs on."""
+    if int(launch.params[launch.slot("tile_counter")]) == 0:
+        return fields, {}
+    return ({**fields, "tile_counter": "workspace+0"},
+            dict(workspace=TILE_COUNTER_BYTES, workspace_of=tile_counter_address))
 
 
 @functools.lru_cache(maxsize=None)
@@ -347,11 +412,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         if launch is not None:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
+            fields, workspace = _plan_tile_counter(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
+                                                            "sinks": "sinks", "alibi_slopes": "alibi_slopes"})
             _calls.remember(call_key, _calls.Plan(
                 inputs=("q", "k", "v", "out", "sinks", "alibi_slopes"), outputs=outputs, aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
-                                             "sinks": "sinks", "alibi_slopes": "alibi_slopes"})],
-                finish=_fwd_result(return_lse)))
+                bound=[_calls.Bound(launch, fields)], finish=_fwd_result(return_lse), **workspace))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 
@@ -438,13 +503,13 @@ def attention_varlen(
         if launch is not None and cuq_c is cuq and cuk_c is cuk:
             outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
+            fields, workspace = _plan_tile_counter(launch, {
+                "q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
+                "alibi_slopes": "alibi_slopes", "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})
             _calls.remember(call_key, _calls.Plan(
                 inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "sinks", "alibi_slopes"),
                 outputs=outputs, aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
-                                             "alibi_slopes": "alibi_slopes",
-                                             "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})],
-                finish=_varlen_result(return_lse)))
+                bound=[_calls.Bound(launch, fields)], finish=_varlen_result(return_lse), **workspace))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 
@@ -791,15 +856,24 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             strides[0] = 0
     bh = batch * num_heads
     m_blocks = (seqlen_q + tile.block_m - 1) // tile.block_m
+    counter, section = None, 0
     if isinstance(tile, FwdSm90Tile):
         # One CTA per SM walks the tiles (shared memory allows one per SM), its loads running
-        # under the previous tile's epilogue; or one CTA per tile (the hardware hands out tiles as
-        # SMs free up) for long banded masks, where the tiles' costs differ so much that fixed
-        # strides spread the CTAs over many heads' K and V (BENCHMARKS.md: 488 vs 602 TFLOP/s).
+        # under the previous tile's epilogue. Dynamic: the CTAs take tiles from a counter, heavy
+        # first. Static: fixed strides; or one CTA per tile (the hardware hands out tiles as SMs
+        # free up) for long banded masks, where the tiles' costs differ so much that fixed strides
+        # spread the CTAs over many heads' K and V (BENCHMARKS.md: 488 vs 602 TFLOP/s).
         tiles = m_blocks * bh
+        if FWD_SM90_SCHEDULE not in FWD_SM90_SCHEDULES:
+            raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {FWD_SM90_SCHEDULE!r}")
         banded = causal or window != (-1, -1)
-        persistent = not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
+        dynamic = FWD_SM90_SCHEDULE == "dynamic"
+        persistent = dynamic or not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
         grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
+        if dynamic:
+            counter = tile_counter_address(TILE_COUNTER_BYTES, _jit.stream_ptr(stream), _jit.current_device())
+            section = l2_section_heads(batch, num_heads, num_kv_heads, seqlen_k, head_dim, 1 if fp8 is not None
+                                       else np.dtype(q.dtype).itemsize)
     else:
         grid = (m_blocks, *_split_grid(bh))
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
@@ -815,7 +889,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right,
-        **_paged_fields(paged),
+        **_paged_fields(paged), tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))

@@ -62,7 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arrays, _masks, reference
-from .attention import _check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd, check_prefix_sums
+from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd, check_prefix_sums,
+                        tile_counter_pointers)
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
 
@@ -301,7 +302,9 @@ def _device_attention(mask: _Mask, ctx, outs, q, k, v, *sinks):
         call_key = (mask, device, *((tuple(b.shape), str(b.dtype)) for b in buffers))
         launch = _FWD_LAUNCHES.get(call_key)
         if launch is not None and cupy.cuda.runtime.getDevice() == device:
-            launch.run(_stream_handle(ctx), [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)])
+            stream = _stream_handle(ctx)
+            launch.run(stream, [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)]
+                       + tile_counter_pointers(launch, stream))
             return
     with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,) + (_VECTOR,) * len(sinks)) as (stream, views):
         qv, kv, vv, ov, lv = views[:5]

@@ -29,6 +29,31 @@
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first;
 // only blocks that cross a mask boundary evaluate the mask.
 //
+// Tile schedule: the producer picks each tile and hands its index to the consumers through a
+// ring of kFwdSm90TileRing slots in shared memory, each guarded by a "tile full" mbarrier (one
+// arrival: the producer's, after it wrote the slot; its release and the consumers' acquiring
+// wait order the slot's write before their reads) and a "tile empty" one (every consumer thread
+// arrives once it has read the slot). The producer publishes tile t + 1 as soon as it has
+// issued tile t's last load, so the consumers find it waiting when tile t's epilogue ends, and
+// kNoTile ends the loop. Which tiles:
+//   static  (p.tile_counter null): CTA i takes tiles i, i + gridDim.x, ... in (batch, head)-major
+//           order, the last query block of a head first (with a grid of one CTA per tile, the
+//           hardware schedules);
+//   dynamic (p.tile_counter [2]): CTA i starts with tile i, then the producer takes the next
+//           index with one atomicAdd on tile_counter[0] (issued a tile ahead, so its latency
+//           hides under that tile's loads). The index space runs over L2 sections of
+//           p.tile_section (batch, head) pairs (as many as keep their K and V in L2), and within
+//           a section query block by query block, the last (under a causal mask the heaviest)
+//           first, over the section's heads; so the CTAs running at once share one section's K
+//           and V, and the long tiles start first, the short ones fill in at the end.
+//   Either way a tile past its varlen sequence's end is skipped by the producer and never
+//   reaches the ring (no pipeline iteration, no barrier traffic).
+// Counter reset (dynamic): a producer whose take came back past the last tile adds one to
+// tile_counter[1] (after a fence, so its last take is ordered before); the CTA that brings it to
+// gridDim.x is the last to take, and writes both counters back to zero. Every launch thus starts
+// from zero with no memset launch, CUDA-graph replays included; the host gives each stream its
+// own counter, so launches on different streams do not share one.
+//
 // FP8 (T = e4m3, output TOut fp16/bf16; cuattn.attention with e4m3 q, k, v): the same pipeline on
 // k32 e4m3 wgmma (wgmma.cuh). Differences, each under `if constexpr (kFp8)`:
 //   tiles   Q [BLOCK_M, D] and K [BLOCK_N, D] bytes, 128 e4m3 columns per swizzled row (TMA box
@@ -70,6 +95,12 @@ constexpr int kFwdSm90EpilogueBarrier = 5;
 // Keys per k scale of a block-quantised e4m3 k: the FP8 kernels' key block (BLOCK_N); q's blocks
 // are one consumer's kWgmmaM rows.
 constexpr int kFp8ScaleBlockKeys = 128;
+// Tile schedule: slots in the ring of tile indices from the producer to the consumers (the
+// producer runs at most this many tiles ahead of the consumers' reads), and the index that ends
+// the loop.
+constexpr int kFwdSm90TileRing = 2;
+constexpr int kFwdSm90TileIndexBytes = 4;
+constexpr int kFwdSm90NoTile = -1;
 
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
@@ -86,11 +117,13 @@ struct FwdSm90Smem {
   // per stage: V [BLOCK_N, D] (16-bit, read MN-major), or V^T [D, BLOCK_N] (e4m3, read K-major)
   using VTile = typename Conditional<kFp8, SwizzledTile<HEAD_DIM, BLOCK_N / 2>, KTile>::type;
   using OTile = SwizzledTile<BLOCK_M, HEAD_DIM>;  // [BLOCK_M, D] of the 16-bit output
-  // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty (8 bytes each);
-  // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
-  static constexpr int kBarrierCount = 2 + 4 * STAGES;
+  // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty, then per ring
+  // slot tile full, tile empty (8 bytes each); then the ring's tile indices (int32); the dynamic
+  // allocation's base is only 16-byte aligned: one atom of slack to round it up
+  static constexpr int kBarrierCount = 2 + 4 * STAGES + 2 * kFwdSm90TileRing;
   static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) +
-                                kBarrierCount * kMbarrierBytes + kSwizzleAtomBytes;
+                                kBarrierCount * kMbarrierBytes + kFwdSm90TileRing * kFwdSm90TileIndexBytes +
+                                kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (16-bit D = 256) in Q's, which is then released after the stores.
   static constexpr bool kOwnO = kFixed + OTile::kBytes <= kFwdSm90MaxSmem;
@@ -100,6 +133,7 @@ struct FwdSm90Smem {
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
   static constexpr int kBarriers = kV + STAGES * VTile::kBytes;
+  static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kFwdSm90MaxSmem, "tiles fit in shared memory");
 };
@@ -111,13 +145,29 @@ struct FwdSm90Work {
   SequenceRange seq;
   int n_first, n_last;  // key blocks [n_first, n_last), visited from last to first
 
-  // Tile `tile` of the grid's sequence: (batch, head)-major, so the CTAs running at once share
-  // a few heads' K and V in L2; within a head the last query rows (the heaviest under a causal
-  // mask) come first.
-  __device__ __forceinline__ FwdSm90Work(const Params& p, i64 tile, int m_blocks)
-      : b(static_cast<int>(tile / m_blocks / p.num_heads)),
-        h(static_cast<int>(tile / m_blocks % p.num_heads)),
-        m0((m_blocks - 1 - static_cast<int>(tile % m_blocks)) * BLOCK_M),
+  // Tile `tile` of the schedule's order (the file's opening comment): static, (batch, head)-major;
+  // dynamic, L2 sections of p.tile_section (batch, head) pairs, each query block by query block
+  // over the section's pairs. Within a pair either way the last query rows (the heaviest under a
+  // causal mask) come first.
+  __device__ __forceinline__ FwdSm90Work(const Params& p, int tile, int m_blocks)
+      : FwdSm90Work(p, tile_pair(p, tile, m_blocks), m_blocks) {}
+
+  // (batch * num_heads + head, query block counted from the last) of `tile`
+  struct Pair {
+    int bh, m_rank;
+  };
+  __device__ __forceinline__ static Pair tile_pair(const Params& p, int tile, int m_blocks) {
+    if (p.tile_counter == nullptr) return {tile / m_blocks, tile % m_blocks};
+    const int section_tiles = p.tile_section * m_blocks;
+    const int first = tile / section_tiles * p.tile_section;  // the section's first pair
+    const int width = min(p.tile_section, p.batch * p.num_heads - first);  // the last section may be narrower
+    const int local = tile - first * m_blocks;
+    return {first + local % width, local / width};
+  }
+  __device__ __forceinline__ FwdSm90Work(const Params& p, Pair pair, int m_blocks)
+      : b(pair.bh / p.num_heads),
+        h(pair.bh % p.num_heads),
+        m0((m_blocks - 1 - pair.m_rank) * BLOCK_M),
         seq(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
   }
@@ -156,10 +206,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr int kConsumerRegs =
       (kRegistersPerSm / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
 
-  // Persistent grid: CTA i takes tiles i, i + gridDim.x, ...; the producer runs ahead into the
-  // next tile's loads while the consumers finish this one's epilogue.
+  // Persistent grid: the producer picks the tiles (the file's opening comment) and runs ahead
+  // into the next tile's loads while the consumers finish this one's epilogue. Tile indices are
+  // int: B * H * ceil(Sq / BLOCK_M) is below 2^30 for any q that fits in a GPU's memory.
   const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  const i64 num_tiles = static_cast<i64>(m_blocks) * p.batch * p.num_heads;
+  const int num_tiles = m_blocks * p.batch * p.num_heads;
   // TMA coordinates: dense rows are per batch slice, varlen rows are packed (batch coordinate 0)
   const bool varlen = p.cu_seqlens_q != nullptr;
 
@@ -176,6 +227,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto v_full = [&](int stage) { return q_full + kMbarrierBytes * (2 + STAGES + stage); };
   const auto k_empty = [&](int stage) { return q_full + kMbarrierBytes * (2 + 2 * STAGES + stage); };
   const auto v_empty = [&](int stage) { return q_full + kMbarrierBytes * (2 + 3 * STAGES + stage); };
+  const auto tile_full = [&](int slot) { return q_full + kMbarrierBytes * (2 + 4 * STAGES + slot); };
+  const auto tile_empty = [&](int slot) {
+    return q_full + kMbarrierBytes * (2 + 4 * STAGES + kFwdSm90TileRing + slot);
+  };
+  volatile int* tile_ring = reinterpret_cast<volatile int*>(base + Smem::kTileRing);  // [kFwdSm90TileRing]
 
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
@@ -190,6 +246,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       mbarrier_init(k_empty(s), CONSUMERS * kWarpgroupThreads);
       mbarrier_init(v_empty(s), CONSUMERS * kWarpgroupThreads);
     }
+    for (int s = 0; s < kFwdSm90TileRing; ++s) {
+      mbarrier_init(tile_full(s), 1);
+      mbarrier_init(tile_empty(s), CONSUMERS * kWarpgroupThreads);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -199,10 +259,29 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     registers_decrease<kFwdSm90ProducerRegs>();
     if (threadIdx.x != 0) return;
     int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
-    int tiles = 0;  // tiles started so far: the phase of Q's barriers
-    for (i64 tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    int tiles = 0;  // tiles started (and published) so far: the phase of Q's and the ring's barriers
+    int* const counter = p.tile_counter;
+    // the index after `tile` in this CTA's sequence (dynamic: the take, past the first wave)
+    const auto take = [&](int tile) {
+      return counter != nullptr ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x)
+                                : tile + static_cast<int>(gridDim.x);
+    };
+    const auto publish = [&](int tile) {
+      const int slot = tiles % kFwdSm90TileRing;
+      mbarrier_wait(tile_empty(slot), ((tiles / kFwdSm90TileRing) & 1) ^ 1);
+      tile_ring[slot] = tile;
+      mbarrier_arrive(tile_full(slot));  // release: the consumers' wait sees the write
+    };
+    int tile = blockIdx.x;
+    for (;;) {
+      // skip the tiles past a varlen sequence's end here: they never reach the consumers
+      while (tile < num_tiles && Work(p, tile, m_blocks).empty()) tile = take(tile);
+      if (tile >= num_tiles) break;
       const Work w(p, tile, m_blocks);
-      if (w.empty()) continue;
+      publish(tile);
+      // the next take now, its result used after this tile's loads: the atomic's round trip
+      // runs under them
+      const int next = take(tile);
       const int tma_b = varlen ? 0 : w.b;
       const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
       // the consumers are done with the previous tile's Q
@@ -236,6 +315,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           }
         }
       }
+      tile = next;
+    }
+    publish(kFwdSm90NoTile);
+    if (counter != nullptr) {
+      // this CTA's last take is done; the last CTA to get here resets the counters for the next
+      // launch (no CTA of this one reads them again)
+      __threadfence();
+      if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(counter, 0);
+        atomicExch(counter + 1, 0);
+      }
     }
     return;
   }
@@ -257,10 +347,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   };
 
   int loads = 0;  // K/V blocks consumed so far, as the producer counts them
-  int tiles = 0;
-  for (i64 tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+  int tiles = 0;  // tiles taken from the ring so far
+  for (;;) {
+    const int slot = tiles % kFwdSm90TileRing;
+    mbarrier_wait(tile_full(slot), (tiles / kFwdSm90TileRing) & 1);
+    const int tile_index = tile_ring[slot];
+    mbarrier_arrive(tile_empty(slot));
+    if (tile_index == kFwdSm90NoTile) break;
     const Work w(p, tile_index, m_blocks);
-    if (w.empty()) continue;
     const int blocks = w.blocks();
     const int wg_m0 = w.m0 + c * kWgmmaM;
     const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows

@@ -92,6 +92,12 @@ struct FwdParams {
   u32 block_size_mul;      // FastDivisor of block_size
   int block_size_shift;
   int num_blocks;          // page ids are clamped to [0, num_blocks)
+  // flash_fwd_sm90_kernel's schedule (flash_fwd_sm90.cu): tile_counter null is the static one
+  // (CTA i takes tiles i, i + gridDim.x, ...), else the dynamic one with int32 [2] counters, the
+  // next tile and the CTAs finished, zero at every launch's start (its last CTA resets them),
+  // and tile_section (batch, head) pairs per L2 section
+  int* tile_counter;
+  int tile_section;
 };
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages

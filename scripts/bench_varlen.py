@@ -1,7 +1,8 @@
 """attention_varlen at ragged lengths against the dense forward at the same total tokens, on the
 current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
 
-python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--json PATH]
+python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--schedules dynamic,static]
+                               [--json PATH]
     per (head dim, mean length N, mask): TFLOP/s of
       dense          cuattn.attention, B = 32768 / N sequences of N tokens
       varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
@@ -10,9 +11,13 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     TFLOP/s counts each sequence's own work (sum over sequences of its attention FLOPs), so
     ragged lengths, which hold more work than equal ones, are compared by rate, not time.
     bf16, H * D = 2048, CUDA events, the forward benchmark's timing.
+    --schedules: flash_fwd_sm90_kernel's tile schedules to time each case on (an A/B of
+    cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
+    per schedule, the schedules of a case timed one after the other.
 """
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -20,8 +25,11 @@ import cupy
 import numpy as np
 
 import cuattn
+from cuattn import _calls
 from cuattn.bench import timing
 from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
+
+attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
 
 def ragged_lengths(rng, count: int, mean: int) -> list[int]:
@@ -39,8 +47,14 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--schedules", default=attention_module.FWD_SM90_SCHEDULE,
+                        help=f"comma-separated, of {', '.join(attention_module.FWD_SM90_SCHEDULES)}")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    schedules = args.schedules.split(",")
+    for schedule in schedules:
+        if schedule not in attention_module.FWD_SM90_SCHEDULES:
+            parser.error(f"--schedules: {schedule!r} is not one of {attention_module.FWD_SM90_SCHEDULES}")
     bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng()
     rows = []
@@ -52,7 +66,7 @@ def main(argv):
             b = max(1, TOTAL_TOKENS // n)
             layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
             for causal in (False, True):
-                rates = {}
+                rates = {schedule: {} for schedule in schedules}
                 for name, lengths in layouts.items():
                     total = sum(lengths)
                     flops = sum(timing.attention_flops(1, h, s, s, d, causal) for s in lengths)
@@ -65,14 +79,18 @@ def main(argv):
                         qv, kv, vv = (x[:total] for x in (q, k, v))
                         fn = lambda: cuattn.attention_varlen(qv, kv, vv, cu, cu, longest, longest,  # noqa: E731
                                                              causal=causal)
-                    ms = timing.time_cuda(fn)
-                    rates[name] = flops / ms / 1e9
-                    rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
-                                     lengths=lengths, ms=ms, tflops=rates[name]))
-                print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} "
-                      + "  ".join(f"{name} {rate:6.1f}" for name, rate in rates.items())
-                      + f"  ragged/dense {rates['varlen-ragged'] / rates['dense']:.3f}"
-                      + f"  equal/dense {rates['varlen-equal'] / rates['dense']:.3f}", flush=True)
+                    for schedule in schedules:
+                        attention_module.FWD_SM90_SCHEDULE = schedule
+                        _calls.clear()  # plans keep the launch (and schedule) they were made with
+                        ms = timing.time_cuda(fn)
+                        rates[schedule][name] = flops / ms / 1e9
+                        rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
+                                         schedule=schedule, lengths=lengths, ms=ms, tflops=rates[schedule][name]))
+                for schedule, rate in rates.items():
+                    print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {schedule:8s} "
+                          + "  ".join(f"{name} {r:6.1f}" for name, r in rate.items())
+                          + f"  ragged/dense {rate['varlen-ragged'] / rate['dense']:.3f}"
+                          + f"  equal/dense {rate['varlen-equal'] / rate['dense']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -28,8 +28,10 @@ attention_module = importlib.import_module("cuattn.attention")  # the module, no
 @pytest.fixture(autouse=True, params=FWD_KERNELS)
 def fwd_kernel(request, monkeypatch):
     """Every test here runs on both forward kernels: the Hopper one (flash_fwd_sm90_kernel, where
-    the head dim has a tile) and the mma.sync one, forced by emptying the Hopper tile table."""
+    the head dim has a tile, on the dynamic tile schedule; test_sm90_schedules runs the static one
+    too) and the mma.sync one, forced by emptying the Hopper tile table."""
     _calls.clear()
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "dynamic")  # whatever the dispatcher's default
     if request.param == "mma":
         monkeypatch.setattr(attention_module, "FWD_SM90_TILES", {})
     elif _jit.gpu_unavailable_reason() is None and _jit.target_arch() != "sm_90a":
@@ -341,6 +343,108 @@ def test_varlen_matches_per_sequence_dense(rng):
     finite = np.isfinite(ref_lse)
     assert np.array_equal(finite, np.isfinite(lse))
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_fwd_sm90_kernel's tile schedules
+
+
+def _check_varlen(rng, lens_q, lens_k, hq, hk, d, causal, dtype=DTYPES[1]):
+    """attention_varlen into a poisoned out against the float64 reference, sequence by sequence."""
+    cupy = _cupy()
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v = (randn(rng, (int(cu[-1]), h, d), dtype) for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
+    poisoned = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    out = cuattn.attention_varlen(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q),
+                                  cupy.asarray(cu_k), max(lens_q), max(lens_k), causal=causal, out=poisoned)
+    out = out.get().astype(np.float64)
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    assert np.isfinite(out).all(), f"unwritten rows (seed {rng.seed})"
+    for i in range(len(lens_q)):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        naive = reference.naive_attention_lowp(q[None, rows], k[None, keys], v[None, keys], causal=causal,
+                                               dtype=q.dtype)[0]
+        budget = error_budget(np.abs(naive - ref[rows]).max(initial=0), q.dtype, 2.0, np.abs(ref[rows]).max(initial=0))
+        assert np.abs(out[rows] - ref[rows]).max(initial=0) <= budget, f"sequence {i} (seed {rng.seed})"
+
+
+# more (batch, head) query blocks than an H200 has SMs (132), so CTAs take several tiles each
+SCHEDULE_CASES = {
+    "causal-many-tiles": dict(b=2, sq=1100, sk=1100, hq=8, hk=2, d=64, causal=True),  # 144 tiles
+    "full-d128": dict(b=2, sq=700, sk=333, hq=12, hk=12, d=128, causal=False),
+    "causal-long-keys": dict(b=1, sq=300, sk=4100, hq=2, hk=1, d=128, causal=True),  # static: one CTA per tile
+}
+
+
+@pytest.mark.parametrize("schedule", attention_module.FWD_SM90_SCHEDULES)
+@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
+def test_sm90_schedules(rng, monkeypatch, fwd_kernel, schedule, case):
+    """Both schedules of the Hopper kernel, dense and ragged varlen (sequences shorter than the
+    longest leave empty tiles, which the producer skips), against the float64 reference."""
+    if fwd_kernel != "sm90":
+        pytest.skip("a schedule of flash_fwd_sm90_kernel")
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", schedule)
+    c = SCHEDULE_CASES[case]
+    run_and_check(rng, DTYPES[1], c["b"], c["sq"], c["sk"], c["hq"], c["hk"], c["d"], causal=c["causal"])
+    lens_q = [c["sq"], 1, c["sq"] // 3, 0, 130, c["sq"] // 2 + 7]
+    lens_k = [c["sk"], 5, c["sk"] // 3, 9, 130, c["sk"] // 2 + 7]
+    _check_varlen(rng, lens_q, lens_k, c["hq"], c["hk"], c["d"], c["causal"])
+
+
+def _tile_counters(stream):
+    """The dynamic schedule's counters of ``stream`` on the current device, on the host."""
+    cupy = _cupy()
+    stream.synchronize()
+    buf = attention_module._tile_counters[(cupy.cuda.runtime.getDevice(), stream.ptr)]
+    return buf.get().tolist()
+
+
+def test_dynamic_schedule_counters_reset_between_launches_and_graph_replays(rng, fwd_kernel):
+    """Each launch of the dynamic schedule leaves its stream's counters at zero (its last CTA resets
+    them), so back-to-back launches of different tile counts with no sync between, and replays of
+    a captured CUDA graph, each compute every tile: outputs poisoned before each run must match the
+    float64 reference every time."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the dynamic schedule of flash_fwd_sm90_kernel")
+    cupy = _cupy()
+    shapes = [(2, 1100, 8, 2, 64), (2, 1000, 12, 12, 128), (1, 130, 3, 1, 64)]  # 144, 192, 6 tiles
+    inputs = [[randn(rng, (b, s, h, d), DTYPES[1]) for h in (hq, hk, hk)] for b, s, hq, hk, d in shapes]
+    refs = [reference.attention(q, k, v, causal=True) for q, k, v in inputs]
+    device = [[cupy.asarray(x) for x in qkv] for qkv in inputs]
+    outs = [cupy.empty(q.shape, q.dtype) for q, _, _ in device]
+
+    def check(what):
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            err = np.abs(out.get().astype(np.float64) - ref).max()
+            assert np.isfinite(err) and err < 3e-2, f"{what}: shape {shapes[i]} error {err:.3g} (seed {rng.seed})"
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for (q, k, v), out in zip(device, outs):  # compile, load, make the stream's counters
+            cuattn.attention(q, k, v, causal=True, out=out)
+        for rounds in range(2):
+            for out in outs:
+                out.fill(np.nan)
+            for (q, k, v), out in zip(device, outs):
+                cuattn.attention(q, k, v, causal=True, out=out)
+            assert _tile_counters(stream) == [0, 0]
+            check(f"back-to-back round {rounds}")
+
+        stream.begin_capture()
+        for (q, k, v), out in zip(device, outs):
+            cuattn.attention(q, k, v, causal=True, out=out)
+        graph = stream.end_capture()
+        for replay in range(3):
+            for i, (q, k, v) in enumerate(device):
+                fresh = [randn(rng, tuple(x.shape), DTYPES[1]) for x in (q, k, v)]
+                for x, new in zip((q, k, v), fresh):
+                    x[...] = cupy.asarray(new)
+                refs[i] = reference.attention(*fresh, causal=True)
+                outs[i].fill(np.nan)
+            graph.launch(stream)
+            assert _tile_counters(stream) == [0, 0]
+            check(f"graph replay {replay}")
 
 
 def test_result_is_deterministic(rng):
