@@ -115,8 +115,9 @@ def test_every_kernel_a_head_dim_can_pick_is_listed(arch):
             assert paged.name in listed, (d, paged.name)
             for deterministic in (False, True):
                 for alibi in (False, True):
-                    specs = attention_module.bwd_specs(dtype, attention_module.bwd_tile_dim(d),
-                                                       attention_module.bwd_tile(d, arch), deterministic, alibi)
+                    tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
+                    specs = attention_module.bwd_specs(dtype, attention_module.bwd_tile_dim(d), tile, deterministic,
+                                                       alibi)
                     assert {spec.name for spec in specs} <= listed, (d, deterministic, alibi)
             decode_dim = decode_module.decode_tile_dim(d)
             for paged_cache in (False, True):
