@@ -85,7 +85,11 @@ FWD_TILES = {
 # sm_80 the bias pass (the slope is read per key block, which is what keeps sm_90a's 64-key blocks
 # spill-free) spills 16 bytes with 64-key blocks and with 48; 32 keys take 242 registers
 # (`python -m cuattn build`). Not measured for speed yet (scripts/tune_fwd.py).
+# At D = 64 on sm_90a (where this kernel runs padded head dims and views the TMA cannot read; the
+# Hopper kernel takes the rest) the run-time head dim's predicate tipped 128-key blocks into a
+# 24-byte spill with the bias pass; 96 keys, sm_80's tile, do not spill.
 FWD_ALIBI_TILES = {
+    64: {SM90: FwdTile(128, 96, 4)},
     128: {SM80: FwdTile(128, 32, 4)},
 }
 # every head dim the forward and backward take (the CPU path takes the same)

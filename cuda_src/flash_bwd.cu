@@ -48,6 +48,7 @@ namespace cuattn {
 
 // Copy ROWS rows of HEAD_DIM elements into a padded shared tile with cp.async, zero past
 // `valid_rows` and from column `head_dim` (a multiple of 8: whole 16-byte copies) on.
+// BwdColumns gives both arguments for the loads inside the kernels' loops.
 template <typename T, int ROWS, int HEAD_DIM, int THREADS>
 __device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_stride, int valid_rows, int head_dim) {
   constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
@@ -60,6 +61,24 @@ __device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_st
     cp_async_16(smem + row * SmemRow<HEAD_DIM>::kStride + col, valid ? gmem + row * row_stride + col : gmem, valid);
   }
 }
+
+// The run-time head dim as the loops' bwd_load_rows calls see it. Where THREADS is a multiple of
+// the 16-byte chunks of a row, every copy of a thread lands in the same column, so whether that
+// column lies before the head dim is one predicate, tested once per kernel: the copies then take
+// valid_rows = 0 and the head dim drops out of the loop (held in a register across it, it spilled
+// the deterministic dQ kernel at D = 64). Otherwise each copy compares its column.
+template <typename T, int HEAD_DIM, int THREADS>
+struct BwdColumns {
+  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  static constexpr bool kFixed = THREADS % kChunksPerRow == 0;
+  bool mine;     // kFixed: this thread's column lies before the head dim
+  int head_dim;  // !kFixed: the head dim each copy compares its column with
+
+  __device__ __forceinline__ explicit BwdColumns(int d)
+      : mine((threadIdx.x % kChunksPerRow) * (kCopyBytes / static_cast<int>(sizeof(T))) < d), head_dim(d) {}
+  __device__ __forceinline__ int rows(int valid_rows) const { return !kFixed || mine ? valid_rows : 0; }
+  __device__ __forceinline__ int limit() const { return kFixed ? HEAD_DIM : head_dim; }
+};
 
 template <int MT, int NT>
 __device__ __forceinline__ void zero(float (&c)[MT][NT][4]) {
@@ -266,15 +285,16 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
 
   // Q, dO (cp.async) and lse, delta of step `step` into stage `stage`
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
   auto load_step = [&](int step, int stage) {
     const int h = hk * group + step / m_blocks;
     const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
     bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ + stage * BLOCK_M * kStride,
                                                   q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                                                  pb.seqlen_q - m0, head_dim);
+                                                  columns.rows(pb.seqlen_q - m0), columns.limit());
     bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO + stage * BLOCK_M * kStride,
                                                   dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
-                                                  pb.seqlen_q - m0, head_dim);
+                                                  columns.rows(pb.seqlen_q - m0), columns.limit());
     for (int i = threadIdx.x; i < BLOCK_M; i += kThreads) {
       const bool valid = m0 + i < pb.seqlen_q;
       const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
@@ -994,14 +1014,15 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int n_block_begin = key_begin / BLOCK_N;
   const int n_blocks = key_end > key_begin ? (key_end + BLOCK_N - 1) / BLOCK_N - n_block_begin : 0;
 
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
   auto load_kv = [&](int i, int stage) {
     const int n0 = (n_block_begin + i) * BLOCK_N;
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK + stage * BLOCK_N * kStride,
                                                   k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
-                                                  pb.seqlen_k - n0, head_dim);
+                                                  columns.rows(pb.seqlen_k - n0), columns.limit());
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV + stage * BLOCK_N * kStride,
                                                   v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                  pb.seqlen_k - n0, head_dim);
+                                                  columns.rows(pb.seqlen_k - n0), columns.limit());
   };
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
