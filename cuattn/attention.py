@@ -70,11 +70,13 @@ class FwdTile:
 # and 160 have tiles of their own, since 96 and 256 would spend 20% and 60% more MMA work on
 # zeros; the others pad (192 and 224: 33% and 14% in the 256 tile). Their sizes follow the
 # neighbours' register budget (32 rows x 80 of output beside 64 keys; 160 like 256, 16 rows a warp)
-# and are not measured yet (scripts/tune_fwd.py).
+# and are not measured yet (scripts/tune_fwd.py). D = 64 on sm_90a takes sm_80's 96-key blocks:
+# with the run-time head dim's compare 128 keys spill 16 bytes (this kernel runs D = 64 there only
+# for views the TMA cannot read, and for the head dims padded to 64).
 SM80, SM90 = "sm_80", "sm_90a"
 FWD_TILES = {
     32: {SM80: FwdTile(128, 128, 4), SM90: FwdTile(128, 128, 4)},
-    64: {SM80: FwdTile(128, 96, 4), SM90: FwdTile(128, 128, 4)},
+    64: {SM80: FwdTile(128, 96, 4), SM90: FwdTile(128, 96, 4)},
     80: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
     96: {SM80: FwdTile(128, 48, 4), SM90: FwdTile(128, 48, 4)},
     128: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
@@ -85,11 +87,7 @@ FWD_TILES = {
 # sm_80 the bias pass (the slope is read per key block, which is what keeps sm_90a's 64-key blocks
 # spill-free) spills 16 bytes with 64-key blocks and with 48; 32 keys take 242 registers
 # (`python -m cuattn build`). Not measured for speed yet (scripts/tune_fwd.py).
-# At D = 64 on sm_90a (where this kernel runs padded head dims and views the TMA cannot read; the
-# Hopper kernel takes the rest) the run-time head dim's predicate tipped 128-key blocks into a
-# 24-byte spill with the bias pass; 96 keys, sm_80's tile, do not spill.
 FWD_ALIBI_TILES = {
-    64: {SM90: FwdTile(128, 96, 4)},
     128: {SM80: FwdTile(128, 32, 4)},
 }
 # every head dim the forward and backward take (the CPU path takes the same)
