@@ -6,12 +6,12 @@
 #   2. tests: the GPU tests at the padded head dims (8, 40, 104, 200) and the new tiles (80, 160)
 #   3. memcheck: compute-sanitizer on one small case per kernel family at a padded head dim
 #   4. bench: scripts/bench_head_dims.py (forward and backward TFLOP/s per head dim, JSON)
-# Usage: scripts/check_head_dims.sh [all|build|tests|memcheck|bench]
+# Usage: scripts/check_head_dims.sh [all | one or more of build tests memcheck bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
-STAGE=${1:-all}
+STAGES=" ${*:-all} "
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export CUATTN_CACHE_DIR=${CUATTN_CACHE_DIR:-$PWD/.cuattn-cache}
 ARCH=$("$PY" -c "from cuattn import _jit; print(_jit.target_arch())")
@@ -41,6 +41,10 @@ SANITIZE=(
 )
 status=0
 
+want() {
+    [[ $STAGES == *" all "* || $STAGES == *" $1 "* ]]
+}
+
 run() {
     local name=$1
     shift
@@ -52,7 +56,7 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
-if [ "$STAGE" = all ] || [ "$STAGE" = build ]; then
+if want build; then
     i=0
     for group in "${KERNEL_GROUPS[@]}"; do
         "$PY" -m cuattn build --arch "$ARCH" --kernels "$group" > "$OUT/build_$i.log" 2>&1 &
@@ -63,14 +67,14 @@ if [ "$STAGE" = all ] || [ "$STAGE" = build ]; then
     grep -h "failed or spilled" "$OUT"/build_*.log
     grep -q "[1-9][0-9]* failed or spilled" "$OUT/build.log" && status=1
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
+if want tests; then
     run tests "$PY" -m pytest -q -p no:cacheprovider -rf "${TESTS[@]}" -k "$SELECT"
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = memcheck ]; then
+if want memcheck; then
     run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
         "$PY" -m pytest -q -p no:cacheprovider "${SANITIZE[@]}"
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
+if want bench; then
     run bench "$PY" scripts/bench_head_dims.py --json "$OUT/bench_head_dims.json"
 fi
 echo "logs in $OUT; overall status $status"
