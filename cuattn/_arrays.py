@@ -35,6 +35,16 @@ E4M3_TYPE = "cuattn::e4m3"
 E4M3_MAX = 448.0
 # Kernels move 16 bytes per thread per load; every row they address must start on that boundary.
 VECTOR_BYTES = 16
+# Head dims every kernel family takes: the multiples of HEAD_DIM_STEP up to MAX_HEAD_DIM. A kernel
+# is instantiated for a few tile head dims (each family's tile table) and serves any head dim up to
+# its tile given at run time: a row of 8 fp16/bf16 elements is one 16-byte copy, so the columns past
+# the head dim are whole copies that are zero-filled on load and skipped on store. An e4m3 cache
+# (1-byte elements) takes multiples of E4M3_HEAD_DIM_STEP, for the same reason.
+HEAD_DIM_STEP = 8
+MAX_HEAD_DIM = 256
+E4M3_HEAD_DIM_STEP = 16
+SUPPORTED_HEAD_DIMS = tuple(range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
+HEAD_DIM_RULE = f"head_dim must be a multiple of {HEAD_DIM_STEP} from {HEAD_DIM_STEP} to {MAX_HEAD_DIM}"
 
 
 class _TorchDtypes(dict):
@@ -371,9 +381,28 @@ def as_e4m3(x):
     return x.view(FLOAT8_E4M3) if np.dtype(x.dtype) == E4M3_STORAGE else x
 
 
+def check_head_dim(name: str, head_dim: int) -> None:
+    """``name`` (an argument, or an argument's axis: ``q.shape[-1] (head_dim)``) is a head dim the
+    kernels take (the CPU path takes the same set)."""
+    if not (HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
+        raise ValueError(f"{name} = {head_dim} is not supported: {HEAD_DIM_RULE}")
+
+
+def check_e4m3_head_dim(name: str, head_dim: int) -> None:
+    """An e4m3 cache's rows are whole 16-byte copies: its head dim is a multiple of E4M3_HEAD_DIM_STEP."""
+    if head_dim % E4M3_HEAD_DIM_STEP:
+        raise ValueError(f"{name} = {head_dim} is not supported with an e4m3 cache: head_dim must be a "
+                         f"multiple of {E4M3_HEAD_DIM_STEP} (16-byte rows of 1-byte elements)")
+
+
+def tile_head_dim(head_dim: int, tiles) -> int:
+    """The smallest tile head dim of ``tiles`` (a family's tile table) that serves ``head_dim``."""
+    return min(d for d in tiles if d >= head_dim)
+
+
 def check_kv_dtypes(q, named_kv: dict, host: bool) -> bool:
-    """The caches hold q's dtype, or both hold e4m3 (q then fp16 or bf16; any float on the host).
-    Returns whether they are e4m3."""
+    """The caches hold q's dtype, or both hold e4m3 (q then fp16 or bf16; any float on the host;
+    the head dim a multiple of E4M3_HEAD_DIM_STEP). Returns whether they are e4m3."""
     (k_name, k), (v_name, v) = named_kv.items()
     if not is_e4m3(k):
         check_dtypes({"q": q, k_name: k, v_name: v}, host)
@@ -382,6 +411,7 @@ def check_kv_dtypes(q, named_kv: dict, host: bool) -> bool:
     if np.dtype(v.dtype) != np.dtype(k.dtype):
         raise TypeError(f"{v_name}.dtype must equal {k_name}.dtype = {dtype_name(k.dtype)} (an e4m3 cache holds "
                         f"both in e4m3), got {dtype_name(v.dtype)}")
+    check_e4m3_head_dim(f"{k_name}.shape[-1] (head_dim)", int(k.shape[-1]))
     return True
 
 

@@ -163,12 +163,13 @@ def _forward_report() -> str:
 
     arch = _jit.target_arch(0) if _jit.gpu_unavailable_reason() is None else None
     hopper = sorted(attention.FWD_SM90_TILES) if arch == attention.SM90 else []
-    others = [d for d in attention.SUPPORTED_HEAD_DIMS if d not in hopper]
+    tiles = ", ".join(map(str, attention.TILE_HEAD_DIMS))
     parts = []
     if hopper:
         parts.append(f"flash_fwd_sm90_kernel (TMA, wgmma) for D = {', '.join(map(str, hopper))}")
-    if others:
-        parts.append(f"flash_fwd_kernel (mma.sync) for D = {', '.join(map(str, others))}")
+    others = "every other D" if hopper else "every D"
+    parts.append(f"flash_fwd_kernel (mma.sync) for {others} (a multiple of 8 up to 256, run in the smallest of "
+                 f"its tiles D = {tiles} that holds it)")
     where = f"on {arch}" if arch else "on sm_80/86/89; sm_90a adds the Hopper kernel"
     return "; ".join(parts) + f" ({where}; views the TMA cannot read take flash_fwd_kernel)"
 

@@ -65,12 +65,22 @@ class FwdTile:
 # reads of K and V per FLOP against 16, and the fp32 output accumulator of 32 rows x D is what
 # fills the registers, so the key block BLOCK_N is whatever register allocation leaves room for.
 # The columns differ only where ptxas allocates differently for the two targets.
+# The keys are tile head dims: a call runs the smallest tile at least its head dim, which it gives
+# at run time (FwdParams::head_dim: columns past it are zero on load and not stored). 80 (ViT-H)
+# and 160 have tiles of their own, since 96 and 256 would spend 20% and 60% more MMA work on
+# zeros; the others pad (192 and 224: 33% and 14% in the 256 tile). Their sizes follow the
+# neighbours' register budget (32 rows x 80 of output beside 64 keys; 160 like 256, 16 rows a warp)
+# and are not measured yet (scripts/tune_fwd.py). D = 64 on sm_90a takes sm_80's 96-key blocks:
+# with the run-time head dim's compare 128 keys spill 16 bytes (this kernel runs D = 64 there only
+# for views the TMA cannot read, and for the head dims padded to 64).
 SM80, SM90 = "sm_80", "sm_90a"
 FWD_TILES = {
     32: {SM80: FwdTile(128, 128, 4), SM90: FwdTile(128, 128, 4)},
-    64: {SM80: FwdTile(128, 96, 4), SM90: FwdTile(128, 128, 4)},
+    64: {SM80: FwdTile(128, 96, 4), SM90: FwdTile(128, 96, 4)},
+    80: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
     96: {SM80: FwdTile(128, 48, 4), SM90: FwdTile(128, 48, 4)},
     128: {SM80: FwdTile(128, 64, 4), SM90: FwdTile(128, 64, 4)},
+    160: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
     256: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
 }
 # flash_fwd_kernel's ALiBi variant (ALIBI) where FWD_TILES' tile spills with it: at D = 128 on
@@ -80,7 +90,9 @@ FWD_TILES = {
 FWD_ALIBI_TILES = {
     128: {SM80: FwdTile(128, 32, 4)},
 }
-SUPPORTED_HEAD_DIMS = tuple(sorted(FWD_TILES))
+# every head dim the forward and backward take (the CPU path takes the same)
+SUPPORTED_HEAD_DIMS = _arrays.SUPPORTED_HEAD_DIMS
+TILE_HEAD_DIMS = tuple(sorted(FWD_TILES))
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 
 
@@ -89,11 +101,17 @@ def arch_family(arch: str) -> str:
     return SM90 if arch.startswith("sm_90") else SM80
 
 
+def fwd_tile_dim(head_dim: int) -> int:
+    """The tile head dim flash_fwd_kernel is instantiated with for ``head_dim``."""
+    return _arrays.tile_head_dim(head_dim, FWD_TILES)
+
+
 def fwd_tile(head_dim: int, arch: str, alibi: bool = False) -> FwdTile:
-    """flash_fwd_kernel's tile for ``head_dim`` on ``arch``; ``alibi``: for its ALiBi variant."""
-    family = arch_family(arch)
-    alibi_tile = FWD_ALIBI_TILES.get(head_dim, {}).get(family) if alibi else None
-    return alibi_tile or FWD_TILES[head_dim][family]
+    """flash_fwd_kernel's tile for ``head_dim`` (any supported one) on ``arch``; ``alibi``: for its
+    ALiBi variant."""
+    family, tile_dim = arch_family(arch), fwd_tile_dim(head_dim)
+    alibi_tile = FWD_ALIBI_TILES.get(tile_dim, {}).get(family) if alibi else None
+    return alibi_tile or FWD_TILES[tile_dim][family]
 
 
 def _cpp_bool(flag: bool) -> str:
@@ -102,7 +120,8 @@ def _cpp_bool(flag: bool) -> str:
 
 @functools.lru_cache(maxsize=None)
 def fwd_spec(dtype, head_dim: int, tile: FwdTile, alibi: bool = False, paged: bool = False) -> _jit.KernelSpec:
-    """flash_fwd_kernel for ``tile``; ``alibi``: the variant that adds ALiBi's bias (its ALIBI flag);
+    """flash_fwd_kernel for ``tile`` instantiated at tile head dim ``head_dim``; ``alibi``: the
+    variant that adds ALiBi's bias (its ALIBI flag);
     ``paged``: the variant reading keys and values from a paged cache (its PAGED flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     return _jit.KernelSpec(
@@ -149,8 +168,9 @@ class FwdSm90Tile:
         return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
 
-# Head dims the Hopper forward takes; the others (32, 96: not whole 64-column swizzle panels)
-# and views the TMA cannot read run flash_fwd_kernel. D = 256 keeps 80 keys a block and no
+# Head dims the Hopper forward takes (exactly: it has no run-time head dim); the others (32, 96:
+# not whole 64-column swizzle panels; 80, 160 and every padded one) and views the TMA cannot read
+# run flash_fwd_kernel. D = 256 keeps 80 keys a block and no
 # intra-warpgroup overlap: its output accumulator alone is 128 registers a thread, and holding a
 # second block's P beside it spills. `scripts/tune_fwd.py --sm90` measured the candidates on the
 # H200 (BENCHMARKS.md).
@@ -261,9 +281,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     runs, no ALiBi); flash_fwd_sm90_kernel reads the slopes' pointer at run time (its registers did
     not move with ALiBi), so it has one variant per tile."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
-               for d in SUPPORTED_HEAD_DIMS for alibi in (False, True)]
+               for d in TILE_HEAD_DIMS for alibi in (False, True)]
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
-                for d in SUPPORTED_HEAD_DIMS]
+                for d in TILE_HEAD_DIMS]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, tile, out) for out in _arrays.CUDA_TYPES
@@ -276,9 +296,7 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
 
 
 def _check_head_dim(name: str, head_dim: int) -> None:
-    if head_dim not in FWD_TILES:
-        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-        raise ValueError(f"{name}.shape[-1] (head_dim) = {head_dim} is not supported; supported head dims: {supported}")
+    _arrays.check_head_dim(f"{name}.shape[-1] (head_dim)", head_dim)
 
 
 def _check_qkv(q, k, v, *, packed: bool) -> None:
@@ -840,7 +858,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), head_dim, tile, alibi[0] is not None, paged is not None)
+        spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim), tile, alibi[0] is not None, paged is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -888,7 +906,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right,
+        score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right, head_dim=head_dim,
         **_paged_fields(paged), tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
@@ -1011,15 +1029,21 @@ class BwdTile:
         return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
 
-# One row per head dim and arch family. Hopper runs D = 64 and 128 on the wgmma kernel
+# One row per tile head dim and arch family (a head dim runs the smallest tile at least it, given
+# at run time, as the forward's FWD_TILES). Hopper runs D = 64 and 128 on the wgmma kernel
 # (flash_bwd_sm90_kernel: 64 queries x 128 keys, two warpgroups; 1.3x the mma.sync kernel at
 # D = 64, 1.7-1.9x at D = 128). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
 # fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
+# D = 160 (not measured yet) takes D = 256's layout with dK/dV split 4 ways along the keys (80
+# columns a warp: a 2-way split would leave 40, not whole n16 steps) and two Q/dO stages, which
+# its smaller rows leave room for; D = 80 runs padded in the 96 tile (no 8-warp layout splits
+# 80 columns into whole n16 steps with dQ's rows in m16 tiles).
 # `python -m cuattn build` checks the spills and the fit.
 _BWD_D32 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D96 = BwdTile(64, 128, 8, 4, 4, 4, 2, 1, 64, 32, 4)
+_BWD_D160 = BwdTile(64, 64, 8, 2, 4, 4, 2, 1, 64, 32, 4)
 _BWD_D256 = BwdTile(64, 64, 8, 2, 2, 4, 1, 1, 64, 32, 4)
 BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
@@ -1028,6 +1052,7 @@ BWD_TILES = {
     96: {SM80: _BWD_D96, SM90: _BWD_D96},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4),
           SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True)},
+    160: {SM80: _BWD_D160, SM90: _BWD_D160},
     256: {SM80: _BWD_D256, SM90: _BWD_D256},
 }
 
@@ -1039,13 +1064,23 @@ BWD_TILES = {
 BWD_ORDERED_ALIBI_FALLBACK = (128,)
 
 
+def bwd_tile_dim(head_dim: int) -> int:
+    """The tile head dim the backward kernels are instantiated with for ``head_dim``."""
+    return _arrays.tile_head_dim(head_dim, BWD_TILES)
+
+
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False) -> BwdTile:
-    """The backward's tiles for ``head_dim`` on ``arch``; ``deterministic`` and ``alibi`` pick the
-    dQ path. A "bulk" tile runs its ordered bulk reductions for deterministic=True (1.15-1.22x
-    faster than flash_bwd_dq_kernel at D = 128 on the H200) but float4 atomics otherwise (there
-    the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by bulk reductions"), and the
-    earlier path where deterministic ALiBi would spill (BWD_ORDERED_ALIBI_FALLBACK)."""
-    tile = BWD_TILES[head_dim][arch_family(arch)]
+    """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``deterministic`` and
+    ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions for
+    deterministic=True (1.15-1.22x faster than flash_bwd_dq_kernel at D = 128 on the H200) but
+    float4 atomics otherwise (there the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by
+    bulk reductions"), and the earlier path where deterministic ALiBi would spill
+    (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
+    to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column)."""
+    tile_dim = bwd_tile_dim(head_dim)
+    tile = BWD_TILES[tile_dim][arch_family(arch)]
+    if tile.wgmma and tile_dim != head_dim:
+        return BWD_TILES[tile_dim][SM80]
     if tile.bulk_dq and (not deterministic or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
@@ -1096,17 +1131,20 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
 
 
 def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """What the backward dispatcher can pick, and (wgmma tiles) the other dq_mode too, which stays
-    selectable for comparison and fallback."""
+    """What the backward dispatcher can pick for every supported head dim (so the mma.sync tiles
+    that stand in for the wgmma kernel at padded head dims are listed too), and (wgmma tiles) the
+    other dq_mode too, which stays selectable for comparison and fallback."""
     specs = set()
     for dtype, d, det, alibi in itertools.product(_arrays.CUDA_TYPES, SUPPORTED_HEAD_DIMS, (False, True),
                                                   (False, True)):
+        tile_dim = bwd_tile_dim(d)
         tile = bwd_tile(d, arch, det, alibi)
-        # (deterministic ALiBi's ordered variant spills where BWD_ORDERED_ALIBI_FALLBACK says)
+        # (deterministic ALiBi's ordered variant spills where BWD_ORDERED_ALIBI_FALLBACK says; a
+        # padded head dim's mma.sync tile has one dQ path)
         spills = det and alibi and d in BWD_ORDERED_ALIBI_FALLBACK
         modes = BWD_DQ_MODES if tile.wgmma and not spills else (tile.dq_mode,)
         for mode in modes:
-            specs.update(bwd_specs(dtype, d, dataclasses.replace(tile, dq_mode=mode), det, alibi))
+            specs.update(bwd_specs(dtype, tile_dim, dataclasses.replace(tile, dq_mode=mode), det, alibi))
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -1255,7 +1293,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    pre, main, last = bwd_specs(np.dtype(q.dtype), head_dim, tile, deterministic, alibi[0] is not None)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), bwd_tile_dim(head_dim), tile, deterministic, alibi[0] is not None)
     lse = cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
@@ -1293,8 +1331,11 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         acc_sb = 0
     null = np.uint64(0)
     cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)
-    # the kernels' last arguments: the ALiBi slopes [B, Hq] | [Hq] and their batch stride, or null
+    # the kernels' last arguments: the ALiBi slopes [B, Hq] | [Hq] and their batch stride, or null;
+    # then flash_bwd_sm90_kernel's tile arguments, or the mma.sync kernels' run-time head dim
+    # (flash_bwd_sm90_kernel runs its tile head dim only)
     alibi_args = (null if alibi[0] is None else alibi[0], i64(alibi[1]))
+    main_tail = (*alibi_args, *tile_args) if tile.wgmma else (*alibi_args, i32(head_dim))
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     pre_batch = 1 if varlen else batch
@@ -1314,7 +1355,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
         q, k, v, dout, lse, delta, null if dq_accum is None else dq_accum, dk, dv, *cu, *qkv_strides,
         *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
-        *shape_args, *mask_args, *alibi_args, *tile_args), stream=stream)
+        *shape_args, *mask_args, *main_tail), stream=stream)
 
     if tile.bulk_dq:
         _jit.launch(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)), (
@@ -1323,7 +1364,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     elif deterministic:
         _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
             q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
-            i64(lse_s[1]), *shape_args, *mask_args, *alibi_args), stream=stream)
+            i64(lse_s[1]), *shape_args, *mask_args, *alibi_args, i32(head_dim)), stream=stream)
     else:
         total = int(dq_accum.size)
         _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (

@@ -76,7 +76,16 @@ DECODE_TILES = {
     128: DecodeTile(max_mt=2, stages=3),
     256: DecodeTile(max_mt=1, stages=2),
 }
-SUPPORTED_HEAD_DIMS = tuple(sorted(DECODE_TILES))
+# every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache); a call runs the
+# smallest tile head dim at least its own (DecodeParams::head_dim: the columns past it are zero-filled,
+# never read, so a padded call streams the same cache bytes and only its MMA work grows)
+SUPPORTED_HEAD_DIMS = _arrays.SUPPORTED_HEAD_DIMS
+TILE_HEAD_DIMS = tuple(sorted(DECODE_TILES))
+
+
+def decode_tile_dim(head_dim: int) -> int:
+    """The tile head dim the decode kernels are instantiated with for ``head_dim``."""
+    return _arrays.tile_head_dim(head_dim, DECODE_TILES)
 MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 
 
@@ -88,8 +97,8 @@ ALIBI_DECODE_MT = 1
 
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False) -> _jit.KernelSpec:
-    """A decode kernel for q of ``dtype`` over a cache of ``dtype``, or of e4m3 with ``e4m3``; ``alibi``
-    adds ALiBi's bias."""
+    """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
+    ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias."""
     tile = DECODE_TILES[head_dim]
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
@@ -375,10 +384,7 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
             f"q.shape[2] (num_heads) = {num_heads} must be a multiple of "
             f"{cache_names[0]}.shape[2] (num_kv_heads) = {num_kv_heads}"
         )
-    head_dim = int(q.shape[3])
-    if head_dim not in DECODE_TILES:
-        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-        raise ValueError(f"q.shape[-1] (head_dim) = {head_dim} is not supported; supported head dims: {supported}")
+    _arrays.check_head_dim("q.shape[-1] (head_dim)", int(q.shape[3]))
     _arrays.check_ndim(lens_name, lens, "(B)")
     _arrays.check_axis(lens_name, lens, 0, "batch", int(q.shape[0]), "q.shape[0]")
     _arrays.check_int32(lens_name, lens)
@@ -455,11 +461,12 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     num_kv_heads = int(k.shape[2])
     group = num_heads // num_kv_heads
     rows = group * sq_new
-    tile = DECODE_TILES[head_dim]
+    tile_dim = decode_tile_dim(head_dim)
+    tile = DECODE_TILES[tile_dim]
     with_alibi = alibi[0] is not None
     mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
-    spec = decode_spec(q.dtype, head_dim, mt, paged is not None, e4m3, with_alibi)
+    spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(),
@@ -498,7 +505,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
         num_heads=num_heads, num_kv_heads=num_kv_heads, row_chunks=row_chunks, num_splits=num_splits,
         max_seqlen=max_seqlen, score_scale=score_scale, softcap_out=softcap_out, window_left=left,
-        window_right=right,
+        window_right=right, head_dim=head_dim,
     )
     launch = _jit.prepare(spec, (num_splits, num_kv_heads * row_chunks, batch), params)
     if step is None:

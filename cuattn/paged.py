@@ -343,11 +343,11 @@ class PagedKVCache:
             _arrays.check_int(name, value, 1)
         if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
-        if head_dim not in _decode.DECODE_TILES:
-            supported = ", ".join(map(str, _decode.SUPPORTED_HEAD_DIMS))
-            raise ValueError(f"head_dim = {head_dim} is not supported; supported head dims: {supported}")
+        _arrays.check_head_dim("head_dim", head_dim)
         dtype = _cache_dtype(dtype)
         self.e4m3 = dtype == _arrays.FLOAT8_E4M3
+        if self.e4m3:
+            _arrays.check_e4m3_head_dim("head_dim", head_dim)
         if device == "cuda" and dtype not in _arrays.CUDA_TYPES and not self.e4m3:
             raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16, bfloat16 or "
                             "float8_e4m3fn")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import PagedKeys, SUPPORTED_HEAD_DIMS, _check_host_cu_seqlens, _check_out, _launch_fwd
+from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS
 from .paged import MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_page_strides, _check_table, paged_attention
 
@@ -160,10 +160,7 @@ def _check_pages(q, k, v, table, lens) -> None:
     if int(q.shape[1]) % int(k.shape[2]):
         raise ValueError(f"q.shape[1] (num_heads) = {int(q.shape[1])} must be a multiple of k_pages.shape[2] "
                          f"(num_kv_heads) = {int(k.shape[2])}")
-    if int(q.shape[2]) not in SUPPORTED_HEAD_DIMS:
-        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-        raise ValueError(f"q.shape[-1] (head_dim) = {int(q.shape[2])} is not supported; "
-                         f"supported head dims: {supported}")
+    _arrays.check_head_dim("q.shape[-1] (head_dim)", int(q.shape[2]))
     if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
         raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
     _arrays.check_int32("block_table", table)

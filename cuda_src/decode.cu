@@ -22,6 +22,11 @@
 //
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
+//
+// Head dim: a kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim <=
+// HEAD_DIM whose rows are whole 16-byte copies (a multiple of 8 elements, of 16 for e4m3): the
+// columns past D are zero-filled in Q, K and V (not read from memory), add nothing to the scores,
+// and their output columns are not stored. Partial outputs are D wide.
 #include "attention_tile.cuh"
 #include "fp8.cuh"
 #include "params.cuh"
@@ -177,9 +182,10 @@ __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0
 }
 
 // One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
-// or past `stop` zero-filled (never stale: 0 * NaN would poison the accumulator).
+// or past `stop` and columns at or past `head_dim` zero-filled (never stale: 0 * NaN would poison
+// the accumulator).
 template <typename Tkv, int HEAD_DIM, class KV>
-__device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop,
+__device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop, int head_dim,
                                               const typename KV::Cursor& cursor) {
   using Copy = StageCopy<Tkv, HEAD_DIM>;
   constexpr int kStride = KvRow<Tkv, HEAD_DIM>::kStride;
@@ -188,7 +194,8 @@ __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, in
   const int j0 = n0 + Copy::first_row();
   Tkv* k_dst = sK + Copy::first_row() * kStride + col;
   Tkv* v_dst = sV + Copy::first_row() * kStride + col;
-  const int valid_rows = stop - j0;
+  // a thread past the head dim only zero-fills, as for a run past the end
+  const int valid_rows = col < head_dim ? stop - j0 : 0;
   const auto copy = [&](int i, const Tkv* k_row, const Tkv* v_row) {
     cp_async_16(k_dst + i * kStride, k_row, i < valid_rows);
     cp_async_16(v_dst + i * kStride, v_row, i < valid_rows);
@@ -227,6 +234,7 @@ struct DecodeArgs {
   const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
   float v_descale;     // the kv head's v descale (e4m3 caches; 1 otherwise): multiplies the output
   const float* alibi_slopes;  // at (b, h0): [G] ALiBi slopes of the group's heads, or null
+  int head_dim;               // D <= HEAD_DIM
 };
 
 // Column c (0 or 1) of lane quad position tq in n8 tile dt of the output accumulator: which head
@@ -287,7 +295,7 @@ __device__ __forceinline__ void decode_body(
       const int row = idx / kChunksPerRow;
       const int col = (idx % kChunksPerRow) * kElemsPerChunk;
       const int r = a.row_base + row;
-      const bool valid = r < a.rows;
+      const bool valid = r < a.rows && col < a.head_dim;
       const T* src = valid ? q + (r / a.group) * q_row_stride + (r % a.group) * q_head_stride + col : q;
       cp_async_16(sQ + row * kStride + col, src, valid);
     }
@@ -317,7 +325,8 @@ __device__ __forceinline__ void decode_body(
     if (st < num_blocks) {
       Tkv* sK = sRing + (2 * st) * kDecodeBlockN * kKvStride;
       const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
-      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + st * kDecodeBlockN, stop, first);
+      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + st * kDecodeBlockN, stop, a.head_dim,
+                                   first);
     }
     cp_async_commit();
   }
@@ -378,7 +387,8 @@ __device__ __forceinline__ void decode_body(
     const int t_next = t + STAGES - 1;
     if (t_next < num_blocks) {
       Tkv* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kKvStride;
-      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + t_next * kDecodeBlockN, stop, cursor);
+      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + t_next * kDecodeBlockN, stop,
+                                   a.head_dim, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
       if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
@@ -490,7 +500,7 @@ __device__ __forceinline__ void decode_body(
     const int row = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const int r = a.row_base + row;
-    if (r >= a.rows) continue;
+    if (r >= a.rows || d >= a.head_dim) continue;
     SoftmaxState merged{sMergeM[row], sMergeL[row]};
     float value = sMergeO[row * HEAD_DIM + d];
 #pragma unroll
@@ -553,13 +563,13 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
-                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
-  // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new]
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim};
+  // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new], D = p.head_dim
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
-      part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
+      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim, static_cast<i64>(num_heads) * p.head_dim, p.head_dim,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
 }
 
@@ -598,12 +608,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
-                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr};
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
-      part_out + (part_rows * sq_new * num_heads + h0) * HEAD_DIM, static_cast<i64>(num_heads) * HEAD_DIM, HEAD_DIM,
+      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim, static_cast<i64>(num_heads) * p.head_dim, p.head_dim,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
 }
 

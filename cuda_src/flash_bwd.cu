@@ -35,6 +35,10 @@
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
 //                      kernel's bulk dQ: tiles of BLOCK_M x D, see BwdSm90Smem
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
+// Head dim: the mma.sync kernels (main and deterministic dQ) are instantiated for a tile head dim
+// HEAD_DIM and take D = head_dim <= HEAD_DIM, a multiple of 8, as their last argument, as
+// flash_fwd.cu does: columns D .. HEAD_DIM of Q, K, V, dO are zero in shared memory, so they add
+// nothing to S and dP and give dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "tma.cuh"
@@ -42,19 +46,39 @@
 
 namespace cuattn {
 
-// Copy ROWS rows of D elements into a padded shared tile with cp.async, zero past `valid_rows`.
+// Copy ROWS rows of HEAD_DIM elements into a padded shared tile with cp.async, zero past
+// `valid_rows` and from column `head_dim` (a multiple of 8: whole 16-byte copies) on.
+// BwdColumns gives both arguments for the loads inside the kernels' loops.
 template <typename T, int ROWS, int HEAD_DIM, int THREADS>
-__device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_stride, int valid_rows) {
+__device__ __forceinline__ void bwd_load_rows(T* smem, const T* gmem, i64 row_stride, int valid_rows, int head_dim) {
   constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
 #pragma unroll
   for (int idx = threadIdx.x; idx < ROWS * kChunksPerRow; idx += THREADS) {
     const int row = idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * kElemsPerChunk;
-    const bool valid = row < valid_rows;
+    const bool valid = row < valid_rows && col < head_dim;
     cp_async_16(smem + row * SmemRow<HEAD_DIM>::kStride + col, valid ? gmem + row * row_stride + col : gmem, valid);
   }
 }
+
+// The run-time head dim as the loops' bwd_load_rows calls see it. Where THREADS is a multiple of
+// the 16-byte chunks of a row, every copy of a thread lands in the same column, so whether that
+// column lies before the head dim is one predicate, tested once per kernel: the copies then take
+// valid_rows = 0 and the head dim drops out of the loop (held in a register across it, it spilled
+// the deterministic dQ kernel at D = 64). Otherwise each copy compares its column.
+template <typename T, int HEAD_DIM, int THREADS>
+struct BwdColumns {
+  static constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
+  static constexpr bool kFixed = THREADS % kChunksPerRow == 0;
+  bool mine;     // kFixed: this thread's column lies before the head dim
+  int head_dim;  // !kFixed: the head dim each copy compares its column with
+
+  __device__ __forceinline__ explicit BwdColumns(int d)
+      : mine((threadIdx.x % kChunksPerRow) * (kCopyBytes / static_cast<int>(sizeof(T))) < d), head_dim(d) {}
+  __device__ __forceinline__ int rows(int valid_rows) const { return !kFixed || mine ? valid_rows : 0; }
+  __device__ __forceinline__ int limit() const { return kFixed ? HEAD_DIM : head_dim; }
+};
 
 template <int MT, int NT>
 __device__ __forceinline__ void zero(float (&c)[MT][NT][4]) {
@@ -196,8 +220,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  i64 lse_sb, i64 lse_sh, i64 acc_sb,
                  int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
                  float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
-                 // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
-                 const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
+                 // after the others, so that they keep their offsets (ALIBI: set; else null, unread)
+                 const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
+                 int head_dim) {  // D <= HEAD_DIM
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -243,9 +268,9 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
   // K and V of this block stay for the whole CTA
   bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
-                                                pb.seqlen_k - n0);
+                                                pb.seqlen_k - n0, head_dim);
   bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                pb.seqlen_k - n0);
+                                                pb.seqlen_k - n0, head_dim);
 
   float dK[kKvKeys / 16][kKvCols / 8][4], dV[kKvKeys / 16][kKvCols / 8][4];  // fp32, this warp's tile
   zero(dK);
@@ -260,15 +285,16 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
 
   // Q, dO (cp.async) and lse, delta of step `step` into stage `stage`
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
   auto load_step = [&](int step, int stage) {
     const int h = hk * group + step / m_blocks;
     const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
     bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ + stage * BLOCK_M * kStride,
                                                   q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                                                  pb.seqlen_q - m0);
+                                                  columns.rows(pb.seqlen_q - m0), columns.limit());
     bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO + stage * BLOCK_M * kStride,
                                                   dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
-                                                  pb.seqlen_q - m0);
+                                                  columns.rows(pb.seqlen_q - m0), columns.limit());
     for (int i = threadIdx.x; i < BLOCK_M; i += kThreads) {
       const bool valid = m0 + i < pb.seqlen_q;
       const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
@@ -341,12 +367,15 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     if constexpr (ATOMIC_DQ) {
       // dQ = dS K over this block's keys (dS read transposed from sdS), added to the accumulator;
-      // wide warp tiles go in column chunks so the dQ registers fit beside dK and dV
-      constexpr int kDqWideTile = 64, kDqChunkColumns = 32;
-      constexpr int kDqChunk = kDqCols > kDqWideTile ? kDqChunkColumns : kDqCols;
+      // wide warp tiles go in column chunks so the dQ registers fit beside dK and dV (n16 chunks
+      // where 32 columns do not divide the tile: 80 columns at D = 160)
+      constexpr int kDqWideTile = 64, kDqChunkColumns = 32, kDqNarrowChunk = 16;
+      constexpr int kDqChunk = kDqCols <= kDqWideTile ? kDqCols
+                               : kDqCols % kDqChunkColumns == 0 ? kDqChunkColumns : kDqNarrowChunk;
       static_assert(kDqCols % kDqChunk == 0, "dQ column chunks tile the warp's columns");
 #pragma unroll
       for (int c0 = dq_col0; c0 < dq_col0 + kDqCols; c0 += kDqChunk) {
+        if (c0 >= head_dim) continue;  // a chunk wholly past the head dim (the condition is warp-uniform)
         float dq[kDqRows / 16][kDqChunk / 8][4];
         zero(dq);
         warp_gemm<T, kDqRows / 16, kDqChunk / 8, BLOCK_N, true, true, kPStride, kStride>(dq, sdS, dq_row0, sK, c0,
@@ -357,9 +386,11 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
           for (int r = 0; r < 2; ++r) {
             const int query = m0 + dq_row0 + mt * 16 + g + 8 * r;
             if (query >= pb.seqlen_q) continue;
-            float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + c0 + 2 * tq;
+            float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * head_dim + c0 + 2 * tq;
 #pragma unroll
-            for (int nt = 0; nt < kDqChunk / 8; ++nt) atomic_add_pair(dst + nt * 8, dq[mt][nt][2 * r], dq[mt][nt][2 * r + 1]);
+            for (int nt = 0; nt < kDqChunk / 8; ++nt) {
+              if (c0 + nt * 8 < head_dim) atomic_add_pair(dst + nt * 8, dq[mt][nt][2 * r], dq[mt][nt][2 * r + 1]);
+            }
           }
       }
     }
@@ -381,6 +412,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       T* dv_row = dv + b * dv_sb + (pb.k_start + key) * dv_ss + hk * dv_sh + kv_col0 + 2 * tq;
 #pragma unroll
       for (int nt = 0; nt < kKvCols / 8; ++nt) {
+        if (kv_col0 + nt * 8 >= head_dim) continue;
         *reinterpret_cast<u32*>(dk_row + nt * 8) = DT::pack(dK[mt][nt][2 * r] * dk_scale, dK[mt][nt][2 * r + 1] * dk_scale);
         *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
       }
@@ -925,8 +957,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, i64 lse_sb, i64 lse_sh,
                     int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
                     float score_scale, float softcap_out, float dq_scale, int window_left, int window_right,
-                    // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
-                    const float* __restrict__ alibi_slopes, i64 alibi_sb) {  // [B, Hq] | [Hq] (alibi_sb 0)
+                    // after the others, so that they keep their offsets (ALIBI: set; else null, unread)
+                    const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
+                    int head_dim) {  // D <= HEAD_DIM
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -957,9 +990,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int row0 = warp * kMT * 16;
 
   bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                                                pb.seqlen_q - m0);
+                                                pb.seqlen_q - m0, head_dim);
   bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh,
-                                                do_ss, pb.seqlen_q - m0);
+                                                do_ss, pb.seqlen_q - m0, head_dim);
 
   const float alibi2 = bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h);
   // lse2 and delta of this lane's rows g and g + 8 of each m16 tile
@@ -981,14 +1014,15 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int n_block_begin = key_begin / BLOCK_N;
   const int n_blocks = key_end > key_begin ? (key_end + BLOCK_N - 1) / BLOCK_N - n_block_begin : 0;
 
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
   auto load_kv = [&](int i, int stage) {
     const int n0 = (n_block_begin + i) * BLOCK_N;
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK + stage * BLOCK_N * kStride,
                                                   k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
-                                                  pb.seqlen_k - n0);
+                                                  columns.rows(pb.seqlen_k - n0), columns.limit());
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV + stage * BLOCK_N * kStride,
                                                   v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                  pb.seqlen_k - n0);
+                                                  columns.rows(pb.seqlen_k - n0), columns.limit());
   };
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
@@ -1066,8 +1100,10 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
       if (query >= pb.seqlen_q) continue;
       T* dst = dq + b * dq_sb + (pb.q_start + query) * dq_ss + h * dq_sh + 2 * tq;
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-        *reinterpret_cast<u32*>(dst + dt * 8) = DT::pack(acc[mt][dt][2 * r] * dq_scale, acc[mt][dt][2 * r + 1] * dq_scale);
+      for (int dt = 0; dt < kDT; ++dt) {
+        if (dt * 8 < head_dim)
+          *reinterpret_cast<u32*>(dst + dt * 8) = DT::pack(acc[mt][dt][2 * r] * dq_scale, acc[mt][dt][2 * r + 1] * dq_scale);
+      }
     }
 }
 

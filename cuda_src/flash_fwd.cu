@@ -21,17 +21,22 @@
 //   start loading K[n-1]; O += P V[n].
 // The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
+//
+// Head dim: the kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim
+// <= HEAD_DIM that is a multiple of 8. A 16-byte copy holds 8 elements, so columns D .. HEAD_DIM
+// are whole copies: zero-filled in the Q, K and V tiles (never read from global memory), where the
+// zeros add nothing to Q K^T and give output columns that are simply not stored.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "params.cuh"
 
 namespace cuattn {
 
-// Copy rows first_row .. first_row + ROWS - 1 of D elements from `rows` (a DenseRows or
+// Copy rows first_row .. first_row + ROWS - 1 of HEAD_DIM elements from `rows` (a DenseRows or
 // PagedRows source, block_range.cuh) into a padded shared tile with 16-byte cp.async,
-// zero-filling tile rows at or past `valid_rows`.
+// zero-filling tile rows at or past `valid_rows` and columns at or past `head_dim` (a multiple of 8).
 template <typename T, int ROWS, int HEAD_DIM, int THREADS, class Rows>
-__device__ __forceinline__ void load_tile(T* smem, const Rows& rows, int first_row, int valid_rows) {
+__device__ __forceinline__ void load_tile(T* smem, const Rows& rows, int first_row, int valid_rows, int head_dim) {
   constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
   // A pass copies kRowsPerPass whole rows; with D = 96 (12 chunks a row) a few threads idle.
@@ -42,6 +47,8 @@ __device__ __forceinline__ void load_tile(T* smem, const Rows& rows, int first_r
   // pointer bumped by a fixed step, rather than a 64-bit address per copy held live across the
   // main loop; a paged one looks up each row's page).
   const int col = (threadIdx.x % kChunksPerRow) * kElemsPerChunk;
+  // a thread past the head dim only zero-fills: as if every row were past the end
+  if (col >= head_dim) valid_rows = 0;
   int row = threadIdx.x / kChunksPerRow;
   auto src = rows.at(first_row, row, col, kRowsPerPass);
   T* dst = smem + row * SmemRow<HEAD_DIM>::kStride + col;
@@ -174,6 +181,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const int batch = p.batch, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
   const float score_scale = p.score_scale, softcap_out = p.softcap_out;
   const int window_left = p.window_left, window_right = p.window_right;
+  const int head_dim = p.head_dim;
   using Fwd = FlashFwd<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   using DT = DType<T>;
   constexpr int kStride = Fwd::kStride;
@@ -223,10 +231,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   fwd.init();
 
   // prologue: Q and the last visible K block travel together
-  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_rows, 0, seqlen_q - m0);
+  load_tile<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q_rows, 0, seqlen_q - m0, head_dim);
   if (n_block_max > n_block_min) {
     const int n0 = (n_block_max - 1) * BLOCK_N;
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n0, seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n0, seqlen_k - n0, head_dim);
   }
   cp_async_commit();
 
@@ -238,7 +246,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     // K[n] has landed, and every warp is done reading V[n+1]: its buffer may be refilled
     cp_async_wait<0>();
     __syncthreads();
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_rows, n0, seqlen_k - n0);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_rows, n0, seqlen_k - n0, head_dim);
     cp_async_commit();
 
     fwd.qk(sQ, sK, warp, lane);
@@ -263,7 +271,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     __syncthreads();
     if (n_block > n_block_min) {
       const int n_prev = n0 - BLOCK_N;
-      load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n_prev, seqlen_k - n_prev);
+      load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k_rows, n_prev, seqlen_k - n_prev, head_dim);
     }
     cp_async_commit();
     fwd.pv(p, sV, lane);
@@ -302,7 +310,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   for (int idx = lane; idx < Fwd::kRowsPerWarp * kChunksPerRow; idx += kWarpSize) {
     const int row = idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * kElemsPerChunk;
-    if (row0 + row < seqlen_q) {
+    if (row0 + row < seqlen_q && col < head_dim) {
       *reinterpret_cast<uint4*>(o_ptr + row * o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sO + row * kStride + col);
     }

@@ -17,7 +17,8 @@
 
 namespace cuattn {
 
-// Forward (flash_fwd.cu, flash_fwd_sm90.cu). Dense rows [B, S, H, D], or varlen packed rows
+// Forward (flash_fwd.cu, flash_fwd_sm90.cu). D is head_dim, at most the kernel's HEAD_DIM (see
+// flash_fwd.cu). Dense rows [B, S, H, D], or varlen packed rows
 // [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens). The tensor maps are
 // the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1, S = total) with a
 // box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
@@ -84,6 +85,8 @@ struct FwdParams {
   float softcap_out;       // softcap * log2(e), or 0
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
+  int head_dim;            // D, a multiple of 8 up to the kernel's tile head dim (flash_fwd_kernel; the
+                           // Hopper kernel runs only D equal to its tile and does not read it)
   const int* block_table;  // paged: [B_all, max_blocks] page ids, or null
   const int* seq_lens;     // paged: [B_all] keys per sequence, or null
   const int* batch_index;  // paged: [batch] the sequence (row of block_table) of each launch entry, or null
@@ -153,6 +156,7 @@ struct DecodeParams {
   float softcap_out;
   int window_left;
   int window_right;
+  int head_dim;            // D, a multiple of 8 up to the kernel's HEAD_DIM (of 16 with an e4m3 cache)
 };
 
 // Exact merge of split or partial states (decode.cu): parts [P, B, S, H, D] with lse [P, B, H, S]

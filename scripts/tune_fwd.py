@@ -20,7 +20,9 @@ from cuattn.attention import FWD_SM90_TILES, FwdSm90Tile, FwdTile, _launch_fwd, 
 
 CANDIDATES = {
     64: [FwdTile(128, 64, 4), FwdTile(128, 96, 4), FwdTile(128, 128, 4)],
+    80: [FwdTile(128, 48, 4), FwdTile(128, 64, 4), FwdTile(128, 80, 4)],
     128: [FwdTile(128, 32, 4), FwdTile(128, 64, 4)],
+    160: [FwdTile(64, 64, 4), FwdTile(64, 128, 4)],
 }
 # (block_n, consumers, stages, overlap, pingpong): neither overlap, each alone, both; stage counts
 SM90_CANDIDATES = {

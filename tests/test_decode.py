@@ -14,7 +14,7 @@ import cuattn
 from cuattn import _registry, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 
-HEAD_DIMS = list(_registry.FAMILIES["decode"].head_dims)
+HEAD_DIMS = list(_registry.test_head_dims("decode"))
 
 
 def _cupy():
@@ -373,6 +373,6 @@ def test_alibi_decode_variants_are_listed():
     decode_module = importlib.import_module("cuattn.decode")  # the module, not cuattn.decode the function
     listed = {spec.name for spec in decode_module.kernel_variants("sm_80")}
     for dtype in ("float16", "bfloat16"):
-        for d in HEAD_DIMS:
+        for d in decode_module.TILE_HEAD_DIMS:
             for paged in (False, True):
                 assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed

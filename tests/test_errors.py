@@ -31,8 +31,8 @@ def arrays(b=1, sq=5, sk=7, hq=4, hk=2, d=64, dtype=np.float32):
         (((1, 5, 4, 64), (1, 7, 2, 64), (1, 7, 1, 64)), r"v.shape\[2\] \(Hk\) must equal k.shape\[2\] = 2, got 1"),
         (((1, 5, 6, 64), (1, 7, 4, 64), (1, 7, 4, 64)),
          r"q.shape\[2\] \(num_heads\) = 6 must be a multiple of k.shape\[2\] \(num_kv_heads\) = 4"),
-        (((1, 5, 4, 80), (1, 7, 2, 80), (1, 7, 2, 80)),
-         r"q.shape\[-1\] \(head_dim\) = 80 is not supported; supported head dims: 32, 64, 96, 128, 256"),
+        (((1, 5, 4, 264), (1, 7, 2, 264), (1, 7, 2, 264)),
+         r"q.shape\[-1\] \(head_dim\) = 264 is not supported: head_dim must be a multiple of 8 from 8 to 256"),
         (((1, 5, 4, 64), (1, 7, 0, 64), (1, 7, 0, 64)), r"k.shape\[2\] \(num_kv_heads\) must be at least 1, got 0"),
     ],
 )
@@ -243,8 +243,9 @@ def test_decode_batch_beyond_grid_limit():
 
 
 def test_decode_unsupported_head_dim():
-    q, k, v, lens = decode_arrays(d=48)
-    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 48 is not supported; supported head dims: 32, 64, 96, 128, 256"):
+    q, k, v, lens = decode_arrays(d=44)
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 44 is not supported: head_dim must be a "
+                                         r"multiple of 8 from 8 to 256"):
         cuattn.decode(q, k, v, lens)
 
 

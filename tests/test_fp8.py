@@ -14,13 +14,17 @@ import sys
 
 import cuattn
 import cuattn.fp8
-from cuattn import _registry, reference
+from cuattn import _arrays, _registry, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 from test_decode import check_decode
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 attention_module = sys.modules["cuattn.attention"]  # the module (cuattn.attention is the function)
-HEAD_DIMS = list(_registry.FAMILIES["decode"].head_dims)
+# an e4m3 cache takes head dims that are multiples of 16 (16-byte rows of 1-byte elements): the
+# decode tiles and two that ride padded in the 96 and 256 tiles
+E4M3_PADDED_HEAD_DIMS = (80, 160)
+HEAD_DIMS = sorted({d for d in _registry.test_head_dims("decode") if d % _arrays.E4M3_HEAD_DIM_STEP == 0}
+                   | set(E4M3_PADDED_HEAD_DIMS))
 NAN_BYTES = (0x7F, 0xFF)  # e4m3fn has one NaN pattern per sign and no infinities
 POISON_BYTE = 0x7E  # 448: a slot past a sequence's length that leaked into the result would show
 

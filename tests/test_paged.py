@@ -382,8 +382,9 @@ def test_paged_attention_errors():
         cache.copy_blocks([(0, 1), (1, 2)])
     with pytest.raises(ValueError, match=r"a destination block may appear once"):
         cache.copy_blocks([(0, 3), (1, 3)])
-    with pytest.raises(ValueError, match=r"head_dim = 80 is not supported"):
-        cuattn.PagedKVCache(8, 4, 2, 80, np.float16, device="cpu")
+    with pytest.raises(ValueError, match=r"head_dim = 84 is not supported: head_dim must be a multiple of 8 from 8 "
+                                         r"to 256"):
+        cuattn.PagedKVCache(8, 4, 2, 84, np.float16, device="cpu")
 
 
 def test_paged_cache_and_argument_errors():
@@ -527,7 +528,7 @@ def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [3, 12])
-@pytest.mark.parametrize("d", [32, 64, 96, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 256, 8, 80, 104])
 def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
     check_paged_against_decode(rng, BF16, block_size, d)
 

@@ -225,8 +225,9 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, dtype, mask, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,heads", [(64, (8, 8)), (256, (4, 1)), (32, (6, 2)), (96, (4, 2))],
-                         ids=["d64-mha", "d256-mqa", "d32-gqa", "d96-gqa"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 8)), (256, (4, 1)), (32, (6, 2)), (96, (4, 2)), (40, (4, 2)),
+                                           (200, (4, 1))],
+                         ids=["d64-mha", "d256-mqa", "d32-gqa", "d96-gqa", "d40-gqa", "d200-mqa"])
 @pytest.mark.parametrize("block", [256, 2])
 def test_head_dims_and_block_sizes_on_the_gpu(rng, head_dim, heads, block):
     """Every head dim of the forward; a block bigger than any key tile and one of two tokens."""
