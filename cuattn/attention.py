@@ -217,12 +217,17 @@ def tile_counter_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
     (ordered before the launches that follow there), then left at zero by every launch (its last
     CTA resets them), so no launch needs a memset and a CUDA graph can replay it. One per stream:
     launches running at once on two streams must not share counters. Held for the process's life
-    (a captured graph keeps the address). ``nbytes`` is TILE_COUNTER_BYTES (the plans' workspace call)."""
+    (a captured graph keeps the address). ``nbytes`` is TILE_COUNTER_BYTES (the plans' workspace call).
+
+    A stream's first launch under stream capture (a CUDA graph, an XLA command buffer) cannot
+    allocate there: it gets 0, a null counter, and the kernel runs the static schedule."""
     import cupy
 
     key = (device_id, stream_ptr)
     buf = _tile_counters.get(key)
     if buf is None:
+        if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+            return 0
         with cupy.cuda.Device(device_id):
             buf = cupy.empty(nbytes // 4, cupy.int32)
             cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, nbytes, stream_ptr)
@@ -237,15 +242,6 @@ def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: in
     kv_head_bytes = max(1, 2 * seqlen_k * head_dim * itemsize)
     kv_heads = max(1, FWD_SM90_L2_SECTION_BYTES // kv_head_bytes)
     return max(1, min(batch * num_heads, kv_heads * (num_heads // num_kv_heads)))
-
-
-def tile_counter_pointers(launch, stream_ptr: int) -> list[tuple[int, int]]:
-    """For a launch re-run on ``stream_ptr`` outside the plans (cuattn.jax's cached launches):
-    the (slot, address) pair pointing a dynamic launch at that stream's counters, else none."""
-    slot = launch.slot("tile_counter")
-    if int(launch.params[slot]) == 0:
-        return []
-    return [(slot, tile_counter_address(TILE_COUNTER_BYTES, stream_ptr, launch.device_id))]
 
 
 def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
@@ -816,7 +812,8 @@ class PagedKeys:
 
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
-                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None):
+                causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
+                schedule=None):
     """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
     flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
@@ -824,6 +821,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
     ``cu_seqlens_q``, ``cu_seqlens_k`` None, ``seqlen_k`` the table's capacity). ``fp8``: e4m3 q,
     k and ``v`` already V^T (``_fp8_v_transposed``), with their checked scales (:class:`Fp8Args`).
+    ``schedule``: flash_fwd_sm90_kernel's tile schedule, FWD_SM90_SCHEDULE when None ("static"
+    for launches that may be recorded by stream capture: the dynamic one's per-stream counters
+    are allocated on a stream's first launch).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -882,10 +882,11 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         # free up) for long banded masks, where the tiles' costs differ so much that fixed strides
         # spread the CTAs over many heads' K and V (BENCHMARKS.md: 488 vs 602 TFLOP/s).
         tiles = m_blocks * bh
-        if FWD_SM90_SCHEDULE not in FWD_SM90_SCHEDULES:
-            raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {FWD_SM90_SCHEDULE!r}")
+        schedule = FWD_SM90_SCHEDULE if schedule is None else schedule
+        if schedule not in FWD_SM90_SCHEDULES:
+            raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {schedule!r}")
         banded = causal or window != (-1, -1)
-        dynamic = FWD_SM90_SCHEDULE == "dynamic"
+        dynamic = schedule == "dynamic"
         persistent = dynamic or not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
         grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
         if dynamic:

@@ -62,8 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arrays, _masks, reference
-from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd, check_prefix_sums,
-                        tile_counter_pointers)
+from .attention import _check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd, check_prefix_sums
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
 
@@ -302,15 +301,15 @@ def _device_attention(mask: _Mask, ctx, outs, q, k, v, *sinks):
         call_key = (mask, device, *((tuple(b.shape), str(b.dtype)) for b in buffers))
         launch = _FWD_LAUNCHES.get(call_key)
         if launch is not None and cupy.cuda.runtime.getDevice() == device:
-            stream = _stream_handle(ctx)
-            launch.run(stream, [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)]
-                       + tile_counter_pointers(launch, stream))
+            launch.run(_stream_handle(ctx), [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)])
             return
     with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,) + (_VECTOR,) * len(sinks)) as (stream, views):
         qv, kv, vv, ov, lv = views[:5]
         _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
         batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
-        launch = _launch_fwd(qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
+        # the static tile schedule: XLA may record this callback into a command buffer (stream
+        # capture), where the dynamic schedule could not allocate a new stream's counters
+        launch = _launch_fwd(qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q, schedule="static",
                              seqlen_k=int(kv.shape[1]), stream=stream, sinks=views[5] if sinks else None,
                              **mask.kwargs())
     if known and launch is not None:
@@ -453,6 +452,7 @@ def _device_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, ctx, outs,
         qv, kv, vv, cuq, cuk, ov, lv = views
         _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
         _launch_fwd(qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=int(cuq.shape[0]) - 1,
+                    schedule="static",  # as in _device_attention
                     seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, stream=stream, **mask.kwargs())
 
 

@@ -451,6 +451,32 @@ def test_dynamic_schedule_counters_reset_between_launches_and_graph_replays(rng,
             check(f"graph replay {replay}")
 
 
+
+def test_first_launch_on_a_stream_under_capture(rng, fwd_kernel):
+    """A stream whose first forward is recorded by stream capture (a fresh CUDA-graph stream, an
+    XLA command buffer) gets no counters allocated there: that launch runs the static schedule
+    (a null counter), and its graph replays compute every tile."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the dynamic schedule of flash_fwd_sm90_kernel")
+    cupy = _cupy()
+    q, k, v = (cupy.asarray(randn(rng, (2, 700, h, 128), DTYPES[1])) for h in (8, 2, 2))
+    out = cupy.empty(q.shape, q.dtype)
+    cuattn.attention(q, k, v, causal=True, out=out)  # compiled and loaded outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cuattn.attention(q, k, v, causal=True, out=out)
+        graph = stream.end_capture()
+        for replay in range(2):
+            fresh = [randn(rng, tuple(x.shape), DTYPES[1]) for x in (q, k, v)]
+            for x, new in zip((q, k, v), fresh):
+                x[...] = cupy.asarray(new)
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            err = np.abs(out.get().astype(np.float64) - reference.attention(*fresh, causal=True)).max()
+            assert np.isfinite(err) and err < 3e-2, f"replay {replay}: error {err:.3g} (seed {rng.seed})"
+
 def test_result_is_deterministic(rng):
     cupy = _cupy()
     q, k, v = (cupy.asarray(randn(rng, (2, 300, 4, 128), np.float16)) for _ in range(3))
