@@ -53,8 +53,13 @@ class _TorchDtypes(dict):
     def __missing__(self, dtype):
         import torch
 
-        self.update({FLOAT16: torch.float16, BFLOAT16: torch.bfloat16, np.dtype(np.float32): torch.float32})
-        return dict.__getitem__(self, dtype)
+        if not self:
+            # results, workspaces (float32) and the backward's semaphores (int32)
+            self.update({FLOAT16: torch.float16, BFLOAT16: torch.bfloat16, np.dtype(np.float32): torch.float32,
+                         np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.uint8})
+            if dtype in self:
+                return dict.__getitem__(self, dtype)
+        raise KeyError(f"internal: no torch dtype for {dtype_name(dtype)}")
 
 
 TORCH_DTYPES = _TorchDtypes()

@@ -94,3 +94,15 @@ def test_jax_round_trip_keeps_dtype_and_values(rng):
         back = ctx.to_caller(view)
     assert back.dtype == jax.numpy.bfloat16
     np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+def test_torch_dtypes_map_every_buffer_type_and_refuse_others():
+    """Buffers allocated through torch: results (fp16, bf16), workspaces (float32) and the
+    backward's int32 semaphores; an unmapped dtype raises KeyError instead of recursing."""
+    pytest.importorskip("torch")
+    import torch
+
+    table = _arrays._TorchDtypes()
+    assert table[np.dtype(np.int32)] is torch.int32 and table[_arrays.BFLOAT16] is torch.bfloat16
+    with pytest.raises(KeyError, match="no torch dtype for complex64"):
+        table[np.dtype(np.complex64)]
