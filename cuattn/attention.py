@@ -199,10 +199,14 @@ FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
 #              the heaviest query blocks first, over L2 sections of heads;
 #   "static"   one CTA per SM with a fixed stride over (batch, head)-major tiles, or one CTA per
 #              tile for banded masks over more than FWD_SM90_PERSISTENT_BANDED_KEYS keys.
+#   "auto"     dynamic for causal or windowed masks and for varlen, static otherwise: measured on
+#              the H200 (BENCHMARKS.md, "The dynamic tile schedule"), dynamic is 4-24% faster on
+#              causal calls at N <= 4k and 6-26% on ragged varlen at N = 1k, but 1-12% slower on
+#              dense calls without a mask.
 # A module switch (tests, scripts/bench_varlen.py --schedules): plans keep the launch they were
 # made with, so clear them (_calls.clear()) after changing it.
-FWD_SM90_SCHEDULES = ("dynamic", "static")
-FWD_SM90_SCHEDULE = "dynamic"
+FWD_SM90_SCHEDULES = ("auto", "dynamic", "static")
+FWD_SM90_SCHEDULE = "auto"
 # L2 bytes of K and V one section of the dynamic schedule's heads may span (the H200 has 50 MB
 # of L2; the tiles running at once also hold Q and write O).
 FWD_SM90_L2_SECTION_BYTES = 32 << 20
@@ -886,6 +890,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         if schedule not in FWD_SM90_SCHEDULES:
             raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {schedule!r}")
         banded = causal or window != (-1, -1)
+        if schedule == "auto":
+            schedule = "dynamic" if banded or cu_seqlens_q is not None else "static"
         dynamic = schedule == "dynamic"
         persistent = dynamic or not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
         grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
