@@ -1069,6 +1069,9 @@ BWD_TILES = {
 # (`python -m cuattn build`). There deterministic ALiBi keeps the earlier path (BwdTile.dq_mode
 # "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
 BWD_ORDERED_ALIBI_FALLBACK = (128,)
+# Head dims whose deterministic=True runs the ordered bulk reductions: where they measured faster
+# than flash_bwd_dq_kernel on the H200 (D = 128: 1.15-1.22x; D = 64: 4-7% slower, so not there).
+BWD_ORDERED_HEAD_DIMS = (128,)
 
 
 def bwd_tile_dim(head_dim: int) -> int:
@@ -1079,8 +1082,8 @@ def bwd_tile_dim(head_dim: int) -> int:
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False) -> BwdTile:
     """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``deterministic`` and
     ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions for
-    deterministic=True (1.15-1.22x faster than flash_bwd_dq_kernel at D = 128 on the H200) but
-    float4 atomics otherwise (there the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by
+    deterministic=True where BWD_ORDERED_HEAD_DIMS says (1.15-1.22x faster than
+    flash_bwd_dq_kernel at D = 128 on the H200, 4-7% slower at D = 64) but float4 atomics otherwise (there the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by
     bulk reductions"), and the earlier path where deterministic ALiBi would spill
     (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
     to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column)."""
@@ -1088,7 +1091,8 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
     tile = BWD_TILES[tile_dim][arch_family(arch)]
     if tile.wgmma and tile_dim != head_dim:
         return BWD_TILES[tile_dim][SM80]
-    if tile.bulk_dq and (not deterministic or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
+    ordered = deterministic and head_dim in BWD_ORDERED_HEAD_DIMS
+    if tile.bulk_dq and (not ordered or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
 

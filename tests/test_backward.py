@@ -420,9 +420,10 @@ def test_sm90_backward_picks_bulk_dq():
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
             fallback = deterministic and alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
-            assert tile.bulk_dq == (deterministic and not fallback), (d, deterministic, alibi)
+            ordered = deterministic and d in attention_module.BWD_ORDERED_HEAD_DIMS
+            assert tile.bulk_dq == (ordered and not fallback), (d, deterministic, alibi)
             _, main, last = attention_module.bwd_specs("bfloat16", d, tile, deterministic, alibi)
-            if fallback:
+            if fallback or (deterministic and not ordered):
                 mode = _params.constant("kBwdDqNone")
                 assert "flash_bwd_dq_kernel" in last.name
             elif not deterministic:
