@@ -224,10 +224,6 @@ class Plan:
             self.launches.append((b.launch, tuple(from_inputs), tuple(from_outputs), tuple(from_workspace)))
         self.used = tuple(sorted(used | set(self.aligned)))
 
-    def __call__(self, *arrays):
-        _, readers = _read("", arrays, ())
-        return None if readers is None else self.run(arrays, readers)
-
     def run(self, arrays, readers):
         """Launch over ``arrays`` (read by ``readers``, their frameworks), or None to send the
         call down the full path (another device current, an unaligned address)."""
