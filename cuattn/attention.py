@@ -1057,8 +1057,8 @@ BWD_TILES = {
     64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4),
          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
     96: {SM80: _BWD_D96, SM90: _BWD_D96},
-    128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 64, 64, 4),
-          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 64, 4, wgmma=True)},
+    128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 128, 32, 8),
+          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 128, 32, 8, wgmma=True)},
     160: {SM80: _BWD_D160, SM90: _BWD_D160},
     256: {SM80: _BWD_D256, SM90: _BWD_D256},
 }
@@ -1310,8 +1310,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
     # [tiles, BLOCK_M * D], each sequence's query blocks on their own tiles (flash_bwd.cu)
     dq_accum = None if deterministic else zeros((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32)
-    # flash_bwd_sm90_kernel's last arguments: tile strides, semaphores, ticket, rank order
-    tile_args = (np.int64(0), np.int64(0), np.uint64(0), np.uint64(0), np.int32(0)) if tile.wgmma else ()
+    acc_tile_sb = acc_tile_sh = 0
+    semaphores = ticket = None
     if tile.bulk_dq:
         if varlen:
             # sequence b's blocks start at tile (cu_seqlens_q[b] + b * BLOCK_M) // BLOCK_M
@@ -1321,16 +1321,11 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
         dq_accum = zeros((tiles, tile.block_m * head_dim), np.float32)
-        semaphores = ticket = np.uint64(0)
         if deterministic:
             # [tiles, kBwdSm90DqPartsMax] semaphores, then the CTA ticket, all zero
             parts = _params.constant("kBwdSm90DqPartsMax")
             sync = zeros((tiles * parts + 1,), np.int32)
             semaphores, ticket = sync, sync[tiles * parts:]
-        # ranks descend where the right window side is bounded (causal): see flash_bwd.cu
-        descending = causal or window[1] >= 0
-        tile_args = (np.int64(acc_tile_sb), np.int64(acc_tile_sh), semaphores, ticket, np.int32(descending))
-    i64, i32, f32 = np.int64, np.int32, np.float32
     strides = {name: list(_arrays.element_strides(x)) for name, x in
                (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
     lse_s = list(_arrays.element_strides(lse)[:2])
@@ -1340,47 +1335,37 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         for s in (*strides.values(), lse_s):
             s[0] = 0
         acc_sb = 0
-    null = np.uint64(0)
-    cu = (cu_seqlens_q, cu_seqlens_k) if varlen else (null, null)
-    # the kernels' last arguments: the ALiBi slopes [B, Hq] | [Hq] and their batch stride, or null;
-    # then flash_bwd_sm90_kernel's tile arguments, or the mma.sync kernels' run-time head dim
-    # (flash_bwd_sm90_kernel runs its tile head dim only)
-    alibi_args = (null if alibi[0] is None else alibi[0], i64(alibi[1]))
-    main_tail = (*alibi_args, *tile_args) if tile.wgmma else (*alibi_args, i32(head_dim))
-
-    # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
-    pre_batch = 1 if varlen else batch
-    rows = pre_batch * rows_q * num_heads
-    _jit.launch(pre, (-(-rows // _params.constant("kPreprocessWarps")), 1, 1), (
-        out, dout, delta, *map(i64, strides["o"][:3]), *map(i64, strides["do"][:3]), i64(lse_s[0]), i64(lse_s[1]),
-        i32(pre_batch), i32(rows_q), i32(num_heads), i32(head_dim)), stream=stream)
-
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
-    softmax_scale = 1.0 / np.sqrt(head_dim) if scale is None else float(scale)
     # an unbounded window side becomes a bound past every key and query the kernels compute
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_n)
-    qkv_strides = (*map(i64, strides["q"][:3]), *map(i64, strides["k"][:3]), *map(i64, strides["v"][:3]),
-                   *map(i64, strides["do"][:3]))
-    shape_args = (i32(batch), i32(num_heads), i32(num_kv_heads), i32(seqlen_q), i32(seqlen_k))
-    mask_args = (f32(score_scale), f32(softcap_out), f32(softmax_scale), i32(left), i32(right))
-    _jit.launch(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), (
-        q, k, v, dout, lse, delta, null if dq_accum is None else dq_accum, dk, dv, *cu, *qkv_strides,
-        *map(i64, strides["dk"][:3]), *map(i64, strides["dv"][:3]), i64(lse_s[0]), i64(lse_s[1]), i64(acc_sb),
-        *shape_args, *mask_args, *main_tail), stream=stream)
+    # one BwdParams for every launch of the call (flash_bwd.cu)
+    params = _params.pack(
+        "BwdParams", q=q, k=k, v=v, out=out, dout=dout, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi[0], alibi_sb=alibi[1],
+        dq_semaphores=semaphores, cta_ticket=ticket,
+        **{f"{name}_{axis}": stride[i] for name, stride in strides.items() for i, axis in enumerate(("sb", "ss", "sh"))},
+        lse_sb=lse_s[0], lse_sh=lse_s[1], acc_sb=acc_sb, acc_tile_sb=acc_tile_sb, acc_tile_sh=acc_tile_sh,
+        batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        rows_q=rows_q, score_scale=score_scale, softcap_out=softcap_out,
+        softmax_scale=1.0 / np.sqrt(head_dim) if scale is None else float(scale), window_left=left,
+        window_right=right, head_dim=head_dim,
+        # ordered dQ ranks descend where the right window side is bounded (causal): see flash_bwd.cu
+        dq_descending=int(causal or window[1] >= 0),
+    )
 
+    def run(spec, grid):
+        _jit.prepare(spec, grid, params).run(_jit.stream_ptr(stream))
+
+    # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
+    views = int(q.shape[0])
+    run(pre, (-(-(views * rows_q * num_heads) // _params.constant("kPreprocessWarps")), 1, 1))
+    run(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)))
     if tile.bulk_dq:
-        _jit.launch(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)), (
-            dq_accum, dq, cu[0], *map(i64, strides["dq"][:3]), i64(tile_args[0]), i64(tile_args[1]), i32(batch),
-            i32(num_heads), i32(seqlen_q), f32(softmax_scale)), stream=stream)
+        run(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)))
     elif deterministic:
-        _jit.launch(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)), (
-            q, k, v, dout, lse, delta, dq, *cu, *qkv_strides, *map(i64, strides["dq"][:3]), i64(lse_s[0]),
-            i64(lse_s[1]), *shape_args, *mask_args, *alibi_args, i32(head_dim)), stream=stream)
+        run(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)))
     else:
-        total = int(dq_accum.size)
-        _jit.launch(last, (-(-total // _params.constant("kConvertThreads")), 1, 1), (
-            dq_accum, dq, *map(i64, strides["dq"][:3]), i32(int(q.shape[0])), i32(rows_q), i32(num_heads),
-            i32(head_dim), f32(softmax_scale)), stream=stream)
+        run(last, (-(-int(dq_accum.size) // _params.constant("kConvertThreads")), 1, 1))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
 
 

@@ -30,17 +30,19 @@
 // With STAGES = 2, Q and dO of the next query block stream in with cp.async while the current
 // one computes; with one stage (where shared memory is short) each block's load is waited for.
 //
-// Layouts (element strides are arguments; the last axis is contiguous):
+// Every kernel takes one BwdParams (params.cuh), filled once per call. Layouts (element strides
+// in the struct; the last axis is contiguous):
 //   q, out, dout, dq   [B, Sq, Hq, D]    k, v, dk, dv [B, Sk, Hk, D]    lse, delta [B, Hq, Sq]
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
 //                      kernel's bulk dQ: tiles of BLOCK_M x D, see BwdSm90Smem
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
 // Head dim: the mma.sync kernels (main and deterministic dQ) are instantiated for a tile head dim
-// HEAD_DIM and take D = head_dim <= HEAD_DIM, a multiple of 8, as their last argument, as
+// HEAD_DIM and take D = BwdParams::head_dim <= HEAD_DIM, a multiple of 8, as
 // flash_fwd.cu does: columns D .. HEAD_DIM of Q, K, V, dO are zero in shared memory, so they add
 // nothing to S and dP and give dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
+#include "params.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -115,26 +117,25 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 #endif
 }
 
-// delta = rowsum(dout * out): one warp per (b, i, h) row.
+// delta = rowsum(dout * out): one warp per (b, i, h) row of the view (varlen: the packed rows as
+// one batch entry, whose batch strides are 0).
 constexpr int kPreprocessWarps = 4;  // one warp per (b, i, h) row
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessWarps * kWarpSize)
-bwd_preprocess_kernel(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
-                      i64 o_sb, i64 o_ss, i64 o_sh, i64 do_sb, i64 do_ss, i64 do_sh, i64 d_sb, i64 d_sh,
-                      int batch, int seqlen_q, int num_heads, int head_dim) {
+bwd_preprocess_kernel(const BwdParams<T> p) {
+  const int views = p.cu_seqlens_q != nullptr ? 1 : p.batch;
   const i64 row = static_cast<i64>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  if (row >= static_cast<i64>(batch) * seqlen_q * num_heads) return;
-  const int h = static_cast<int>(row % num_heads);
-  const int i = static_cast<int>((row / num_heads) % seqlen_q);
-  const int b = static_cast<int>(row / (static_cast<i64>(num_heads) * seqlen_q));
-  // varlen: row i of "sequence 0" is packed token i (batch strides are 0)
+  if (row >= static_cast<i64>(views) * p.rows_q * p.num_heads) return;
+  const int h = static_cast<int>(row % p.num_heads);
+  const int i = static_cast<int>((row / p.num_heads) % p.rows_q);
+  const int b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
+  const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
+  const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
   float acc = 0.f;
-  for (int d = lane; d < head_dim; d += kWarpSize)
-    acc += DType<T>::to_float(out[b * o_sb + i * o_ss + h * o_sh + d]) *
-           DType<T>::to_float(dout[b * do_sb + i * do_ss + h * do_sh + d]);
+  for (int d = lane; d < p.head_dim; d += kWarpSize) acc += DType<T>::to_float(out[d]) * DType<T>::to_float(dout[d]);
   acc = warp_sum(acc);
-  if (lane == 0) delta[b * d_sb + h * d_sh + i] = acc;
+  if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
 }
 
 // The per-(b, head) geometry both recomputing kernels share: sequence offsets (varlen), lengths
@@ -208,21 +209,18 @@ __device__ __forceinline__ float bwd_lse2(const float* lse, i64 at, bool valid) 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int S_WARPS_N, int KV_WARPS_N,
           int DQ_WARPS_M, int STAGES, int MIN_BLOCKS, bool ATOMIC_DQ, bool ALIBI>
 __global__ void __launch_bounds__(NUM_WARPS * kWarpSize, MIN_BLOCKS)
-flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout,
-                 const float* __restrict__ lse,    // [B, Hq, Sq] natural log
-                 const float* __restrict__ delta,  // [B, Hq, Sq]
-                 float* __restrict__ dq_accum,     // [B, Sq, Hq, D] contiguous (varlen: [total_q, Hq, D])
-                 T* __restrict__ dk, T* __restrict__ dv,  // [B, Sk, Hk, D]
-                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
-                 i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                 i64 lse_sb, i64 lse_sh, i64 acc_sb,
-                 int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                 float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
-                 // after the others, so that they keep their offsets (ALIBI: set; else null, unread)
-                 const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
-                 int head_dim) {  // D <= HEAD_DIM
+flash_bwd_kernel(const BwdParams<T> p) {
+  // the arrays as __restrict__ locals, as the positional arguments were: no two alias, so
+  // loads may take the read-only path and stay in flight across stores
+  const T* __restrict__ q = p.q;
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  const T* __restrict__ dout = p.dout;
+  const float* __restrict__ lse = p.lse;
+  const float* __restrict__ delta = p.delta;
+  float* __restrict__ dq_accum = p.dq_accum;
+  T* __restrict__ dk = p.dk;
+  T* __restrict__ dv = p.dv;
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -240,12 +238,12 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   static_assert(STAGES == 1 || STAGES == 2, "one or two Q/dO stages");
 
   const i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
-  if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
-  const int b = static_cast<int>(bhk / num_kv_heads);
-  const int hk = static_cast<int>(bhk % num_kv_heads);
-  const int group = num_heads / num_kv_heads;
-  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
-                      softcap_out);
+  if (bhk >= static_cast<i64>(p.batch) * p.num_kv_heads) return;
+  const int b = static_cast<int>(bhk / p.num_kv_heads);
+  const int hk = static_cast<int>(bhk % p.num_kv_heads);
+  const int group = p.num_heads / p.num_kv_heads;
+  const BwdProblem pb(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.score_scale,
+                      p.softcap_out);
   const int n0 = blockIdx.x * BLOCK_N;
   if (n0 >= pb.seqlen_k) return;
 
@@ -267,10 +265,10 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int dq_row0 = (warp % DQ_WARPS_M) * kDqRows, dq_col0 = (warp / DQ_WARPS_M) * kDqCols;
 
   // K and V of this block stay for the whole CTA
-  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss,
-                                                pb.seqlen_k - n0, head_dim);
-  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                pb.seqlen_k - n0, head_dim);
+  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k + b * p.k_sb + (pb.k_start + n0) * p.k_ss + hk * p.k_sh, p.k_ss,
+                                                pb.seqlen_k - n0, p.head_dim);
+  bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v + b * p.v_sb + (pb.k_start + n0) * p.v_ss + hk * p.v_sh, p.v_ss,
+                                                pb.seqlen_k - n0, p.head_dim);
 
   float dK[kKvKeys / 16][kKvCols / 8][4], dV[kKvKeys / 16][kKvCols / 8][4];  // fp32, this warp's tile
   zero(dK);
@@ -284,8 +282,18 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
   const int m_blocks = m_end > m_begin ? (m_end + BLOCK_M - 1) / BLOCK_M - m_block_begin : 0;
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
 
+  // the fields the lambdas below read, as locals: a lambda that captured p by reference would
+  // take the parameter's address and put the whole struct in local memory
+  const i64 q_sb = p.q_sb;
+  const i64 q_ss = p.q_ss;
+  const i64 q_sh = p.q_sh;
+  const i64 do_sb = p.do_sb;
+  const i64 do_ss = p.do_ss;
+  const i64 do_sh = p.do_sh;
+  const i64 lse_sb = p.lse_sb;
+  const i64 lse_sh = p.lse_sh;
   // Q, dO (cp.async) and lse, delta of step `step` into stage `stage`
-  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim);
   auto load_step = [&](int step, int stage) {
     const int h = hk * group + step / m_blocks;
     const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
@@ -342,7 +350,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // P^T and dS^T: mask only tiles that cross a boundary
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
-    const float alibi2 = bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h);
+    const float alibi2 = bwd_alibi2<ALIBI>(p.alibi_slopes, p.alibi_sb, b, h);
 #pragma unroll
     for (int mt = 0; mt < kSKeys / 16; ++mt)
 #pragma unroll
@@ -375,7 +383,7 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
       static_assert(kDqCols % kDqChunk == 0, "dQ column chunks tile the warp's columns");
 #pragma unroll
       for (int c0 = dq_col0; c0 < dq_col0 + kDqCols; c0 += kDqChunk) {
-        if (c0 >= head_dim) continue;  // a chunk wholly past the head dim (the condition is warp-uniform)
+        if (c0 >= p.head_dim) continue;  // a chunk wholly past the head dim (the condition is warp-uniform)
         float dq[kDqRows / 16][kDqChunk / 8][4];
         zero(dq);
         warp_gemm<T, kDqRows / 16, kDqChunk / 8, BLOCK_N, true, true, kPStride, kStride>(dq, sdS, dq_row0, sK, c0,
@@ -386,10 +394,10 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
           for (int r = 0; r < 2; ++r) {
             const int query = m0 + dq_row0 + mt * 16 + g + 8 * r;
             if (query >= pb.seqlen_q) continue;
-            float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * head_dim + c0 + 2 * tq;
+            float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * p.head_dim + c0 + 2 * tq;
 #pragma unroll
             for (int nt = 0; nt < kDqChunk / 8; ++nt) {
-              if (c0 + nt * 8 < head_dim) atomic_add_pair(dst + nt * 8, dq[mt][nt][2 * r], dq[mt][nt][2 * r + 1]);
+              if (c0 + nt * 8 < p.head_dim) atomic_add_pair(dst + nt * 8, dq[mt][nt][2 * r], dq[mt][nt][2 * r + 1]);
             }
           }
       }
@@ -408,12 +416,12 @@ flash_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     for (int r = 0; r < 2; ++r) {
       const int key = n0 + kv_key0 + mt * 16 + g + 8 * r;
       if (key >= pb.seqlen_k) continue;
-      T* dk_row = dk + b * dk_sb + (pb.k_start + key) * dk_ss + hk * dk_sh + kv_col0 + 2 * tq;
-      T* dv_row = dv + b * dv_sb + (pb.k_start + key) * dv_ss + hk * dv_sh + kv_col0 + 2 * tq;
+      T* dk_row = dk + b * p.dk_sb + (pb.k_start + key) * p.dk_ss + hk * p.dk_sh + kv_col0 + 2 * tq;
+      T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + kv_col0 + 2 * tq;
 #pragma unroll
       for (int nt = 0; nt < kKvCols / 8; ++nt) {
-        if (kv_col0 + nt * 8 >= head_dim) continue;
-        *reinterpret_cast<u32*>(dk_row + nt * 8) = DT::pack(dK[mt][nt][2 * r] * dk_scale, dK[mt][nt][2 * r + 1] * dk_scale);
+        if (kv_col0 + nt * 8 >= p.head_dim) continue;
+        *reinterpret_cast<u32*>(dk_row + nt * 8) = DT::pack(dK[mt][nt][2 * r] * p.softmax_scale, dK[mt][nt][2 * r + 1] * p.softmax_scale);
         *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
       }
     }
@@ -566,26 +574,18 @@ struct BwdSm90Smem {
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int DQ_MODE, bool ALIBI>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
-flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      const T* __restrict__ dout,
-                      const float* __restrict__ lse,    // [B, Hq, Sq] natural log
-                      const float* __restrict__ delta,  // [B, Hq, Sq]
-                      float* __restrict__ dq_accum,     // atomic: [B, Sq, Hq, D] contiguous (varlen: [total_q,
-                                                        // Hq, D]); bulk: [tiles, BLOCK_M * D] (above)
-                      T* __restrict__ dk, T* __restrict__ dv,  // [B, Sk, Hk, D]
-                      const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
-                      i64 do_sb, i64 do_ss, i64 do_sh, i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss,
-                      i64 dv_sh, i64 lse_sb, i64 lse_sh, i64 acc_sb,
-                      int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                      float score_scale, float softcap_out, float dk_scale, int window_left, int window_right,
-                      // last, so that the other parameters keep their offsets (ALIBI: set; else null, unread)
-                      const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
-                      // bulk modes: the tile accumulator's strides in tiles (varlen: acc_tile_sb 0);
-                      // kBwdDqOrdered: the semaphores [tiles, kBwdSm90DqPartsMax], the ticket [1]
-                      // and the rank order (1: descending key blocks); else unread
-                      i64 acc_tile_sb, i64 acc_tile_sh, int* __restrict__ dq_semaphores,
-                      int* __restrict__ cta_ticket, int dq_descending) {
+flash_bwd_sm90_kernel(const BwdParams<T> p) {
+  // the arrays as __restrict__ locals, as the positional arguments were: no two alias, so
+  // loads may take the read-only path and stay in flight across stores
+  const T* __restrict__ q = p.q;
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  const T* __restrict__ dout = p.dout;
+  const float* __restrict__ lse = p.lse;
+  const float* __restrict__ delta = p.delta;
+  float* __restrict__ dq_accum = p.dq_accum;
+  T* __restrict__ dk = p.dk;
+  T* __restrict__ dv = p.dv;
   constexpr bool kBulkDq = DQ_MODE == kBwdDqBulk || DQ_MODE == kBwdDqOrdered;
   using DT = DType<T>;
   using Smem = BwdSm90Smem<HEAD_DIM, BLOCK_M, kBulkDq>;
@@ -615,18 +615,18 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   int key_block = blockIdx.x;
   if constexpr (DQ_MODE == kBwdDqOrdered) {
     __shared__ int ticket;
-    if (threadIdx.x == 0) ticket = atomicAdd(cta_ticket, 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(p.cta_ticket, 1);
     __syncthreads();
     bhk = ticket / static_cast<int>(gridDim.x);
     const int x = ticket % static_cast<int>(gridDim.x);
-    key_block = dq_descending ? static_cast<int>(gridDim.x) - 1 - x : x;
+    key_block = p.dq_descending ? static_cast<int>(gridDim.x) - 1 - x : x;
   }
-  if (bhk >= static_cast<i64>(batch) * num_kv_heads) return;
-  const int b = static_cast<int>(bhk / num_kv_heads);
-  const int hk = static_cast<int>(bhk % num_kv_heads);
-  const int group = num_heads / num_kv_heads;
-  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
-                      softcap_out);
+  if (bhk >= static_cast<i64>(p.batch) * p.num_kv_heads) return;
+  const int b = static_cast<int>(bhk / p.num_kv_heads);
+  const int hk = static_cast<int>(bhk % p.num_kv_heads);
+  const int group = p.num_heads / p.num_kv_heads;
+  const BwdProblem pb(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.score_scale,
+                      p.softcap_out);
   const int n0 = key_block * BLOCK_N;
   if (n0 >= pb.seqlen_k) return;
 
@@ -649,8 +649,8 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   // K and V of this block stay for the whole CTA
   {
     const SwizzledLoader<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads> kv_loader;
-    kv_loader.load(base + Smem::kK, k + b * k_sb + (pb.k_start + n0) * k_ss + hk * k_sh, k_ss, pb.seqlen_k - n0);
-    kv_loader.load(base + Smem::kV, v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss, pb.seqlen_k - n0);
+    kv_loader.load(base + Smem::kK, k + b * p.k_sb + (pb.k_start + n0) * p.k_ss + hk * p.k_sh, p.k_ss, pb.seqlen_k - n0);
+    kv_loader.load(base + Smem::kV, v + b * p.v_sb + (pb.k_start + n0) * p.v_ss + hk * p.v_sh, p.v_ss, pb.seqlen_k - n0);
   }
 
   float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this warpgroup's 64 keys x D
@@ -676,6 +676,16 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     return (m_block_begin + m) * BLOCK_M;
   };
 
+  // the fields the lambdas below read, as locals: a lambda that captured p by reference would
+  // take the parameter's address and put the whole struct in local memory
+  const i64 q_sb = p.q_sb;
+  const i64 q_ss = p.q_ss;
+  const i64 q_sh = p.q_sh;
+  const i64 do_sb = p.do_sb;
+  const i64 do_ss = p.do_ss;
+  const i64 do_sh = p.do_sh;
+  const i64 lse_sb = p.lse_sb;
+  const i64 lse_sh = p.lse_sh;
   // Q, dO, lse and delta of step `step` into stage `stage`, all cp.async (rows past the end read
   // 0: such rows only appear in tiles that take the mask, which zeroes their probabilities)
   const SwizzledLoader<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads> q_loader;
@@ -743,6 +753,10 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
     const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
     const int key_row = n0 + key0 + wg_warp * 16 + g;
+    // the fields the lambdas below read, as locals: a lambda that captured p by reference would
+    // take the parameter's address and put the whole struct in local memory
+    const float* alibi_slopes = p.alibi_slopes;
+    const i64 alibi_sb = p.alibi_sb;
     // lse2 of element e of query group j (query m0 + 8 j + 2 tq + e % 2, key key_row + 8 (e / 2)),
     // ALiBi's bias included; the slope is read where it is used (an L1 hit) instead of held in a
     // register across the GEMM waits: the atomic-dQ variant has none to spare
@@ -836,7 +850,7 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int query = m0 + wg_warp * 16 + g + 8 * r;
-          float* dst = dq_accum + b * acc_sb + ((pb.q_start + query) * num_heads + h) * HEAD_DIM + dq_col0 +
+          float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * HEAD_DIM + dq_col0 +
                        2 * (tq & ~1);
 #pragma unroll
           for (int j = 0; j < kDqCols / 8; j += 2) {
@@ -880,8 +894,8 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
             const int part_index = kDqOwnKeys ? 0 : wg;
             // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
             const int q_block0 =
-                cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
-            const int tile = b * static_cast<int>(acc_tile_sb) + h * static_cast<int>(acc_tile_sh) + q_block0 + m0 / BLOCK_M;
+                p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
+            const int tile = b * static_cast<int>(p.acc_tile_sb) + h * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
             float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
             const u32 src = smem0 + Smem::kdQ + part_index * kDqPartFloats * static_cast<int>(sizeof(float));
             constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
@@ -890,10 +904,10 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
               const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
               const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
                                    (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
-              int* sem = dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
+              int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
               // (the key block from n0, which the masks keep live anyway: no register of its own)
               const int key_block_now = n0 / BLOCK_N;
-              semaphore_wait_equal(sem, dq_descending ? last - key_block_now : key_block_now - first);
+              semaphore_wait_equal(sem, p.dq_descending ? last - key_block_now : key_block_now - first);
               // the earlier CTAs' reductions (released with the semaphore) come before ours
               fence_proxy_async_global();
               bulk_reduce_add_f32(dst, src, kPartBytes);
@@ -930,11 +944,11 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;
     if (key >= pb.seqlen_k) continue;
-    T* dk_row = dk + b * dk_sb + (pb.k_start + key) * dk_ss + hk * dk_sh + 2 * tq;
-    T* dv_row = dv + b * dv_sb + (pb.k_start + key) * dv_ss + hk * dv_sh + 2 * tq;
+    T* dk_row = dk + b * p.dk_sb + (pb.k_start + key) * p.dk_ss + hk * p.dk_sh + 2 * tq;
+    T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + 2 * tq;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      *reinterpret_cast<u32*>(dk_row + 8 * j) = DT::pack(dK[4 * j + 2 * r] * dk_scale, dK[4 * j + 2 * r + 1] * dk_scale);
+      *reinterpret_cast<u32*>(dk_row + 8 * j) = DT::pack(dK[4 * j + 2 * r] * p.softmax_scale, dK[4 * j + 2 * r + 1] * p.softmax_scale);
       *reinterpret_cast<u32*>(dv_row + 8 * j) = DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
     }
   }
@@ -947,19 +961,16 @@ flash_bwd_sm90_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 // K and V blocks are double-buffered with cp.async.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool ALIBI>
 __global__ void __launch_bounds__(NUM_WARPS * kWarpSize)
-flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout,
-                    const float* __restrict__ lse,    // [B, Hq, Sq] natural log
-                    const float* __restrict__ delta,  // [B, Hq, Sq]
-                    T* __restrict__ dq,               // [B, Sq, Hq, D]
-                    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
-                    i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, i64 lse_sb, i64 lse_sh,
-                    int batch, int num_heads, int num_kv_heads, int seqlen_q, int seqlen_k,
-                    float score_scale, float softcap_out, float dq_scale, int window_left, int window_right,
-                    // after the others, so that they keep their offsets (ALIBI: set; else null, unread)
-                    const float* __restrict__ alibi_slopes, i64 alibi_sb,  // [B, Hq] | [Hq] (alibi_sb 0)
-                    int head_dim) {  // D <= HEAD_DIM
+flash_bwd_dq_kernel(const BwdParams<T> p) {
+  // the arrays as __restrict__ locals, as the positional arguments were: no two alias, so
+  // loads may take the read-only path and stay in flight across stores
+  const T* __restrict__ q = p.q;
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  const T* __restrict__ dout = p.dout;
+  const float* __restrict__ lse = p.lse;
+  const float* __restrict__ delta = p.delta;
+  T* __restrict__ dq = p.dq;
   using DT = DType<T>;
   constexpr int kThreads = NUM_WARPS * kWarpSize;
   constexpr int kStride = SmemRow<HEAD_DIM>::kStride;
@@ -969,12 +980,12 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   static_assert(kMT >= 1 && BLOCK_M == kMT * 16 * NUM_WARPS && kNT % 2 == 0, "dQ tiling");
 
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
-  if (bh >= static_cast<i64>(batch) * num_heads) return;
-  const int b = static_cast<int>(bh / num_heads);
-  const int h = static_cast<int>(bh % num_heads);
-  const int hk = h / (num_heads / num_kv_heads);
-  const BwdProblem pb(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, window_left, window_right, score_scale,
-                      softcap_out);
+  if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
+  const int b = static_cast<int>(bh / p.num_heads);
+  const int h = static_cast<int>(bh % p.num_heads);
+  const int hk = h / (p.num_heads / p.num_kv_heads);
+  const BwdProblem pb(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, p.score_scale,
+                      p.softcap_out);
   const int m0 = blockIdx.x * BLOCK_M;
   if (m0 >= pb.seqlen_q) return;
 
@@ -989,12 +1000,12 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
   const int row0 = warp * kMT * 16;
 
-  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                                                pb.seqlen_q - m0, head_dim);
-  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh,
-                                                do_ss, pb.seqlen_q - m0, head_dim);
+  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q + b * p.q_sb + (pb.q_start + m0) * p.q_ss + h * p.q_sh, p.q_ss,
+                                                pb.seqlen_q - m0, p.head_dim);
+  bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * p.do_sb + (pb.q_start + m0) * p.do_ss + h * p.do_sh,
+                                                p.do_ss, pb.seqlen_q - m0, p.head_dim);
 
-  const float alibi2 = bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h);
+  const float alibi2 = bwd_alibi2<ALIBI>(p.alibi_slopes, p.alibi_sb, b, h);
   // lse2 and delta of this lane's rows g and g + 8 of each m16 tile
   float row_lse2[kMT][2], row_delta[kMT][2];
 #pragma unroll
@@ -1003,7 +1014,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     for (int r = 0; r < 2; ++r) {
       const int query = m0 + row0 + mt * 16 + g + 8 * r;
       const bool valid = query < pb.seqlen_q;
-      const i64 at = b * lse_sb + h * lse_sh + pb.q_start + query;
+      const i64 at = b * p.lse_sb + h * p.lse_sh + pb.q_start + query;
       row_lse2[mt][r] = bwd_lse2(lse, at, valid);
       row_delta[mt][r] = valid ? delta[at] : 0.f;
     }
@@ -1014,7 +1025,15 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const int n_block_begin = key_begin / BLOCK_N;
   const int n_blocks = key_end > key_begin ? (key_end + BLOCK_N - 1) / BLOCK_N - n_block_begin : 0;
 
-  const BwdColumns<T, HEAD_DIM, kThreads> columns(head_dim);
+  // the fields the lambdas below read, as locals: a lambda that captured p by reference would
+  // take the parameter's address and put the whole struct in local memory
+  const i64 k_sb = p.k_sb;
+  const i64 k_ss = p.k_ss;
+  const i64 k_sh = p.k_sh;
+  const i64 v_sb = p.v_sb;
+  const i64 v_ss = p.v_ss;
+  const i64 v_sh = p.v_sh;
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim);
   auto load_kv = [&](int i, int stage) {
     const int n0 = (n_block_begin + i) * BLOCK_N;
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK + stage * BLOCK_N * kStride,
@@ -1098,31 +1117,30 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     for (int r = 0; r < 2; ++r) {
       const int query = m0 + row0 + mt * 16 + g + 8 * r;
       if (query >= pb.seqlen_q) continue;
-      T* dst = dq + b * dq_sb + (pb.q_start + query) * dq_ss + h * dq_sh + 2 * tq;
+      T* dst = dq + b * p.dq_sb + (pb.q_start + query) * p.dq_ss + h * p.dq_sh + 2 * tq;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
-        if (dt * 8 < head_dim)
-          *reinterpret_cast<u32*>(dst + dt * 8) = DT::pack(acc[mt][dt][2 * r] * dq_scale, acc[mt][dt][2 * r + 1] * dq_scale);
+        if (dt * 8 < p.head_dim)
+          *reinterpret_cast<u32*>(dst + dt * 8) = DT::pack(acc[mt][dt][2 * r] * p.softmax_scale, acc[mt][dt][2 * r + 1] * p.softmax_scale);
       }
     }
 }
 
-// dq = scale * dq_accum in q's dtype; one thread per element.
+// dq = scale * dq_accum in q's dtype; one thread per element of the view (varlen: the packed
+// rows as one batch entry).
 constexpr int kConvertThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kConvertThreads)
-bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // [B, Sq, Hq, D] contiguous
-                      T* __restrict__ dq,                  // [B, Sq, Hq, D] strided
-                      i64 dq_sb, i64 dq_ss, i64 dq_sh, int batch, int seqlen_q, int num_heads, int head_dim,
-                      float scale) {
+bwd_convert_dq_kernel(const BwdParams<T> p) {
+  const int views = p.cu_seqlens_q != nullptr ? 1 : p.batch;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const i64 total = static_cast<i64>(batch) * seqlen_q * num_heads * head_dim;
+  const i64 total = static_cast<i64>(views) * p.rows_q * p.num_heads * p.head_dim;
   if (idx >= total) return;
-  const int d = static_cast<int>(idx % head_dim);
-  const int h = static_cast<int>((idx / head_dim) % num_heads);
-  const int i = static_cast<int>((idx / (static_cast<i64>(head_dim) * num_heads)) % seqlen_q);
-  const int b = static_cast<int>(idx / (static_cast<i64>(head_dim) * num_heads * seqlen_q));
-  dq[b * dq_sb + i * dq_ss + h * dq_sh + d] = DType<T>::from_float(dq_accum[idx] * scale);
+  const int d = static_cast<int>(idx % p.head_dim);
+  const int h = static_cast<int>((idx / p.head_dim) % p.num_heads);
+  const int i = static_cast<int>((idx / (static_cast<i64>(p.head_dim) * p.num_heads)) % p.rows_q);
+  const int b = static_cast<int>(idx / (static_cast<i64>(p.head_dim) * p.num_heads * p.rows_q));
+  p.dq[b * p.dq_sb + i * p.dq_ss + h * p.dq_sh + d] = DType<T>::from_float(p.dq_accum[idx] * p.softmax_scale);
 }
 
 // dq = scale * the sm_90a kernel's bulk tile accumulator (layout above flash_bwd_sm90_kernel), in
@@ -1132,23 +1150,19 @@ bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // [B, Sq, Hq, D] con
 constexpr int kConvertTileThreads = 256;
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
-bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum,  // [tiles, BLOCK_M * D]
-                            T* __restrict__ dq,                  // [B, Sq, Hq, D] strided
-                            const int* __restrict__ cu_seqlens_q, i64 dq_sb, i64 dq_ss, i64 dq_sh,
-                            i64 acc_tile_sb, i64 acc_tile_sh, int batch, int num_heads, int seqlen_q,
-                            float scale) {
+bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   constexpr int kPairsPerRow = HEAD_DIM / 2;
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
-  if (bh >= static_cast<i64>(batch) * num_heads) return;
-  const int b = static_cast<int>(bh / num_heads);
-  const int h = static_cast<int>(bh % num_heads);
+  if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
+  const int b = static_cast<int>(bh / p.num_heads);
+  const int h = static_cast<int>(bh % p.num_heads);
   // (the key lengths do not matter here: the query ones stand in for them)
-  const SequenceRange seq(cu_seqlens_q, cu_seqlens_q, b, seqlen_q, seqlen_q);
+  const SequenceRange seq(p.cu_seqlens_q, p.cu_seqlens_q, b, p.seqlen_q, p.seqlen_q);
   const int m0 = blockIdx.x * BLOCK_M;
   if (m0 >= seq.seqlen_q) return;
-  const i64 q_block0 = cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
-  const float* tile = dq_accum + (b * acc_tile_sb + h * acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
+  const i64 q_block0 = p.cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
+  const float* tile = p.dq_accum + (b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
   const int rows = min(BLOCK_M, seq.seqlen_q - m0);
   for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
     const int row = idx / kPairsPerRow;
@@ -1157,8 +1171,8 @@ bwd_convert_dq_tiles_kernel(const float* __restrict__ dq_accum,  // [tiles, BLOC
     const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
     const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);
     const float2 pair = *reinterpret_cast<const float2*>(tile + at);
-    T* dst = dq + b * dq_sb + (seq.q_start + m0 + row) * dq_ss + h * dq_sh + col;
-    *reinterpret_cast<u32*>(dst) = DType<T>::pack(pair.x * scale, pair.y * scale);
+    T* dst = p.dq + b * p.dq_sb + (seq.q_start + m0 + row) * p.dq_ss + h * p.dq_sh + col;
+    *reinterpret_cast<u32*>(dst) = DType<T>::pack(pair.x * p.softmax_scale, pair.y * p.softmax_scale);
   }
 }
 

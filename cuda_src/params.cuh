@@ -1,7 +1,5 @@
-// params.cuh: the one parameter struct of each kernel family (forward, decode/paged, combine,
-// cache ops), passed by value as the kernel's only argument. (The backward kernels still take
-// positional arguments: passing their struct changed ptxas's register allocation enough to
-// spill in the deterministic dQ kernel; they move here with the Hopper backward rewrite.)
+// params.cuh: the one parameter struct of each kernel family (forward, backward, decode/paged,
+// combine, cache ops), passed by value as the kernel's only argument.
 //
 // This file is also the host's field list: cuattn/_params.py reads these declarations and
 // builds the matching NumPy structured dtype (natural C alignment), which the launch code fills
@@ -101,6 +99,75 @@ struct FwdParams {
   // and tile_section (batch, head) pairs per L2 section
   int* tile_counter;
   int tile_section;
+};
+
+// Backward (flash_bwd.cu): one struct for the whole family, filled once per call and passed to
+// each of its launches (preprocess, main kernel, dQ or convert). Dense rows [B, S, H, D], or
+// varlen packed rows as one batch entry [1, total, H, D] with cu_seqlens (batch strides 0).
+// Strides are in elements, in the order batch (sb), row (ss), head (sh).
+template <typename T>
+struct BwdParams {
+  const T* q;              // [B, Sq, Hq, D]
+  const T* k;              // [B, Sk, Hk, D]
+  const T* v;              // [B, Sk, Hk, D]
+  const T* out;            // [B, Sq, Hq, D] the forward's output
+  const T* dout;           // [B, Sq, Hq, D]
+  const float* lse;        // [B, Hq, Sq] the forward's lse, natural log
+  float* delta;            // [B, Hq, Sq] rowsum(dout * out), lse's layout
+  float* dq_accum;         // atomic dQ: [B, Sq, Hq, D] fp32 contiguous; bulk dQ: [tiles, BLOCK_M * D]
+                           // (flash_bwd.cu, above flash_bwd_sm90_kernel), or null (deterministic dQ kernel)
+  T* dq;                   // [B, Sq, Hq, D]
+  T* dk;                   // [B, Sk, Hk, D]
+  T* dv;                   // [B, Sk, Hk, D]
+  const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
+  const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
+  const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_sb 0) ALiBi slopes, or null
+  int* dq_semaphores;      // ordered bulk dQ: [tiles, kBwdSm90DqPartsMax] int32, zeroed; else null
+  int* cta_ticket;         // ordered bulk dQ: [1] int32, zeroed; else null
+  i64 alibi_sb;
+  i64 q_sb;
+  i64 q_ss;
+  i64 q_sh;
+  i64 k_sb;
+  i64 k_ss;
+  i64 k_sh;
+  i64 v_sb;
+  i64 v_ss;
+  i64 v_sh;
+  i64 o_sb;
+  i64 o_ss;
+  i64 o_sh;
+  i64 do_sb;
+  i64 do_ss;
+  i64 do_sh;
+  i64 dq_sb;
+  i64 dq_ss;
+  i64 dq_sh;
+  i64 dk_sb;
+  i64 dk_ss;
+  i64 dk_sh;
+  i64 dv_sb;
+  i64 dv_ss;
+  i64 dv_sh;
+  i64 lse_sb;              // lse and delta
+  i64 lse_sh;
+  i64 acc_sb;              // atomic dQ accumulator's batch stride (varlen: 0)
+  i64 acc_tile_sb;         // bulk dQ: the tile accumulator's strides in tiles (varlen: acc_tile_sb 0)
+  i64 acc_tile_sh;
+  int batch;               // sequences (varlen: len(cu_seqlens) - 1)
+  int num_heads;
+  int num_kv_heads;
+  int seqlen_q;            // dense: Sq; varlen: max_seqlen_q
+  int seqlen_k;            // dense: Sk; varlen: max_seqlen_k
+  int rows_q;              // q's rows per batch entry of the view: Sq, or (varlen) total_q
+  float score_scale;       // scale * log2(e), or scale / softcap with a softcap
+  float softcap_out;       // softcap * log2(e), or 0
+  float softmax_scale;     // dk = softmax_scale * dS^T Q, dq = softmax_scale * dS K
+  int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
+  int window_right;
+  int head_dim;            // D, a multiple of 8 up to the mma.sync kernels' tile head dim (the
+                           // wgmma kernel runs only its tile's D)
+  int dq_descending;       // ordered bulk dQ: 1 where ranks descend (a bounded right window side)
 };
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages
