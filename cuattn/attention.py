@@ -101,15 +101,17 @@ def arch_family(arch: str) -> str:
     return SM90 if arch.startswith("sm_90") else SM80
 
 
-def fwd_tile_dim(head_dim: int) -> int:
-    """The tile head dim flash_fwd_kernel is instantiated with for ``head_dim``."""
-    return _arrays.tile_head_dim(head_dim, FWD_TILES)
+def fwd_tile_dim(head_dim: int, head_dim_v: int | None = None) -> int:
+    """The tile head dim flash_fwd_kernel is instantiated with for q's and k's ``head_dim`` and v's
+    ``head_dim_v`` (None: the same): the tile of the larger, whose columns hold both (the
+    smaller one's extra columns are zero-filled, which flash_fwd.cu explains is exact)."""
+    return _arrays.tile_head_dim(max(head_dim, head_dim_v or head_dim), FWD_TILES)
 
 
-def fwd_tile(head_dim: int, arch: str, alibi: bool = False) -> FwdTile:
-    """flash_fwd_kernel's tile for ``head_dim`` (any supported one) on ``arch``; ``alibi``: for its
-    ALiBi variant."""
-    family, tile_dim = arch_family(arch), fwd_tile_dim(head_dim)
+def fwd_tile(head_dim: int, arch: str, alibi: bool = False, head_dim_v: int | None = None) -> FwdTile:
+    """flash_fwd_kernel's tile for ``head_dim`` and v's ``head_dim_v`` (None: the same; any
+    supported ones) on ``arch``; ``alibi``: for its ALiBi variant."""
+    family, tile_dim = arch_family(arch), fwd_tile_dim(head_dim, head_dim_v)
     alibi_tile = FWD_ALIBI_TILES.get(tile_dim, {}).get(family) if alibi else None
     return alibi_tile or FWD_TILES[tile_dim][family]
 
@@ -818,8 +820,9 @@ class PagedKeys:
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
                 schedule=None):
-    """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
-    flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
+    """Launch the forward on 4-D views q, k [B, S, H, D], v, out [B, S, H, Dv] and lse [B, H, S] (or
+    None): flash_fwd_sm90_kernel where the GPU, head dims (Dv = D, one of its tiles) and strides
+    allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
     ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]). ``paged``: a
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
@@ -831,7 +834,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
-    head_dim = int(q.shape[3])
+    head_dim, head_dim_v = int(q.shape[3]), int(out.shape[3])
+    if fp8 is None and int(v.shape[3]) != head_dim_v:
+        raise ValueError(f"v.shape[3] (head_dim_v) must equal out.shape[3] = {head_dim_v}, got {int(v.shape[3])}")
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
     _masks.check_total_length(seqlen_q, seqlen_k)
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
@@ -839,7 +844,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     arch = _jit.target_arch()
     maps = ()
     if paged is not None:
-        tile = tile or fwd_tile(head_dim, arch)
+        tile = tile or fwd_tile(head_dim, arch, head_dim_v=head_dim_v)
     if fp8 is not None:
         tile = tile or FWD_SM90_FP8_TILES[head_dim]
         maps = _fwd_maps(q, k, v, tile, fp8=True)
@@ -847,22 +852,24 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError("FP8 attention reads q and k through the TMA: every stride but the last must be a "
                              f"multiple of 16 bytes, got q.strides {q.strides}, k.strides {k.strides}")
     elif tile is None or isinstance(tile, FwdSm90Tile):
+        # the Hopper kernel runs its tile's head dim for q, k and v alike: Dv != D takes flash_fwd_kernel
         sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
-        if sm90_tile is not None and arch == SM90:
+        if sm90_tile is not None and arch == SM90 and head_dim_v == head_dim:
             maps = _fwd_maps(q, k, v, sm90_tile)
         if maps:
             tile = sm90_tile
         elif tile is not None:
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
-                             f"strides {q.strides}, {k.strides}, {v.strides})")
+                             f"head_dim_v {head_dim_v}, strides {q.strides}, {k.strides}, {v.strides})")
     if tile is None:
-        tile = fwd_tile(head_dim, arch, alibi[0] is not None)
+        tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
         spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, tile, np.dtype(out.dtype))
     elif isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim), tile, alibi[0] is not None, paged is not None)
+        spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
+                        paged is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -914,7 +921,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right, head_dim=head_dim,
-        **_paged_fields(paged), tile_counter=counter, tile_section=section,
+        head_dim_v=head_dim_v, **_paged_fields(paged), tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))
