@@ -8,20 +8,24 @@ Sq x Sk score matrix: the extra device memory is ``out`` and ``lse``.
 Layouts (any strides, as long as the last axis is contiguous, so the transpose of a
 ``(B, H, S, D)`` tensor works without a copy):
 
-    dense    q (B, Sq, Hq, D)      k, v (B, Sk, Hk, D)      out (B, Sq, Hq, D)   lse (B, Hq, Sq)
-    varlen   q (total_q, Hq, D)    k, v (total_k, Hk, D)    out (total_q, Hq, D) lse (Hq, total_q)
+    dense    q (B, Sq, Hq, D)      k (B, Sk, Hk, D)      v (B, Sk, Hk, Dv)      out (B, Sq, Hq, Dv)
+             lse (B, Hq, Sq)
+    varlen   q (total_q, Hq, D)    k (total_k, Hk, D)    v (total_k, Hk, Dv)    out (total_q, Hq, Dv)
+             lse (Hq, total_q)
 
-``Hq`` must be a multiple of ``Hk`` (MHA, GQA, MQA). ``causal`` is aligned to the bottom-right
-corner: query i sees key j iff ``j <= i + Sk - Sq``. ``window=(left, right)`` keeps
-``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (-1 = unbounded). ``softcap > 0`` replaces the
-scaled score s by ``softcap * tanh(s / softcap)``. ``lse`` is float32 and the **natural log** of
-the softmax denominator. A row with no visible key gives out = 0 and lse = -inf, never NaN.
+``Hq`` must be a multiple of ``Hk`` (MHA, GQA, MQA). The head dims D (of q and k) and Dv (of v
+and the output) are each a multiple of 8 from 8 to 256; Dv may differ from D (DeepSeek's prefill:
+D = 192, Dv = 128), and the default scale is ``1 / sqrt(D)`` either way. ``causal`` is aligned
+to the bottom-right corner: query i sees key j iff ``j <= i + Sk - Sq``. ``window=(left, right)``
+keeps ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (-1 = unbounded). ``softcap > 0``
+replaces the scaled score s by ``softcap * tanh(s / softcap)``. ``lse`` is float32 and the
+**natural log** of the softmax denominator. A row with no visible key gives out = 0 and lse = -inf, never NaN.
 
 NumPy inputs run the float64 reference (``cuattn.reference``) on the CPU and return NumPy
 arrays in q's dtype.
 
 FP8: e4m3 q, k, v with ``q_scale``, ``k_scale``, ``v_scale`` (real value = stored x scale) run
-``flash_fwd_sm90_kernel`` on e4m3 tensor cores (sm_90a, D = 128 or 256) and return ``out_dtype``
+``flash_fwd_sm90_kernel`` on e4m3 tensor cores (sm_90a, D = Dv = 128 or 256) and return ``out_dtype``
 (bf16 by default); see ``_attention_fp8`` and ``cuattn.fp8.quantize_qkv``.
 """
 
@@ -101,15 +105,17 @@ def arch_family(arch: str) -> str:
     return SM90 if arch.startswith("sm_90") else SM80
 
 
-def fwd_tile_dim(head_dim: int) -> int:
-    """The tile head dim flash_fwd_kernel is instantiated with for ``head_dim``."""
-    return _arrays.tile_head_dim(head_dim, FWD_TILES)
+def fwd_tile_dim(head_dim: int, head_dim_v: int | None = None) -> int:
+    """The tile head dim flash_fwd_kernel is instantiated with for q's and k's ``head_dim`` and v's
+    ``head_dim_v`` (None: the same): the tile of the larger, whose columns hold both (the
+    smaller one's extra columns are zero-filled, which flash_fwd.cu explains is exact)."""
+    return _arrays.tile_head_dim(max(head_dim, head_dim_v or head_dim), FWD_TILES)
 
 
-def fwd_tile(head_dim: int, arch: str, alibi: bool = False) -> FwdTile:
-    """flash_fwd_kernel's tile for ``head_dim`` (any supported one) on ``arch``; ``alibi``: for its
-    ALiBi variant."""
-    family, tile_dim = arch_family(arch), fwd_tile_dim(head_dim)
+def fwd_tile(head_dim: int, arch: str, alibi: bool = False, head_dim_v: int | None = None) -> FwdTile:
+    """flash_fwd_kernel's tile for ``head_dim`` and v's ``head_dim_v`` (None: the same; any
+    supported ones) on ``arch``; ``alibi``: for its ALiBi variant."""
+    family, tile_dim = arch_family(arch), fwd_tile_dim(head_dim, head_dim_v)
     alibi_tile = FWD_ALIBI_TILES.get(tile_dim, {}).get(family) if alibi else None
     return alibi_tile or FWD_TILES[tile_dim][family]
 
@@ -300,19 +306,20 @@ def _check_head_dim(name: str, head_dim: int) -> None:
 
 
 def _check_qkv(q, k, v, *, packed: bool) -> None:
-    """Shapes of q, k, v: dense (B, S, H, D) or packed varlen (total, H, D)."""
+    """Shapes of q, k, v: dense (B, S, H, D) or packed varlen (total, H, D) for q and k; v shares
+    k's axes but the last, its own head dim Dv (checked as a head dim itself)."""
     if packed:
-        layouts = ("(total_q, Hq, D)", "(total_k, Hk, D)")
+        layouts = ("(total_q, Hq, D)", "(total_k, Hk, D)", "(total_k, Hk, Dv)")
     else:
-        layouts = ("(B, Sq, Hq, D)", "(B, Sk, Hk, D)")
+        layouts = ("(B, Sq, Hq, D)", "(B, Sk, Hk, D)", "(B, Sk, Hk, Dv)")
     _arrays.check_ndim("q", q, layouts[0])
     _arrays.check_ndim("k", k, layouts[1])
-    _arrays.check_ndim("v", v, layouts[1])
+    _arrays.check_ndim("v", v, layouts[2])
     head_axis, dim_axis = q.ndim - 2, q.ndim - 1
     if not packed:
         _arrays.check_axis("k", k, 0, "batch", q.shape[0], "q.shape[0]")
     _arrays.check_axis("k", k, dim_axis, "head_dim", q.shape[dim_axis], f"q.shape[{dim_axis}]")
-    for axis, axis_name in enumerate(layouts[1].strip("()").split(", ")):
+    for axis, axis_name in enumerate(layouts[1].strip("()").split(", ")[:dim_axis]):
         _arrays.check_axis("v", v, axis, axis_name, k.shape[axis], f"k.shape[{axis}]")
     num_heads, num_kv_heads = int(q.shape[head_axis]), int(k.shape[head_axis])
     _arrays.check_positive("k", k, head_axis, "num_kv_heads")
@@ -322,15 +329,35 @@ def _check_qkv(q, k, v, *, packed: bool) -> None:
             f"k.shape[{head_axis}] (num_kv_heads) = {num_kv_heads}"
         )
     _check_head_dim("q", int(q.shape[dim_axis]))
+    _arrays.check_head_dim("v.shape[-1] (head_dim_v)", int(v.shape[dim_axis]))
+
+
+def _out_shape(q, v) -> tuple:
+    """The forward's output: q's shape with v's head dim Dv last."""
+    return (*map(int, q.shape[:-1]), int(v.shape[-1]))
+
+
+# DV-BWD-GUARD: temporary, until the GPU backward takes Dv != D
+def _check_dv_backward(q, v) -> None:
+    """Refuse Dv != D in the backward on the GPU, which runs one head dim for q, k and v so far."""
+    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
+    if head_dim_v != head_dim:
+        raise ValueError(f"v.shape[-1] (head_dim_v) = {head_dim_v} differs from q.shape[-1] (head_dim) = "
+                         f"{head_dim}: Dv != Dqk backward on the GPU is not built yet")
 
 
 def _check_dtypes(q, k, v, host: bool) -> None:
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
 
 
-def _check_out(out, q) -> None:
-    if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"out.shape must equal q.shape = {tuple(q.shape)}, got {tuple(out.shape)}")
+def _check_out(out, q, v=None) -> None:
+    """``out=``: q's shape, with v's head dim Dv last when ``v`` is given, and q's dtype."""
+    if v is None:
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out.shape must equal q.shape = {tuple(q.shape)}, got {tuple(out.shape)}")
+    elif tuple(out.shape) != _out_shape(q, v):
+        raise ValueError(f"out.shape must equal q.shape[:-1] + v.shape[-1:] (v's head dim Dv last) = "
+                         f"{_out_shape(q, v)}, got {tuple(out.shape)}")
     if np.dtype(out.dtype) != np.dtype(q.dtype):
         raise TypeError(
             f"out.dtype must equal q.dtype = {_arrays.dtype_name(q.dtype)}, got {_arrays.dtype_name(out.dtype)}"
@@ -360,9 +387,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
     Args:
         q: ``(B, Sq, Hq, D)`` float16 or bfloat16 (any float dtype for NumPy inputs).
-        k, v: ``(B, Sk, Hk, D)``, same dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA).
+        k: ``(B, Sk, Hk, D)``, same dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA).
+        v: ``(B, Sk, Hk, Dv)``, same dtype; its head dim Dv may differ from D (each a multiple of
+            8 from 8 to 256), and the output has it.
         causal: mask keys after the query, aligned to the bottom-right corner when Sq != Sk.
-        scale: score multiplier, default ``1 / sqrt(D)``.
+        scale: score multiplier, default ``1 / sqrt(D)`` (q's head dim, whatever Dv).
         window: ``(left, right)`` sliding window around the (bottom-right aligned) diagonal;
             -1 leaves a side unbounded.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
@@ -373,18 +402,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
             softcap, score (i, j) of head h gains ``-slope * |i + Sk - Sq - j|`` (FlashAttention-2's
             convention; masked keys stay masked).
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``, natural log.
-        out: optional ``(B, Sq, Hq, D)`` array (q's dtype and framework; with FP8 inputs
+        out: optional ``(B, Sq, Hq, Dv)`` array (q's dtype and framework; with FP8 inputs
             ``out_dtype``) to write into.
         q_scale, k_scale, v_scale: descales of FP8 inputs (q, k, v all float8_e4m3fn, CuPy uint8
             storage, torch.float8_e4m3fn), required with them: real value = stored x scale. Each
             a positive float or a float32 array ``()``, ``(1,)`` or ``(H,)`` (per head of that
             tensor); q and k also ``(B, H, ceil(S / block))`` for block quantisation, one scale
             per 64 rows of q and per 128 keys of k (``cuattn.fp8.quantize_qkv`` makes them).
-            FP8 runs on sm_90a, D = 128 or 256 (``FP8_HEAD_DIMS``), not with varlen.
+            FP8 runs on sm_90a, D = Dv = 128 or 256 (``FP8_HEAD_DIMS``), not with varlen.
         out_dtype: the output dtype of FP8 inputs, float16 or bfloat16 (default bfloat16).
 
     Returns:
-        ``out``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
+        ``out`` ``(B, Sq, Hq, Dv)``, or ``(out, lse)`` with ``return_lse``, in the framework of the inputs.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     fp8 = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype)
@@ -404,7 +433,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         _check_qkv(qv, kv, vv, packed=False)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
-            _check_out(ov, qv)
+            _check_out(ov, qv, vv)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
@@ -417,9 +446,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
-        lse_shape = (batch, num_heads, seqlen_q)
+        lse_shape, out_shape = (batch, num_heads, seqlen_q), _out_shape(qv, vv)
         if ov is None:
-            ov = ctx.empty(qv.shape, qv.dtype)
+            ov = ctx.empty(out_shape, qv.dtype)
         lse = ctx.empty(lse_shape, np.float32) if return_lse else None
         launch = _launch_fwd(
             qv, kv, vv, ov, lse, None, None,
@@ -428,7 +457,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
             alibi=(av, alibi_sb),
         )
         if launch is not None:
-            outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
+            outputs = {**({} if out is not None else {"out": (out_shape, False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             fields, workspace = _plan_tile_counter(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
                                                             "sinks": "sinks", "alibi_slopes": "alibi_slopes"})
@@ -463,12 +492,13 @@ def attention_varlen(
     """Attention over a packed batch of sequences of different lengths, no padding.
 
     Sequence b owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (``(total_q, Hq, D)``) and
-    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v (``(total_k, Hk, D)``); masks apply per
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k (``(total_k, Hk, D)``) and v (``(total_k, Hk, Dv)``,
+    Dv as in :func:`attention`); masks apply per
     sequence with its own lengths. ``cu_seqlens_*`` are int32 ``(B + 1,)`` prefix sums on the
     same device (their values are not read on the host, so nothing synchronises), and
     ``max_seqlen_*`` are host ints bounding every sequence's length: a length above them is
     not processed. ``sinks`` as in :func:`attention`; ``alibi_slopes`` too, ``(B, Hq)`` holding
-    one row per sequence, with Sq and Sk each sequence's own lengths. Returns ``out`` ``(total_q, Hq, D)``, and
+    one row per sequence, with Sq and Sk each sequence's own lengths. Returns ``out`` ``(total_q, Hq, Dv)``, and
     with ``return_lse`` also float32 lse ``(Hq, total_q)`` (natural log).
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
@@ -489,7 +519,7 @@ def attention_varlen(
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         if ov is not None:
-            _check_out(ov, qv)
+            _check_out(ov, qv, vv)
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
@@ -506,8 +536,9 @@ def attention_varlen(
 
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         total_q, num_heads, _ = map(int, qv.shape)
+        out_shape = _out_shape(qv, vv)
         if ov is None:
-            ov = ctx.empty(qv.shape, qv.dtype)
+            ov = ctx.empty(out_shape, qv.dtype)
         lse_shape = (num_heads, total_q)
         lse = ctx.empty(lse_shape, np.float32) if return_lse else None
         cuq_c, cuk_c = cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk)
@@ -519,7 +550,7 @@ def attention_varlen(
         )
         # a plan reads the caller's cu_seqlens in place: only when no contiguous copy was needed
         if launch is not None and cuq_c is cuq and cuk_c is cuk:
-            outputs = {**({} if out is not None else {"out": (tuple(qv.shape), False)}),
+            outputs = {**({} if out is not None else {"out": (out_shape, False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
             fields, workspace = _plan_tile_counter(launch, {
                 "q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
@@ -692,6 +723,10 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
         sc = {name: ctx.view(x) if name in scales else x for name, x in given.items()}
         _check_fp8_dtypes(qv, kv, vv)
         _check_qkv(qv, kv, vv, packed=False)
+        if int(vv.shape[3]) != int(qv.shape[3]):
+            raise ValueError(f"v.shape[3] (head_dim_v) must equal q.shape[3] (head_dim) = {int(qv.shape[3])} with FP8 "
+                             f"inputs, got {int(vv.shape[3])}: the e4m3 kernel has no run-time head dims "
+                             "(dequantise to bfloat16 for Dv != D)")
         dtype = _fp8_out_dtype(out_dtype)
         if ov is not None:
             if tuple(ov.shape) != tuple(qv.shape):
@@ -818,8 +853,9 @@ class PagedKeys:
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
                 schedule=None):
-    """Launch the forward on 4-D views q, k, v, out [B, S, H, D] and lse [B, H, S] (or None):
-    flash_fwd_sm90_kernel where the GPU, head dim and strides allow, else flash_fwd_kernel.
+    """Launch the forward on 4-D views q, k [B, S, H, D], v, out [B, S, H, Dv] and lse [B, H, S] (or
+    None): flash_fwd_sm90_kernel where the GPU, head dims (Dv = D, one of its tiles) and strides
+    allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
     ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]). ``paged``: a
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
@@ -831,7 +867,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
-    head_dim = int(q.shape[3])
+    head_dim, head_dim_v = int(q.shape[3]), int(out.shape[3])
+    if fp8 is None and int(v.shape[3]) != head_dim_v:
+        raise ValueError(f"v.shape[3] (head_dim_v) must equal out.shape[3] = {head_dim_v}, got {int(v.shape[3])}")
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
     _masks.check_total_length(seqlen_q, seqlen_k)
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
@@ -839,7 +877,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     arch = _jit.target_arch()
     maps = ()
     if paged is not None:
-        tile = tile or fwd_tile(head_dim, arch)
+        tile = tile or fwd_tile(head_dim, arch, head_dim_v=head_dim_v)
     if fp8 is not None:
         tile = tile or FWD_SM90_FP8_TILES[head_dim]
         maps = _fwd_maps(q, k, v, tile, fp8=True)
@@ -847,22 +885,24 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError("FP8 attention reads q and k through the TMA: every stride but the last must be a "
                              f"multiple of 16 bytes, got q.strides {q.strides}, k.strides {k.strides}")
     elif tile is None or isinstance(tile, FwdSm90Tile):
+        # the Hopper kernel runs its tile's head dim for q, k and v alike: Dv != D takes flash_fwd_kernel
         sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
-        if sm90_tile is not None and arch == SM90:
+        if sm90_tile is not None and arch == SM90 and head_dim_v == head_dim:
             maps = _fwd_maps(q, k, v, sm90_tile)
         if maps:
             tile = sm90_tile
         elif tile is not None:
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
-                             f"strides {q.strides}, {k.strides}, {v.strides})")
+                             f"head_dim_v {head_dim_v}, strides {q.strides}, {k.strides}, {v.strides})")
     if tile is None:
-        tile = fwd_tile(head_dim, arch, alibi[0] is not None)
+        tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
         spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, tile, np.dtype(out.dtype))
     elif isinstance(tile, FwdSm90Tile):
         spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
     else:
-        spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim), tile, alibi[0] is not None, paged is not None)
+        spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
+                        paged is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
@@ -914,7 +954,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right, head_dim=head_dim,
-        **_paged_fields(paged), tile_counter=counter, tile_section=section,
+        head_dim_v=head_dim_v, **_paged_fields(paged), tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))
@@ -1194,6 +1234,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                                alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=False)
+        if not ctx.on_host:
+            _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         _check_dtypes(qv, kv, vv, ctx.on_host)
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
         _check_bwd_args(dov, ov, lv, qv, (batch, num_heads, seqlen_q), ctx.on_host)
@@ -1230,6 +1272,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (
             ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=True)
+        if not ctx.on_host:
+            _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)
         _check_bwd_args(dov, ov, lv, qv, (num_heads, total_q), ctx.on_host)

@@ -500,6 +500,11 @@ def _shown(field: str, value) -> str:
 
 def _check_ring_inputs(q, k, v, causal: bool, host: bool) -> None:
     _check_qkv(q, k, v, packed=False)
+    # one head dim for q, k and v: the ranks' handshake compares q's only, and the ring's transfers
+    # and backward assume v's is the same
+    if int(v.shape[3]) != int(q.shape[3]):
+        raise ValueError(f"v.shape[3] (head_dim_v) must equal q.shape[3] (head_dim) = {int(q.shape[3])} in ring "
+                         f"attention, got {int(v.shape[3])}")
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
     _arrays.check_axis("k", k, 1, "S_local", int(q.shape[1]), "q.shape[1]")
     _arrays.check_positive("q", q, 1, "S_local")

@@ -22,6 +22,7 @@ runs on the CPU runs on the GPU:
     attention         q (B, Sq, Hq, D)   k, v (B, Sk, Hk, D)        out (B, Sq, Hq, D)   lse (B, Hq, Sq)
     attention_varlen  q (total_q, Hq, D) k, v (total_k, Hk, D)      out (total_q, Hq, D) lse (Hq, total_q)
                       cu_seqlens_q, cu_seqlens_k int32 (B + 1,)
+                      (both: v and out may have their own head dim Dv, (..., Dv))
     decode            q (B, Sq_new, Hq, D) k_cache, v_cache (B, S_max, Hk, D)  cache_seqlens int32 (B,)
     paged_attention   q (B, Sq_new, Hq, D) k_pages, v_pages (num_blocks, block_size, Hk, D)
                       block_table int32 (B, max_blocks)  seq_lens int32 (B,)
@@ -62,7 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arrays, _masks, reference
-from .attention import _check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd, check_prefix_sums
+from .attention import (_check_dv_backward, _check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
+                        check_prefix_sums)
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
 
@@ -160,9 +162,15 @@ def _lse_shape(out_shape) -> tuple:
     return (*out_shape[:-3], out_shape[-2], out_shape[-3])
 
 
-def _result_shapes(q) -> tuple:
-    """out in q's shape and dtype, lse in float32."""
-    return jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32)
+def _out_shape(q, v) -> tuple:
+    """out of q over v: q's shape with v's head dim Dv last."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
+def _result_shapes(q, v=None) -> tuple:
+    """out in q's shape (with v's head dim last when ``v`` is given) and dtype, lse in float32."""
+    out_shape = q.shape if v is None else _out_shape(q, v)
+    return jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +274,7 @@ def _host_attention(mask: _Mask, q, k, v, *sinks):
     qf, kf, vf = _host_arrays((q, k, v), (_DENSE,) * 3)
     sv = np.asarray(sinks[0]) if sinks else None
     out, lse = reference.attention(qf, kf, vf, return_lse=True, sinks=sv, **mask.kwargs())
-    return out.astype(q.dtype).reshape(q.shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
+    return out.astype(q.dtype).reshape(_out_shape(q, v)), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
 # Forward launches already prepared, by (mask, the five buffers' shapes and dtypes, device): a
@@ -323,7 +331,7 @@ def _vmap_method(sinks) -> str:
 
 
 def _attention_forward(q, k, v, sinks, mask: _Mask):
-    shapes = _result_shapes(q)
+    shapes = _result_shapes(q, v)
     method = _vmap_method(sinks)
     return _per_platform(
         (q, k, v) + ((sinks,) if sinks is not None else ()),
@@ -345,6 +353,7 @@ def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout
     ranks = (_DENSE,) * 5 + (_LSE,) + (_VECTOR,) * len(sinks) + (_DENSE,) * 3 + (_VECTOR,) * len(sinks)
     with _xla_stream(ctx, buffers, ranks) as (stream, views):
         dov, qv, kv, vv, ov, lv = views[:6]
+        _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         sv = views[6] if sinks else None
         dq, dk, dv = views[6 + len(sinks):9 + len(sinks)]
         _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
@@ -406,7 +415,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
     Args:
         q: ``(B, Sq, Hq, D)`` float16 or bfloat16.
-        k, v: ``(B, Sk, Hk, D)``, q's dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA).
+        k, v: ``(B, Sk, Hk, D)``, q's dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA). v may have its own
+            head dim Dv, ``(B, Sk, Hk, Dv)``, as in :func:`cuattn.attention` (its backward on the
+            GPU is not built yet).
         causal, scale, window, softcap: as in :func:`cuattn.attention` (Python values).
         sinks: optional float32 ``(Hq,)`` attention-sink logits, as in :func:`cuattn.attention`;
             differentiable (their gradient is ``dsinks`` of :func:`cuattn.attention_backward`).
@@ -416,7 +427,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         deterministic: a bit-reproducible backward (see :func:`cuattn.attention_backward`).
 
     Returns:
-        ``out`` ``(B, Sq, Hq, D)``, or ``(out, lse)``.
+        ``out`` ``(B, Sq, Hq, Dv)``, or ``(out, lse)``.
     """
     q, k, v = _as_arrays(q=q, k=k, v=v)
     mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse, deterministic=deterministic)
@@ -459,13 +470,14 @@ def _device_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, ctx, outs,
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
     """:func:`cuattn.attention_varlen` for JAX arrays (forward only): a packed batch of sequences of
-    different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` and ``v`` ``(total_k, Hk, D)``.
+    different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v``
+    ``(total_k, Hk, Dv)`` (Dv as in :func:`cuattn.attention`).
 
     ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` prefix sums (arrays, may be traced);
     ``max_seqlen_q``, ``max_seqlen_k``: Python ints bounding every sequence's length. On the GPU
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
     past ``max_seqlen_*`` are left unwritten); on the CPU a bad one raises when the call runs.
-    Returns ``out`` ``(total_q, Hq, D)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
+    Returns ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k = _as_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                                                      cu_seqlens_k=cu_seqlens_k)
@@ -483,7 +495,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @functools.partial(jax.jit, static_argnames=("mask", "max_seqlen_q", "max_seqlen_k"))
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
-    shapes = jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
+    shapes = (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
+              jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
 
     def forward(*arrays):
         return _per_platform(

@@ -6,16 +6,17 @@ float32, float64, ``ml_dtypes.bfloat16``), computes in float64 and returns float
 callers cast. Arguments are not validated beyond what computing needs: the public layer does
 that.
 
-Layouts (B batch, Sq/Sk query/key lengths, Hq/Hk query/kv heads, D head dim):
+Layouts (B batch, Sq/Sk query/key lengths, Hq/Hk query/kv heads, D head dim of q and k, Dv head
+dim of v and out, which may differ from D):
 
-- dense: q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hk, D)``, out ``(B, Sq, Hq, D)``,
+- dense: q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hk, D)``, v ``(B, Sk, Hk, Dv)``, out ``(B, Sq, Hq, Dv)``,
   lse ``(B, Hq, Sq)``. ``Hq % Hk == 0``; query head h reads kv head ``h // (Hq // Hk)``.
-- varlen: q ``(total_q, Hq, D)``, k and v ``(total_k, Hk, D)``, ``cu_seqlens`` prefix sums
-  ``(batch + 1,)``; out ``(total_q, Hq, D)``, lse ``(Hq, total_q)``.
+- varlen: q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)``, ``cu_seqlens``
+  prefix sums ``(batch + 1,)``; out ``(total_q, Hq, Dv)``, lse ``(Hq, total_q)``.
 - decode: q ``(B, Sq_new, Hq, D)``, caches ``(B, S_max, Hk, D)``, ``cache_seqlens`` ``(B,)``.
 - paged: pages ``(num_blocks, block_size, Hk, D)``, ``block_table`` ``(B, max_blocks)``.
 
-Scores are ``s = scale * q.k`` (scale defaults to ``1/sqrt(D)``), then
+Scores are ``s = scale * q.k`` (scale defaults to ``1/sqrt(D)``, q's head dim), then
 ``softcap * tanh(s / softcap)`` when ``softcap > 0``. Query i sees key j iff
 ``j <= i + Sk - Sq`` when causal (bottom-right aligned) and
 ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` for ``window=(left, right)`` (-1 =
@@ -73,7 +74,8 @@ def _default_scale(scale, head_dim):
 
 
 def _expand_kv(x, num_q_heads):
-    """``(B, S, Hk, D)`` -> ``(B, S, Hq, D)``: repeat each kv head over its query-head group."""
+    """``(B, S, Hk, D)`` -> ``(B, S, Hq, D)`` (any last axis, D or Dv): repeat each kv head over its
+    query-head group."""
     return np.repeat(x, num_q_heads // x.shape[2], axis=2)
 
 
@@ -123,7 +125,7 @@ def _finalize(acc, m, l):
 
 
 def _softmax_attend(s, vh, sink=None):
-    """One-shot softmax over masked scores ``s (H, Sq, Sk)`` applied to ``vh (H, Sk, D)``;
+    """One-shot softmax over masked scores ``s (H, Sq, Sk)`` applied to ``vh (H, Sk, Dv)``;
     ``sink`` ``(H,)`` adds one value-less logit per head to every row's denominator."""
     # The row max (-inf for empty rows, also when Sk == 0) keeps exp() from overflowing.
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -165,9 +167,14 @@ def _options(q, scale, window):
     return _default_scale(scale, q.shape[-1]), tuple(int(w) for w in window)
 
 
+def _out_shape(q, v):
+    """The output of q over v: q's shape with v's head dim Dv last."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUNDED),
               softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
-    """Dense attention. Returns out ``(B, Sq, Hq, D)`` and, with return_lse, lse ``(B, Hq, Sq)``."""
+    """Dense attention. Returns out ``(B, Sq, Hq, Dv)`` and, with return_lse, lse ``(B, Hq, Sq)``."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     sinks = _sinks(sinks)
     alibi = _alibi(alibi_slopes, q.shape[0])
@@ -176,7 +183,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUND
     sk = k.shape[1]
     mask = visible(sq, sk, causal, window)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(q.shape, dtype=np.float64)
+    out = np.empty(_out_shape(q, v), dtype=np.float64)
     lse = np.empty((b, hq, sq), dtype=np.float64)
     # Looping over batch and head chunks bounds the memory of the score matrices.
     for bi in range(b):
@@ -218,18 +225,18 @@ def attention_tiled(q, k, v, *, block_k=64, causal=False, scale=None,
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     scale, window = _options(q, scale, window)
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
+    b, sq, hq, _ = q.shape
+    sk, dv = k.shape[1], v.shape[-1]
     mask = visible(sq, sk, causal, window)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(q.shape, dtype=np.float64)
+    out = np.empty(_out_shape(q, v), dtype=np.float64)
     lse = np.empty((b, hq, sq), dtype=np.float64)
     for bi in range(b):
         qh, kh, vh = (_heads_first(x[bi]) for x in (q, k, v))
         # State per query row: running max m, running denominator l, unnormalised output acc.
         m = np.full((hq, sq, 1), -np.inf)
         l = np.zeros((hq, sq, 1))
-        acc = np.zeros((hq, sq, d))
+        acc = np.zeros((hq, sq, dv))
         for start in range(0, sk, block_k):
             blk = slice(start, min(start + block_k, sk))
             s_blk = _masked_scores(qh, kh[:, blk], mask[:, blk], scale, softcap)
@@ -303,11 +310,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      return_lse=False, sinks=None, alibi_slopes=None):
     """Packed variable-length attention: sequence b attends only within its own slices.
 
-    Returns out ``(total_q, Hq, D)`` and, with return_lse, lse ``(Hq, total_q)``.
+    Returns out ``(total_q, Hq, Dv)`` and, with return_lse, lse ``(Hq, total_q)``.
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for API parity and not needed here.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
-    out = np.empty(q.shape, dtype=np.float64)
+    out = np.empty(_out_shape(q, v), dtype=np.float64)
     lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float64)
     segments = list(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)))
     alibi = _alibi(alibi_slopes, len(segments))
@@ -446,7 +453,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
 
     Emulates matmul -> softmax -> matmul in ``dtype`` (float16 or bfloat16): every matmul
     runs in float32 on ``dtype``-rounded operands and its result, the capped scores and the
-    probabilities are each rounded to ``dtype``. Returns float64 out ``(B, Sq, Hq, D)``.
+    probabilities are each rounded to ``dtype``. Returns float64 out ``(B, Sq, Hq, Dv)``.
     """
     if isinstance(dtype, str) and dtype == "bfloat16":
         # NumPy knows bfloat16 only through ml_dtypes; only this function needs it.
@@ -465,7 +472,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
     mask = visible(sq, sk, causal, window)
     alibi = _alibi(alibi_slopes, b)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(q.shape, dtype=np.float64)
+    out = np.empty(_out_shape(q, v), dtype=np.float64)
     for bi in range(b):
         qh, kh, vh = (_heads_first(x[bi]) for x in (q, k, v))
         s = rounded(scale * (qh @ kh.transpose(0, 2, 1)))

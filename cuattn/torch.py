@@ -3,6 +3,7 @@
     import cuattn.torch
     out = cuattn.torch.attention(q, k, v, causal=True)   # q (B, Sq, Hq, D), k, v (B, Sk, Hk, D)
     out.sum().backward()                                  # q.grad, k.grad, v.grad
+    out = cuattn.torch.attention(q, k, v)                 # v (B, Sk, Hk, Dv): out (B, Sq, Hq, Dv)
     out = cuattn.torch.attention(q, k, v, sinks=sinks)   # sinks (Hq,) float32: sinks.grad too
     out = cuattn.torch.ring_attention(q, k, v, group, causal=True)   # this rank's shards (cuattn.distributed)
     out = cuattn.torch.attention(q, k, v, alibi_slopes=slopes)  # (Hq,) or (B, Hq) float32, no gradient
@@ -40,9 +41,10 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sinks, alibi_slopes, causal, scale, window_left, window_right, softcap,
                         deterministic):
-    # the kernels return fresh contiguous arrays whatever the inputs' strides
+    # the kernels return fresh contiguous arrays whatever the inputs' strides; out has v's head dim
     batch, seqlen_q, num_heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+    return (q.new_empty((batch, seqlen_q, num_heads, v.shape[-1])),
+            q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32))
 
 
 def _kernel_readable(x: torch.Tensor) -> bool:
@@ -93,6 +95,9 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
               deterministic=False):
     """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
+
+    v may have its own head dim Dv (``(B, Sk, Hk, Dv)``, out ``(B, Sq, Hq, Dv)``; the default scale
+    stays ``1 / sqrt(D)``); the backward of such a call on the GPU is not built yet.
 
     ``sinks``: optional float32 ``(Hq,)`` attention-sink logits, differentiated too (a learnable
     per-head parameter). ``alibi_slopes``: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes, a

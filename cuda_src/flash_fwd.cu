@@ -7,8 +7,9 @@
 //
 // Layouts (element strides in FwdParams, params.cuh; the last axis is contiguous):
 //   q    [B, Sq, Hq, D]    (varlen: [total_q, Hq, D] with cu_seqlens_q [B + 1])
-//   k, v [B, Sk, Hk, D]    (varlen: [total_k, Hk, D] with cu_seqlens_k [B + 1]); Hq % Hk == 0
-//   out  [B, Sq, Hq, D]
+//   k    [B, Sk, Hk, D]    (varlen: [total_k, Hk, D] with cu_seqlens_k [B + 1]); Hq % Hk == 0
+//   v    [B, Sk, Hk, Dv]   (varlen: [total_k, Hk, Dv])
+//   out  [B, Sq, Hq, Dv]   (varlen: [total_q, Hq, Dv])
 //   lse  [B, Hq, Sq] fp32  (varlen: [Hq, total_q]); may be null
 //
 // Masking: query i sees key j iff j < Sk and i + Sk - Sq - left <= j <= i + Sk - Sq + right.
@@ -22,10 +23,15 @@
 // The V load overlaps the first GEMM and the softmax, the next K load overlaps the second GEMM.
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first.
 //
-// Head dim: the kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim
-// <= HEAD_DIM that is a multiple of 8. A 16-byte copy holds 8 elements, so columns D .. HEAD_DIM
-// are whole copies: zero-filled in the Q, K and V tiles (never read from global memory), where the
-// zeros add nothing to Q K^T and give output columns that are simply not stored.
+// Head dims: the kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim
+// (q and k) and Dv = p.head_dim_v (v and out) <= HEAD_DIM that are multiples of 8 (DeepSeek's
+// prefill: D = 192, Dv = 128, in the 256 tile). A 16-byte copy holds 8 elements, so the columns
+// past a tensor's own head dim are whole copies: zero-filled in shared memory, never read from
+// global memory. The padding is exact, not an approximation: Q and K columns D .. HEAD_DIM are
+// zero in both operands, so each product they add to a score of Q K^T is exactly 0 (no rounding:
+// adding an exact zero leaves an fp32 sum as it is), and S is the dot product over D columns;
+// V columns Dv .. HEAD_DIM are zero, so those output columns are sums of P x 0 = 0, simply not
+// stored. Neither padding touches the softmax state (m, l, lse), which depends on S alone.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "params.cuh"
@@ -34,7 +40,8 @@ namespace cuattn {
 
 // Copy rows first_row .. first_row + ROWS - 1 of HEAD_DIM elements from `rows` (a DenseRows or
 // PagedRows source, block_range.cuh) into a padded shared tile with 16-byte cp.async,
-// zero-filling tile rows at or past `valid_rows` and columns at or past `head_dim` (a multiple of 8).
+// zero-filling tile rows at or past `valid_rows` and columns at or past `head_dim` (a multiple of
+// 8: the tensor's own head dim, D for Q and K, Dv for V).
 template <typename T, int ROWS, int HEAD_DIM, int THREADS, class Rows>
 __device__ __forceinline__ void load_tile(T* smem, const Rows& rows, int first_row, int valid_rows, int head_dim) {
   constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
@@ -181,7 +188,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const int batch = p.batch, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
   const float score_scale = p.score_scale, softcap_out = p.softcap_out;
   const int window_left = p.window_left, window_right = p.window_right;
-  const int head_dim = p.head_dim;
+  const int head_dim = p.head_dim, head_dim_v = p.head_dim_v;
   using Fwd = FlashFwd<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
   using DT = DType<T>;
   constexpr int kStride = Fwd::kStride;
@@ -216,9 +223,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   const typename Kv::Rows v_rows = Kv::rows(p, p.v, v_batch_stride, v_row_stride, v_head_stride, b, h_kv, seq);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M, D + pad]
-  T* sK = sQ + BLOCK_M * kStride;          // [BLOCK_N, D + pad]
-  T* sV = sK + BLOCK_N * kStride;          // [BLOCK_N, D + pad]
+  // tile rows of HEAD_DIM + pad elements: columns past D (Q, K) or Dv (V) hold zeros
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [BLOCK_M, HEAD_DIM + pad]
+  T* sK = sQ + BLOCK_M * kStride;          // [BLOCK_N, HEAD_DIM + pad]
+  T* sV = sK + BLOCK_N * kStride;          // [BLOCK_N, HEAD_DIM + pad]
 
   // Key blocks any row of this CTA can see: [n_block_min, n_block_max).
   int n_block_min, n_block_max;
@@ -246,7 +254,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     // K[n] has landed, and every warp is done reading V[n+1]: its buffer may be refilled
     cp_async_wait<0>();
     __syncthreads();
-    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_rows, n0, seqlen_k - n0, head_dim);
+    load_tile<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v_rows, n0, seqlen_k - n0, head_dim_v);
     cp_async_commit();
 
     fwd.qk(sQ, sK, warp, lane);
@@ -282,7 +290,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   // thread, into every warp's rows) may still be in flight: drain them before sQ is reused.
   cp_async_wait<0>();
   __syncthreads();
-  T* sO = sQ + warp * Fwd::kRowsPerWarp * kStride;  // [kRowsPerWarp, D + pad]
+  T* sO = sQ + warp * Fwd::kRowsPerWarp * kStride;  // [kRowsPerWarp, HEAD_DIM + pad], columns past Dv zero
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int mt = 0; mt < Fwd::kMTiles; ++mt)
@@ -310,7 +318,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
   for (int idx = lane; idx < Fwd::kRowsPerWarp * kChunksPerRow; idx += kWarpSize) {
     const int row = idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * kElemsPerChunk;
-    if (row0 + row < seqlen_q && col < head_dim) {
+    if (row0 + row < seqlen_q && col < head_dim_v) {
       *reinterpret_cast<uint4*>(o_ptr + row * o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sO + row * kStride + col);
     }

@@ -9,6 +9,8 @@
 //   q    [B, Sq, Hq, D]  through q_map as 4-D (D, Sq, Hq, B)   varlen: (D, total_q, Hq, 1)
 //   k, v [B, Sk, Hk, D]  through k_map, v_map the same way
 //   out  [B, Sq, Hq, D]  plain 16-byte stores (rows past a varlen sequence belong to the next)
+// D is the kernel's HEAD_DIM, for v and out too: it has no run-time head dims, so the host sends
+// a v head dim Dv != D (FwdParams::head_dim_v) to flash_fwd.cu.
 //   lse  [B, Hq, Sq] fp32 (varlen [Hq, total_q]), or null
 //
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one

@@ -15,11 +15,11 @@
 
 namespace cuattn {
 
-// Forward (flash_fwd.cu, flash_fwd_sm90.cu). D is head_dim, at most the kernel's HEAD_DIM (see
-// flash_fwd.cu). Dense rows [B, S, H, D], or varlen packed rows
-// [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens). The tensor maps are
-// the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1, S = total) with a
-// box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
+// Forward (flash_fwd.cu, flash_fwd_sm90.cu). D is head_dim (of q and k) and Dv head_dim_v (of v
+// and out), each at most the kernel's HEAD_DIM (see flash_fwd.cu). Dense rows [B, S, H, D], or
+// varlen packed rows [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens).
+// The tensor maps are the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1,
+// S = total) with a box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
 //
 // Paged keys (flash_fwd_kernel's PAGED variants): k and v are pages [num_blocks, block_size, Hk,
 // D] (k_batch_stride / v_batch_stride: the page stride), key j of sequence b is slot
@@ -39,8 +39,8 @@ struct FwdParams {
   TensorMap v_map;
   const T* q;              // [B, Sq, Hq, D] | [total_q, Hq, D]
   const T* k;              // [B, Sk, Hk, D] | [total_k, Hk, D]
-  const T* v;              // [B, Sk, Hk, D] | [total_k, Hk, D]
-  TOut* out;               // [B, Sq, Hq, D] | [total_q, Hq, D]
+  const T* v;              // [B, Sk, Hk, Dv] | [total_k, Hk, Dv]
+  TOut* out;               // [B, Sq, Hq, Dv] | [total_q, Hq, Dv]
   float* lse;              // [B, Hq, Sq] | [Hq, total_q], or null
   const float* q_scale;    // [B, Hq, ceil(Sq / 64)] (broadcast axes stride 0), or null
   const float* k_scale;    // [B, Hk, ceil(Sk / kFp8ScaleBlockKeys)] (broadcast axes stride 0), or null
@@ -85,6 +85,7 @@ struct FwdParams {
   int window_right;
   int head_dim;            // D, a multiple of 8 up to the kernel's tile head dim (flash_fwd_kernel; the
                            // Hopper kernel runs only D equal to its tile and does not read it)
+  int head_dim_v;          // Dv, v's and out's head dim, likewise (the Hopper kernel: Dv = D only)
   const int* block_table;  // paged: [B_all, max_blocks] page ids, or null
   const int* seq_lens;     // paged: [B_all] keys per sequence, or null
   const int* batch_index;  // paged: [batch] the sequence (row of block_table) of each launch entry, or null

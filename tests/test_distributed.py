@@ -172,6 +172,9 @@ def _run_each(world_size, body):
      r"group must be a cuattn.distributed.NcclGroup, a torch.distributed ProcessGroup or \(NumPy inputs\) a "
      r"cuattn.distributed.LocalGroup, got builtins.object"),
     (lambda g: ring_attention(*_inputs(), g, softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+    (lambda g: ring_attention(*_inputs()[:2], np.zeros((1, 4, 2, 2 * HEAD_DIM)), g), ValueError,
+     rf"v.shape\[3\] \(head_dim_v\) must equal q.shape\[3\] \(head_dim\) = {HEAD_DIM} in ring attention, got "
+     rf"{2 * HEAD_DIM}"),
     (lambda g: _backward_with(g, lse_len=5), ValueError,
      r"lse.shape must be \(1, 2, 4\) \(the forward's lse\), got \(1, 2, 5\)"),
     (lambda g: _backward_with(g, dout=np.zeros((1, 4, 2, 64))), ValueError,
