@@ -567,8 +567,9 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
     Args:
         q: ``(B, Sq_new, Hq, D)``.
         cache: a :class:`PagedKVCache`, or a ``(k_pages, v_pages)`` pair of arrays
-            ``(num_blocks, block_size, Hk, D)`` from any framework (NumPy too); any block size
-            from 1 to 256; page and slot strides below 2^31 elements.
+            ``(num_blocks, block_size, Hk, D)`` and ``(num_blocks, block_size, Hk, Dv)`` from any
+            framework (NumPy too); v's head dim Dv may differ from D (as in :func:`cuattn.decode`);
+            any block size from 1 to 256; page and slot strides below 2^31 elements.
         block_table: int32 ``(B, max_blocks)``: sequence b's token t is in page
             ``block_table[b, t // block_size]``. NumPy tables are uploaded.
         seq_lens: int32 ``(B,)`` tokens per sequence, the new tokens' own included.
@@ -584,7 +585,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             :class:`PagedKVCache` brings its own.
 
     Returns:
-        ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
+        ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
                             softcap, sinks, alibi_slopes, return_lse, check, k_scale, v_scale, planning=False)
@@ -698,7 +699,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         table_d = cupy.asarray(table, dtype=cupy.int32)
         lens_d = cupy.asarray(lens, dtype=cupy.int32)
         batch, sq_new, num_heads, _ = map(int, qv.shape)
-        out = ctx.empty(qv.shape, qv.dtype)
+        out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
+        out = ctx.empty(out_shape, qv.dtype)
         lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = _decode.launch_decode(
@@ -713,7 +715,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
             _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes",
                                                            "k_scale", "v_scale"),
-                                                          bound, workspace, qv.shape, (batch, num_heads, sq_new),
+                                                          bound, workspace, out_shape, (batch, num_heads, sq_new),
                                                           return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
