@@ -194,14 +194,15 @@ struct CombineParams {
 
 // Paged-cache writes and copy-on-write copies (cache_ops.cu). New tokens of T into pages of
 // Tcache: the same type, or e4m3, quantised as round(x / scale[h]) with a float32 scale per kv head.
+// D is k's head dim, Dv v's.
 template <typename T, typename Tcache>
 struct CacheParams {
   const T* k;              // [N, Hk, D] new tokens (write)
-  const T* v;              // [N, Hk, D]
+  const T* v;              // [N, Hk, Dv]
   const int* slot_ids;     // [N] (write)
   const int* pairs;        // [P, 2] (src, dst) pages (copy)
   Tcache* k_pages;         // [num_blocks, block_size, Hk, D]
-  Tcache* v_pages;         // [num_blocks, block_size, Hk, D]
+  Tcache* v_pages;         // [num_blocks, block_size, Hk, Dv]
   const float* k_scale;    // [Hk] (an e4m3 cache's write), or null
   const float* v_scale;    // [Hk]
   i64 k_sn;
@@ -216,7 +217,8 @@ struct CacheParams {
   i64 vp_sh;
   int num_tokens;
   int num_kv_heads;
-  int head_dim;
+  int head_dim;            // D, a multiple of the elements in 16 bytes of Tcache
+  int head_dim_v;          // Dv, the same rule
   int block_size;
   int num_blocks;
 };
