@@ -60,7 +60,8 @@ class DecodeTile:
 
     def smem_bytes(self, head_dim: int, itemsize: int, mt: int, kv_itemsize: int) -> int:
         """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers); K/V
-        rows are padded by 16 bytes whatever their element size (KvRow)."""
+        rows are padded by 16 bytes whatever their element size (KvRow). ``head_dim`` is the tile
+        head dim, which holds both q/k's D and v's Dv: every buffer is tile wide."""
         q_tile = 16 * mt * (head_dim + _params.constant("kPadElems")) * itemsize
         kv_row_bytes = head_dim * kv_itemsize + _params.constant("kCopyBytes")
         ring = self.stages * 2 * _params.constant("kDecodeBlockN") * kv_row_bytes
@@ -533,8 +534,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     if num_splits > 1:
         # the partials are outputs: Dv wide
         dims = (num_splits, batch, sq_new, num_heads, head_dim_v)
-        part_strides = (batch * sq_new * num_heads * head_dim_v, sq_new * num_heads * head_dim_v, num_heads * head_dim_v,
-                        head_dim_v)
+        token_elems = num_heads * head_dim_v  # one new token's partial outputs
+        part_strides = (batch * sq_new * token_elems, sq_new * token_elems, token_elems, head_dim_v)
         lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
         combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream,
                                   execute=step is None, sinks=sinks)

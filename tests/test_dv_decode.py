@@ -28,7 +28,8 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 HEAD_DIM_PAIRS = [(192, 128), (128, 64), (64, 128), (40, 24)]
 PAIR_IDS = [f"d{d}-dv{dv}" for d, dv in HEAD_DIM_PAIRS]
 # an e4m3 cache's rows are whole 16-byte copies: both head dims multiples of 16
-E4M3_PAIRS = [p for p in HEAD_DIM_PAIRS if p[0] % _arrays.E4M3_HEAD_DIM_STEP == 0 and p[1] % _arrays.E4M3_HEAD_DIM_STEP == 0]
+E4M3_PAIRS = [(d, dv) for d, dv in HEAD_DIM_PAIRS
+              if d % _arrays.E4M3_HEAD_DIM_STEP == 0 and dv % _arrays.E4M3_HEAD_DIM_STEP == 0]
 E4M3_PAIR_IDS = [f"d{d}-dv{dv}" for d, dv in E4M3_PAIRS]
 # odd shapes: a prime cache, a block size whose runs cross pages, three new tokens (some rows of
 # the short sequences see no key), a sequence of length 0 and one of length 1
@@ -211,9 +212,9 @@ def test_merge_states_of_two_key_halves_is_the_whole(rng):
 def _dense_forward_takes_dv() -> bool:
     """Whether cuattn.attention (the cascade's prefix step) takes v of its own head dim yet: it
     does once the dense forward's Dv work (branch dv-fwd) is merged."""
-    q, k, v = np.zeros((1, 1, 1, 16), np.float32), np.zeros((1, 1, 1, 16), np.float32), np.zeros((1, 1, 1, 8), np.float32)
+    q_and_k, v = np.zeros((1, 1, 1, 16), np.float32), np.zeros((1, 1, 1, 8), np.float32)
     try:
-        cuattn.attention(q, k, v)
+        cuattn.attention(q_and_k, q_and_k, v)
     except ValueError:
         return False
     return True
@@ -449,7 +450,8 @@ def dv_cases():
         for dims, dims_id in zip(HEAD_DIM_PAIRS, PAIR_IDS):
             for e4m3 in (False, True):
                 if not e4m3 or dims in E4M3_PAIRS:
-                    cases.append(pytest.param(dtype, dims, e4m3, id=f"{dtype_id}-{dims_id}-{'e4m3' if e4m3 else 'kv16'}"))
+                    cache_id = "e4m3" if e4m3 else "kv16"
+                    cases.append(pytest.param(dtype, dims, e4m3, id=f"{dtype_id}-{dims_id}-{cache_id}"))
     return cases
 
 
@@ -465,9 +467,9 @@ def test_decode_kernels_with_a_value_head_dim(rng, dtype, dims, e4m3, num_splits
     lens = np.array(LENS, np.int32)
     if paged:
         table = shuffled_table(rng, B, S_MAX, BLOCK_SIZE)
-        out, lse = cuattn.paged_attention(
-            cupy.asarray(q), (cupy.asarray(pages_of(k, table, BLOCK_SIZE)), cupy.asarray(pages_of(v, table, BLOCK_SIZE))),
-            cupy.asarray(table), cupy.asarray(lens), num_splits=num_splits, return_lse=True, **scales)
+        pages = tuple(cupy.asarray(pages_of(x, table, BLOCK_SIZE)) for x in (k, v))
+        out, lse = cuattn.paged_attention(cupy.asarray(q), pages, cupy.asarray(table), cupy.asarray(lens),
+                                          num_splits=num_splits, return_lse=True, **scales)
     else:
         out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
                                  num_splits=num_splits, return_lse=True, **scales)
