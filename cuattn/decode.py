@@ -11,8 +11,9 @@ query head. Choosing the split count needs only shapes and the SM count, never t
 Layouts (any strides on the leading axes; the last axis is contiguous):
 
     q              (B, Sq_new, Hq, D)      Sq_new from 1 to 16 (speculative decoding)
-    k_cache, v_cache (B, S_max, Hk, D)     cache_seqlens (B,) int32 on the device
-    out            (B, Sq_new, Hq, D)      lse (B, Hq, Sq_new) float32, natural log
+    k_cache        (B, S_max, Hk, D)       cache_seqlens (B,) int32 on the device
+    v_cache        (B, S_max, Hk, Dv)      Dv: v's own head dim (DeepSeek: D = 192, Dv = 128)
+    out            (B, Sq_new, Hq, Dv)     lse (B, Hq, Sq_new) float32, natural log
 
 The caches hold q's dtype, or float8 e4m3 (FP8) with descales ``k_scale``, ``v_scale`` (real value
 = stored x scale, per tensor or per kv head): the kernel reads half the bytes and widens them to
@@ -59,7 +60,8 @@ class DecodeTile:
 
     def smem_bytes(self, head_dim: int, itemsize: int, mt: int, kv_itemsize: int) -> int:
         """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers); K/V
-        rows are padded by 16 bytes whatever their element size (KvRow)."""
+        rows are padded by 16 bytes whatever their element size (KvRow). ``head_dim`` is the tile
+        head dim, which holds both q/k's D and v's Dv: every buffer is tile wide."""
         q_tile = 16 * mt * (head_dim + _params.constant("kPadElems")) * itemsize
         kv_row_bytes = head_dim * kv_itemsize + _params.constant("kCopyBytes")
         ring = self.stages * 2 * _params.constant("kDecodeBlockN") * kv_row_bytes
@@ -76,16 +78,20 @@ DECODE_TILES = {
     128: DecodeTile(max_mt=2, stages=3),
     256: DecodeTile(max_mt=1, stages=2),
 }
-# every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache); a call runs the
-# smallest tile head dim at least its own (DecodeParams::head_dim: the columns past it are zero-filled,
-# never read, so a padded call streams the same cache bytes and only its MMA work grows)
+# every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache), for q and k (D)
+# and for v (Dv) alike; a call runs the smallest tile head dim at least max(D, Dv)
+# (DecodeParams::head_dim and head_dim_v: the columns past each are zero-filled, never read, so a
+# padded call streams the same cache bytes and only its MMA work grows)
 SUPPORTED_HEAD_DIMS = _arrays.SUPPORTED_HEAD_DIMS
 TILE_HEAD_DIMS = tuple(sorted(DECODE_TILES))
 
 
-def decode_tile_dim(head_dim: int) -> int:
-    """The tile head dim the decode kernels are instantiated with for ``head_dim``."""
-    return _arrays.tile_head_dim(head_dim, DECODE_TILES)
+def decode_tile_dim(head_dim: int, head_dim_v: int | None = None) -> int:
+    """The tile head dim the decode kernels are instantiated with for q and k of ``head_dim`` and v
+    of ``head_dim_v`` (default ``head_dim``): one tile holds both, so it is that of the larger."""
+    return _arrays.tile_head_dim(max(head_dim, head_dim if head_dim_v is None else head_dim_v), DECODE_TILES)
+
+
 MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 
 
@@ -200,9 +206,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
 
     Args:
         q: ``(B, Sq_new, Hq, D)``, Sq_new from 1 to 16, float16 or bfloat16.
-        k_cache, v_cache: ``(B, S_max, Hk, D)``, ``Hq % Hk == 0``: q's dtype, or both float8
-            e4m3 (``torch.float8_e4m3fn``, CuPy ``uint8`` holding the bytes, NumPy
-            ``ml_dtypes.float8_e4m3fn``; :func:`cuattn.quantize_fp8` makes them).
+        k_cache, v_cache: ``(B, S_max, Hk, D)`` and ``(B, S_max, Hk, Dv)``, ``Hq % Hk == 0``: q's
+            dtype, or both float8 e4m3 (``torch.float8_e4m3fn``, CuPy ``uint8`` holding the bytes,
+            NumPy ``ml_dtypes.float8_e4m3fn``; :func:`cuattn.quantize_fp8` makes them). v's head
+            dim Dv may differ from D (the same rules: a multiple of 8 up to 256, of 16 for e4m3);
+            the default scale stays ``1/sqrt(D)``.
         cache_seqlens: ``(B,)`` int32, keys in each row's cache (new tokens included). Values
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
@@ -216,7 +224,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
             read on the device (no sync; update it in place between steps).
 
     Returns:
-        ``out`` ``(B, Sq_new, Hq, D)`` in q's dtype, or ``(out, lse)``, in the framework of the inputs.
+        ``out`` ``(B, Sq_new, Hq, Dv)`` in q's dtype, or ``(out, lse)``, in the framework of the inputs.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
                    alibi_slopes, return_lse, k_scale, v_scale, planning=False)
@@ -251,6 +259,9 @@ def scale_options(k_scale, v_scale) -> tuple:
 def check_cache_scales(q, k, v, k_scale, v_scale, names, host: bool):
     """The caches' element type and descales: ``(e4m3, k KvScale, v KvScale)``."""
     e4m3 = _arrays.check_kv_dtypes(q, dict(zip(names, (k, v))), host)
+    if e4m3:
+        # check_kv_dtypes checks k's head dim; v's may differ and has the same 16-byte rule
+        _arrays.check_e4m3_head_dim(f"{names[1]}.shape[-1] (head_dim_v)", int(v.shape[-1]))
     num_kv_heads = int(k.shape[2])
     ks = _arrays.check_kv_scale("k_scale", k_scale, e4m3, num_kv_heads, host, "q", q)
     vs = _arrays.check_kv_scale("v_scale", v_scale, e4m3, num_kv_heads, host, "q", q)
@@ -302,7 +313,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             _arrays.check_same_device(name, x, "q", qv)
         _arrays.check_same_device("cache_seqlens", lens, "q", qv)
         batch, sq_new, num_heads, _ = map(int, qv.shape)
-        out = ctx.empty(qv.shape, qv.dtype)
+        out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
+        out = ctx.empty(out_shape, qv.dtype)
         lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = launch_decode(
@@ -313,7 +325,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         if step is not None:
             return step
         _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes", "k_scale", "v_scale"),
-                                              bound, workspace, qv.shape, (batch, num_heads, sq_new), return_lse))
+                                              bound, workspace, out_shape, (batch, num_heads, sq_new), return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
@@ -360,12 +372,13 @@ def merge_states(*args):
 
 
 def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, str]) -> None:
-    """Shapes of q and the caches (contiguous or paged), dtype of the length vector."""
+    """Shapes of q and the caches (contiguous or paged), dtype of the length vector. v's last axis
+    is its own head dim Dv: any supported head dim, not necessarily k's."""
     layout, length_axis = cache_layout
     _arrays.check_ndim("q", q, "(B, Sq_new, Hq, D)")
     cache_names = ("k_cache", "v_cache") if length_axis == "S_max" else ("k_pages", "v_pages")
     _arrays.check_ndim(cache_names[0], k, layout)
-    _arrays.check_ndim(cache_names[1], v, layout)
+    _arrays.check_ndim(cache_names[1], v, layout.replace(", D)", ", Dv)"))
     sq_new = int(q.shape[1])
     if not 1 <= sq_new <= MAX_NEW_TOKENS:
         raise ValueError(
@@ -375,7 +388,7 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
     if length_axis == "S_max":
         _arrays.check_axis(cache_names[0], k, 0, "batch", int(q.shape[0]), "q.shape[0]")
     _arrays.check_axis(cache_names[0], k, 3, "head_dim", int(q.shape[3]), "q.shape[3]")
-    for axis, axis_name in enumerate(layout.strip("()").split(", ")):
+    for axis, axis_name in enumerate(layout.strip("()").split(", ")[:-1]):
         _arrays.check_axis(cache_names[1], v, axis, axis_name, int(k.shape[axis]), f"{cache_names[0]}.shape[{axis}]")
     _arrays.check_positive(cache_names[0], k, 2, "Hk")
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
@@ -385,6 +398,7 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
             f"{cache_names[0]}.shape[2] (num_kv_heads) = {num_kv_heads}"
         )
     _arrays.check_head_dim("q.shape[-1] (head_dim)", int(q.shape[3]))
+    _arrays.check_head_dim(f"{cache_names[1]}.shape[3] (head_dim_v)", int(v.shape[3]))
     _arrays.check_ndim(lens_name, lens, "(B)")
     _arrays.check_axis(lens_name, lens, 0, "batch", int(q.shape[0]), "q.shape[0]")
     _arrays.check_int32(lens_name, lens)
@@ -442,8 +456,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
                   stream, split_length: int | None = None, step=None, sinks=None, alibi=(None, 0), e4m3: bool = False,
                   k_scale: _arrays.KvScale = _arrays.NO_SCALE,
                   v_scale: _arrays.KvScale = _arrays.NO_SCALE) -> tuple[list, int]:
-    """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, D]
-    and ``lse`` [B, Hq, Sq_new] (or None).
+    """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, Dv]
+    and ``lse`` [B, Hq, Sq_new] (or None); q and k have head dim D, v (and so out) Dv.
 
     ``paged`` is None for a contiguous cache, else ``(block_table, block_size, num_blocks)``; ``max_seqlen``
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
@@ -458,10 +472,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     owns, are added to it instead.
     """
     batch, sq_new, num_heads, head_dim = map(int, q.shape)
-    num_kv_heads = int(k.shape[2])
+    num_kv_heads, head_dim_v = int(k.shape[2]), int(v.shape[3])
     group = num_heads // num_kv_heads
     rows = group * sq_new
-    tile_dim = decode_tile_dim(head_dim)
+    tile_dim = decode_tile_dim(head_dim, head_dim_v)
     tile = DECODE_TILES[tile_dim]
     with_alibi = alibi[0] is not None
     mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
@@ -478,13 +492,13 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + _params.constant("kDecodeBlockN"))
-    part_elems = num_splits * batch * sq_new * num_heads * head_dim
+    part_elems = num_splits * batch * sq_new * num_heads * head_dim_v
     lse_elems = num_splits * batch * num_heads * sq_new
     stream = _jit.stream_ptr(stream)
     workspace = (part_elems + lse_elems) * 4 if num_splits > 1 else 0
     part_out = part_lse = None
     if workspace:
-        # partials live in the stream's workspace (or the step plan's own): [splits, B, Sq_new, Hq, D]
+        # partials live in the stream's workspace (or the step plan's own): [splits, B, Sq_new, Hq, Dv]
         # then [splits, B, Hq, Sq_new]
         part_out = step.workspace(workspace) if step is not None else workspace_address(workspace, stream,
                                                                                       _jit.current_device())
@@ -505,7 +519,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         block_size_mul=mul, block_size_shift=shift, num_blocks=num_blocks, batch=batch, sq_new=sq_new,
         num_heads=num_heads, num_kv_heads=num_kv_heads, row_chunks=row_chunks, num_splits=num_splits,
         max_seqlen=max_seqlen, score_scale=score_scale, softcap_out=softcap_out, window_left=left,
-        window_right=right, head_dim=head_dim,
+        window_right=right, head_dim=head_dim, head_dim_v=head_dim_v,
     )
     launch = _jit.prepare(spec, (num_splits, num_kv_heads * row_chunks, batch), params)
     if step is None:
@@ -518,8 +532,10 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
                                    "sinks": "sinks", "alibi_slopes": "alibi_slopes", "k_scale": "k_scale",
                                    "v_scale": "v_scale"})]
     if num_splits > 1:
-        dims = (num_splits, batch, sq_new, num_heads, head_dim)
-        part_strides = (batch * sq_new * num_heads * head_dim, sq_new * num_heads * head_dim, num_heads * head_dim, head_dim)
+        # the partials are outputs: Dv wide
+        dims = (num_splits, batch, sq_new, num_heads, head_dim_v)
+        token_elems = num_heads * head_dim_v  # one new token's partial outputs
+        part_strides = (batch * sq_new * token_elems, sq_new * token_elems, token_elems, head_dim_v)
         lse_part_strides = (batch * num_heads * sq_new, num_heads * sq_new, sq_new, 1)
         combine = _launch_combine(part_out, part_strides, part_lse, lse_part_strides, dims, np.float32, out, lse, stream,
                                   execute=step is None, sinks=sinks)

@@ -519,7 +519,9 @@ def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens):
     # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
     lens = np.clip(lens, 0, int(kf.shape[1]))
     out, lse = reference.decode(qf, kf, vf, lens, return_lse=True, **mask.kwargs())
-    return out.astype(q.dtype).reshape(q.shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
+    # out takes v's head dim Dv, over q's (possibly vmapped) leading axes
+    out_shape = (*q.shape[:-1], v_cache.shape[-1])
+    return out.astype(q.dtype).reshape(out_shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
 def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cache_seqlens):
@@ -534,10 +536,11 @@ def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cach
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None, window=(-1, -1),
            softcap=0.0, return_lse=False):
     """:func:`cuattn.decode` for JAX arrays (forward only): ``Sq_new`` (1 to 16) new tokens per
-    sequence over a KV cache ``(B, S_max, Hk, D)`` holding ``cache_seqlens[b]`` keys (int32
-    ``(B,)``, new tokens included; clamped to ``[0, S_max]`` on every platform).
+    sequence over a KV cache ``(B, S_max, Hk, D)`` (v ``(B, S_max, Hk, Dv)``, Dv may differ from
+    D) holding ``cache_seqlens[b]`` keys (int32 ``(B,)``, new tokens included; clamped to ``[0,
+    S_max]`` on every platform).
 
-    Returns ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
+    Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
     q, k_cache, v_cache, cache_seqlens = _as_arrays(q=q, k_cache=k_cache, v_cache=v_cache,
                                                     cache_seqlens=cache_seqlens)
@@ -554,7 +557,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
 
 @functools.partial(jax.jit, static_argnames=("mask", "num_splits"))
 def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits: int | None):
-    shapes = _result_shapes(q)
+    # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
+    shapes = (jax.ShapeDtypeStruct((*q.shape[:-1], v_cache.shape[-1]), q.dtype),
+              jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
 
     def forward(*arrays):
         return _per_platform(
@@ -598,15 +603,16 @@ def _device_paged(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_pages, v
 
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
                     scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
-    """:func:`cuattn.paged_attention` for JAX arrays (forward only), over page pools ``k_pages``,
-    ``v_pages`` ``(num_blocks, block_size, Hk, D)``.
+    """:func:`cuattn.paged_attention` for JAX arrays (forward only), over page pools ``k_pages``
+    ``(num_blocks, block_size, Hk, D)`` and ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` (Dv
+    may differ from D).
 
     ``block_table`` int32 ``(B, max_blocks)`` and ``seq_lens`` int32 ``(B,)`` are arrays (may be
     traced); their values are never read on the host, so nothing is checked as the plain
     function's ``check=True`` does: lengths are clamped to the table's capacity and block ids to
     the pool, on every platform (the plain function's ``check=False``). ``max_seq_len``: optional
     Python int bounding the lengths the split count plans for (default the table's capacity).
-    Returns ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
+    Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
     q, k_pages, v_pages, block_table, seq_lens = _as_arrays(q=q, k_pages=k_pages, v_pages=v_pages,
                                                             block_table=block_table, seq_lens=seq_lens)
@@ -632,7 +638,9 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
 @functools.partial(jax.jit, static_argnames=("mask", "num_splits", "max_seq_len"))
 def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_splits: int | None,
                 max_seq_len: int | None):
-    shapes = _result_shapes(q)
+    # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
+    shapes = (jax.ShapeDtypeStruct((*q.shape[:-1], v_pages.shape[-1]), q.dtype),
+              jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
 
     def forward(*arrays):
         return _per_platform(

@@ -9,10 +9,11 @@ block carrying a reference count; a shared block is copied only when one of them
     BlockManager(num_blocks, block_size, enable_prefix_caching=False)
                                               host (NumPy): tables, refcounts, free list, and
                                               (prefix caching) full blocks keyed by their prefix
-    PagedKVCache(num_blocks, block_size, Hk, D, dtype, k_scale=1.0, v_scale=1.0)
-        k_pages, v_pages  (num_blocks, block_size, Hk, D)   device arrays (or NumPy with device="cpu")
-        write(k, v, slot_ids)     new tokens (N, Hk, D) into slots (block * block_size + offset);
-                                  an e4m3 cache quantises them with its scales
+    PagedKVCache(num_blocks, block_size, Hk, D, dtype, k_scale=1.0, v_scale=1.0, head_dim_v=None)
+        k_pages           (num_blocks, block_size, Hk, D)    device arrays (or NumPy with device="cpu")
+        v_pages           (num_blocks, block_size, Hk, Dv)   Dv = head_dim_v, default D
+        write(k, v, slot_ids)     new tokens (N, Hk, D) and (N, Hk, Dv) into slots (block *
+                                  block_size + offset); an e4m3 cache quantises them with its scales
         copy_blocks(pairs)        (src, dst) page copies: the copy-on-write that append asks for
     paged_attention(q, cache, block_table, seq_lens, ...)   decode over the block table
 
@@ -321,7 +322,9 @@ def _count(n: int, noun: str) -> str:
 
 
 class PagedKVCache:
-    """Key and value pages ``(num_blocks, block_size, Hk, D)`` with the kernels that fill them.
+    """Key pages ``(num_blocks, block_size, Hk, D)`` and value pages ``(num_blocks, block_size, Hk,
+    Dv)`` with the kernels that fill them; ``head_dim_v`` (Dv, default None: D) is v's own head dim,
+    under the same rules as ``head_dim`` (DeepSeek-style caches: D = 192, Dv = 128).
 
     ``device="cuda"`` (default) keeps the pages in CuPy arrays on the current GPU;
     ``device="cpu"`` keeps them in NumPy arrays (writes and copies then run in NumPy, and
@@ -336,18 +339,21 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda", *,
-                 k_scale=1.0, v_scale=1.0):
+                 k_scale=1.0, v_scale=1.0, head_dim_v=None):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
             _arrays.check_int(name, value, 1)
         if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         _arrays.check_head_dim("head_dim", head_dim)
+        _arrays.check_head_dim("head_dim_v", head_dim_v)
         dtype = _cache_dtype(dtype)
         self.e4m3 = dtype == _arrays.FLOAT8_E4M3
         if self.e4m3:
             _arrays.check_e4m3_head_dim("head_dim", head_dim)
+            _arrays.check_e4m3_head_dim("head_dim_v", head_dim_v)
         if device == "cuda" and dtype not in _arrays.CUDA_TYPES and not self.e4m3:
             raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16, bfloat16 or "
                             "float8_e4m3fn")
@@ -357,13 +363,14 @@ class PagedKVCache:
         else:
             _jit.require_gpu()
             import cupy as xp
-        shape = (int(num_blocks), int(block_size), int(num_kv_heads), head_dim)
+        pages = (int(num_blocks), int(block_size), int(num_kv_heads))
         # the pages' storage: e4m3 bytes are uint8 in CuPy, which has no float8 type
         storage = _arrays.E4M3_STORAGE if self.e4m3 and device == "cuda" else dtype
-        self.k_pages = xp.zeros(shape, storage)  # [num_blocks, block_size, Hk, D]
-        self.v_pages = xp.zeros(shape, storage)  # [num_blocks, block_size, Hk, D]
+        self.k_pages = xp.zeros((*pages, int(head_dim)), storage)  # [num_blocks, block_size, Hk, D]
+        self.v_pages = xp.zeros((*pages, int(head_dim_v)), storage)  # [num_blocks, block_size, Hk, Dv]
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
-        self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), head_dim, dtype, device
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), int(head_dim), dtype, device
+        self.head_dim_v = int(head_dim_v)
         # per kv head, float32, where the pages are: the write kernel and paged_attention read them
         self.k_scale, self.v_scale = (self._scale_per_head(name, value, xp)
                                       for name, value in (("k_scale", k_scale), ("v_scale", v_scale)))
@@ -385,7 +392,8 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     def write(self, k, v, slot_ids) -> None:
-        """Store new tokens' keys and values ``(N, Hk, D)`` at ``slot_ids`` ``(N,)`` (-1 = padding, skipped).
+        """Store new tokens' keys ``(N, Hk, D)`` and values ``(N, Hk, Dv)`` at ``slot_ids`` ``(N,)``
+        (-1 = padding, skipped).
 
         k and v have the cache's dtype; an e4m3 cache takes float16, bfloat16 or float32 and stores
         round-to-nearest-even(x / scale) saturated to +-448. Each slot id appears at most once (the tokens are written
@@ -396,10 +404,11 @@ class PagedKVCache:
         """
         with _arrays.array_context(k=k, v=v) as ctx:
             kv_, vv_ = ctx.view(k), ctx.view(v)
-            for name, x in (("k", kv_), ("v", vv_)):
-                _arrays.check_ndim(name, x, "(N, Hk, D)")
+            for name, x, dim, dim_name, dim_field in (("k", kv_, self.head_dim, "D", "head_dim"),
+                                                      ("v", vv_, self.head_dim_v, "Dv", "head_dim_v")):
+                _arrays.check_ndim(name, x, f"(N, Hk, {dim_name})")
                 _arrays.check_axis(name, x, 1, "Hk", self.num_kv_heads, "the cache's num_kv_heads")
-                _arrays.check_axis(name, x, 2, "D", self.head_dim, "the cache's head_dim")
+                _arrays.check_axis(name, x, 2, dim_name, dim, f"the cache's {dim_field}")
             _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
             slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots)
             for name, x in (("k", kv_), ("v", vv_)):
@@ -443,7 +452,7 @@ class PagedKVCache:
         import cupy
 
         spec = cache_spec("copy_blocks_kernel", self.dtype)
-        chunks = self.block_size * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
+        chunks = self.block_size * self.num_kv_heads * self._chunks_per_row()
         pairs_d = cupy.asarray(pairs)  # [P, 2]
         params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
                                     num_tokens=0)
@@ -457,8 +466,13 @@ class PagedKVCache:
             "CacheParams", k_pages=self.k_pages, v_pages=self.v_pages,
             k_scale=self.k_scale if self.e4m3 else None, v_scale=self.v_scale if self.e4m3 else None, kp_sp=kp[0], kp_ss=kp[1], kp_sh=kp[2],
             vp_sp=vp[0], vp_ss=vp[1], vp_sh=vp[2], num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size, num_blocks=self.num_blocks, **fields,
+            head_dim_v=self.head_dim_v, block_size=self.block_size, num_blocks=self.num_blocks, **fields,
         )
+
+    def _chunks_per_row(self) -> int:
+        """16-byte chunks the cache kernels give one (slot, kv head): a thread's column covers k's and
+        v's rows at once, so as many as the longer row holds."""
+        return max(self.head_dim, self.head_dim_v) * self.dtype.itemsize // _params.constant("kCopyBytes")
 
     def _write_host(self, k, v, slots) -> None:
         keep = slots >= 0
@@ -480,7 +494,7 @@ class PagedKVCache:
             return
         spec = cache_spec("cache_write_kernel", self.dtype, k.dtype)
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
-        chunks = num_tokens * self.num_kv_heads * self.head_dim // (16 // self.dtype.itemsize)
+        chunks = num_tokens * self.num_kv_heads * self._chunks_per_row()
         params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
                                     v_sh=vs[1], num_tokens=num_tokens)
         _jit.prepare(spec, (math.ceil(chunks / _params.constant("kCacheThreads")), 1, 1), params).run(_jit.stream_ptr(stream))
@@ -567,8 +581,9 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
     Args:
         q: ``(B, Sq_new, Hq, D)``.
         cache: a :class:`PagedKVCache`, or a ``(k_pages, v_pages)`` pair of arrays
-            ``(num_blocks, block_size, Hk, D)`` from any framework (NumPy too); any block size
-            from 1 to 256; page and slot strides below 2^31 elements.
+            ``(num_blocks, block_size, Hk, D)`` and ``(num_blocks, block_size, Hk, Dv)`` from any
+            framework (NumPy too); v's head dim Dv may differ from D (as in :func:`cuattn.decode`);
+            any block size from 1 to 256; page and slot strides below 2^31 elements.
         block_table: int32 ``(B, max_blocks)``: sequence b's token t is in page
             ``block_table[b, t // block_size]``. NumPy tables are uploaded.
         seq_lens: int32 ``(B,)`` tokens per sequence, the new tokens' own included.
@@ -584,7 +599,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
             :class:`PagedKVCache` brings its own.
 
     Returns:
-        ``out`` ``(B, Sq_new, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
+        ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)`` (natural log).
     """
     return _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, causal, scale, window,
                             softcap, sinks, alibi_slopes, return_lse, check, k_scale, v_scale, planning=False)
@@ -698,7 +713,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         table_d = cupy.asarray(table, dtype=cupy.int32)
         lens_d = cupy.asarray(lens, dtype=cupy.int32)
         batch, sq_new, num_heads, _ = map(int, qv.shape)
-        out = ctx.empty(qv.shape, qv.dtype)
+        out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
+        out = ctx.empty(out_shape, qv.dtype)
         lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
         step = _calls.StepPlan(ctx, out, lse) if planning else None
         bound, workspace = _decode.launch_decode(
@@ -713,7 +729,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
             _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes",
                                                            "k_scale", "v_scale"),
-                                                          bound, workspace, qv.shape, (batch, num_heads, sq_new),
+                                                          bound, workspace, out_shape, (batch, num_heads, sq_new),
                                                           return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out

@@ -351,25 +351,48 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
+def _one_sequence(q, k, v, *, causal, scale, window, softcap, sinks=None, alibi_slopes=None):
+    """Dense attention of one sequence, the decode-family references' building block: q ``(Sq, Hq,
+    D)`` over k ``(Sk, Hk, D)`` and v ``(Sk, Hk, Dv)``, where v's head dim Dv may differ from D
+    (the default scale stays ``1/sqrt(D)``). ``alibi_slopes``: ``(Hq,)`` or None. Returns out
+    ``(Sq, Hq, Dv)`` and lse ``(Hq, Sq)``."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    sinks = _sinks(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64).reshape(-1)
+    scale, window = _options(q, scale, window)
+    sq, hq, _ = q.shape
+    sk = k.shape[0]
+    mask = visible(sq, sk, causal, window)
+    k, v = _expand_kv(k[None], hq)[0], _expand_kv(v[None], hq)[0]
+    out = np.empty((sq, hq, v.shape[-1]), dtype=np.float64)
+    lse = np.empty((hq, sq), dtype=np.float64)
+    for hs in _head_chunks(hq, sq, sk):
+        qh, kh, vh = (_heads_first(x[:, hs]) for x in (q, k, v))
+        s = _with_alibi(_masked_scores(qh, kh, mask, scale, softcap), None if slopes is None else slopes[hs], mask)
+        o, lse[hs] = _softmax_attend(s, vh, None if sinks is None else sinks[hs])
+        out[:, hs] = _heads_first(o)
+    return out, lse
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, *, causal=True, scale=None,
            window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
     """Attention of new tokens over a KV cache of per-row length ``cache_seqlens[b]``.
 
     Row b sees keys ``[0, cache_seqlens[b])`` with Sk = cache_seqlens[b] in the mask rules.
-    Returns out ``(B, Sq_new, Hq, D)`` and, with return_lse, lse ``(B, Hq, Sq_new)``.
+    ``v_cache`` ``(B, S_max, Hk, Dv)`` may have its own head dim Dv. Returns out ``(B, Sq_new,
+    Hq, Dv)`` and, with return_lse, lse ``(B, Hq, Sq_new)``.
     """
     q = _f64(q)
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
-    out = np.empty(q.shape, dtype=np.float64)
+    out = np.empty(q.shape[:-1] + v_cache.shape[-1:], dtype=np.float64)
     lse = np.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float64)
     alibi = _alibi(alibi_slopes, q.shape[0])
     # Slicing the cache to each row's length keeps stale slots beyond it out of the result.
     for bi in range(q.shape[0]):
         n = int(lengths[bi])
-        o, l = attention(q[bi:bi + 1], k_cache[bi:bi + 1, :n], v_cache[bi:bi + 1, :n],
-                         causal=causal, scale=scale, window=window, softcap=softcap,
-                         return_lse=True, sinks=sinks, alibi_slopes=None if alibi is None else alibi[bi])
-        out[bi], lse[bi] = o[0], l[0]
+        out[bi], lse[bi] = _one_sequence(q[bi], k_cache[bi, :n], v_cache[bi, :n], causal=causal, scale=scale,
+                                         window=window, softcap=softcap, sinks=sinks,
+                                         alibi_slopes=None if alibi is None else alibi[bi])
     return (out, lse) if return_lse else out
 
 
@@ -377,7 +400,8 @@ def merge_states(*args):
     """Exact merge of attention states computed over disjoint key sets.
 
     Call as ``merge_states(out_a, lse_a, out_b, lse_b)`` or ``merge_states(states)`` with
-    ``states`` a sequence of ``(out, lse)`` pairs. out is ``(..., S, H, D)`` and lse is out's
+    ``states`` a sequence of ``(out, lse)`` pairs. out is ``(..., S, H, D)`` (D: the outputs' own
+    head dim, v's) and lse is out's
     shape without D with its last two axes swapped, ``(..., H, S)``: ``(B, S, H, D)`` with
     ``(B, H, S)``, or ``(T, H, D)`` with ``(H, T)``. Returns ``(out, lse)`` in the same layouts.
     """
@@ -403,7 +427,8 @@ def merge_states(*args):
 
 
 def gather_pages(pages, block_table, seq_lens):
-    """Contiguous cache ``(B, max(seq_lens) or 1, Hk, D)`` from paged storage; zero past seq_lens."""
+    """Contiguous cache ``(B, max(seq_lens) or 1, Hk, D)`` from paged storage ``(num_blocks,
+    block_size, Hk, D)`` (D: the pages' own head dim, k's or v's); zero past seq_lens."""
     pages = _f64(pages)
     block_table = np.asarray(block_table, dtype=np.int64)
     lengths = np.asarray(seq_lens, dtype=np.int64)
@@ -421,9 +446,10 @@ def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_l
                            window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
     """Packed queries over a paged cache: sequence b's queries ``q[cu[b]:cu[b+1]]`` are its last
     n tokens, and query i sees key j < seq_lens[b] iff ``j <= seq_lens[b] - n + i`` (causal).
-    Returns out ``(total_q, Hq, D)`` and, with return_lse, lse ``(Hq, total_q)``."""
+    ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` may have its own head dim Dv. Returns out
+    ``(total_q, Hq, Dv)`` and, with return_lse, lse ``(Hq, total_q)``."""
     q = _f64(q)
-    out = np.zeros(q.shape, dtype=np.float64)
+    out = np.zeros(q.shape[:-1] + v_pages.shape[-1:], dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     k_cache = gather_pages(k_pages, block_table, seq_lens)
     v_cache = gather_pages(v_pages, block_table, seq_lens)
@@ -432,15 +458,15 @@ def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_l
             continue
         n_keys = int(seq_lens[bi])
         # A sequence is a dense problem of its n queries over its keys, causal bottom-right.
-        o, l = attention(q[None, qs], k_cache[bi:bi + 1, :n_keys], v_cache[bi:bi + 1, :n_keys], causal=causal,
-                         scale=scale, window=window, softcap=softcap, return_lse=True)
-        out[qs], lse[:, qs] = o[0], l[0]
+        out[qs], lse[:, qs] = _one_sequence(q[qs], k_cache[bi, :n_keys], v_cache[bi, :n_keys], causal=causal,
+                                            scale=scale, window=window, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, causal=True, scale=None,
                     window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None, alibi_slopes=None):
-    """``decode`` over a paged KV cache: gather each row's pages, then attend."""
+    """``decode`` over a paged KV cache: gather each row's pages, then attend (out ``(B, Sq_new,
+    Hq, Dv)``, Dv the v pages' head dim)."""
     k_cache = gather_pages(k_pages, block_table, seq_lens)
     v_cache = gather_pages(v_pages, block_table, seq_lens)
     return decode(q, k_cache, v_cache, seq_lens, causal=causal, scale=scale, window=window,

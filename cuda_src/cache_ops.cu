@@ -1,14 +1,16 @@
 // cache_ops.cu: writes into the paged KV cache and copy-on-write block copies.
 //
-//   cache_write_kernel  new tokens' keys and values k, v [N, Hk, D] into their slots of
-//                       k_pages, v_pages [num_blocks, block_size, Hk, D]; slot s is offset
-//                       s % block_size of page s / block_size. Slot -1 marks padding and is
-//                       skipped (as is any slot outside the pool). One thread writes 16 bytes.
-//                       Pages of e4m3 take round-to-nearest-even(x / scale[h]), saturated to
-//                       +-448 (fp8.cuh), from fp16, bf16 or fp32 tokens.
+//   cache_write_kernel  new tokens' keys k [N, Hk, D] and values v [N, Hk, Dv] into their slots
+//                       of k_pages [num_blocks, block_size, Hk, D] and v_pages [..., Dv]; slot s
+//                       is offset s % block_size of page s / block_size. Slot -1 marks padding and
+//                       is skipped (as is any slot outside the pool). One thread writes 16 bytes
+//                       of k and the same 16 bytes of v. Pages of e4m3 take
+//                       round-to-nearest-even(x / scale[h]), saturated to +-448 (fp8.cuh), from
+//                       fp16, bf16 or fp32 tokens.
 //   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
 //                       a copy of page src: one launch for all pairs, 16-byte vectors.
-// Both take CacheParams (params.cuh).
+// Both take CacheParams (params.cuh). V may have its own head dim Dv: a thread's column covers
+// max(D, Dv), and it writes only the tensor (k or v) whose row reaches that column.
 #include "common.cuh"
 #include "fp8.cuh"
 #include "mma.cuh"
@@ -39,7 +41,7 @@ __device__ __forceinline__ void store_chunk(Tcache* dst, const T* src, const flo
   }
 }
 
-// grid.x covers N * Hk * D / (16 / sizeof(Tcache)) chunks
+// grid.x covers N * Hk * max(D, Dv) / (16 / sizeof(Tcache)) chunks
 template <typename T, typename Tcache>
 __global__ void __launch_bounds__(kCacheThreads)
 cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
@@ -52,9 +54,10 @@ cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
   const i64 k_sn = p.k_sn, k_sh = p.k_sh, v_sn = p.v_sn, v_sh = p.v_sh;
   const i64 kp_sp = p.kp_sp, kp_ss = p.kp_ss, kp_sh = p.kp_sh, vp_sp = p.vp_sp, vp_ss = p.vp_ss, vp_sh = p.vp_sh;
   const int num_tokens = p.num_tokens, num_kv_heads = p.num_kv_heads, head_dim = p.head_dim;
+  const int head_dim_v = p.head_dim_v;
   const int block_size = p.block_size, num_blocks = p.num_blocks;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(Tcache);
-  const int chunks_per_row = head_dim / kElemsPerChunk;
+  const int chunks_per_row = max(head_dim, head_dim_v) / kElemsPerChunk;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<i64>(num_tokens) * num_kv_heads * chunks_per_row) return;
   const int col = static_cast<int>(idx % chunks_per_row) * kElemsPerChunk;
@@ -63,11 +66,15 @@ cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
   const int slot = slot_ids != nullptr ? slot_ids[n] : n;  // no slot ids: token n into slot n
   if (slot < 0 || slot >= num_blocks * block_size) return;  // padding
   const int page = slot / block_size, offset = slot % block_size;
-  store_chunk(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col, k + n * k_sn + h * k_sh + col, p.k_scale, h);
-  store_chunk(v_pages + page * vp_sp + offset * vp_ss + h * vp_sh + col, v + n * v_sn + h * v_sh + col, p.v_scale, h);
+  if (col < head_dim) {
+    store_chunk(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col, k + n * k_sn + h * k_sh + col, p.k_scale, h);
+  }
+  if (col < head_dim_v) {
+    store_chunk(v_pages + page * vp_sp + offset * vp_ss + h * vp_sh + col, v + n * v_sn + h * v_sh + col, p.v_scale, h);
+  }
 }
 
-// grid: x = pair, y covers one page's block_size * Hk * D / (16 / sizeof(T)) chunks
+// grid: x = pair, y covers one page's block_size * Hk * max(D, Dv) / (16 / sizeof(T)) chunks
 template <typename T>
 __global__ void __launch_bounds__(kCacheThreads)
 copy_blocks_kernel(const __grid_constant__ CacheParams<T, T> p) {
@@ -76,18 +83,23 @@ copy_blocks_kernel(const __grid_constant__ CacheParams<T, T> p) {
   const int* __restrict__ pairs = p.pairs;
   const i64 kp_sp = p.kp_sp, kp_ss = p.kp_ss, kp_sh = p.kp_sh, vp_sp = p.vp_sp, vp_ss = p.vp_ss, vp_sh = p.vp_sh;
   const int block_size = p.block_size, num_kv_heads = p.num_kv_heads, head_dim = p.head_dim;
+  const int head_dim_v = p.head_dim_v;
   constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
-  const int chunks_per_row = head_dim / kElemsPerChunk;
+  const int chunks_per_row = max(head_dim, head_dim_v) / kElemsPerChunk;
   const int idx = blockIdx.y * blockDim.x + threadIdx.x;
   if (idx >= block_size * num_kv_heads * chunks_per_row) return;
   const int col = (idx % chunks_per_row) * kElemsPerChunk;
   const int h = (idx / chunks_per_row) % num_kv_heads;
   const int offset = idx / (chunks_per_row * num_kv_heads);
   const i64 src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
-  *reinterpret_cast<uint4*>(k_pages + dst * kp_sp + offset * kp_ss + h * kp_sh + col) =
-      *reinterpret_cast<const uint4*>(k_pages + src * kp_sp + offset * kp_ss + h * kp_sh + col);
-  *reinterpret_cast<uint4*>(v_pages + dst * vp_sp + offset * vp_ss + h * vp_sh + col) =
-      *reinterpret_cast<const uint4*>(v_pages + src * vp_sp + offset * vp_ss + h * vp_sh + col);
+  if (col < head_dim) {
+    *reinterpret_cast<uint4*>(k_pages + dst * kp_sp + offset * kp_ss + h * kp_sh + col) =
+        *reinterpret_cast<const uint4*>(k_pages + src * kp_sp + offset * kp_ss + h * kp_sh + col);
+  }
+  if (col < head_dim_v) {
+    *reinterpret_cast<uint4*>(v_pages + dst * vp_sp + offset * vp_ss + h * vp_sh + col) =
+        *reinterpret_cast<const uint4*>(v_pages + src * vp_sp + offset * vp_ss + h * vp_sh + col);
+  }
 }
 
 }  // namespace cuattn

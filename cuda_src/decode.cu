@@ -11,10 +11,11 @@
 //                   split-KV combine.
 //
 // Layouts (element strides in DecodeParams and CombineParams, params.cuh; last axis contiguous):
-//   q              [B, Sq_new, Hq, D]         out  [B, Sq_new, Hq, D]   lse [B, Hq, Sq_new] fp32
-//   contiguous KV  k, v [B, S_max, Hk, D]     cache_seqlens [B] int32
-//   paged KV       k, v [num_blocks, block_size, Hk, D]   block_table [B, max_blocks] int32
-//   partials       part_out [splits, B, Sq_new, Hq, D] fp32, part_lse [splits, B, Hq, Sq_new] fp32
+//   q              [B, Sq_new, Hq, D]         out  [B, Sq_new, Hq, Dv]  lse [B, Hq, Sq_new] fp32
+//   contiguous KV  k [B, S_max, Hk, D], v [B, S_max, Hk, Dv]            cache_seqlens [B] int32
+//   paged KV       k [num_blocks, block_size, Hk, D], v [..., Dv]       block_table [B, max_blocks] int32
+//   partials       part_out [splits, B, Sq_new, Hq, Dv] fp32, part_lse [splits, B, Hq, Sq_new] fp32
+// D is q's and k's head dim, Dv v's (equal for most models; DeepSeek's MLA has D = 192, Dv = 128).
 //
 // K and V hold q's type, or e4m3 bytes (Tkv = e4m3, fp8.cuh) with descales per tensor or kv head:
 // the stage ring then holds bytes and each warp widens its fragments in registers (K to q's type,
@@ -23,10 +24,13 @@
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.
 //
-// Head dim: a kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim <=
-// HEAD_DIM whose rows are whole 16-byte copies (a multiple of 8 elements, of 16 for e4m3): the
-// columns past D are zero-filled in Q, K and V (not read from memory), add nothing to the scores,
-// and their output columns are not stored. Partial outputs are D wide.
+// Head dims: a kernel is instantiated for a tile head dim HEAD_DIM and runs any D = p.head_dim and
+// Dv = p.head_dim_v up to HEAD_DIM (the host picks the tile of max(D, Dv)) whose rows are whole
+// 16-byte copies (a multiple of 8 elements, of 16 for e4m3). Both GEMMs run over the whole tile
+// and the columns past each tensor's own head dim are zero-filled in shared memory (never read
+// from memory), which is exact: a Q or K column past D is zero in both operands of Q K^T, so each
+// score is the sum over D columns alone; a V column past Dv is zero, so P V gives 0 in that
+// output column, which is never stored. Partial outputs are Dv wide.
 #include "attention_tile.cuh"
 #include "fp8.cuh"
 #include "params.cuh"
@@ -59,12 +63,13 @@ struct StageCopy {
 
 // Where tokens j0 .. j0 + RUN - 1 of the CTA's sequence and kv head live. A policy splits the
 // lookup in two: `locate(j0, stop)` (any global reads it needs, issued one pipeline stage ahead
-// so their latency hides behind the GEMMs) and `for_each_row(cursor, j0, stop, col, copy)`
+// so their latency hides behind the GEMMs) and `for_each_row(cursor, j0, stop, k_col, v_col, copy)`
 // (arithmetic only, unless pages are shorter than a run), which calls copy(i, k_row, v_row) with
-// the addresses of column `col` of row i. Rows at or past `stop` are not read, but still get an
-// address inside the cache, so that copy() needs no select per row.
+// the addresses of column `k_col` of row i of K and column `v_col` of V (two columns: K and V may
+// have different head dims). Rows at or past `stop` are not read, but still get an address inside
+// the cache, so that copy() needs no select per row.
 
-// A contiguous cache [B, S_max, Hk, D]: nothing to look up.
+// A contiguous cache k [B, S_max, Hk, D], v [B, S_max, Hk, Dv]: nothing to look up.
 template <typename T, int RUN>
 struct ContiguousKV {
   struct Cursor {};
@@ -75,11 +80,11 @@ struct ContiguousKV {
   __device__ __forceinline__ Cursor locate(int, int) const { return Cursor{}; }
 
   template <class Copy>
-  __device__ __forceinline__ void for_each_row(Cursor, int j0, int stop, int col, Copy&& copy) const {
+  __device__ __forceinline__ void for_each_row(Cursor, int j0, int stop, int k_col, int v_col, Copy&& copy) const {
     if (j0 + RUN <= stop) {
       // a whole run: one address computation, then a row stride per row
-      const T* k_row = k + j0 * k_row_stride + col;
-      const T* v_row = v + j0 * v_row_stride + col;
+      const T* k_row = k + j0 * k_row_stride + k_col;
+      const T* v_row = v + j0 * v_row_stride + v_col;
 #pragma unroll
       for (int i = 0; i < RUN; ++i, k_row += k_row_stride, v_row += v_row_stride) copy(i, k_row, v_row);
       return;
@@ -88,7 +93,7 @@ struct ContiguousKV {
 #pragma unroll
     for (int i = 0; i < RUN; ++i) {
       const int j = min(j0 + i, stop - 1);
-      copy(i, k + j * k_row_stride + col, v + j * v_row_stride + col);
+      copy(i, k + j * k_row_stride + k_col, v + j * v_row_stride + v_col);
     }
   }
 };
@@ -105,7 +110,7 @@ struct PagedKV {
     int slot;       // j0 % block_size
   };
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
-  const T* v;
+  const T* v;  // [num_blocks, block_size, Hk, Dv]
   // element strides of a page and of a slot; the host checks they fit in 32 bits, so each
   // offset is one 32 x 32 -> 64-bit multiply-add
   int k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
@@ -122,22 +127,24 @@ struct PagedKV {
     return Cursor{table[index], spills ? table[index + 1] : 0, slot};
   }
 
-  // Column `col` of a slot. Ids outside the pool are refused on the host; clamping here keeps an
-  // unchecked table from reading outside the pool.
-  __device__ __forceinline__ void address(int page, int slot, int col, const T*& k_row, const T*& v_row) const {
+  // Columns `k_col` of K and `v_col` of V of a slot. Ids outside the pool are refused on the host;
+  // clamping here keeps an unchecked table from reading outside the pool.
+  __device__ __forceinline__ void address(int page, int slot, int k_col, int v_col, const T*& k_row,
+                                          const T*& v_row) const {
     const i64 p = min(max(page, 0), num_blocks - 1);
-    k_row = k + (p * k_page_stride + slot * k_slot_stride + col);
-    v_row = v + (p * v_page_stride + slot * v_slot_stride + col);
+    k_row = k + (p * k_page_stride + slot * k_slot_stride + k_col);
+    v_row = v + (p * v_page_stride + slot * v_slot_stride + v_col);
   }
 
   template <class Copy>
-  __device__ __forceinline__ void for_each_row(const Cursor& c, int j0, int stop, int col, Copy&& copy) const {
+  __device__ __forceinline__ void for_each_row(const Cursor& c, int j0, int stop, int k_col, int v_col,
+                                               Copy&& copy) const {
     if (c.slot + RUN <= block_size.divisor) {
       // the whole run in one page (rows past `stop` included): one address computation, then a
       // slot stride per row
       const T* k_row;
       const T* v_row;
-      address(c.page, c.slot, col, k_row, v_row);
+      address(c.page, c.slot, k_col, v_col, k_row, v_row);
 #pragma unroll
       for (int i = 0; i < RUN; ++i, k_row += k_slot_stride, v_row += v_slot_stride) copy(i, k_row, v_row);
       return;
@@ -160,14 +167,15 @@ struct PagedKV {
       }
       const T* k_row;
       const T* v_row;
-      address(page, slot, col, k_row, v_row);
+      address(page, slot, k_col, v_col, k_row, v_row);
       copy(i, k_row, v_row);
     }
   }
 };
 
-// Rows of a K/V stage in shared memory: HEAD_DIM elements and 16 bytes of padding, so that the 8
-// rows one ldmatrix phase reads start in 8 different bank groups, for 2-byte and 1-byte elements.
+// Rows of a K/V stage in shared memory: HEAD_DIM elements (K's D and V's Dv both fit) and 16
+// bytes of padding, so that the 8 rows one ldmatrix phase reads start in 8 different bank groups,
+// for 2-byte and 1-byte elements.
 template <typename Tkv, int HEAD_DIM>
 struct KvRow {
   static constexpr int kStride = HEAD_DIM + kCopyBytes / sizeof(Tkv);
@@ -182,11 +190,11 @@ __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0
 }
 
 // One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
-// or past `stop` and columns at or past `head_dim` zero-filled (never stale: 0 * NaN would poison
-// the accumulator).
+// or past `stop`, K's columns at or past `head_dim` and V's at or past `head_dim_v` zero-filled
+// (never stale: 0 * NaN would poison the accumulator).
 template <typename Tkv, int HEAD_DIM, class KV>
 __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop, int head_dim,
-                                              const typename KV::Cursor& cursor) {
+                                              int head_dim_v, const typename KV::Cursor& cursor) {
   using Copy = StageCopy<Tkv, HEAD_DIM>;
   constexpr int kStride = KvRow<Tkv, HEAD_DIM>::kStride;
   if (!Copy::active()) return;
@@ -194,14 +202,16 @@ __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, in
   const int j0 = n0 + Copy::first_row();
   Tkv* k_dst = sK + Copy::first_row() * kStride + col;
   Tkv* v_dst = sV + Copy::first_row() * kStride + col;
-  // a thread past the head dim only zero-fills, as for a run past the end
-  const int valid_rows = col < head_dim ? stop - j0 : 0;
+  // a thread past a tensor's head dim only zero-fills that tensor's rows, as for a run past the
+  // end, from column 0 of its rows (an address inside the cache, never read)
+  const int k_rows = col < head_dim ? stop - j0 : 0;
+  const int v_rows = col < head_dim_v ? stop - j0 : 0;
   const auto copy = [&](int i, const Tkv* k_row, const Tkv* v_row) {
-    cp_async_16(k_dst + i * kStride, k_row, i < valid_rows);
-    cp_async_16(v_dst + i * kStride, v_row, i < valid_rows);
+    cp_async_16(k_dst + i * kStride, k_row, i < k_rows);
+    cp_async_16(v_dst + i * kStride, v_row, i < v_rows);
   };
-  if (valid_rows > 0) {
-    kv.for_each_row(cursor, j0, stop, col, copy);
+  if (k_rows > 0 || v_rows > 0) {
+    kv.for_each_row(cursor, j0, stop, col < head_dim ? col : 0, col < head_dim_v ? col : 0, copy);
   } else {
     // a run wholly past the end: zero its rows without a lookup
 #pragma unroll
@@ -234,7 +244,8 @@ struct DecodeArgs {
   const float* sinks;  // at head h0: [G] attention-sink logits of the group's heads, or null
   float v_descale;     // the kv head's v descale (e4m3 caches; 1 otherwise): multiplies the output
   const float* alibi_slopes;  // at (b, h0): [G] ALiBi slopes of the group's heads, or null
-  int head_dim;               // D <= HEAD_DIM
+  int head_dim;               // D <= HEAD_DIM, of q and k
+  int head_dim_v;             // Dv <= HEAD_DIM, of v and the output
 };
 
 // Column c (0 or 1) of lane quad position tq in n8 tile dt of the output accumulator: which head
@@ -255,9 +266,9 @@ template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
-    T* out, i64 o_row_stride, i64 o_head_stride,  // at (b, 0, hk * G); final output (one split)
+    T* out, i64 o_row_stride, i64 o_head_stride,  // at (b, 0, hk * G); final output (one split), Dv wide
     float* lse, i64 lse_head_stride,              // at (b, hk * G, 0); may be null
-    float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G)
+    float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G), Dv wide
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
   using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
   using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
@@ -280,7 +291,7 @@ __device__ __forceinline__ void decode_body(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
   Tkv* sRing = reinterpret_cast<Tkv*>(smem_raw + Smem::kQ);       // [STAGES][2][kDecodeBlockN, D + pad]
-  float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, D] (after the ring drains)
+  float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, HEAD_DIM] (after the ring drains)
   float* sMergeM = sMergeO + kDecodeWarps * kRows * HEAD_DIM;      // [warps, kRows]
   float* sMergeL = sMergeM + kDecodeWarps * kRows;                 // [warps, kRows]
 
@@ -326,7 +337,7 @@ __device__ __forceinline__ void decode_body(
       Tkv* sK = sRing + (2 * st) * kDecodeBlockN * kKvStride;
       const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
       load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + st * kDecodeBlockN, stop, a.head_dim,
-                                   first);
+                                   a.head_dim_v, first);
     }
     cp_async_commit();
   }
@@ -388,7 +399,7 @@ __device__ __forceinline__ void decode_body(
     if (t_next < num_blocks) {
       Tkv* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kKvStride;
       load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + t_next * kDecodeBlockN, stop,
-                                   a.head_dim, cursor);
+                                   a.head_dim, a.head_dim_v, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
       if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
@@ -500,7 +511,8 @@ __device__ __forceinline__ void decode_body(
     const int row = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const int r = a.row_base + row;
-    if (r >= a.rows || d >= a.head_dim) continue;
+    // output columns past Dv hold P times V's zero columns: not part of the output
+    if (r >= a.rows || d >= a.head_dim_v) continue;
     SoftmaxState merged{sMergeM[row], sMergeL[row]};
     float value = sMergeO[row * HEAD_DIM + d];
 #pragma unroll
@@ -540,7 +552,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_cache = p.k;      // [B, S_max, Hk, D]
-  const Tkv* __restrict__ v_cache = p.v;      // [B, S_max, Hk, D]
+  const Tkv* __restrict__ v_cache = p.v;      // [B, S_max, Hk, Dv]
   const int* __restrict__ cache_seqlens = p.lens;  // [B]
   T* __restrict__ out = p.out;
   float* __restrict__ lse = p.lse;
@@ -563,13 +575,14 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
-                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim};
-  // partials are contiguous: [splits, B, Sq_new, Hq, D] and [splits, B, Hq, Sq_new], D = p.head_dim
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
+  // partials are contiguous: [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new], Dv = p.head_dim_v
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
-      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim, static_cast<i64>(num_heads) * p.head_dim, p.head_dim,
+      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
+      p.head_dim_v,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
 }
 
@@ -579,7 +592,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_pages = p.k;      // [num_blocks, block_size, Hk, D]
-  const Tkv* __restrict__ v_pages = p.v;      // [num_blocks, block_size, Hk, D]
+  const Tkv* __restrict__ v_pages = p.v;      // [num_blocks, block_size, Hk, Dv]
   const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
   const int* __restrict__ seq_lens = p.lens;  // [B]
   T* __restrict__ out = p.out;
@@ -608,12 +621,13 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
-                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim};
+                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
   decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
-      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim, static_cast<i64>(num_heads) * p.head_dim, p.head_dim,
+      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
+      p.head_dim_v,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
 }
 

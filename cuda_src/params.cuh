@@ -173,19 +173,20 @@ struct BwdParams {
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages
 // [num_blocks, block_size, Hk, D] through block_table, of T or of e4m3 (Tkv) with descales:
-// real value = stored x k_descale x k_scale[hk * k_scale_stride] (likewise v).
+// real value = stored x k_descale x k_scale[hk * k_scale_stride] (likewise v). D is q's and k's
+// head dim, Dv v's (DeepSeek-style caches have Dv < D); the output and the partials are Dv wide.
 template <typename T, typename Tkv>
 struct DecodeParams {
   const T* q;              // [B, Sq_new, Hq, D]
   const Tkv* k;            // [B, S_max, Hk, D] | [num_blocks, block_size, Hk, D]
-  const Tkv* v;            // as k
+  const Tkv* v;            // [B, S_max, Hk, Dv] | [num_blocks, block_size, Hk, Dv]
   const float* k_scale;    // [Hk] (stride 1) or [1] (stride 0) device descale, or null
   const float* v_scale;    // as k_scale
   const int* lens;         // [B] keys per sequence (cache_seqlens / seq_lens)
   const int* block_table;  // [B, max_blocks] (paged), or null
-  T* out;                  // [B, Sq_new, Hq, D]
+  T* out;                  // [B, Sq_new, Hq, Dv]
   float* lse;              // [B, Hq, Sq_new], or null
-  float* part_out;         // [splits, B, Sq_new, Hq, D] (splits > 1)
+  float* part_out;         // [splits, B, Sq_new, Hq, Dv] (splits > 1)
   float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
   const float* sinks;      // [Hq] attention-sink logits, or null (the combine adds them when splits > 1)
   float k_descale;         // a host descale (1 for 2-byte caches), times k_scale[hk] when that is given
@@ -225,10 +226,12 @@ struct DecodeParams {
   int window_left;
   int window_right;
   int head_dim;            // D, a multiple of 8 up to the kernel's HEAD_DIM (of 16 with an e4m3 cache)
+  int head_dim_v;          // Dv, the same rules as D
 };
 
 // Exact merge of split or partial states (decode.cu): parts [P, B, S, H, D] with lse [P, B, H, S]
-// into out [B, S, H, D] and lse_out [B, H, S].
+// into out [B, S, H, D] and lse_out [B, H, S]. D is the parts' own head dim (for split decode,
+// v's head dim Dv).
 template <typename Tin, typename Tout>
 struct CombineParams {
   const Tin* parts;        // [P, B, S, H, D]
@@ -259,14 +262,15 @@ struct CombineParams {
 
 // Paged-cache writes and copy-on-write copies (cache_ops.cu). New tokens of T into pages of
 // Tcache: the same type, or e4m3, quantised as round(x / scale[h]) with a float32 scale per kv head.
+// D is k's head dim, Dv v's.
 template <typename T, typename Tcache>
 struct CacheParams {
   const T* k;              // [N, Hk, D] new tokens (write)
-  const T* v;              // [N, Hk, D]
+  const T* v;              // [N, Hk, Dv]
   const int* slot_ids;     // [N] (write)
   const int* pairs;        // [P, 2] (src, dst) pages (copy)
   Tcache* k_pages;         // [num_blocks, block_size, Hk, D]
-  Tcache* v_pages;         // [num_blocks, block_size, Hk, D]
+  Tcache* v_pages;         // [num_blocks, block_size, Hk, Dv]
   const float* k_scale;    // [Hk] (an e4m3 cache's write), or null
   const float* v_scale;    // [Hk]
   i64 k_sn;
@@ -281,7 +285,8 @@ struct CacheParams {
   i64 vp_sh;
   int num_tokens;
   int num_kv_heads;
-  int head_dim;
+  int head_dim;            // D, a multiple of the elements in 16 bytes of Tcache
+  int head_dim_v;          // Dv, the same rule
   int block_size;
   int num_blocks;
 };
