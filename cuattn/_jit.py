@@ -466,6 +466,17 @@ def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None 
     function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=smem, stream=stream)
 
 
+def launch_params(spec: KernelSpec, grid, params: np.void, *, stream=None) -> None:
+    """Launch a variant once with the packed struct ``params`` as its only argument, through the
+    driver (cuLaunchKernel copies the struct when called): for calls that pack a struct per launch
+    and keep no :class:`Launch` (the backward)."""
+    function = _loaded_function(spec, current_device())
+    buffer = np.frombuffer(params.tobytes(), np.uint64)  # 8-byte aligned, as the struct's pointers need
+    args = np.array([buffer.ctypes.data], np.uint64)  # void*[1]: the struct's address
+    _driver().launchKernel(function.kernel.ptr, *(int(g) for g in grid), spec.threads, 1, 1, spec.smem_bytes,
+                           stream_ptr(stream), args.ctypes.data, 0)
+
+
 class Launch:
     """One kernel launch made ready: the function, its geometry and its parameter struct.
 

@@ -337,15 +337,6 @@ def _out_shape(q, v) -> tuple:
     return (*map(int, q.shape[:-1]), int(v.shape[-1]))
 
 
-# DV-BWD-GUARD: temporary, until the GPU backward takes Dv != D
-def _check_dv_backward(q, v) -> None:
-    """Refuse Dv != D in the backward on the GPU, which runs one head dim for q, k and v so far."""
-    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
-    if head_dim_v != head_dim:
-        raise ValueError(f"v.shape[-1] (head_dim_v) = {head_dim_v} differs from q.shape[-1] (head_dim) = "
-                         f"{head_dim}: Dv != Dqk backward on the GPU is not built yet")
-
-
 def _check_dtypes(q, k, v, host: bool) -> None:
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
 
@@ -1119,17 +1110,20 @@ def bwd_tile_dim(head_dim: int) -> int:
     return _arrays.tile_head_dim(head_dim, BWD_TILES)
 
 
-def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False) -> BwdTile:
+def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False,
+             head_dim_v: int | None = None) -> BwdTile:
     """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``deterministic`` and
     ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions for
     deterministic=True where BWD_ORDERED_HEAD_DIMS says (1.15-1.22x faster than
     flash_bwd_dq_kernel at D = 128 on the H200, 4-7% slower at D = 64) but float4 atomics otherwise (there the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by
     bulk reductions"), and the earlier path where deterministic ALiBi would spill
     (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
-    to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column)."""
-    tile_dim = bwd_tile_dim(head_dim)
+    to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column), and so
+    does a v head dim ``head_dim_v`` of its own (the tile is then that of the larger one)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
     tile = BWD_TILES[tile_dim][arch_family(arch)]
-    if tile.wgmma and tile_dim != head_dim:
+    if tile.wgmma and (tile_dim != head_dim or head_dim_v != head_dim):
         return BWD_TILES[tile_dim][SM80]
     ordered = deterministic and head_dim in BWD_ORDERED_HEAD_DIMS
     if tile.bulk_dq and (not ordered or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
@@ -1199,10 +1193,13 @@ def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     return sorted(specs, key=lambda spec: spec.name)
 
 
-def _check_bwd_args(dout, out, lse, q, lse_shape: tuple, host: bool) -> None:
+def _check_bwd_args(dout, out, lse, q, v, lse_shape: tuple, host: bool) -> None:
+    """dout and out: the forward output's shape (q's, with v's head dim Dv last), lse: the forward's."""
+    same = int(v.shape[-1]) == int(q.shape[-1])
     for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name}.shape must equal q.shape = {tuple(q.shape)}, got {tuple(x.shape)}")
+        if tuple(x.shape) != _out_shape(q, v):
+            expected = "q.shape" if same else "q.shape[:-1] + v.shape[-1:] (v's head dim Dv last)"
+            raise ValueError(f"{name}.shape must equal {expected} = {_out_shape(q, v)}, got {tuple(x.shape)}")
     if tuple(lse.shape) != lse_shape:
         raise ValueError(f"lse.shape must be {lse_shape} (the forward's lse), got {tuple(lse.shape)}")
     _arrays.check_same_dtype("dout", dout, "q", q)
@@ -1234,11 +1231,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                                alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=False)
-        if not ctx.on_host:
-            _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         _check_dtypes(qv, kv, vv, ctx.on_host)
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
-        _check_bwd_args(dov, ov, lv, qv, (batch, num_heads, seqlen_q), ctx.on_host)
+        _check_bwd_args(dov, ov, lv, qv, vv, (batch, num_heads, seqlen_q), ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, batch, num_heads, ctx.on_host, qv)
@@ -1272,11 +1267,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (
             ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
         _check_qkv(qv, kv, vv, packed=True)
-        if not ctx.on_host:
-            _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)
-        _check_bwd_args(dov, ov, lv, qv, (num_heads, total_q), ctx.on_host)
+        _check_bwd_args(dov, ov, lv, qv, vv, (num_heads, total_q), ctx.on_host)
         _check_varlen_args(cuq, cuk, max_seqlen_q, max_seqlen_k, qv, kv, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
@@ -1315,7 +1308,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
 
     varlen = cu_seqlens_q is not None
     rows_q, num_heads, head_dim = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
-    num_kv_heads = int(k.shape[2])
+    num_kv_heads, head_dim_v = int(k.shape[2]), int(v.shape[3])
     stream = ctx.stream
 
     def zeros(shape, dtype):
@@ -1327,7 +1320,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = zeros if varlen else ctx.empty
-    tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None)
+    tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None, head_dim_v)
 
     def gradient(index, like, make):
         if grads is None:
@@ -1348,7 +1341,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    pre, main, last = bwd_specs(np.dtype(q.dtype), bwd_tile_dim(head_dim), tile, deterministic, alibi[0] is not None)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), bwd_tile_dim(max(head_dim, head_dim_v)), tile, deterministic,
+                                alibi[0] is not None)
     lse = cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
@@ -1392,13 +1386,13 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         rows_q=rows_q, score_scale=score_scale, softcap_out=softcap_out,
         softmax_scale=1.0 / np.sqrt(head_dim) if scale is None else float(scale), window_left=left,
-        window_right=right, head_dim=head_dim,
+        window_right=right, head_dim=head_dim, head_dim_v=head_dim_v,
         # ordered dQ ranks descend where the right window side is bounded (causal): see flash_bwd.cu
         dq_descending=int(causal or window[1] >= 0),
     )
 
     def run(spec, grid):
-        _jit.prepare(spec, grid, params).run(_jit.stream_ptr(stream))
+        _jit.launch_params(spec, grid, params, stream=stream)
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     views = int(q.shape[0])

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _arrays, _masks, reference
-from .attention import (_check_dv_backward, _check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
+from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
                         check_prefix_sums)
 from .decode import _check_num_splits, check_decode_args, launch_decode
 from .paged import MAX_BLOCK_SIZE
@@ -353,7 +353,6 @@ def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout
     ranks = (_DENSE,) * 5 + (_LSE,) + (_VECTOR,) * len(sinks) + (_DENSE,) * 3 + (_VECTOR,) * len(sinks)
     with _xla_stream(ctx, buffers, ranks) as (stream, views):
         dov, qv, kv, vv, ov, lv = views[:6]
-        _check_dv_backward(qv, vv)  # DV-BWD-GUARD
         sv = views[6] if sinks else None
         dq, dk, dv = views[6 + len(sinks):9 + len(sinks)]
         _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
@@ -416,8 +415,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     Args:
         q: ``(B, Sq, Hq, D)`` float16 or bfloat16.
         k, v: ``(B, Sk, Hk, D)``, q's dtype; ``Hq % Hk == 0`` (MHA, GQA, MQA). v may have its own
-            head dim Dv, ``(B, Sk, Hk, Dv)``, as in :func:`cuattn.attention` (its backward on the
-            GPU is not built yet).
+            head dim Dv, ``(B, Sk, Hk, Dv)``, as in :func:`cuattn.attention`.
         causal, scale, window, softcap: as in :func:`cuattn.attention` (Python values).
         sinks: optional float32 ``(Hq,)`` attention-sink logits, as in :func:`cuattn.attention`;
             differentiable (their gradient is ``dsinks`` of :func:`cuattn.attention_backward`).

@@ -113,10 +113,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
                             for x in (k_scale, v_scale))
         lengths = np.diff(cu.astype(np.int64))
         prefill = np.zeros(lengths.shape, bool)
-        # DV-PAGED-FWD-GUARD: the paged forward (FwdParams) does not take a value head dim of its own
-        # yet, so Dv != D sends every sequence through the decode runs, as e4m3 pages do; drop the
-        # head-dim condition once it does.
-        if not ctx.on_host and not _arrays.is_e4m3(kv) and head_dim_v == head_dim:
+        # long query runs take the paged forward (2-byte pages, any Dv); e4m3 pages run as decode rows
+        if not ctx.on_host and not _arrays.is_e4m3(kv):
             prefill = lengths >= PREFILL_MIN_QUERIES
         options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
         if prefill.any():

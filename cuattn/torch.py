@@ -97,7 +97,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
 
     v may have its own head dim Dv (``(B, Sk, Hk, Dv)``, out ``(B, Sq, Hq, Dv)``; the default scale
-    stays ``1 / sqrt(D)``); the backward of such a call on the GPU is not built yet.
+    stays ``1 / sqrt(D)``).
 
     ``sinks``: optional float32 ``(Hq,)`` attention-sink logits, differentiated too (a learnable
     per-head parameter). ``alibi_slopes``: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes, a

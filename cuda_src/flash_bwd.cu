@@ -32,14 +32,17 @@
 //
 // Every kernel takes one BwdParams (params.cuh), filled once per call. Layouts (element strides
 // in the struct; the last axis is contiguous):
-//   q, out, dout, dq   [B, Sq, Hq, D]    k, v, dk, dv [B, Sk, Hk, D]    lse, delta [B, Hq, Sq]
+//   q, dq [B, Sq, Hq, D]   out, dout [B, Sq, Hq, Dv]   k, dk [B, Sk, Hk, D]   v, dv [B, Sk, Hk, Dv]
+//   lse, delta [B, Hq, Sq]
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
 //                      kernel's bulk dQ: tiles of BLOCK_M x D, see BwdSm90Smem
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
-// Head dim: the mma.sync kernels (main and deterministic dQ) are instantiated for a tile head dim
-// HEAD_DIM and take D = BwdParams::head_dim <= HEAD_DIM, a multiple of 8, as
-// flash_fwd.cu does: columns D .. HEAD_DIM of Q, K, V, dO are zero in shared memory, so they add
-// nothing to S and dP and give dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
+// Head dims: the mma.sync kernels (main and deterministic dQ) are instantiated for a tile head dim
+// HEAD_DIM and take D = BwdParams::head_dim (q, k, dq, dk) and Dv = BwdParams::head_dim_v (v, out,
+// dout, dv), both multiples of 8 up to HEAD_DIM, as flash_fwd.cu does: columns D .. HEAD_DIM of Q
+// and K and Dv .. HEAD_DIM of V and dO are zero in shared memory, so they add nothing to S (Q K^T)
+// and dP (dO V^T) and give dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
+// flash_bwd_sm90_kernel runs D = Dv = its tile only.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "params.cuh"
@@ -133,7 +136,7 @@ bwd_preprocess_kernel(const BwdParams<T> p) {
   const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
   const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
   float acc = 0.f;
-  for (int d = lane; d < p.head_dim; d += kWarpSize) acc += DType<T>::to_float(out[d]) * DType<T>::to_float(dout[d]);
+  for (int d = lane; d < p.head_dim_v; d += kWarpSize) acc += DType<T>::to_float(out[d]) * DType<T>::to_float(dout[d]);
   acc = warp_sum(acc);
   if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
 }
@@ -162,8 +165,10 @@ struct BwdProblem : SequenceRange {
   }
 
   // P = exp2(scaled (capped) score - lse2) for one element; lse2 = lse * log2(e), +inf on empty rows.
+  // SOFTCAP: softcap_out > 0 (a template flag, see with_tile_flags).
+  template <bool SOFTCAP>
   __device__ __forceinline__ float probability(float s, float lse2) const {
-    const float x = softcap_out > 0.f ? tanhf(s * score_scale) * softcap_out : s * score_scale;
+    const float x = SOFTCAP ? tanhf(s * score_scale) * softcap_out : s * score_scale;
     return exp2f(x - lse2);
   }
 
@@ -179,15 +184,38 @@ struct BwdProblem : SequenceRange {
   }
 
   // dS = P (dP - delta), times the softcap's derivative 1 - tanh^2 (tanh recovered from P).
+  template <bool SOFTCAP>
   __device__ __forceinline__ float score_grad(float p, float dp, float delta, float lse2) const {
     float grad = p * (dp - delta);
-    if (softcap_out > 0.f && p > 0.f) {
+    if (SOFTCAP && p > 0.f) {
       const float t = (__log2f(p) + lse2) / softcap_out;
       grad *= 1.f - t * t;
     }
     return grad;
   }
 };
+
+// A compile-time bool handed to a generic lambda.
+template <bool B>
+struct TileFlag {
+  static constexpr bool value = B;
+};
+
+// f(TileFlag<masked>, TileFlag<softcap>): the elementwise loops of a tile, instantiated once per
+// combination, so that tiles inside the mask skip its compares and calls without a softcap its
+// tanh. Both conditions are uniform across the CTA; left to the compiler, this unswitching
+// happened or not depending on the kernel's parameter list (without it the sm_90a kernel ran
+// 20-30% slower).
+template <class F>
+__device__ __forceinline__ void with_tile_flags(bool masked, bool softcap, F&& f) {
+  if (masked) {
+    if (softcap) f(TileFlag<true>{}, TileFlag<true>{});
+    else f(TileFlag<true>{}, TileFlag<false>{});
+  } else {
+    if (softcap) f(TileFlag<false>{}, TileFlag<true>{});
+    else f(TileFlag<false>{}, TileFlag<false>{});
+  }
+}
 
 // ALiBi slope of (b, h) in log2 units (unread without ALIBI).
 template <bool ALIBI>
@@ -268,7 +296,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
   bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK, k + b * p.k_sb + (pb.k_start + n0) * p.k_ss + hk * p.k_sh, p.k_ss,
                                                 pb.seqlen_k - n0, p.head_dim);
   bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV, v + b * p.v_sb + (pb.k_start + n0) * p.v_ss + hk * p.v_sh, p.v_ss,
-                                                pb.seqlen_k - n0, p.head_dim);
+                                                pb.seqlen_k - n0, p.head_dim_v);
 
   float dK[kKvKeys / 16][kKvCols / 8][4], dV[kKvKeys / 16][kKvCols / 8][4];  // fp32, this warp's tile
   zero(dK);
@@ -293,7 +321,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
   const i64 lse_sb = p.lse_sb;
   const i64 lse_sh = p.lse_sh;
   // Q, dO (cp.async) and lse, delta of step `step` into stage `stage`
-  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim);
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim), columns_v(p.head_dim_v);
   auto load_step = [&](int step, int stage) {
     const int h = hk * group + step / m_blocks;
     const int m0 = (m_block_begin + step % m_blocks) * BLOCK_M;
@@ -302,7 +330,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
                                                   columns.rows(pb.seqlen_q - m0), columns.limit());
     bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO + stage * BLOCK_M * kStride,
                                                   dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss,
-                                                  columns.rows(pb.seqlen_q - m0), columns.limit());
+                                                  columns_v.rows(pb.seqlen_q - m0), columns_v.limit());
     for (int i = threadIdx.x; i < BLOCK_M; i += kThreads) {
       const bool valid = m0 + i < pb.seqlen_q;
       const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
@@ -349,22 +377,28 @@ flash_bwd_kernel(const BwdParams<T> p) {
         s, sK, cQ, dp, sV, cdO, s_key0, s_query0, lane);
 
     // P^T and dS^T: mask only tiles that cross a boundary
-    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
     const float alibi2 = bwd_alibi2<ALIBI>(p.alibi_slopes, p.alibi_sb, b, h);
+    // (the mask in a copy of the loop of its own, the softcap tested per element: a copy per
+    // softcap case too spilled the atomic-dQ tile at D = 128 on sm_80)
+    const bool softcap = pb.softcap_out > 0.f;
+    with_tile_flags(pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N), false, [&](auto mask, auto) {
 #pragma unroll
-    for (int mt = 0; mt < kSKeys / 16; ++mt)
+      for (int mt = 0; mt < kSKeys / 16; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kSQueries / 8; ++nt)
+        for (int nt = 0; nt < kSQueries / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n0 + s_key0 + mt * 16 + g + (e / 2) * 8;
-          const int col = s_query0 + nt * 8 + 2 * tq + (e % 2);
-          const float lse2 = pb.alibi_lse2<ALIBI>(cLse[col], alibi2, m0 + col, key);
-          float p = pb.probability(s[mt][nt][e], lse2);
-          if (masked && !pb.visible(m0 + col, key)) p = 0.f;
-          s[mt][nt][e] = p;
-          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], cDelta[col], lse2);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int key = n0 + s_key0 + mt * 16 + g + (e / 2) * 8;
+            const int col = s_query0 + nt * 8 + 2 * tq + (e % 2);
+            const float lse2 = pb.alibi_lse2<ALIBI>(cLse[col], alibi2, m0 + col, key);
+            float prob = softcap ? pb.template probability<true>(s[mt][nt][e], lse2)
+                                 : pb.template probability<false>(s[mt][nt][e], lse2);
+            if (decltype(mask)::value && !pb.visible(m0 + col, key)) prob = 0.f;
+            s[mt][nt][e] = prob;
+            dp[mt][nt][e] = softcap ? pb.template score_grad<true>(prob, dp[mt][nt][e], cDelta[col], lse2)
+                                    : pb.template score_grad<false>(prob, dp[mt][nt][e], cDelta[col], lse2);
+          }
+    });
     store_tile<T, kSKeys / 16, kSQueries / 8, kPStride>(sP, s, s_key0, s_query0, lane);
     store_tile<T, kSKeys / 16, kSQueries / 8, kPStride>(sdS, dp, s_key0, s_query0, lane);
     __syncthreads();
@@ -420,9 +454,11 @@ flash_bwd_kernel(const BwdParams<T> p) {
       T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + kv_col0 + 2 * tq;
 #pragma unroll
       for (int nt = 0; nt < kKvCols / 8; ++nt) {
-        if (kv_col0 + nt * 8 >= p.head_dim) continue;
-        *reinterpret_cast<u32*>(dk_row + nt * 8) = DT::pack(dK[mt][nt][2 * r] * p.softmax_scale, dK[mt][nt][2 * r + 1] * p.softmax_scale);
-        *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
+        if (kv_col0 + nt * 8 < p.head_dim)
+          *reinterpret_cast<u32*>(dk_row + nt * 8) =
+              DT::pack(dK[mt][nt][2 * r] * p.softmax_scale, dK[mt][nt][2 * r + 1] * p.softmax_scale);
+        if (kv_col0 + nt * 8 < p.head_dim_v)
+          *reinterpret_cast<u32*>(dv_row + nt * 8) = DT::pack(dV[mt][nt][2 * r], dV[mt][nt][2 * r + 1]);
       }
     }
 }
@@ -751,7 +787,6 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
 
     // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary; packed into the
     // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
-    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
     const int key_row = n0 + key0 + wg_warp * 16 + g;
     // the fields the lambdas below read, as locals: a lambda that captured p by reference would
     // take the parameter's address and put the whole struct in local memory
@@ -764,14 +799,17 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
       return pb.alibi_lse2<ALIBI>(lse2[j][e % 2], bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h),
                                   m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2));
     };
+    const bool softcap = pb.softcap_out > 0.f;
+    with_tile_flags(pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N), softcap, [&](auto mask, auto cap) {
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j)
+      for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = pb.probability(s[4 * j + e], element_lse2(j, e));
-        if (masked && !pb.visible(m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2))) p = 0.f;
-        s[4 * j + e] = p;
-      }
+        for (int e = 0; e < 4; ++e) {
+          float prob = pb.template probability<decltype(cap)::value>(s[4 * j + e], element_lse2(j, e));
+          if (decltype(mask)::value && !pb.visible(m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2))) prob = 0.f;
+          s[4 * j + e] = prob;
+        }
+    });
     u32 pa[BLOCK_M / kWgmmaK][4];
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
@@ -787,11 +825,16 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
     wgmma_wait<0>();
     fence_registers(dp);
     u32 dsa[BLOCK_M / kWgmmaK][4];
+    // (the softcap test stays per element here: a copy of this loop per case spilled the bulk-dQ
+    // variant at D = 128)
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dp[4 * j + e] = pb.score_grad(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], element_lse2(j, e));
+      for (int e = 0; e < 4; ++e) {
+        const float lse2_e = element_lse2(j, e);
+        dp[4 * j + e] = softcap ? pb.template score_grad<true>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2_e)
+                                : pb.template score_grad<false>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2_e);
+      }
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
@@ -1003,7 +1046,7 @@ flash_bwd_dq_kernel(const BwdParams<T> p) {
   bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sQ, q + b * p.q_sb + (pb.q_start + m0) * p.q_ss + h * p.q_sh, p.q_ss,
                                                 pb.seqlen_q - m0, p.head_dim);
   bwd_load_rows<T, BLOCK_M, HEAD_DIM, kThreads>(sdO, dout + b * p.do_sb + (pb.q_start + m0) * p.do_ss + h * p.do_sh,
-                                                p.do_ss, pb.seqlen_q - m0, p.head_dim);
+                                                p.do_ss, pb.seqlen_q - m0, p.head_dim_v);
 
   const float alibi2 = bwd_alibi2<ALIBI>(p.alibi_slopes, p.alibi_sb, b, h);
   // lse2 and delta of this lane's rows g and g + 8 of each m16 tile
@@ -1033,7 +1076,7 @@ flash_bwd_dq_kernel(const BwdParams<T> p) {
   const i64 v_sb = p.v_sb;
   const i64 v_ss = p.v_ss;
   const i64 v_sh = p.v_sh;
-  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim);
+  const BwdColumns<T, HEAD_DIM, kThreads> columns(p.head_dim), columns_v(p.head_dim_v);
   auto load_kv = [&](int i, int stage) {
     const int n0 = (n_block_begin + i) * BLOCK_N;
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sK + stage * BLOCK_N * kStride,
@@ -1041,7 +1084,7 @@ flash_bwd_dq_kernel(const BwdParams<T> p) {
                                                   columns.rows(pb.seqlen_k - n0), columns.limit());
     bwd_load_rows<T, BLOCK_N, HEAD_DIM, kThreads>(sV + stage * BLOCK_N * kStride,
                                                   v + b * v_sb + (pb.k_start + n0) * v_ss + hk * v_sh, v_ss,
-                                                  columns.rows(pb.seqlen_k - n0), columns.limit());
+                                                  columns_v.rows(pb.seqlen_k - n0), columns_v.limit());
   };
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
@@ -1068,21 +1111,22 @@ flash_bwd_dq_kernel(const BwdParams<T> p) {
     zero(dp);
     warp_gemm_pair<T, kMT, kNT, HEAD_DIM, false, false, kStride, kStride>(s, sQ, cK, dp, sdO, cV, row0, 0, lane);
 
-    const bool masked = pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N);
+    with_tile_flags(pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N), pb.softcap_out > 0.f, [&](auto mask, auto cap) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2;
-          const int query = m0 + row0 + mt * 16 + g + 8 * r;
-          const int key = n0 + nt * 8 + 2 * tq + (e % 2);
-          const float lse2 = pb.alibi_lse2<ALIBI>(row_lse2[mt][r], alibi2, query, key);
-          float p = pb.probability(s[mt][nt][e], lse2);
-          if (masked && !pb.visible(query, key)) p = 0.f;
-          dp[mt][nt][e] = pb.score_grad(p, dp[mt][nt][e], row_delta[mt][r], lse2);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const int query = m0 + row0 + mt * 16 + g + 8 * r;
+            const int key = n0 + nt * 8 + 2 * tq + (e % 2);
+            const float lse2 = pb.alibi_lse2<ALIBI>(row_lse2[mt][r], alibi2, query, key);
+            float prob = pb.template probability<decltype(cap)::value>(s[mt][nt][e], lse2);
+            if (decltype(mask)::value && !pb.visible(query, key)) prob = 0.f;
+            dp[mt][nt][e] = pb.template score_grad<decltype(cap)::value>(prob, dp[mt][nt][e], row_delta[mt][r], lse2);
+          }
+    });
 
     // dQ += dS K: dS as A fragments straight from registers, K [key][d] as B
 #pragma unroll

@@ -110,16 +110,16 @@ template <typename T>
 struct BwdParams {
   const T* q;              // [B, Sq, Hq, D]
   const T* k;              // [B, Sk, Hk, D]
-  const T* v;              // [B, Sk, Hk, D]
-  const T* out;            // [B, Sq, Hq, D] the forward's output
-  const T* dout;           // [B, Sq, Hq, D]
+  const T* v;              // [B, Sk, Hk, Dv]
+  const T* out;            // [B, Sq, Hq, Dv] the forward's output
+  const T* dout;           // [B, Sq, Hq, Dv]
   const float* lse;        // [B, Hq, Sq] the forward's lse, natural log
   float* delta;            // [B, Hq, Sq] rowsum(dout * out), lse's layout
   float* dq_accum;         // atomic dQ: [B, Sq, Hq, D] fp32 contiguous; bulk dQ: [tiles, BLOCK_M * D]
                            // (flash_bwd.cu, above flash_bwd_sm90_kernel), or null (deterministic dQ kernel)
   T* dq;                   // [B, Sq, Hq, D]
   T* dk;                   // [B, Sk, Hk, D]
-  T* dv;                   // [B, Sk, Hk, D]
+  T* dv;                   // [B, Sk, Hk, Dv]
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
   const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_sb 0) ALiBi slopes, or null
@@ -166,8 +166,9 @@ struct BwdParams {
   float softmax_scale;     // dk = softmax_scale * dS^T Q, dq = softmax_scale * dS K
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
-  int head_dim;            // D, a multiple of 8 up to the mma.sync kernels' tile head dim (the
-                           // wgmma kernel runs only its tile's D)
+  int head_dim;            // D of q, k, dq, dk: a multiple of 8 up to the mma.sync kernels' tile head
+                           // dim (the wgmma kernel runs only its tile's D, with Dv = D)
+  int head_dim_v;          // Dv of v, out, dout, dv (a multiple of 8 up to the same tile)
   int dq_descending;       // ordered bulk dQ: 1 where ranks descend (a bounded right window side)
 };
 

@@ -5,9 +5,10 @@ flash_fwd_kernel in the tile of max(D, Dv), the smaller head dim zero-padded (ex
 the Hopper kernel takes D = Dv only. The default scale is 1 / sqrt(D) and lse does not depend on v.
 
 CPU tests: the NumPy path's shapes and values against a direct einsum, the reference's own
-consistency, the argument checks (the same on both paths) and the dispatchers' choices. GPU
-tests: the forward against the float64 reference under the tolerance rule (README, "Tests"),
-into NaN-poisoned outputs, dense and varlen with ragged odd lengths.
+consistency, the NumPy backward against central differences, the argument checks (the same on
+both paths) and the dispatchers' choices. GPU tests: the forward (2x rule, into NaN-poisoned
+outputs) and the backward (3x rule) against the float64 reference, dense and varlen with ragged
+odd lengths.
 """
 
 from __future__ import annotations
@@ -335,12 +336,103 @@ def test_k_and_v_as_column_slices_of_one_kv_tensor(rng):
     _check_out(rng, got.get(), ref, reference.naive_attention_lowp(q, k, v, causal=True, dtype=dtype), dtype)
 
 
+def _bwd_budgets(got, refs, naive, dtype, rng, label=""):
+    """dq, dk, dv against the float64 reference under the backward's 3x rule."""
+    for name, g, ref, low in zip(("dq", "dk", "dv"), got, refs, naive):
+        g = g.get().astype(np.float64)
+        assert g.shape == ref.shape, f"{label}{name}: shape {g.shape}, expected {ref.shape}"
+        assert np.isfinite(g).all(), f"{label}{name}: NaN or inf (seed {rng.seed})"
+        err = np.abs(g - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), dtype, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{label}{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.parametrize("d, dv", [(24, 16), (16, 24)], ids=["d24-dv16", "d16-dv24"])
+def test_numpy_backward_with_dv_is_the_forwards_gradient(rng, d, dv):
+    """The NumPy backward against central differences of the NumPy forward (float64), through a
+    random projection of out: dq, dk (D wide) and dv (Dv wide)."""
+    q, k, v = _qkv(rng, np.float64, (1, 3, 2, d), (1, 4, 1, d), dv)
+    dout = rng.standard_normal((1, 3, 2, dv))
+    out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    step = 1e-6
+    for which, grad in enumerate(grads):
+        x = (q, k, v)[which]
+        for index in [(0, 0, 0, 0), (0, 2, 0, x.shape[-1] - 1), (0, 1, x.shape[2] - 1, x.shape[-1] // 2)]:
+            sums = []
+            for sign in (1, -1):
+                moved = [q, k, v]
+                moved[which] = x.copy()
+                moved[which][index] += sign * step
+                sums.append(np.sum(cuattn.attention(*moved, causal=True) * dout))
+            np.testing.assert_allclose(grad[index], (sums[0] - sums[1]) / (2 * step), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 128)], ids=["d192-dv128", "d64-dv128"])
+def test_backward_refuses_a_dout_of_qs_shape_when_dv_differs(rng, d, dv):
+    q, k, v = _qkv(rng, np.float32, (1, 5, HQ, d), (1, 7, HK, d), dv)
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=rf"dout.shape must equal q.shape\[:-1\] \+ v.shape\[-1:\] \(v's head dim Dv "
+                                         rf"last\) = \(1, 5, {HQ}, {dv}\), got \(1, 5, {HQ}, {d}\)"):
+        cuattn.attention_backward(np.zeros(q.shape, np.float32), q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("d, dv, tile", [(192, 128, 256), (128, 64, 128), (64, 128, 128), (40, 24, 64)],
+                         ids=["d192-dv128", "d128-dv64", "d64-dv128", "d40-dv24"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_backward_tile_is_the_larger_head_dims_on_mma_sync(d, dv, tile, arch):
+    """flash_bwd_sm90_kernel has no run-time head dims: Dv != D runs the mma.sync kernels."""
+    chosen = attention_module.bwd_tile(d, arch, head_dim_v=dv)
+    assert not chosen.wgmma
+    assert chosen == attention_module.BWD_TILES[tile][attention_module.SM80]
+
+
 @pytest.mark.gpu
-def test_the_gpu_backward_refuses_dv_until_it_is_built(rng):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("mask", ["full", "causal", "softcap-causal"])
+@pytest.mark.parametrize("d, dv", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dense_backward_with_dv_matches_reference(rng, dtype, d, dv, mask, deterministic):
     import cupy
 
-    q, k, v = (cupy.asarray(x) for x in _qkv(rng, DTYPES[0], (1, 5, HQ, 192), (1, 7, HK, 192), 128))
-    out, lse = cuattn.attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match=r"v.shape\[-1\] \(head_dim_v\) = 128 differs from q.shape\[-1\] \(head_dim\) "
-                                         r"= 192: Dv != Dqk backward on the GPU is not built yet"):
-        cuattn.attention_backward(out, q, k, v, out, lse)
+    options = MASKS[mask]
+    q, k, v = _qkv(rng, dtype, (2, 77, HQ, d), (2, 131, HK, d), dv)
+    dout = randn(rng, (2, 77, HQ, dv), dtype)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, **options)
+    got = cuattn.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, **options)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, **options)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=dtype, **options)
+    _bwd_budgets(got, refs, naive, dtype, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 128), (40, 24)], ids=["d192-dv128", "d64-dv128", "d40-dv24"])
+def test_varlen_backward_with_dv_matches_reference(rng, d, dv, deterministic):
+    import cupy
+
+    dtype = DTYPES[0]
+    cu_q = np.concatenate([[0], np.cumsum(VARLEN_Q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(VARLEN_K)]).astype(np.int32)
+    q, k, v = _qkv(rng, dtype, (int(cu_q[-1]), HQ, d), (int(cu_k[-1]), HK, d), dv)
+    dout = randn(rng, (int(cu_q[-1]), HQ, dv), dtype)
+    args = (max(VARLEN_Q), max(VARLEN_K))
+    out, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), *args, causal=True,
+                                       return_lse=True)
+    got = cuattn.attention_varlen_backward(*(cupy.asarray(x) for x in (dout, q, k, v)), out, lse,
+                                           cupy.asarray(cu_q), cupy.asarray(cu_k), *args, causal=True,
+                                           deterministic=deterministic)
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, *args, causal=True, return_lse=True)
+    refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, *args, causal=True)
+    naive = [np.zeros_like(r) for r in refs]
+    for b in range(len(VARLEN_Q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if VARLEN_Q[b] and VARLEN_K[b]:
+            low = reference.naive_attention_backward_lowp(dout[None, rows], q[None, rows], k[None, keys],
+                                                          v[None, keys], causal=True, dtype=dtype)
+            for total, part, at in zip(naive, low, (rows, keys, keys)):
+                total[at] = part[0]
+    _bwd_budgets(got, refs, naive, dtype, rng)

@@ -209,20 +209,7 @@ def test_merge_states_of_two_key_halves_is_the_whole(rng):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
 
 
-def _dense_forward_takes_dv() -> bool:
-    """Whether cuattn.attention (the cascade's prefix step) takes v of its own head dim yet: it
-    does once the dense forward's Dv work (branch dv-fwd) is merged."""
-    q_and_k, v = np.zeros((1, 1, 1, 16), np.float32), np.zeros((1, 1, 1, 8), np.float32)
-    try:
-        cuattn.attention(q_and_k, q_and_k, v)
-    except ValueError:
-        return False
-    return True
-
-
 def test_cascade_over_a_shared_prefix(rng):
-    if not _dense_forward_takes_dv():
-        pytest.skip("cuattn.attention does not take Dv != D yet (the dense forward's Dv support, branch dv-fwd)")
     d, dv = 192, 128
     prefix_len, own = 37, np.array([5, 9], np.int32)
     q = randn(rng, (2, 2, HQ, d), np.float32)
@@ -553,8 +540,8 @@ def test_cache_write_and_copy_kernels_with_a_value_head_dim(rng, dims, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", HEAD_DIM_PAIRS, ids=PAIR_IDS)
 def test_paged_attention_varlen_with_a_value_head_dim(rng, dims):
-    """Decode rows and runs longer than 16 queries (through the decode runs while the paged forward
-    takes no Dv of its own) write their rows of the caller's poisoned (total_q, Hq, Dv) output."""
+    """Decode rows (paged decode) and runs longer than 16 queries (the paged forward) write their
+    rows of the caller's poisoned (total_q, Hq, Dv) output."""
     cupy = _cupy()
     d, dv = dims
     bf16 = _arrays.BFLOAT16
