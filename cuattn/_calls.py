@@ -56,6 +56,12 @@ class _Cupy:
 
         return cupy.empty(shape, cupy.float32 if float32 else like.dtype)
 
+    @staticmethod
+    def zeros(shape, like, float32: bool = False):
+        import cupy
+
+        return cupy.zeros(shape, cupy.float32 if float32 else like.dtype)
+
 
 class _Torch:
     _raw_stream = None  # torch._C._cuda_getCurrentRawStream, looked up once
@@ -93,6 +99,12 @@ class _Torch:
         import torch
 
         return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
+
+    @staticmethod
+    def zeros(shape, like, float32: bool = False):
+        import torch
+
+        return torch.zeros(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
 
 
 _FRAMEWORKS: dict[type, object] = {}
@@ -190,8 +202,9 @@ class Bound:
 class Plan:
     """A validated call: its inputs by role, the outputs to allocate, the launches to run.
 
-    ``outputs`` maps a role to ``(shape, float32)``: a new array of that shape in the first
-    input's framework, of that input's dtype or float32. ``finish(results, arrays)`` turns the
+    ``outputs`` maps a role to ``(shape, float32)`` or ``(shape, float32, zeroed)``: a new array of
+    that shape in the first input's framework, of that input's dtype or float32, zero-filled when
+    ``zeroed`` (workspace a kernel accumulates into: the backward's dQ sums and semaphores). ``finish(results, arrays)`` turns the
     outputs into the function's return value. ``workspace`` (bytes per stream, or 0) comes from
     ``workspace_of(bytes, stream, device)``. Everything a call needs is resolved here, once: each
     launch's pointer words as (slot, input index | output name | workspace offset).
@@ -199,7 +212,7 @@ class Plan:
 
     def __init__(self, inputs, outputs, bound, finish, aligned, workspace: int = 0, workspace_of=None):
         self.inputs = tuple(inputs)
-        self.outputs = [(role, tuple(shape), float32) for role, (shape, float32) in outputs.items()]
+        self.outputs = [(role, tuple(spec[0]), spec[1], len(spec) > 2 and spec[2]) for role, spec in outputs.items()]
         self.finish = finish
         self.aligned = tuple(i for i, role in enumerate(self.inputs) if role in aligned)
         self.workspace, self.workspace_of = workspace, workspace_of
@@ -240,8 +253,8 @@ class Plan:
             if addresses[i] % _arrays.VECTOR_BYTES:
                 return None  # the full path names the misaligned argument
         results, out_addresses = {}, {}
-        for role, shape, float32 in self.outputs:
-            x = results[role] = fw.empty(shape, like, float32)
+        for role, shape, float32, zeroed in self.outputs:
+            x = results[role] = (fw.zeros if zeroed else fw.empty)(shape, like, float32)
             out_addresses[role] = fw.address(x)
         stream = fw.stream(like)
         base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0

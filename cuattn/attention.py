@@ -1227,6 +1227,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
+    result, call_key = _calls.run("attention_backward", (q, k, v, dout, out, lse, sinks, alibi_slopes),
+                                  (bool(causal), scale, left, right, softcap, bool(deterministic)))
+    if result is not None:
+        return result
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks,
                                alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
@@ -1243,11 +1247,26 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
             return _host_grads(grads, (qv, kv, vv))
         _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
         _arrays.check_same_device("lse", lv, "q", qv)
+        plan = {}
         grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
                             seqlen_k=int(kv.shape[1]), causal=causal, scale=scale, window=(left, right),
                             softcap=softcap, deterministic=bool(deterministic), ctx=ctx, sinks=sv,
-                            alibi=(av, alibi_sb))
+                            alibi=(av, alibi_sb), plan=plan)
+        if plan:
+            _calls.remember(call_key, _bwd_plan(plan))
         return tuple(ctx.to_caller(g) for g in grads)
+
+
+def _bwd_plan(plan: dict):
+    """The plan of a dense attention_backward call without sinks: new gradients and workspace
+    (delta, and the zeroed dQ accumulator and semaphores), the same launches."""
+
+    def finish(results, arrays):
+        return results["dq"], results["dk"], results["dv"]
+
+    return _calls.Plan(inputs=("q", "k", "v", "dout", "out", "lse", "sinks", "alibi_slopes"),
+                       outputs=plan["outputs"], bound=plan["bound"], finish=finish,
+                       aligned=("q", "k", "v", "dout", "out"))
 
 
 def _host_grads(grads, inputs):
@@ -1292,11 +1311,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k, causal, scale,
-                window, softcap, deterministic, ctx, sinks=None, alibi=(None, 0), grads=None):
+                window, softcap, deterministic, ctx, sinks=None, alibi=(None, 0), grads=None, plan=None):
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
     ``alibi``: the slopes ([B, Hq] | [Hq], or None) and their batch stride in elements.
     ``grads``: (dq, dk, dv) arrays of q's, k's and v's shapes to write into (cuattn.jax hands
-    XLA's output buffers), instead of new ones.
+    XLA's output buffers), instead of new ones. ``plan``: a dict that a dense call without sinks
+    over a contiguous lse fills with what :func:`_bwd_plan` needs ("bound", "outputs").
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
     Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
@@ -1343,7 +1363,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     _masks.check_total_length(seqlen_q, seqlen_k)
     pre, main, last = bwd_specs(np.dtype(q.dtype), bwd_tile_dim(max(head_dim, head_dim_v)), tile, deterministic,
                                 alibi[0] is not None)
-    lse = cupy.ascontiguousarray(lse)
+    lse_contiguous, lse = lse.flags.c_contiguous, cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
     # [tiles, BLOCK_M * D], each sequence's query blocks on their own tiles (flash_bwd.cu)
@@ -1360,10 +1380,9 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
         dq_accum = zeros((tiles, tile.block_m * head_dim), np.float32)
         if deterministic:
-            # [tiles, kBwdSm90DqPartsMax] semaphores, then the CTA ticket, all zero
-            parts = _params.constant("kBwdSm90DqPartsMax")
-            sync = zeros((tiles * parts + 1,), np.int32)
-            semaphores, ticket = sync, sync[tiles * parts:]
+            # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
+            semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
+            ticket = zeros((1,), np.int32)
     strides = {name: list(_arrays.element_strides(x)) for name, x in
                (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
     lse_s = list(_arrays.element_strides(lse)[:2])
@@ -1391,8 +1410,29 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         dq_descending=int(causal or window[1] >= 0),
     )
 
+    # (a plan passes the caller's lse: only one the kernels read in place)
+    planning = plan is not None and not varlen and sinks is None and grads is None and lse_contiguous
+    if planning:
+        # where each pointer field of the struct comes from in a later planned call: the call's
+        # inputs, its gradients, or workspace it allocates (zeroed where kernels accumulate)
+        roles = dict(q="q", k="k", v="v", dout="dout", out="out", lse="lse", alibi_slopes="alibi_slopes",
+                     dq="dq", dk="dk", dv="dv", delta="delta", cu_seqlens_q="none", cu_seqlens_k="none")
+        outputs = {"dq": (tuple(q.shape), False), "dk": (tuple(k.shape), False), "dv": (tuple(v.shape), False),
+                   "delta": (tuple(lse.shape), True)}
+        for field, role, array in (("dq_accum", "dq_accum", dq_accum), ("dq_semaphores", "semaphores", semaphores),
+                                   ("cta_ticket", "ticket", ticket)):
+            roles[field] = role
+            if array is not None:  # int32 semaphores: zero bits either way
+                outputs[role] = ((int(array.size),), True, True)
+        plan.update(bound=[], outputs=outputs)
+
     def run(spec, grid):
-        _jit.launch_params(spec, grid, params, stream=stream)
+        if planning:
+            launch = _jit.prepare(spec, grid, params)
+            launch.run(_jit.stream_ptr(stream))
+            plan["bound"].append(_calls.Bound(launch, roles))
+        else:
+            _jit.launch_params(spec, grid, params, stream=stream)
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     views = int(q.shape[0])

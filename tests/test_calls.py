@@ -112,6 +112,71 @@ def test_attention_second_call_takes_the_plan(rng, framework, monkeypatch):
         np.testing.assert_allclose(_host(lse), ref_lse, rtol=1e-3, atol=2e-3)
 
 
+# (D, Dv, options, deterministic): the wgmma kernel with atomic and ordered dQ (sm_90a), with the
+# deterministic dQ kernel (D = 64, ALiBi's fallback), the mma.sync kernels (D = 96, and D = 80
+# with v's own head dim in the 96 tile)
+BACKWARD_PLAN_CASES = [(128, 128, dict(causal=True), False), (128, 128, dict(causal=True), True),
+                       (64, 64, dict(window=(40, 8)), True), (128, 128, dict(causal=True, alibi=True), True),
+                       (96, 96, dict(softcap=20.0), False), (80, 48, dict(causal=True), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("d, dv, options, deterministic", BACKWARD_PLAN_CASES,
+                         ids=["d128-atomic", "d128-ordered", "d64-det-window", "d128-alibi-det", "d96-softcap",
+                              "d80-dv48-det"])
+def test_backward_second_call_takes_the_plan(rng, framework, monkeypatch, d, dv, options, deterministic):
+    """The planned call allocates fresh gradients and zeroed workspace: over new inputs it matches
+    the reference, and (deterministic) its gradients equal the full path's bit for bit."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = _as(framework, np.linspace(0.05, 0.5, 4).astype(np.float32))
+    shapes = ((2, 113, 4, d), (2, 203, 2, d), (2, 203, 2, dv), (2, 113, 4, dv))
+    host = [randn(rng, s, BF16) for s in shapes]
+    for step in range(3):
+        if step == 1:
+            assert [key[0] for key in _calls._plans] == ["attention", "attention_backward"]
+            full = got
+            _full_path_must_not_run(monkeypatch)
+        if step == 2:  # new values in the same shapes: the plan's workspace starts from zero again
+            host = [randn(rng, s, BF16) for s in shapes]
+        q, k, v, dout = (_as(framework, x) for x in host)
+        out, lse = cuattn.attention(q, k, v, return_lse=True, **options)
+        got = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+        assert all(type(g).__module__.split(".")[0] == framework for g in got)
+        if step == 1 and deterministic:
+            for name, a, b in zip(("dq", "dk", "dv"), full, got):
+                assert np.array_equal(_arrays.to_numpy(a).view(np.uint16), _arrays.to_numpy(b).view(np.uint16)), name
+        ref_options = {**options, "alibi_slopes": None if "alibi_slopes" not in options else _host(options["alibi_slopes"])}
+        qh, kh, vh, doh = host
+        ref_out, ref_lse = reference.attention(qh, kh, vh, return_lse=True, **ref_options)
+        refs = reference.attention_backward(doh, qh, kh, vh, ref_out, ref_lse, **ref_options)
+        naive = reference.naive_attention_backward_lowp(doh, qh, kh, vh, dtype=BF16, **ref_options)
+        for name, g, ref, low in zip(("dq", "dk", "dv"), got, refs, naive):
+            budget = error_budget(np.abs(low - ref).max(), BF16, 3.0, np.abs(ref).max())
+            err = np.abs(_host(g) - ref).max()
+            assert err <= budget, f"step {step} {name}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
+def test_backward_with_sinks_or_a_strided_lse_takes_no_plan(rng):
+    import cupy
+
+    _calls.clear()
+    q, k, v, dout = (cupy.asarray(randn(rng, (1, 33, 2, 64), BF16)) for _ in range(4))
+    sinks = cupy.asarray(np.array([0.5, -1.0], np.float32))
+    out, lse = cuattn.attention(q, k, v, return_lse=True, sinks=sinks)
+    cuattn.attention_backward(dout, q, k, v, out, lse, sinks=sinks)
+    out, lse = cuattn.attention(q, k, v, return_lse=True)
+    strided = cupy.empty((1, 2, 66), cupy.float32)[..., ::2]
+    strided[...] = lse
+    cuattn.attention_backward(dout, q, k, v, out, strided)
+    assert [key[0] for key in _calls._plans].count("attention_backward") == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_varlen_second_call_takes_the_plan(rng, framework, monkeypatch):
