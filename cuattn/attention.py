@@ -1257,14 +1257,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         return tuple(ctx.to_caller(g) for g in grads)
 
 
-def _bwd_plan(plan: dict):
-    """The plan of a dense attention_backward call without sinks: new gradients and workspace
-    (delta, and the zeroed dQ accumulator and semaphores), the same launches."""
+def _bwd_plan(plan: dict, varlen: bool = False):
+    """The plan of an attention_backward or attention_varlen_backward call without sinks: new
+    gradients (zeroed where varlen leaves rows to no CTA) and workspace (delta, the zeroed dQ
+    accumulator and semaphores), the same launches."""
 
     def finish(results, arrays):
         return results["dq"], results["dk"], results["dv"]
 
-    return _calls.Plan(inputs=("q", "k", "v", "dout", "out", "lse", "sinks", "alibi_slopes"),
+    cu_seqlens = ("cu_seqlens_q", "cu_seqlens_k") if varlen else ()
+    return _calls.Plan(inputs=("q", "k", "v", "dout", "out", "lse", *cu_seqlens, "sinks", "alibi_slopes"),
                        outputs=plan["outputs"], bound=plan["bound"], finish=finish,
                        aligned=("q", "k", "v", "dout", "out"))
 
@@ -1281,6 +1283,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``. With ``sinks``,
     ``(dq, dk, dv, dsinks)`` as :func:`attention_backward`."""
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
+    result, call_key = _calls.run(
+        "attention_varlen_backward", (q, k, v, dout, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes),
+        (bool(causal), scale, left, right, softcap, bool(deterministic), max_seqlen_q, max_seqlen_k))
+    if result is not None:
+        return result
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (
@@ -1302,11 +1309,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
         _check_device_arrays({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
         _arrays.check_same_device("lse", lv, "q", qv)
+        # (a plan passes the caller's cu_seqlens: only ones the kernels read in place)
+        plan = {} if cuq.flags.c_contiguous and cuk.flags.c_contiguous else None
         grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None],
                             cupy.ascontiguousarray(cuq), cupy.ascontiguousarray(cuk), batch=int(cuq.shape[0]) - 1,
                             seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k), causal=causal, scale=scale,
                             window=(left, right), softcap=softcap, deterministic=bool(deterministic), ctx=ctx,
-                            sinks=sv, alibi=(av, alibi_sb))
+                            sinks=sv, alibi=(av, alibi_sb), plan=plan)
+        if plan:
+            _calls.remember(call_key, _bwd_plan(plan, varlen=True))
         return tuple(ctx.to_caller(g[0] if g.ndim > 1 else g) for g in grads)
 
 
@@ -1315,8 +1326,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     """Backward kernels on 4-D views [B, S, H, D] (lse [B, H, S]); returns (dq, dk, dv).
     ``alibi``: the slopes ([B, Hq] | [Hq], or None) and their batch stride in elements.
     ``grads``: (dq, dk, dv) arrays of q's, k's and v's shapes to write into (cuattn.jax hands
-    XLA's output buffers), instead of new ones. ``plan``: a dict that a dense call without sinks
-    over a contiguous lse fills with what :func:`_bwd_plan` needs ("bound", "outputs").
+    XLA's output buffers), instead of new ones. ``plan``: a dict that a call without sinks over a
+    contiguous lse fills with what :func:`_bwd_plan` needs ("bound", "outputs").
 
     Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
     Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
@@ -1411,14 +1422,18 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     )
 
     # (a plan passes the caller's lse: only one the kernels read in place)
-    planning = plan is not None and not varlen and sinks is None and grads is None and lse_contiguous
+    planning = plan is not None and sinks is None and grads is None and lse_contiguous
     if planning:
         # where each pointer field of the struct comes from in a later planned call: the call's
         # inputs, its gradients, or workspace it allocates (zeroed where kernels accumulate)
+        # (varlen: the caller's arrays are the packed 3-D ones, the views' axis 0 is the batch of 1)
         roles = dict(q="q", k="k", v="v", dout="dout", out="out", lse="lse", alibi_slopes="alibi_slopes",
-                     dq="dq", dk="dk", dv="dv", delta="delta", cu_seqlens_q="none", cu_seqlens_k="none")
-        outputs = {"dq": (tuple(q.shape), False), "dk": (tuple(k.shape), False), "dv": (tuple(v.shape), False),
-                   "delta": (tuple(lse.shape), True)}
+                     dq="dq", dk="dk", dv="dv", delta="delta", cu_seqlens_q="cu_seqlens_q",
+                     cu_seqlens_k="cu_seqlens_k")
+        caller_shape = (lambda x: tuple(x.shape[1:])) if varlen else (lambda x: tuple(x.shape))
+        outputs = {name: (caller_shape(x), False, zeroed) for name, x, zeroed in
+                   (("dq", q, varlen and (deterministic or tile.bulk_dq)), ("dk", k, varlen), ("dv", v, varlen))}
+        outputs["delta"] = (tuple(lse.shape), True)
         for field, role, array in (("dq_accum", "dq_accum", dq_accum), ("dq_semaphores", "semaphores", semaphores),
                                    ("cta_ticket", "ticket", ticket)):
             roles[field] = role

@@ -139,13 +139,14 @@ def test_backward_second_call_takes_the_plan(rng, framework, monkeypatch, d, dv,
     for step in range(3):
         if step == 1:
             assert [key[0] for key in _calls._plans] == ["attention", "attention_backward"]
-            full = got
             _full_path_must_not_run(monkeypatch)
         if step == 2:  # new values in the same shapes: the plan's workspace starts from zero again
             host = [randn(rng, s, BF16) for s in shapes]
         q, k, v, dout = (_as(framework, x) for x in host)
         out, lse = cuattn.attention(q, k, v, return_lse=True, **options)
         got = cuattn.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+        if step == 0:
+            full = got  # the full path's gradients
         assert all(type(g).__module__.split(".")[0] == framework for g in got)
         if step == 1 and deterministic:
             for name, a, b in zip(("dq", "dk", "dv"), full, got):
@@ -159,6 +160,60 @@ def test_backward_second_call_takes_the_plan(rng, framework, monkeypatch, d, dv,
             budget = error_budget(np.abs(low - ref).max(), BF16, 3.0, np.abs(ref).max())
             err = np.abs(_host(g) - ref).max()
             assert err <= budget, f"step {step} {name}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("d, deterministic", [(128, False), (128, True), (96, True)],
+                         ids=["d128-atomic", "d128-ordered", "d96-det"])
+def test_varlen_backward_second_call_takes_the_plan(rng, framework, monkeypatch, d, deterministic):
+    """Ragged sequences (one without queries, one without keys): the plan's zeroed gradients leave
+    the rows and keys of no sequence at 0, as the full path does."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    lens_q, lens_k = [1, 17, 113, 0, 7], [5, 17, 203, 9, 0]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    shapes = ((int(cu_q[-1]), 4, d), (int(cu_k[-1]), 2, d), (int(cu_k[-1]), 2, d), (int(cu_q[-1]), 4, d))
+    args = (_as(framework, cu_q), _as(framework, cu_k), max(lens_q), max(lens_k))
+    host = [randn(rng, s, BF16) for s in shapes]
+    for step in range(3):
+        if step == 1:
+            assert sorted(key[0] for key in _calls._plans) == ["attention_varlen", "attention_varlen_backward"]
+            _full_path_must_not_run(monkeypatch)
+        if step == 2:
+            host = [randn(rng, s, BF16) for s in shapes]
+        q, k, v, dout = (_as(framework, x) for x in host)
+        out, lse = cuattn.attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+        got = cuattn.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                               deterministic=deterministic)
+        if step == 0:
+            full = got  # the full path's gradients
+        if step == 1 and deterministic:
+            for name, a, b in zip(("dq", "dk", "dv"), full, got):
+                assert np.array_equal(_arrays.to_numpy(a).view(np.uint16), _arrays.to_numpy(b).view(np.uint16)), name
+        qh, kh, vh, doh = host
+        ref_out, ref_lse = reference.attention_varlen(qh, kh, vh, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                      return_lse=True)
+        refs = reference.attention_varlen_backward(doh, qh, kh, vh, ref_out, ref_lse, cu_q, cu_k, max(lens_q),
+                                                   max(lens_k), causal=True)
+        naive = [np.zeros_like(r) for r in refs]
+        for b in range(len(lens_q)):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if lens_q[b] and lens_k[b]:
+                low = reference.naive_attention_backward_lowp(doh[None, rows], qh[None, rows], kh[None, keys],
+                                                              vh[None, keys], causal=True, dtype=BF16)
+                for total, part, at in zip(naive, low, (rows, keys, keys)):
+                    total[at] = part[0]
+        for name, g, ref, low in zip(("dq", "dk", "dv"), got, refs, naive):
+            g = _host(g)
+            budget = error_budget(np.abs(low - ref).max(), BF16, 3.0, np.abs(ref).max())
+            err = np.abs(g - ref).max()
+            assert err <= budget, f"step {step} {name}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+            empty = np.concatenate([np.arange(cu_k[b], cu_k[b + 1]) for b in range(len(lens_k)) if lens_q[b] == 0])
+            if name != "dq":
+                assert not g[empty].any(), f"step {step} {name}: keys no query sees must get 0"
 
 
 @pytest.mark.gpu
