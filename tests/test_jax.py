@@ -123,6 +123,18 @@ def test_gradients_under_jit_grad_match_reference_backward(device, rng, dtype, m
     check_gradients(rng, dtype, dout, q, k, v, grads, **options)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 128)], ids=["d192-dv128", "d64-dv128"])
+def test_gradients_with_a_v_head_dim_of_its_own(device, rng, d, dv, deterministic):
+    """v (..., Dv) and out (..., Dv): dv takes v's shape, dq and dk q's and k's."""
+    dtype = DTYPES[0]
+    q, k, v = randn(rng, (2, 45, 4, d), dtype), randn(rng, (2, 29, 1, d), dtype), randn(rng, (2, 29, 1, dv), dtype)
+    dout = randn(rng, (2, 45, 4, dv), dtype)
+    loss = projected_loss(dout, deterministic=deterministic, causal=True)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*put(device, q, k, v))
+    check_gradients(rng, dtype, dout, q, k, v, grads, causal=True)
+
+
 @pytest.mark.parametrize("mask", ["full", "causal", "softcap-causal"])
 def test_sinks_forward_and_gradients_under_jit(device, rng, mask):
     """out and lse with sinks under the 2x rule; dq, dk, dv and dsinks through jax.grad under the
