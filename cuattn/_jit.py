@@ -6,9 +6,10 @@ name expression (``flash_fwd_kernel<__half, 128, MaskMode::kCausal>``), which NV
 through ``nvrtcAddNameExpression`` and lowers to the mangled symbol we load.
 
 Compiled cubins are cached on disk under ``$CUATTN_CACHE_DIR`` (default ``~/.cache/cuattn``), one
-folder per NVRTC version. The cache key hashes every file under ``cuda_src/``: CuPy's own kernel
-cache keys only the top-level source, so an edited header found through ``-I`` would otherwise
-reuse a stale binary.
+folder per NVRTC version. The cache key hashes every header under ``cuda_src/`` and the variant's
+own ``.cu`` file: CuPy's own kernel cache keys only the top-level source, so an edited header found
+through ``-I`` would otherwise reuse a stale binary, while an edit to one kernel file leaves the
+other files' cubins valid.
 
 Nothing here needs a GPU except :func:`get_function` and :func:`launch`; :func:`compile_kernel`
 works for any architecture NVRTC knows, which is how CI checks every variant for spills.
@@ -40,6 +41,7 @@ DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 # mma.sync.m16n8k16 with bf16 operands, ldmatrix and cp.async need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = 80
 SOURCE_SUFFIXES = (".cu", ".cuh")
+HEADER_SUFFIX = ".cuh"
 # Targets with "a" suffixes: arch-specific instruction sets (wgmma, setmaxnreg on sm_90a).
 ARCH_SPECIFIC_TARGETS = ("sm_90a",)
 # Shown by every "no GPU" message: what works without one.
@@ -112,12 +114,15 @@ def source_dir() -> Path:
     )
 
 
-def sources_hash(directory: Path | None = None) -> str:
-    """SHA-256 over the name and bytes of every kernel source and header, in name order."""
+def sources_hash(directory: Path | None = None, source: str | None = None) -> str:
+    """SHA-256 over the name and bytes of every kernel header and source, in name order; with
+    ``source`` (a ``.cu`` file name), of every header and that source only, so that an edit to one
+    kernel file leaves the other files' cached cubins valid (a header edit still reaches all:
+    no ``.cu`` file includes another)."""
     directory = source_dir() if directory is None else Path(directory)
     digest = hashlib.sha256()
     for path in sorted(directory.iterdir()):
-        if path.suffix in SOURCE_SUFFIXES:
+        if path.suffix == HEADER_SUFFIX or (path.suffix in SOURCE_SUFFIXES and source in (None, path.name)):
             digest.update(path.name.encode())
             digest.update(b"\0")
             digest.update(path.read_bytes())
@@ -176,7 +181,10 @@ def cache_dir() -> Path:
 
 
 def cache_key(spec: KernelSpec, arch: str, src_hash: str | None = None) -> str:
-    src_hash = sources_hash() if src_hash is None else src_hash
+    """The cubin's name in the cache: the headers and the variant's own source file (``src_hash``,
+    :func:`sources_hash` with ``source=spec.source``), the variant, the target, the options and
+    NVRTC's version."""
+    src_hash = sources_hash(source=spec.source) if src_hash is None else src_hash
     fields = [src_hash, spec.source, spec.name, arch, *compile_options(arch), repr(nvrtc_version())]
     return hashlib.sha256("\n".join(fields).encode()).hexdigest()[:32]
 
@@ -308,8 +316,7 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
     if spec.needs_sm90a and arch != "sm_90a":
         raise ValueError(f"kernel {spec.name} uses sm_90a instructions; cannot build it for {arch}")
     src_dir = source_dir()
-    src_hash = sources_hash(src_dir)
-    key = cache_key(spec, arch, src_hash)
+    key = cache_key(spec, arch, sources_hash(src_dir, spec.source))
     folder = cache_dir()
     cubin_path, meta_path = folder / f"{key}.cubin", folder / f"{key}.json"
     if use_cache and cubin_path.is_file() and meta_path.is_file():

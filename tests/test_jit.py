@@ -61,6 +61,18 @@ def test_cache_key_follows_every_header(sources, cache):
     assert rebuilt.cubin_path != first.cubin_path
 
 
+def test_cache_key_follows_its_own_source_file_only(sources, cache):
+    """An edit to one .cu file changes the keys of its variants, not those of another file's."""
+    variants = _tools.kernel_variants("sm_80")
+    decode = next(spec for spec in variants if spec.source == "decode.cu")
+    backward = next(spec for spec in variants if spec.source == "flash_bwd.cu")
+    before = {spec: _jit.cache_key(spec, "sm_80") for spec in (decode, backward)}
+    with open(sources / "flash_bwd.cu", "a") as source:
+        source.write("\n// touched by test_cache_key_follows_its_own_source_file_only\n")
+    assert _jit.cache_key(backward, "sm_80") != before[backward]
+    assert _jit.cache_key(decode, "sm_80") == before[decode]
+
+
 def test_cache_key_separates_arch_and_variant(cache):
     a, b = _tools.kernel_variants("sm_80")[:2]
     keys = {_jit.cache_key(a, "sm_80"), _jit.cache_key(a, "sm_90a"), _jit.cache_key(b, "sm_80")}
