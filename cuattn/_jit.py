@@ -466,7 +466,8 @@ def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None 
     """Launch a variant with positional ``args`` (CuPy marshals each) on ``stream``.
 
     ``shared_mem`` overrides the spec's dynamic shared memory for kernels whose need depends on
-    the call (up to 48 KB). Kernels that take a parameter struct use :func:`prepare` instead.
+    the call (up to 48 KB). Kernels that take a parameter struct use :func:`prepare` or
+    :func:`launch_params` instead.
     """
     function = _loaded_function(spec, current_device())
     smem = spec.smem_bytes if shared_mem is None else shared_mem
