@@ -332,23 +332,16 @@ def _check_qkv(q, k, v, *, packed: bool) -> None:
     _arrays.check_head_dim("v.shape[-1] (head_dim_v)", int(v.shape[dim_axis]))
 
 
-def _out_shape(q, v) -> tuple:
-    """The forward's output: q's shape with v's head dim Dv last."""
-    return (*map(int, q.shape[:-1]), int(v.shape[-1]))
-
-
 def _check_dtypes(q, k, v, host: bool) -> None:
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
 
 
-def _check_out(out, q, v=None) -> None:
-    """``out=``: q's shape, with v's head dim Dv last when ``v`` is given, and q's dtype."""
-    if v is None:
-        if tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"out.shape must equal q.shape = {tuple(q.shape)}, got {tuple(out.shape)}")
-    elif tuple(out.shape) != _out_shape(q, v):
-        raise ValueError(f"out.shape must equal q.shape[:-1] + v.shape[-1:] (v's head dim Dv last) = "
-                         f"{_out_shape(q, v)}, got {tuple(out.shape)}")
+def _check_out(out, q, v, v_name: str = "v") -> None:
+    """``out=``: q's shape with v's head dim Dv last (``v_name``: the argument holding v, for the
+    message), and q's dtype."""
+    if tuple(out.shape) != reference.out_shape(q, v):
+        raise ValueError(f"out.shape must equal q.shape[:-1] + {v_name}.shape[-1:] (v's head dim Dv last) = "
+                         f"{reference.out_shape(q, v)}, got {tuple(out.shape)}")
     if np.dtype(out.dtype) != np.dtype(q.dtype):
         raise TypeError(
             f"out.dtype must equal q.dtype = {_arrays.dtype_name(q.dtype)}, got {_arrays.dtype_name(out.dtype)}"
@@ -437,7 +430,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
-        lse_shape, out_shape = (batch, num_heads, seqlen_q), _out_shape(qv, vv)
+        lse_shape, out_shape = (batch, num_heads, seqlen_q), reference.out_shape(qv, vv)
         if ov is None:
             ov = ctx.empty(out_shape, qv.dtype)
         lse = ctx.empty(lse_shape, np.float32) if return_lse else None
@@ -527,7 +520,7 @@ def attention_varlen(
 
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         total_q, num_heads, _ = map(int, qv.shape)
-        out_shape = _out_shape(qv, vv)
+        out_shape = reference.out_shape(qv, vv)
         if ov is None:
             ov = ctx.empty(out_shape, qv.dtype)
         lse_shape = (num_heads, total_q)
@@ -1197,9 +1190,9 @@ def _check_bwd_args(dout, out, lse, q, v, lse_shape: tuple, host: bool) -> None:
     """dout and out: the forward output's shape (q's, with v's head dim Dv last), lse: the forward's."""
     same = int(v.shape[-1]) == int(q.shape[-1])
     for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != _out_shape(q, v):
+        if tuple(x.shape) != reference.out_shape(q, v):
             expected = "q.shape" if same else "q.shape[:-1] + v.shape[-1:] (v's head dim Dv last)"
-            raise ValueError(f"{name}.shape must equal {expected} = {_out_shape(q, v)}, got {tuple(x.shape)}")
+            raise ValueError(f"{name}.shape must equal {expected} = {reference.out_shape(q, v)}, got {tuple(x.shape)}")
     if tuple(lse.shape) != lse_shape:
         raise ValueError(f"lse.shape must be {lse_shape} (the forward's lse), got {tuple(lse.shape)}")
     _arrays.check_same_dtype("dout", dout, "q", q)

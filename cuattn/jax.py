@@ -162,14 +162,9 @@ def _lse_shape(out_shape) -> tuple:
     return (*out_shape[:-3], out_shape[-2], out_shape[-3])
 
 
-def _out_shape(q, v) -> tuple:
-    """out of q over v: q's shape with v's head dim Dv last."""
-    return (*q.shape[:-1], v.shape[-1])
-
-
 def _result_shapes(q, v=None) -> tuple:
     """out in q's shape (with v's head dim last when ``v`` is given) and dtype, lse in float32."""
-    out_shape = q.shape if v is None else _out_shape(q, v)
+    out_shape = q.shape if v is None else reference.out_shape(q, v)
     return jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32)
 
 
@@ -274,7 +269,7 @@ def _host_attention(mask: _Mask, q, k, v, *sinks):
     qf, kf, vf = _host_arrays((q, k, v), (_DENSE,) * 3)
     sv = np.asarray(sinks[0]) if sinks else None
     out, lse = reference.attention(qf, kf, vf, return_lse=True, sinks=sv, **mask.kwargs())
-    return out.astype(q.dtype).reshape(_out_shape(q, v)), lse.astype(np.float32).reshape(_lse_shape(q.shape))
+    return out.astype(q.dtype).reshape(reference.out_shape(q, v)), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
 # Forward launches already prepared, by (mask, the five buffers' shapes and dtypes, device): a
@@ -493,7 +488,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 @functools.partial(jax.jit, static_argnames=("mask", "max_seqlen_q", "max_seqlen_k"))
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
-    shapes = (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
+    shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v), q.dtype),
               jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
 
     def forward(*arrays):
@@ -518,7 +513,7 @@ def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens):
     lens = np.clip(lens, 0, int(kf.shape[1]))
     out, lse = reference.decode(qf, kf, vf, lens, return_lse=True, **mask.kwargs())
     # out takes v's head dim Dv, over q's (possibly vmapped) leading axes
-    out_shape = (*q.shape[:-1], v_cache.shape[-1])
+    out_shape = reference.out_shape(q, v_cache)
     return out.astype(q.dtype).reshape(out_shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
@@ -556,7 +551,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
 @functools.partial(jax.jit, static_argnames=("mask", "num_splits"))
 def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits: int | None):
     # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
-    shapes = (jax.ShapeDtypeStruct((*q.shape[:-1], v_cache.shape[-1]), q.dtype),
+    shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v_cache), q.dtype),
               jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
 
     def forward(*arrays):
@@ -637,7 +632,7 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
 def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_splits: int | None,
                 max_seq_len: int | None):
     # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
-    shapes = (jax.ShapeDtypeStruct((*q.shape[:-1], v_pages.shape[-1]), q.dtype),
+    shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v_pages), q.dtype),
               jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
 
     def forward(*arrays):

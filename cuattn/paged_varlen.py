@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import PagedKeys, _check_host_cu_seqlens, _launch_fwd
+from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS
 from .paged import MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_page_strides, _check_table, paged_attention
 
@@ -104,7 +104,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         head_dim_v = int(vv.shape[3])
         out_shape = (total_q, num_heads, head_dim_v)
         if ov is not None:
-            _check_out(ov, qv, out_shape)
+            _check_out(ov, qv, vv, "v_pages")
             if not ctx.on_host:
                 _arrays.check_kernel_layout("out", ov)
                 _arrays.check_same_device("out", ov, "q", qv)
@@ -150,17 +150,6 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         if not ctx.on_host:
             ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
         return (ov, lse) if return_lse else ov
-
-
-def _check_out(out, q, shape: tuple) -> None:
-    """The caller's ``out``: ``shape`` (q's rows and heads, v's head dim) in q's dtype."""
-    if tuple(out.shape) != shape:
-        raise ValueError(f"out.shape must equal (total_q, Hq, Dv) = {shape} (q's rows and heads, the value pages' "
-                         f"head dim), got {tuple(out.shape)}")
-    if np.dtype(out.dtype) != np.dtype(q.dtype):
-        raise TypeError(
-            f"out.dtype must equal q.dtype = {_arrays.dtype_name(q.dtype)}, got {_arrays.dtype_name(out.dtype)}"
-        )
 
 
 def _check_pages(q, k, v, table, lens) -> None:

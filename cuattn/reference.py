@@ -167,8 +167,8 @@ def _options(q, scale, window):
     return _default_scale(scale, q.shape[-1]), tuple(int(w) for w in window)
 
 
-def _out_shape(q, v):
-    """The output of q over v: q's shape with v's head dim Dv last."""
+def out_shape(q, v) -> tuple:
+    """The output of q over v: q's shape with v's head dim Dv last (every path's out, NumPy or not)."""
     return (*q.shape[:-1], v.shape[-1])
 
 
@@ -183,7 +183,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(_UNBOUNDED, _UNBOUND
     sk = k.shape[1]
     mask = visible(sq, sk, causal, window)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(_out_shape(q, v), dtype=np.float64)
+    out = np.empty(out_shape(q, v), dtype=np.float64)
     lse = np.empty((b, hq, sq), dtype=np.float64)
     # Looping over batch and head chunks bounds the memory of the score matrices.
     for bi in range(b):
@@ -229,7 +229,7 @@ def attention_tiled(q, k, v, *, block_k=64, causal=False, scale=None,
     sk, dv = k.shape[1], v.shape[-1]
     mask = visible(sq, sk, causal, window)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(_out_shape(q, v), dtype=np.float64)
+    out = np.empty(out_shape(q, v), dtype=np.float64)
     lse = np.empty((b, hq, sq), dtype=np.float64)
     for bi in range(b):
         qh, kh, vh = (_heads_first(x[bi]) for x in (q, k, v))
@@ -314,7 +314,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``max_seqlen_q`` / ``max_seqlen_k`` are accepted for API parity and not needed here.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
-    out = np.empty(_out_shape(q, v), dtype=np.float64)
+    out = np.empty(out_shape(q, v), dtype=np.float64)
     lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float64)
     segments = list(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)))
     alibi = _alibi(alibi_slopes, len(segments))
@@ -498,7 +498,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
     mask = visible(sq, sk, causal, window)
     alibi = _alibi(alibi_slopes, b)
     k, v = _expand_kv(k, hq), _expand_kv(v, hq)
-    out = np.empty(_out_shape(q, v), dtype=np.float64)
+    out = np.empty(out_shape(q, v), dtype=np.float64)
     for bi in range(b):
         qh, kh, vh = (_heads_first(x[bi]) for x in (q, k, v))
         s = rounded(scale * (qh @ kh.transpose(0, 2, 1)))

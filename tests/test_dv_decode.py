@@ -21,6 +21,7 @@ import pytest
 import cuattn
 from cuattn import _arrays, _registry, reference
 from conftest import DTYPE_IDS, DTYPES, error_budget, randn
+from test_decode import check_decode
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -309,8 +310,8 @@ def test_paged_errors_name_the_pages_and_their_axes():
         cuattn.paged_attention(q, (k_pages, np.zeros((8, 4, 2, 36), np.float32)), table, lens)
     cu = np.array([0, 1], np.int32)
     pair = (k_pages, np.zeros((8, 4, 2, 32), np.float32))
-    with pytest.raises(ValueError, match=r"out.shape must equal \(total_q, Hq, Dv\) = \(1, 4, 32\) \(q's rows and "
-                                         r"heads, the value pages' head dim\), got \(1, 4, 64\)"):
+    with pytest.raises(ValueError, match=r"out.shape must equal q.shape\[:-1\] \+ v_pages.shape\[-1:\] \(v's head dim "
+                                         r"Dv last\) = \(1, 4, 32\), got \(1, 4, 64\)"):
         cuattn.paged_attention_varlen(q[0], pair, table, cu, lens, 1, out=np.zeros((1, 4, 64), np.float32))
     with pytest.raises(ValueError, match=r"v_pages must be 4-D \(num_blocks, block_size, Hk, Dv\), got shape"):
         cuattn.paged_attention_varlen(q[0], (k_pages, np.zeros((8, 4, 32), np.float32)), table, cu, lens, 1)
@@ -375,37 +376,6 @@ def _cupy():
     return cupy
 
 
-def naive_lowp(q, k, v, dtype, **options):
-    """reference.naive_attention_lowp for v of its own head dim: q, k and v padded with zero columns
-    to max(D, Dv) (a zero column adds exactly 0 to every score and gives a zero output column),
-    the scale kept at D's, the output cut back to Dv."""
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    width = max(head_dim, head_dim_v)
-
-    def padded(x):
-        return np.concatenate([x, np.zeros((*x.shape[:-1], width - x.shape[-1]), x.dtype)], axis=-1)
-
-    options = {**options, "scale": options.get("scale") or 1.0 / math.sqrt(head_dim)}
-    return reference.naive_attention_lowp(padded(q), padded(k), padded(v), dtype=dtype, **options)[..., :head_dim_v]
-
-
-def check_dv_decode(rng, dtype, q, k, v, lens, got, got_lse, **options):
-    """Each sequence within 2x the naive same-precision error of the float64 reference; lse -inf
-    exactly where the reference's is and close elsewhere."""
-    ref, ref_lse = reference.decode(q, k, v, lens, return_lse=True, **options)
-    assert got.shape == ref.shape, f"out is {got.shape}, expected (B, Sq_new, Hq, Dv) = {ref.shape}"
-    got = got.astype(np.float64)
-    assert np.isfinite(got).all(), f"NaN or unwritten output (seed {rng.seed})"
-    for b, n in enumerate(lens):
-        naive = naive_lowp(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], dtype, causal=True, **options)[0]
-        budget = error_budget(np.abs(naive - ref[b]).max(initial=0.0), dtype, 2.0, np.abs(ref[b]).max(initial=0.0))
-        err = np.abs(got[b] - ref[b]).max(initial=0.0)
-        assert err <= budget, f"row {b} (len {n}): error {err:.3g} > {budget:.3g} (seed {rng.seed})"
-    empty = np.isneginf(ref_lse)
-    assert np.array_equal(np.isneginf(got_lse), empty), f"empty rows differ (seed {rng.seed})"
-    np.testing.assert_allclose(got_lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
-
-
 def dv_caches(rng, dtype, d, dv, e4m3):
     """Caches (B, S_MAX, Hk, D) and (B, S_MAX, Hk, Dv) as the kernel reads them (slots past each
     length poisoned: NaN, or e4m3 448), their float64 real values, and the descales to pass."""
@@ -460,7 +430,8 @@ def test_decode_kernels_with_a_value_head_dim(rng, dtype, dims, e4m3, num_splits
     else:
         out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
                                  num_splits=num_splits, return_lse=True, **scales)
-    check_dv_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get())
+    assert out.shape == (*q.shape[:-1], v.shape[-1]), f"out is {out.shape}, expected (B, Sq_new, Hq, Dv)"
+    check_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get())
 
 
 @pytest.mark.gpu
@@ -476,7 +447,8 @@ def test_decode_auto_splits_long_sequence_and_gqa_packing(rng, dims):
     k = randn(rng, (1, 20011, 1, d), bf16)
     v = randn(rng, (1, 20011, 1, dv), bf16)
     out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens), return_lse=True)
-    check_dv_decode(rng, bf16, q, k, v, lens, out.get(), lse.get())
+    assert out.shape == (1, 5, 16, dv), f"out is {out.shape}, expected (B, Sq_new, Hq, Dv)"
+    check_decode(rng, bf16, q, k, v, lens, out.get(), lse.get())
 
 
 @pytest.mark.gpu
@@ -566,6 +538,7 @@ def test_paged_attention_varlen_with_a_value_head_dim(rng, dims):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         if rows.stop == rows.start:
             continue
-        naive = naive_lowp(q[None, rows], k_cache[b:b + 1, :lens[b]], v_cache[b:b + 1, :lens[b]], bf16, causal=True)[0]
+        naive = reference.naive_attention_lowp(q[None, rows], k_cache[b:b + 1, :lens[b]],
+                                               v_cache[b:b + 1, :lens[b]], dtype=bf16, causal=True)[0]
         budget = error_budget(np.abs(naive - ref[rows]).max(), bf16, 2.0, np.abs(ref[rows]).max())
         assert np.abs(got[rows] - ref[rows]).max() <= budget, f"sequence {b} (seed {rng.seed})"

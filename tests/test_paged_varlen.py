@@ -86,8 +86,8 @@ def test_out_argument_on_the_cpu():
     got = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, out=out)
     assert got is out and np.isfinite(out).all()
     np.testing.assert_allclose(out, reference.paged_attention_varlen(q, *pages, table, cu, lens), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"out.shape must equal \(total_q, Hq, Dv\) = \(77, 8, 64\) \(q's rows and "
-                                         r"heads, the value pages' head dim\), got \(76, 8, 64\)"):
+    with pytest.raises(ValueError, match=r"out.shape must equal q.shape\[:-1\] \+ v_pages.shape\[-1:\] \(v's head dim "
+                                         r"Dv last\) = \(77, 8, 64\), got \(76, 8, 64\)"):
         cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, out=out[1:])
 
 
