@@ -119,8 +119,11 @@ def test_paged_cpu_cache_quantises_writes_and_attends_over_real_values():
     table = np.array([[1, 2, 3]], np.int32)
     q = randn(rng, (1, 2, 4, 32), np.float16)
     out = cuattn.paged_attention(q, cache, table, np.array([10], np.int32))
-    k_real = cache.k_pages.astype(np.float64) * k_scale[:, None]
-    v_real = cache.v_pages.astype(np.float64) * v_scale
+    # the cache keeps its scales in float32 (v_scale = 0.05 is float32(0.05) there): the real
+    # values are the pages times those, not times the Python float
+    assert cache.v_scale.dtype == np.float32 and np.array_equal(cache.v_scale, np.float32([v_scale, v_scale]))
+    k_real = cache.k_pages.astype(np.float64) * cache.k_scale[:, None]
+    v_real = cache.v_pages.astype(np.float64) * cache.v_scale[:, None]
     ref = reference.paged_attention(q, k_real, v_real, table, np.array([10]))
     np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float16).astype(np.float64), atol=1e-12)
 
