@@ -93,6 +93,7 @@ def build(arch=DEFAULT_ARCHS, kernels=None, *, use_cache: bool = True) -> list[B
                 spec.name, target, res.registers, spec.smem_bytes, res.static_smem_bytes,
                 res.stack_bytes, res.spill_store_bytes, res.spill_load_bytes,
                 _ctas_per_sm(spec, res, target), compiled.seconds,
+                "" if res.registers else "ptxas printed no resource report (registers, spills unknown)",
             ))
     return rows
 
@@ -166,7 +167,9 @@ def _forward_report() -> str:
     tiles = ", ".join(map(str, attention.TILE_HEAD_DIMS))
     parts = []
     if hopper:
-        parts.append(f"flash_fwd_sm90_kernel (TMA, wgmma) for D = {', '.join(map(str, hopper))}")
+        pairs = ", ".join(f"({d}, {dv})" for d, dv in hopper)
+        parts.append(f"flash_fwd_sm90_kernel (TMA, wgmma) for D and Dv above {attention.FWD_SM90_MIN_HEAD_DIM}, "
+                     f"run in the smallest of its tiles (D, Dv) = {pairs} that holds them")
     others = "every other D" if hopper else "every D"
     parts.append(f"flash_fwd_kernel (mma.sync) for {others} (a multiple of 8 up to 256, run in the smallest of "
                  f"its tiles D = {tiles} that holds it)")

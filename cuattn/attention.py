@@ -159,32 +159,69 @@ class FwdSm90Tile:
     def threads(self) -> int:
         return _params.constant("kWarpgroupThreads") * (self.consumers + 1)
 
-    def smem_bytes(self, head_dim: int, itemsize: int, out_itemsize: int = 2) -> int:
-        """FwdSm90Smem: Q [BLOCK_M, D], K and V (or V^T) [stages, BLOCK_N, D] (swizzled, unpadded;
-        ``itemsize`` 2, or 1 for e4m3), two 8-byte mbarriers for Q, four per stage and two per
-        slot of the tile ring, the ring's int32 tile indices, an atom of alignment slack, and an O
-        tile [BLOCK_M, D] of the 16-bit output where that still fits (else O is staged in Q's)."""
-        q_tile = self.block_m * head_dim * itemsize
-        o_tile = self.block_m * head_dim * out_itemsize
+    def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int, out_itemsize: int = 2) -> int:
+        """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
+        V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or
+        1 for e4m3); two 8-byte mbarriers for Q, four per stage and two per slot of the tile ring,
+        the ring's int32 tile indices, an atom of alignment slack, and an O tile [BLOCK_M, Dv] of
+        the 16-bit output where that still fits (else O is staged in Q's)."""
+        panel = _params.constant("kSwizzleRowBytes")
+
+        def row_bytes(cols: int, size: int) -> int:
+            return -(-cols * size // panel) * panel
+
+        q_tile = self.block_m * row_bytes(head_dim, itemsize)
+        o_tile = self.block_m * row_bytes(head_dim_v, out_itemsize)
+        # e4m3 V^T rows are BLOCK_N keys (whole panels), one per Dv column
+        v_stage = head_dim_v * self.block_n * itemsize if itemsize == 1 else self.block_n * row_bytes(head_dim_v, itemsize)
         ring = _params.constant("kFwdSm90TileRing")
         barriers = 2 + 4 * self.stages + 2 * ring
-        fixed = (q_tile + 2 * self.stages * self.block_n * head_dim * itemsize
+        fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
                  + _params.constant("kMbarrierBytes") * barriers + _params.constant("kFwdSm90TileIndexBytes") * ring
                  + _params.constant("kSwizzleAtomBytes"))
         return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
 
-# Head dims the Hopper forward takes (exactly: it has no run-time head dim); the others (32, 96:
-# not whole 64-column swizzle panels; 80, 160 and every padded one) and views the TMA cannot read
-# run flash_fwd_kernel. D = 256 keeps 80 keys a block and no
-# intra-warpgroup overlap: its output accumulator alone is 128 registers a thread, and holding a
-# second block's P beside it spills. `scripts/tune_fwd.py --sm90` measured the candidates on the
-# H200 (BENCHMARKS.md).
+# The Hopper forward's tiles, keyed by the (D, Dv) they are instantiated for. A call runs the
+# smallest pair that holds its own head dims (fwd_sm90_tile_dims): the TMA reads zeros past its
+# D and Dv and the kernel stores Dv columns, so D = 72 runs in the (80, 80) tile and D = 192 with
+# Dv = 64 in (192, 128). Head dims of at most FWD_SM90_MIN_HEAD_DIM and views the TMA cannot read
+# run flash_fwd_kernel. Shared tiles are whole 64-column panels (D = 160 takes three), and the
+# wide head dims take 80-key blocks: more keys spill with the intra-warpgroup overlap. D = 256
+# takes no intra-warpgroup overlap (its output accumulator alone is 128 registers a thread, and a
+# second block's P beside it spills) and measured faster without ping-pong.
+# `scripts/tune_fwd.py --sm90` measured the candidates on the H200 (BENCHMARKS.md).
 FWD_SM90_TILES = {
-    64: FwdSm90Tile(128, 2, 4),
-    128: FwdSm90Tile(128, 2, 2),
-    256: FwdSm90Tile(80, 2, 2, overlap=False),
+    (64, 64): FwdSm90Tile(128, 2, 4),
+    (80, 80): FwdSm90Tile(128, 2, 2),
+    (96, 96): FwdSm90Tile(128, 2, 2),
+    (128, 128): FwdSm90Tile(128, 2, 2),
+    (160, 160): FwdSm90Tile(80, 2, 2, pingpong=False),
+    (192, 128): FwdSm90Tile(128, 2, 2),
+    (192, 192): FwdSm90Tile(80, 2, 2),
+    (256, 256): FwdSm90Tile(80, 2, 2, overlap=False, pingpong=False),
 }
+# ptxas options of every flash_fwd_sm90_kernel variant. At ptxas's default -O3 (CUDA 13.0) some
+# variants computed wrong outputs on the H200, every launch the same way: D = 160 and 192 with
+# 80-key blocks and ping-pong, D = 256 with ping-pong and no intra-warpgroup overlap, D = 192 with
+# 64-key blocks without ping-pong, and which ones flipped with unrelated edits (a store guard in
+# the epilogue). At -O1 every one of them is right, and the variants measured as fast or faster
+# (BENCHMARKS.md, "Hopper tiles for every head dim"); tests/test_attention.py keeps those
+# variants in its sweep.
+FWD_SM90_PTXAS_OPTIONS = ("--ptxas-options=-O1",)
+# Head dims up to this run flash_fwd_kernel: its 32-column tile beats a 64-column Hopper tile
+# of zeros there.
+FWD_SM90_MIN_HEAD_DIM = 32
+
+
+def fwd_sm90_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """The (D, Dv) of the Hopper tile that runs these head dims: of the pairs in FWD_SM90_TILES that
+    hold both, the one of the fewest columns; None when none does (or a head dim is at most
+    FWD_SM90_MIN_HEAD_DIM)."""
+    if min(head_dim, head_dim_v) <= FWD_SM90_MIN_HEAD_DIM:
+        return None
+    fits = [pair for pair in FWD_SM90_TILES if pair[0] >= head_dim and pair[1] >= head_dim_v]
+    return min(fits, key=lambda pair: (pair[0] + pair[1], pair)) if fits else None
 # The FP8 forward (e4m3 q, k, v; flash_fwd_sm90_kernel with T = e4m3): D = 128 and 256 (a row of
 # D = 64 is half a 128-byte swizzle row). Key blocks of kFp8ScaleBlockKeys = 128 (one 128-byte
 # row of V^T per D row). D = 256 takes no intra-warpgroup overlap, as in 16 bits: the 128
@@ -264,20 +301,23 @@ def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_sm90_spec(dtype, head_dim: int, tile: FwdSm90Tile, out_dtype=None) -> _jit.KernelSpec:
-    """flash_fwd_sm90_kernel for ``tile``: 16-bit ``dtype`` (output the same), or e4m3 inputs
-    (``dtype`` float8_e4m3fn or its uint8 storage) with a 16-bit ``out_dtype``."""
+def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_dtype=None) -> _jit.KernelSpec:
+    """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
+    ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
+    with a 16-bit ``out_dtype``."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
     flags = f"{str(tile.overlap).lower()}, {str(tile.pingpong).lower()}"
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
-        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {tile.block_n}, {tile.consumers}, "
+        f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
+        f"{tile.consumers}, "
         f"{tile.stages}, {flags}>",
         threads=tile.threads(),
-        smem_bytes=tile.smem_bytes(head_dim, 1 if fp8 else np.dtype(dtype).itemsize),
+        smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize),
         needs_sm90a=True,
+        options=FWD_SM90_PTXAS_OPTIONS,
     )
 
 
@@ -291,8 +331,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        forward += [fwd_sm90_spec(dtype, d, tile) for dtype in _arrays.CUDA_TYPES for d, tile in FWD_SM90_TILES.items()]
-        forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, tile, out) for out in _arrays.CUDA_TYPES
+        forward += [fwd_sm90_spec(dtype, d, dv, tile) for dtype in _arrays.CUDA_TYPES
+                    for (d, dv), tile in FWD_SM90_TILES.items()]
+        forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
 
@@ -838,8 +879,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
                 causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
                 schedule=None):
     """Launch the forward on 4-D views q, k [B, S, H, D], v, out [B, S, H, Dv] and lse [B, H, S] (or
-    None): flash_fwd_sm90_kernel where the GPU, head dims (Dv = D, one of its tiles) and strides
-    allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
+    None): flash_fwd_sm90_kernel where the GPU, head dims (a tile of FWD_SM90_TILES holds them) and
+    strides allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
     ``tile`` forces a kernel (a FwdTile or FwdSm90Tile: tests, tuning). ``alibi``: the slopes
     ([B, Hq] | [Hq], or None) and their batch stride in elements (0 for [Hq]). ``paged``: a
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
@@ -860,6 +901,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         return None
     arch = _jit.target_arch()
     maps = ()
+    sm90_dims = None  # the Hopper tile's (D, Dv)
     if paged is not None:
         tile = tile or fwd_tile(head_dim, arch, head_dim_v=head_dim_v)
     if fp8 is not None:
@@ -869,9 +911,10 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError("FP8 attention reads q and k through the TMA: every stride but the last must be a "
                              f"multiple of 16 bytes, got q.strides {q.strides}, k.strides {k.strides}")
     elif tile is None or isinstance(tile, FwdSm90Tile):
-        # the Hopper kernel runs its tile's head dim for q, k and v alike: Dv != D takes flash_fwd_kernel
-        sm90_tile = FWD_SM90_TILES.get(head_dim) if tile is None else tile
-        if sm90_tile is not None and arch == SM90 and head_dim_v == head_dim:
+        # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
+        sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
+        sm90_tile = None if sm90_dims is None else FWD_SM90_TILES[sm90_dims] if tile is None else tile
+        if sm90_tile is not None:
             maps = _fwd_maps(q, k, v, sm90_tile)
         if maps:
             tile = sm90_tile
@@ -881,9 +924,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     if tile is None:
         tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
-        spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, tile, np.dtype(out.dtype))
+        spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, head_dim, tile, np.dtype(out.dtype))
     elif isinstance(tile, FwdSm90Tile):
-        spec = fwd_sm90_spec(np.dtype(q.dtype), head_dim, tile)
+        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile)
     else:
         spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
                         paged is not None)

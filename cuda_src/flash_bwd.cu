@@ -849,7 +849,7 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
       for (int r = 0; r < 4; ++r) dsa[j][r] = DT::pack(dp[8 * j + 2 * r], dp[8 * j + 2 * r + 1]);
 
     // dV += P^T dO and dK += dS^T Q: 64 keys x D over this block's queries
-    wgmma_fence();
+    wgmma_fence(dV, dK, pa, dsa);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
       KV::template rs<1>(dV, pa[j], mnmajor_descriptor<QTile>(cdO, 0, j), 1);

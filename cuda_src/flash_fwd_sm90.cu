@@ -6,11 +6,16 @@
 //
 // Layouts (FwdParams, params.cuh; the last axis contiguous, every other stride a multiple of
 // 16 bytes, which the TMA needs; the host falls back to flash_fwd.cu otherwise):
-//   q    [B, Sq, Hq, D]  through q_map as 4-D (D, Sq, Hq, B)   varlen: (D, total_q, Hq, 1)
-//   k, v [B, Sk, Hk, D]  through k_map, v_map the same way
-//   out  [B, Sq, Hq, D]  plain 16-byte stores (rows past a varlen sequence belong to the next)
-// D is the kernel's HEAD_DIM, for v and out too: it has no run-time head dims, so the host sends
-// a v head dim Dv != D (FwdParams::head_dim_v) to flash_fwd.cu.
+//   q    [B, Sq, Hq, D]   through q_map as 4-D (D, Sq, Hq, B)   varlen: (D, total_q, Hq, 1)
+//   k    [B, Sk, Hk, D]   through k_map the same way
+//   v    [B, Sk, Hk, Dv]  through v_map the same way
+//   out  [B, Sq, Hq, Dv]  plain 16-byte stores (rows past a varlen sequence belong to the next)
+// Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
+// p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
+// 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
+// array's D), so padded columns add zeros to the scores and zero output columns, which the
+// epilogue does not store. GEMMs of widths that no single wgmma has run as a row of them
+// (WgmmaRow: Dv = 160 as 128 + 32).
 //   lse  [B, Hq, Sq] fp32 (varlen [Hq, total_q]), or null
 //
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
@@ -109,16 +114,18 @@ constexpr int kFwdSm90NoTile = -1;
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
 // the output is 16-bit either way. SwizzledTile counts 16-bit columns, so a tile of e4m3 rows
 // of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh).
-template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2>
+template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2>
 struct FwdSm90Smem {
   static constexpr bool kFp8 = ELEM_BYTES == 1;
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
-  static constexpr int kRowCols = HEAD_DIM * ELEM_BYTES / 2;  // a row of D elements in 16-bit columns
+  // a row of D elements in 16-bit columns, padded to whole panels
+  static constexpr int kRowCols = panel_cols(HEAD_DIM * ELEM_BYTES / 2);
   using QTile = SwizzledTile<BLOCK_M, kRowCols>;  // [BLOCK_M, D]
   using KTile = SwizzledTile<BLOCK_N, kRowCols>;  // [BLOCK_N, D] per stage
-  // per stage: V [BLOCK_N, D] (16-bit, read MN-major), or V^T [D, BLOCK_N] (e4m3, read K-major)
-  using VTile = typename Conditional<kFp8, SwizzledTile<HEAD_DIM, BLOCK_N / 2>, KTile>::type;
-  using OTile = SwizzledTile<BLOCK_M, HEAD_DIM>;  // [BLOCK_M, D] of the 16-bit output
+  // per stage: V [BLOCK_N, Dv] (16-bit, read MN-major), or V^T [Dv, BLOCK_N] (e4m3, read K-major)
+  using VTile = typename Conditional<kFp8, SwizzledTile<HEAD_DIM_V, BLOCK_N / 2>,
+                                     SwizzledTile<BLOCK_N, panel_cols(HEAD_DIM_V)>>::type;
+  using OTile = SwizzledTile<BLOCK_M, panel_cols(HEAD_DIM_V)>;  // [BLOCK_M, Dv] of the 16-bit output
   // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty, then per ring
   // slot tile full, tile empty (8 bytes each); then the ring's tile indices (int32); the dynamic
   // allocation's base is only 16-byte aligned: one atom of slack to round it up
@@ -127,11 +134,12 @@ struct FwdSm90Smem {
                                 kBarrierCount * kMbarrierBytes + kFwdSm90TileRing * kFwdSm90TileIndexBytes +
                                 kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
-  // this one's epilogue); otherwise (16-bit D = 256) in Q's, which is then released after the stores.
+  // this one's epilogue); otherwise (16-bit D = 256, say) in Q's, which is then released after
+  // the stores.
   static constexpr bool kOwnO = kFixed + OTile::kBytes <= kFwdSm90MaxSmem;
   static_assert(kOwnO || OTile::kBytes <= QTile::kBytes, "O staged in Q's tile fits there");
   static constexpr int kQ = 0;
-  static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, D]
+  static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
   static constexpr int kBarriers = kV + STAGES * VTile::kBytes;
@@ -178,28 +186,31 @@ struct FwdSm90Work {
   __device__ __forceinline__ int blocks() const { return n_last - n_first; }
 };
 
-template <typename T, typename TOut, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool OVERLAP,
-          bool PINGPONG>
+template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
+          bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
-  using Smem = FwdSm90Smem<HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, sizeof(T)>;
+  using Smem = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T)>;
   using QTile = typename Smem::QTile;
   using KTile = typename Smem::KTile;
   using VTile = typename Smem::VTile;
   using OTile = typename Smem::OTile;
   constexpr int BLOCK_M = Smem::BLOCK_M;
-  // TMA boxes per tile: one per 128-byte row of columns (64 16-bit or 128 e4m3 elements)
+  // TMA boxes per tile: one per 128-byte row of columns (64 16-bit or 128 e4m3 elements), the
+  // last one reaching past D where D is not a whole number of them
   constexpr int kBoxCols = kSwizzleRowBytes / static_cast<int>(sizeof(T));
-  constexpr int kPanels = HEAD_DIM / kBoxCols;
-  constexpr int kVPanels = kFp8 ? BLOCK_N / kBoxCols : kPanels;  // V^T: boxes of 128 keys x D rows
-  using S = Wgmma<T, BLOCK_N>;   // 64 rows x BLOCK_N keys
-  using O = Wgmma<T, HEAD_DIM>;  // 64 rows x D
+  constexpr int kPanels = (HEAD_DIM + kBoxCols - 1) / kBoxCols;
+  // V^T: boxes of 128 keys x Dv rows
+  constexpr int kVPanels = kFp8 ? BLOCK_N / kBoxCols : (HEAD_DIM_V + kBoxCols - 1) / kBoxCols;
+  using S = WgmmaRow<T, BLOCK_N>;   // 64 rows x BLOCK_N keys
+  using O = WgmmaRow<T, HEAD_DIM_V>;  // 64 rows x Dv
   constexpr int kPSteps = BLOCK_N / O::kK;  // k steps of the PV GEMM
-  using Tile = AttentionTile<TOut, 1, BLOCK_N / 8, HEAD_DIM / 8>;
+  using Tile = AttentionTile<TOut, 1, BLOCK_N / 8, HEAD_DIM_V / 8>;
   using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T, TOut>>;
   static_assert(sizeof(TOut) == 2 && (kFp8 || sizeof(T) == 2), "16-bit output; 16-bit or e4m3 inputs");
-  static_assert(HEAD_DIM % kBoxCols == 0, "whole 128-byte panels");
+  static_assert(HEAD_DIM % S::kK == 0, "whole k steps of the S GEMM");
+  static_assert(!kFp8 || (HEAD_DIM % kBoxCols == 0 && HEAD_DIM_V == HEAD_DIM), "e4m3: whole panels, Dv = D");
   static_assert(!kFp8 || BLOCK_N % kBoxCols == 0, "V^T boxes of whole 128-key rows");
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
@@ -403,16 +414,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
         S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
-                             kmajor_descriptor<KTile>(sK(stage), 0, ks), ks > 0);
+                             [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, ks > 0);
       wgmma_commit();
     };
     const auto issue_pv = [&](int stage) {
 #pragma unroll
       for (int ks = 0; ks < kPSteps; ++ks) {
         if constexpr (kFp8) {
-          O::template rs<0>(o_acc, pa[ks], kmajor_descriptor<VTile>(sV(stage), 0, ks), 1);
+          O::template rs<0>(o_acc, pa[ks], [&](int col) { return kmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
         } else {
-          O::template rs<1>(o_acc, pa[ks], mnmajor_descriptor<VTile>(sV(stage), 0, ks), 1);
+          O::template rs<1>(o_acc, pa[ks], [&](int col) { return mnmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
         }
       }
       wgmma_commit();
@@ -471,7 +482,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           mbarrier_wait(k_full(stage_of(i)), parity_of(i));
           mbarrier_wait(v_full(stage_of(i - 1)), parity_of(i - 1));
           take_turn();
-          wgmma_fence();
+          wgmma_fence(o_acc, pa);
           issue_s(stage_of(i));
           issue_pv(stage_of(i - 1));
           pass_turn(false);
@@ -490,7 +501,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         // the last block's PV
         mbarrier_wait(v_full(stage_of(blocks - 1)), parity_of(blocks - 1));
         take_turn();
-        wgmma_fence();
+        wgmma_fence(o_acc, pa);
         issue_pv(stage_of(blocks - 1));
         pass_turn(true);
         wgmma_wait<0>();
@@ -512,7 +523,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           to_fragments();
           mbarrier_wait(v_full(stage_of(i)), parity_of(i));
           take_turn();
-          wgmma_fence();
+          wgmma_fence(o_acc, pa);
           issue_pv(stage_of(i));
           pass_turn(i == blocks - 1);
           wgmma_wait<0>();
@@ -546,19 +557,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const float inv = st.inv_sum() * sink_factor * v_descale;
       const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the tile
 #pragma unroll
-      for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+      for (int dt = 0; dt < HEAD_DIM_V / 8; ++dt) {
         const u32 packed = DType<TOut>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
         *reinterpret_cast<u32*>(base + Smem::kO + OTile::offset(row, dt * 8 + 2 * t)) = packed;
       }
       if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
     }
     named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
-    constexpr int kChunksPerRow = HEAD_DIM * sizeof(TOut) / kCopyBytes;
+    // whole 16-byte chunks of the tile's rows; those past the call's Dv are padding
+    constexpr int kChunksPerRow = HEAD_DIM_V * sizeof(TOut) / kCopyBytes;
+    const int chunks = p.head_dim_v * static_cast<int>(sizeof(TOut)) / kCopyBytes;
     TOut* o_ptr = p.out + w.b * p.o_batch_stride + (w.seq.q_start + wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
 #pragma unroll
     for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
       const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-      if (wg_m0 + row < w.seq.seqlen_q) {
+      if (wg_m0 + row < w.seq.seqlen_q && chunk < chunks) {
         *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(TOut))) =
             *reinterpret_cast<const uint4*>(base + Smem::kO + OTile::chunk_offset(c * kWgmmaM + row, chunk));
       }

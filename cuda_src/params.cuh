@@ -83,9 +83,9 @@ struct FwdParams {
   float softcap_out;       // softcap * log2(e), or 0
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
-  int head_dim;            // D, a multiple of 8 up to the kernel's tile head dim (flash_fwd_kernel; the
-                           // Hopper kernel runs only D equal to its tile and does not read it)
-  int head_dim_v;          // Dv, v's and out's head dim, likewise (the Hopper kernel: Dv = D only)
+  int head_dim;            // D, a multiple of 8 up to the kernel's tile head dim (the Hopper kernel
+                           // reads zeros past it through its maps and does not read this field)
+  int head_dim_v;          // Dv, v's and out's head dim, likewise (the Hopper kernel stores its columns)
   const int* block_table;  // paged: [B_all, max_blocks] page ids, or null
   const int* seq_lens;     // paged: [B_all] keys per sequence, or null
   const int* batch_index;  // paged: [batch] the sequence (row of block_table) of each launch entry, or null

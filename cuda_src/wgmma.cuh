@@ -40,6 +40,10 @@ constexpr int kSwizzlePanelCols = 64;
 constexpr int kSwizzleAtomBytes = 1024;    // 8 rows of 128 B: the swizzle pattern's period
 constexpr int kChunksPerSwizzleRow = kSwizzleRowBytes / kCopyBytes;
 
+// The columns of the whole 64-column panels that hold `cols` columns (a tile of a head dim that is
+// not a multiple of 64 pads its last panel; TMA fills the padding with zeros).
+constexpr int panel_cols(int cols) { return (cols + kSwizzlePanelCols - 1) / kSwizzlePanelCols * kSwizzlePanelCols; }
+
 template <int ROWS, int COLS>
 struct SwizzledTile {
   static_assert(ROWS % 8 == 0 && COLS % kSwizzlePanelCols == 0, "whole swizzle atoms");
@@ -80,6 +84,20 @@ __device__ __forceinline__ u64 mnmajor_descriptor(u32 tile, int col0, int step) 
   const u32 addr = tile + (col0 / kSwizzlePanelCols) * Tile::kPanelBytes + step * kWgmmaK * kSwizzleRowBytes;
   return wgmma_descriptor(addr, Tile::kPanelBytes, kSwizzleAtomBytes);
 }
+
+// the 4 fp32 accumulator registers of an m64n8 tile
+#define CUATTN_ACC4_LIST "{" "%0, %1, %2, %3" "}"
+#define CUATTN_ACC4_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+
+// the 8 fp32 accumulator registers of an m64n16 tile
+#define CUATTN_ACC8_LIST "{" "%0, %1, %2, %3, %4, %5, %6, %7" "}"
+#define CUATTN_ACC8_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+
+// the 16 fp32 accumulator registers of an m64n32 tile
+#define CUATTN_ACC16_LIST "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
+#define CUATTN_ACC16_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 
 // the 32 fp32 accumulator registers of an m64n64 tile, as asm operands %0-%31
 #define CUATTN_ACC32_LIST "{" \
@@ -206,6 +224,26 @@ CUATTN_DEFINE_WGMMA(__half, "f16.f16", 256, 128,
                     CUATTN_WGMMA_SS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132),
                     CUATTN_WGMMA_RS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133, 134))
 
+// Narrow pieces (the tail of a WgmmaRow whose width is not a sum of the wide ones)
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 8, 4,
+                    CUATTN_WGMMA_SS(8, "bf16.bf16", CUATTN_ACC4_LIST, 4, 5, 6, 7, 8),
+                    CUATTN_WGMMA_RS(8, "bf16.bf16", CUATTN_ACC4_LIST, 4, 5, 6, 7, 8, 9, 10))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 8, 4,
+                    CUATTN_WGMMA_SS(8, "f16.f16", CUATTN_ACC4_LIST, 4, 5, 6, 7, 8),
+                    CUATTN_WGMMA_RS(8, "f16.f16", CUATTN_ACC4_LIST, 4, 5, 6, 7, 8, 9, 10))
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 16, 8,
+                    CUATTN_WGMMA_SS(16, "bf16.bf16", CUATTN_ACC8_LIST, 8, 9, 10, 11, 12),
+                    CUATTN_WGMMA_RS(16, "bf16.bf16", CUATTN_ACC8_LIST, 8, 9, 10, 11, 12, 13, 14))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 16, 8,
+                    CUATTN_WGMMA_SS(16, "f16.f16", CUATTN_ACC8_LIST, 8, 9, 10, 11, 12),
+                    CUATTN_WGMMA_RS(16, "f16.f16", CUATTN_ACC8_LIST, 8, 9, 10, 11, 12, 13, 14))
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 32, 16,
+                    CUATTN_WGMMA_SS(32, "bf16.bf16", CUATTN_ACC16_LIST, 16, 17, 18, 19, 20),
+                    CUATTN_WGMMA_RS(32, "bf16.bf16", CUATTN_ACC16_LIST, 16, 17, 18, 19, 20, 21, 22))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 32, 16,
+                    CUATTN_WGMMA_SS(32, "f16.f16", CUATTN_ACC16_LIST, 16, 17, 18, 19, 20),
+                    CUATTN_WGMMA_RS(32, "f16.f16", CUATTN_ACC16_LIST, 16, 17, 18, 19, 20, 21, 22))
+
 // e4m3 x e4m3 -> fp32, k32 per instruction (sm_90a). 8-bit operands have no transpose: A and B
 // are both K-major, so B of a GEMM over keys (O += P V) must be V^T with the keys contiguous.
 // A k32 step covers the same 32 bytes of a swizzled row as a 16-bit k16 step, so a tile of
@@ -248,8 +286,41 @@ CUATTN_DEFINE_WGMMA8(128, 64, CUATTN_WGMMA8_SS(128, CUATTN_ACC64_LIST, 64, 65, 6
 CUATTN_DEFINE_WGMMA8(256, 128, CUATTN_WGMMA8_SS(256, CUATTN_ACC128_LIST, 128, 129, 130),
                      CUATTN_WGMMA8_RS(256, CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133))
 
-// Registers written by ordinary instructions are about to feed wgmma (accumulators, A fragments).
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// A GEMM D[64 x N] of any N that is a multiple of 8, as a row of the wgmma Wgmma defines: the
+// widest that fits first (so N = 160 runs as 128 + 32, 192 as 128 + 64, 112 as 64 + 32 + 16).
+// Piece p covers columns [offset, offset + width) of D, which are its accumulators
+// [offset / 2, (offset + width) / 2) (the accumulator layout above keeps columns in order), and
+// reads its B columns through desc_b(offset): the caller's descriptor of B's columns (rows of a
+// K-major tile, columns of an MN-major one) from offset on. The pieces wider than 32 come first,
+// so every offset is a multiple of 64, where an MN-major panel starts.
+constexpr int wgmma_piece(int n) {
+  return n >= 256 ? 256 : n >= 128 ? 128 : n == 80 ? 80 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8;
+}
+
+template <typename T, int N, int OFFSET = 0>
+struct WgmmaRow {
+  static_assert(N % 8 == 0 && OFFSET < N, "whole n8 columns");
+  static constexpr int kAccumulators = N / 2;
+  static constexpr int kWidth = wgmma_piece(N - OFFSET);
+  using Piece = Wgmma<T, kWidth>;
+  static constexpr int kK = Piece::kK;
+  using Rest = WgmmaRow<T, N, (OFFSET + kWidth < N ? OFFSET + kWidth : OFFSET)>;
+
+  static __device__ __forceinline__ float (&piece(float (&d)[N / 2]))[kWidth / 2] {
+    return *reinterpret_cast<float(*)[kWidth / 2]>(&d[OFFSET / 2]);
+  }
+  template <int TRANS_A, int TRANS_B, class DescB>
+  static __device__ __forceinline__ void ss(float (&d)[N / 2], u64 desc_a, DescB desc_b, int accumulate) {
+    Piece::template ss<TRANS_A, TRANS_B>(piece(d), desc_a, desc_b(OFFSET), accumulate);
+    if constexpr (OFFSET + kWidth < N) Rest::template ss<TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+  }
+  template <int TRANS_B, class DescB>
+  static __device__ __forceinline__ void rs(float (&d)[N / 2], const u32 (&a)[4], DescB desc_b, int accumulate) {
+    Piece::template rs<TRANS_B>(piece(d), a, desc_b(OFFSET), accumulate);
+    if constexpr (OFFSET + kWidth < N) Rest::template rs<TRANS_B>(d, a, desc_b, accumulate);
+  }
+};
+
 // Close the wgmma issued since the last commit into one group.
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Wait until at most N committed groups are still running.
@@ -280,6 +351,17 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[S][4]) {
   for (int s = 0; s < S; ++s)
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[s][i])::"memory");
+}
+
+// Registers written by ordinary instructions are about to feed wgmma: `operands` are the
+// accumulators and A fragments the next wgmma read. Their writes are pinned before the fence
+// first: the fence names no registers, so the compiler could otherwise sink an ordinary write of
+// an operand (a rescale of the output, P's packing) below it, and the wgmma would read the
+// register before the write lands (CUTLASS fences its operands the same way).
+template <class... Operands>
+__device__ __forceinline__ void wgmma_fence(Operands&... operands) {
+  (fence_registers(operands), ...);
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
 }  // namespace cuattn

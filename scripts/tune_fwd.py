@@ -31,7 +31,14 @@ SM90_CANDIDATES = {
          FwdSm90Tile(128, 3, 2, False, False), FwdSm90Tile(128, 3, 4, False, False)],
     128: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
           FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True)],
-    256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True), FwdSm90Tile(80, 2, 2, True, True)],
+    256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True)],
+    # head dims of padded panels (every candidate compiles without spills)
+    80: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],
+    96: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],
+    160: [FwdSm90Tile(80, 2, 2, True, False), FwdSm90Tile(80, 2, 2), FwdSm90Tile(64, 2, 2),
+          FwdSm90Tile(112, 2, 2, False, True), FwdSm90Tile(64, 2, 3, False, True)],
+    192: [FwdSm90Tile(80, 2, 2), FwdSm90Tile(80, 2, 2, True, False), FwdSm90Tile(64, 2, 2),
+          FwdSm90Tile(96, 2, 2, False, True)],
 }
 HEAD_DIMS = (64, 128, 256)
 
@@ -45,8 +52,8 @@ def label(tile) -> str:
 
 def is_default(tile, d: int) -> bool:
     arch = _jit.target_arch()
-    if arch == "sm_90a" and d in FWD_SM90_TILES:
-        return tile == FWD_SM90_TILES[d]
+    if arch == "sm_90a" and (d, d) in FWD_SM90_TILES:
+        return tile == FWD_SM90_TILES[d, d]
     return tile == fwd_tile(d, arch)
 
 
@@ -110,7 +117,7 @@ def main():
         flops = timing.attention_flops(b, h, n, n, d, causal)
         candidates = [] if args.sm90 else list(CANDIDATES.get(d, [fwd_tile(d, _jit.target_arch())]))
         if _jit.target_arch() == "sm_90a":
-            candidates += SM90_CANDIDATES[d]
+            candidates += SM90_CANDIDATES.get(d, [])
         for tile in candidates:
             fn = lambda: _launch_fwd(q, k, v, out, None, None, None, batch=b, seqlen_q=n, seqlen_k=n,
                                      causal=causal, scale=None, window=(-1, -1), softcap=0.0,

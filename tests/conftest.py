@@ -64,3 +64,43 @@ def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> floa
     """
     eps = float(ml_dtypes.finfo(dtype).eps)
     return factor * naive_err + eps * max(ref_max, 1.0)
+
+
+# The two forward kernels a GPU test can ask for (the `forward_kernel` fixture): the Hopper one
+# where the dispatcher picks it, and flash_fwd_kernel, forced by emptying the Hopper tile table.
+FWD_KERNELS = ["sm90", "mma"]
+
+
+@pytest.fixture(params=FWD_KERNELS)
+def forward_kernel(request, monkeypatch):
+    """Runs the test on each forward kernel: "sm90" leaves the dispatcher alone (skipped on a GPU
+    that is not sm_90a), "mma" empties attention.FWD_SM90_TILES. Remembered plans are cleared
+    before and after, since a plan keeps the kernel it was made with."""
+    import importlib
+
+    from cuattn import _calls, _jit
+
+    attention_module = importlib.import_module("cuattn.attention")
+    _calls.clear()
+    if request.param == "mma":
+        monkeypatch.setattr(attention_module, "FWD_SM90_TILES", {})
+    elif _jit.gpu_unavailable_reason() is None and _jit.target_arch() != "sm_90a":
+        pytest.skip(f"flash_fwd_sm90_kernel needs sm_90a; this GPU is {_jit.target_arch()}")
+    yield request.param
+    _calls.clear()
+
+
+def expected_forward_kernel(dtype, head_dim: int, head_dim_v: int) -> str:
+    """The start of the kernel name the forward dispatcher logs for these head dims under the
+    current tile tables on the current GPU: flash_fwd_sm90_kernel at its tile's (D, Dv), or
+    flash_fwd_kernel at its tile head dim."""
+    import importlib
+
+    from cuattn import _arrays, _jit
+
+    attention_module = importlib.import_module("cuattn.attention")
+    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    hopper = attention_module.fwd_sm90_tile_dims(head_dim, head_dim_v) if _jit.target_arch() == "sm_90a" else None
+    if hopper is not None:
+        return f"flash_fwd_sm90_kernel<{ctype}, {ctype}, {hopper[0]}, {hopper[1]},"
+    return f"flash_fwd_kernel<{ctype}, {attention_module.fwd_tile_dim(head_dim, head_dim_v)},"

@@ -21,29 +21,22 @@ pytestmark = pytest.mark.gpu
 
 HEAD_DIMS = list(_registry.test_head_dims("attention"))
 MASKS = _registry.MASK_OPTIONS
-FWD_KERNELS = ["sm90", "mma"]
 attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
 
-@pytest.fixture(autouse=True, params=FWD_KERNELS)
-def fwd_kernel(request, monkeypatch):
-    """Every test here runs on both forward kernels: the Hopper one (flash_fwd_sm90_kernel, where
-    the head dim has a tile, on the dynamic tile schedule; test_sm90_schedules runs the static one
-    too) and the mma.sync one, forced by emptying the Hopper tile table."""
-    _calls.clear()
+@pytest.fixture(autouse=True)
+def fwd_kernel(forward_kernel, request, monkeypatch):
+    """Every test here runs on both forward kernels (conftest's forward_kernel): the Hopper one
+    (flash_fwd_sm90_kernel, where a tile holds the head dim, on the dynamic tile schedule;
+    test_sm90_schedules runs the static one too) and the mma.sync one."""
     monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "dynamic")  # whatever the dispatcher's default
     head_dim = getattr(request.node, "callspec", None) and request.node.callspec.params.get("head_dim")
-    if request.param == "mma":
-        monkeypatch.setattr(attention_module, "FWD_SM90_TILES", {})
-    elif _jit.gpu_unavailable_reason() is None and _jit.target_arch() != "sm_90a":
-        pytest.skip(f"flash_fwd_sm90_kernel needs sm_90a; this GPU is {_jit.target_arch()}")
-    elif head_dim and head_dim not in attention_module.FWD_SM90_TILES:
+    if forward_kernel == "sm90" and head_dim and attention_module.fwd_sm90_tile_dims(head_dim, head_dim) is None:
         pytest.skip(f"D = {head_dim} runs flash_fwd_kernel on sm_90a too: the mma pass covers it")
-    yield request.param
-    _calls.clear()
+    return forward_kernel
 
 
-@pytest.mark.parametrize("head_dim", sorted(attention_module.FWD_SM90_TILES))
+@pytest.mark.parametrize("head_dim", sorted(d for d, dv in attention_module.FWD_SM90_TILES if d == dv))
 def test_hopper_kernel_runs_where_it_has_a_tile(rng, caplog, fwd_kernel, head_dim):
     """The debug log names the kernel: the Hopper one for its head dims and any view the TMA reads,
     the mma.sync one when the Hopper table is emptied or a row stride is not a multiple of 16 bytes."""
@@ -394,6 +387,25 @@ def test_sm90_schedules(rng, monkeypatch, fwd_kernel, schedule, case):
     lens_q = [c["sq"], 1, c["sq"] // 3, 0, 130, c["sq"] // 2 + 7]
     lens_k = [c["sk"], 5, c["sk"] // 3, 9, 130, c["sk"] // 2 + 7]
     _check_varlen(rng, lens_q, lens_k, c["hq"], c["hk"], c["d"], c["causal"])
+
+
+# Hopper variants that ptxas's default -O3 compiled into wrong outputs on the H200 (CUDA 13.0;
+# attention.FWD_SM90_PTXAS_OPTIONS): under the options their specs carry, each must match the
+# reference.
+O3_MISCOMPILED = [(160, attention_module.FwdSm90Tile(80, 2, 2)), (192, attention_module.FwdSm90Tile(80, 2, 2)),
+                  (192, attention_module.FwdSm90Tile(64, 2, 2, pingpong=False)),
+                  (256, attention_module.FwdSm90Tile(80, 2, 2, overlap=False)),
+                  (160, attention_module.FwdSm90Tile(64, 2, 2, overlap=False))]
+
+
+@pytest.mark.parametrize("d, tile", O3_MISCOMPILED,
+                         ids=[f"d{d}-n{t.block_n}-ov{int(t.overlap)}-pp{int(t.pingpong)}" for d, t in O3_MISCOMPILED])
+def test_hopper_variants_ptxas_once_got_wrong(rng, monkeypatch, fwd_kernel, d, tile):
+    if fwd_kernel != "sm90":
+        pytest.skip("a flash_fwd_sm90_kernel variant")
+    monkeypatch.setattr(attention_module, "FWD_SM90_TILES", {**attention_module.FWD_SM90_TILES, (d, d): tile})
+    run_and_check(rng, DTYPES[0], 1, 130, 203, 2, 2, d)
+    run_and_check(rng, DTYPES[1], 2, 77, 80, 4, 2, d, causal=True)
 
 
 def _tile_counters(stream):

@@ -1,8 +1,10 @@
 """A v head dim Dv of its own: q and k (..., D), v and out (..., Dv), in attention and attention_varlen.
 
-DeepSeek's prefill runs D = 192 (128 "nope" + 64 rope columns) against Dv = 128. The forward runs
-flash_fwd_kernel in the tile of max(D, Dv), the smaller head dim zero-padded (exact: flash_fwd.cu);
-the Hopper kernel takes D = Dv only. The default scale is 1 / sqrt(D) and lse does not depend on v.
+DeepSeek's prefill runs D = 192 (128 "nope" + 64 rope columns) against Dv = 128. On sm_90a the
+forward runs the Hopper kernel's smallest (D, Dv) tile that holds both (its (192, 128) tile, or a
+D = Dv tile with the narrower head dim padded by zeros the TMA reads); flash_fwd_kernel runs the
+tile of max(D, Dv), the smaller head dim zero-padded (exact: flash_fwd.cu). The GPU forward tests
+run on both kernels. The default scale is 1 / sqrt(D) and lse does not depend on v.
 
 CPU tests: the NumPy path's shapes and values against a direct einsum, the reference's own
 consistency, the NumPy backward against central differences, the argument checks (the same on
@@ -20,8 +22,8 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import _arrays, _calls, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, randn
+from cuattn import _arrays, _registry, reference
+from conftest import DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, randn
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
@@ -207,6 +209,21 @@ def test_every_kernel_a_pair_of_head_dims_can_pick_is_listed(arch):
                 paged = attention_module.fwd_spec(dtype, tile_dim, attention_module.fwd_tile(d, arch, head_dim_v=dv),
                                                   paged=True)
                 assert paged.name in listed, (d, dv)
+                hopper = attention_module.fwd_sm90_tile_dims(d, dv)
+                if arch == "sm_90a" and hopper is not None:
+                    spec = attention_module.fwd_sm90_spec(dtype, *hopper, attention_module.FWD_SM90_TILES[hopper])
+                    assert spec.name in listed, (d, dv)
+
+
+@pytest.mark.parametrize("d, dv, tile", [(192, 128, (192, 128)), (136, 128, (160, 160)), (176, 128, (192, 128)), (128, 64, (128, 128)),
+                                         (64, 128, (128, 128)), (200, 96, (256, 256)), (256, 128, (256, 256)),
+                                         (40, 24, None), (24, 40, None), (72, 72, (80, 80)), (152, 160, (160, 160))])
+def test_the_hopper_tile_is_the_smallest_pair_holding_both_head_dims(d, dv, tile):
+    """fwd_sm90_tile_dims: the (D, Dv) pair of the fewest columns that holds both (192/128 has its
+    own); head dims of at most FWD_SM90_MIN_HEAD_DIM take flash_fwd_kernel."""
+    assert attention_module.fwd_sm90_tile_dims(d, dv) == tile
+    if tile is not None:
+        assert tile in attention_module.FWD_SM90_TILES and tile[0] >= d and tile[1] >= dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +249,7 @@ def test_jax_forward_declares_dv_outputs(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: flash_fwd_kernel with Dv != D
+# GPU: both forward kernels with Dv != D
 
 
 def _check_out(rng, got, ref, naive, dtype, what=""):
@@ -253,10 +270,9 @@ def _check_lse(rng, lse, ref_lse):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("d, dv", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_dense_forward_with_dv_matches_reference(rng, caplog, dtype, d, dv, mask):
+def test_dense_forward_with_dv_matches_reference(rng, caplog, forward_kernel, dtype, d, dv, mask):
     import cupy
 
-    _calls.clear()  # a remembered plan would launch without the dispatcher's log record
     options = MASKS[mask]
     q, k, v = _qkv(rng, dtype, (2, 77, HQ, d), (2, 131, HK, d), dv)
     out = cupy.full((2, 77, HQ, dv), np.nan, dtype)  # poison: every element must be written
@@ -264,8 +280,7 @@ def test_dense_forward_with_dv_matches_reference(rng, caplog, dtype, d, dv, mask
         got, lse = cuattn.attention(*(cupy.asarray(x) for x in (q, k, v)), out=out, return_lse=True, **options)
     assert got is out
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    tile_dim = attention_module.fwd_tile_dim(d, dv)
-    assert chosen and f"flash_fwd_kernel<{_arrays.CUDA_TYPES[np.dtype(dtype)]}, {tile_dim}," in chosen[-1], chosen
+    assert chosen and expected_forward_kernel(dtype, d, dv) in chosen[-1], chosen
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
     naive = reference.naive_attention_lowp(q, k, v, dtype=dtype, **options)
     _check_out(rng, got.get(), ref, naive, dtype)
@@ -282,7 +297,7 @@ def test_dense_forward_with_dv_matches_reference(rng, caplog, dtype, d, dv, mask
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("d, dv", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_varlen_forward_with_dv_matches_reference_per_sequence(rng, dtype, d, dv, mask):
+def test_varlen_forward_with_dv_matches_reference_per_sequence(rng, forward_kernel, dtype, d, dv, mask):
     import cupy
 
     options = MASKS[mask]
@@ -304,7 +319,7 @@ def test_varlen_forward_with_dv_matches_reference_per_sequence(rng, dtype, d, dv
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, dv", [(192, 128), (64, 128), (128, 64)], ids=["d192-dv128", "d64-dv128", "d128-dv64"])
-def test_sinks_and_alibi_with_dv(rng, d, dv):
+def test_sinks_and_alibi_with_dv(rng, forward_kernel, d, dv):
     """The ALiBi variant (its own tile at D = 128 on sm_80) and the sinks' epilogue with Dv != D."""
     import cupy
 
@@ -321,7 +336,7 @@ def test_sinks_and_alibi_with_dv(rng, d, dv):
 
 
 @pytest.mark.gpu
-def test_k_and_v_as_column_slices_of_one_kv_tensor(rng):
+def test_k_and_v_as_column_slices_of_one_kv_tensor(rng, forward_kernel):
     """DeepSeek-style k and v cut from one (B, Sk, Hk, D + Dv) projection: row strides of D + Dv
     elements, v starting D columns in."""
     import cupy

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import _arrays, _calls, _registry, reference
-from conftest import error_budget, randn
+from cuattn import _arrays, _registry, reference
+from conftest import error_budget, expected_forward_kernel, randn
 
 attention_module = importlib.import_module("cuattn.attention")  # the modules, not the functions
 decode_module = importlib.import_module("cuattn.decode")
@@ -113,6 +113,10 @@ def test_every_kernel_a_head_dim_can_pick_is_listed(arch):
                 assert spec.name in listed, (d, spec.name)
             paged = attention_module.fwd_spec(dtype, tile_dim, attention_module.fwd_tile(d, arch), paged=True)
             assert paged.name in listed, (d, paged.name)
+            hopper = attention_module.fwd_sm90_tile_dims(d, d)
+            if arch == "sm_90a" and hopper is not None:
+                spec = attention_module.fwd_sm90_spec(dtype, *hopper, attention_module.FWD_SM90_TILES[hopper])
+                assert spec.name in listed, (d, spec.name)
             for deterministic in (False, True):
                 for alibi in (False, True):
                     tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
@@ -126,20 +130,20 @@ def test_every_kernel_a_head_dim_can_pick_is_listed(arch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [40, 80, 160, 192])
-def test_padded_and_new_tile_head_dims_run_the_mma_sync_forward(rng, caplog, d):
-    """Head dims without a Hopper tile run flash_fwd_kernel on every GPU, instantiated at their tile
-    head dim, into a NaN-poisoned output; k and v of odd lengths."""
+@pytest.mark.parametrize("d", [40, 72, 80, 96, 136, 160, 192, 200])
+def test_padded_and_new_tile_head_dims_run_their_forward(rng, caplog, forward_kernel, d):
+    """Each head dim runs the kernel and tile the dispatcher names (the Hopper kernel's smallest
+    tile holding it on sm_90a, flash_fwd_kernel at its tile head dim otherwise or when forced),
+    into a NaN-poisoned output; k and v of odd lengths."""
     import cupy
 
-    _calls.clear()  # a remembered plan would launch without the dispatcher's log record
     q = randn(rng, (2, 67, 4, d), np.float16)
     k, v = (randn(rng, (2, 131, 2, d), np.float16) for _ in range(2))
     out = cupy.full(q.shape, np.nan, np.float16)
     with caplog.at_level("DEBUG", logger="cuattn"):
         cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True, out=out)
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    assert chosen and f"flash_fwd_kernel<__half, {attention_module.fwd_tile_dim(d)}," in chosen[-1], chosen
+    assert chosen and expected_forward_kernel(np.float16, d, d) in chosen[-1], chosen
     ref = reference.attention(q, k, v, causal=True)
     naive = reference.naive_attention_lowp(q, k, v, causal=True, dtype=np.float16)
     got = out.get().astype(np.float64)

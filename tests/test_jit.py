@@ -6,6 +6,8 @@ what keeps a kernel that fails to compile or spills registers from ever reaching
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ import pytest
 
 import cuattn
 from cuattn import _jit, _tools
+
+attention_module = importlib.import_module("cuattn.attention")  # the module, not the function
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="compiling needs CuPy's NVRTC bindings")
 
@@ -73,6 +77,15 @@ def test_cache_key_follows_its_own_source_file_only(sources, cache):
     assert _jit.cache_key(decode, "sm_80") == before[decode]
 
 
+def test_cache_key_follows_a_variants_own_options(cache):
+    """KernelSpec.options reach the cache key (a variant built with other ptxas options is another
+    cubin), and every Hopper forward variant carries FWD_SM90_PTXAS_OPTIONS."""
+    hopper = [s for s in _tools.kernel_variants("sm_90a") if "flash_fwd_sm90_kernel<" in s.name]
+    assert hopper and all(s.options == attention_module.FWD_SM90_PTXAS_OPTIONS for s in hopper)
+    spec = hopper[0]
+    assert _jit.cache_key(dataclasses.replace(spec, options=()), "sm_90a") != _jit.cache_key(spec, "sm_90a")
+
+
 def test_cache_key_separates_arch_and_variant(cache):
     a, b = _tools.kernel_variants("sm_80")[:2]
     keys = {_jit.cache_key(a, "sm_80"), _jit.cache_key(a, "sm_90a"), _jit.cache_key(b, "sm_80")}
@@ -113,8 +126,20 @@ def test_parse_resources_reads_ptxas_report():
     res = _jit.parse_resources(log, "_Z3fooi")
     assert res == _jit.Resources(96, 8, 4, 12, 2048) and res.spills
     assert _jit.parse_resources(log, "_Z3bari").registers == 10
-    with pytest.raises(cuattn.CompileError, match="no resource report"):
-        _jit.parse_resources(log, "_Z3bazi")
+    assert _jit.parse_resources(log, "_Z3bazi") is None
+
+
+def test_a_missing_resource_report_keeps_the_cubin_and_says_so(cache, monkeypatch, caplog):
+    """A compile whose log lacks ptxas's report (seen from NVRTC on the H200) keeps its cubin, warns,
+    and shows in `cuattn build` as an error row, so the spill check cannot pass on it silently."""
+    monkeypatch.setattr(_jit, "parse_resources", lambda log, name: None)
+    spec = _tools.kernel_variants("sm_80")[2]
+    with caplog.at_level("WARNING", logger="cuattn"):
+        compiled = _jit.compile_kernel(spec, "sm_80", use_cache=False)
+    assert compiled.cubin_path.is_file() and compiled.resources.registers == 0
+    assert any("no resource report" in r.getMessage() for r in caplog.records)
+    rows = cuattn.build("sm_80", kernels=spec.name)
+    assert rows and all("no resource report" in row.error and not row.ok for row in rows)
 
 
 def test_build_refuses_an_unknown_kernel_filter(cache):

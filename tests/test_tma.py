@@ -55,9 +55,10 @@ def test_the_forward_struct_holds_three_aligned_maps():
 
 def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
     limit = _params.constant("kFwdSm90MaxSmem")
-    for head_dim, tile in attention_module.FWD_SM90_TILES.items():
-        for itemsize in (2,):
-            assert tile.smem_bytes(head_dim, itemsize) <= limit, (head_dim, tile)
+    for (head_dim, head_dim_v), tile in attention_module.FWD_SM90_TILES.items():
+        assert tile.smem_bytes(head_dim, head_dim_v, 2) <= limit, (head_dim, head_dim_v, tile)
+    for head_dim, tile in attention_module.FWD_SM90_FP8_TILES.items():
+        assert tile.smem_bytes(head_dim, head_dim, 1) <= limit, (head_dim, tile)
 
 
 @pytest.mark.gpu
@@ -83,12 +84,12 @@ def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
     asserts = [
-        f"static_assert(cuattn::FwdSm90Smem<{d}, {t.block_n}, {t.consumers}, {t.stages}>::kBytes == "
-        f"{t.smem_bytes(d, 2)}, \"D = {d}\");"
-        for d, t in attention_module.FWD_SM90_TILES.items()
+        f"static_assert(cuattn::FwdSm90Smem<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}>::kBytes == "
+        f"{t.smem_bytes(d, dv, 2)}, \"D = {d}, Dv = {dv}\");"
+        for (d, dv), t in attention_module.FWD_SM90_TILES.items()
     ] + [
-        f"static_assert(cuattn::FwdSm90Smem<{d}, {t.block_n}, {t.consumers}, {t.stages}, 1>::kBytes == "
-        f"{t.smem_bytes(d, 1)}, \"FP8 D = {d}\");"
+        f"static_assert(cuattn::FwdSm90Smem<{d}, {d}, {t.block_n}, {t.consumers}, {t.stages}, 1>::kBytes == "
+        f"{t.smem_bytes(d, d, 1)}, \"FP8 D = {d}\");"
         for d, t in attention_module.FWD_SM90_FP8_TILES.items()
     ]
     sources = tmp_path / "sources"
