@@ -173,7 +173,8 @@ class FwdSm90Tile:
         q_tile = self.block_m * row_bytes(head_dim, itemsize)
         o_tile = self.block_m * row_bytes(head_dim_v, out_itemsize)
         # e4m3 V^T rows are BLOCK_N keys (whole panels), one per Dv column
-        v_stage = head_dim_v * self.block_n * itemsize if itemsize == 1 else self.block_n * row_bytes(head_dim_v, itemsize)
+        v_rows, v_cols = (head_dim_v, self.block_n) if itemsize == 1 else (self.block_n, head_dim_v)
+        v_stage = v_rows * row_bytes(v_cols, itemsize)
         ring = _params.constant("kFwdSm90TileRing")
         barriers = 2 + 4 * self.stages + 2 * ring
         fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
@@ -209,8 +210,9 @@ FWD_SM90_TILES = {
 # (BENCHMARKS.md, "Hopper tiles for every head dim"); tests/test_attention.py keeps those
 # variants in its sweep.
 FWD_SM90_PTXAS_OPTIONS = ("--ptxas-options=-O1",)
-# Head dims up to this run flash_fwd_kernel: its 32-column tile beats a 64-column Hopper tile
-# of zeros there.
+# Head dims up to this run flash_fwd_kernel, in its 32-column tile: the Hopper kernel's narrowest
+# tile is 64 columns, half or more of them zeros there (the two are not measured against each
+# other at these head dims yet).
 FWD_SM90_MIN_HEAD_DIM = 32
 
 
@@ -312,8 +314,7 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
-        f"{tile.consumers}, "
-        f"{tile.stages}, {flags}>",
+        f"{tile.consumers}, {tile.stages}, {flags}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize),
         needs_sm90a=True,

@@ -210,6 +210,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T, TOut>>;
   static_assert(sizeof(TOut) == 2 && (kFp8 || sizeof(T) == 2), "16-bit output; 16-bit or e4m3 inputs");
   static_assert(HEAD_DIM % S::kK == 0, "whole k steps of the S GEMM");
+  static_assert(kFp8 || wgmma_row_panel_aligned(HEAD_DIM_V), "the PV GEMM's pieces start at V's panels");
   static_assert(!kFp8 || (HEAD_DIM % kBoxCols == 0 && HEAD_DIM_V == HEAD_DIM), "e4m3: whole panels, Dv = D");
   static_assert(!kFp8 || BLOCK_N % kBoxCols == 0, "V^T boxes of whole 128-key rows");
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");

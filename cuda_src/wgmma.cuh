@@ -291,10 +291,17 @@ CUATTN_DEFINE_WGMMA8(256, 128, CUATTN_WGMMA8_SS(256, CUATTN_ACC128_LIST, 128, 12
 // Piece p covers columns [offset, offset + width) of D, which are its accumulators
 // [offset / 2, (offset + width) / 2) (the accumulator layout above keeps columns in order), and
 // reads its B columns through desc_b(offset): the caller's descriptor of B's columns (rows of a
-// K-major tile, columns of an MN-major one) from offset on. The pieces wider than 32 come first,
-// so every offset is a multiple of 64, where an MN-major panel starts.
+// K-major tile, columns of an MN-major one) from offset on. A K-major B takes any offset (a
+// multiple of 8 rows); an MN-major descriptor starts at a 64-column panel, so a row over an
+// MN-major B must have its offsets there (wgmma_row_panel_aligned: 96 = 64 + 32 and 160 = 128 + 32
+// do, 112 = 64 + 32 + 16 does not).
 constexpr int wgmma_piece(int n) {
   return n >= 256 ? 256 : n >= 128 ? 128 : n == 80 ? 80 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8;
+}
+constexpr bool wgmma_row_panel_aligned(int n) {
+  for (int offset = 0; offset < n; offset += wgmma_piece(n - offset))
+    if (offset % kSwizzlePanelCols != 0) return false;
+  return true;
 }
 
 template <typename T, int N, int OFFSET = 0>
