@@ -8,6 +8,7 @@ import importlib
 import numpy as np
 import pytest
 
+import cuattn
 from cuattn import _params, _tma
 from conftest import BF16
 
@@ -102,3 +103,16 @@ def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_SOURCE_DIR", str(sources))
     compiled = _jit.compile_kernel(_jit.KernelSpec("smem_check.cu", "smem_check_kernel<1>"), "sm_90a")
     assert compiled.lowered_name
+
+
+def test_a_v_width_whose_wgmma_pieces_miss_a_panel_does_not_compile(tmp_path, monkeypatch):
+    """WgmmaRow splits the PV GEMM into pieces whose MN-major descriptors start at 64-column panels:
+    Dv = 112 (64 + 32 + 16, the last at column 96) is refused at compile time, Dv = 96 (64 + 32) is not."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
+    from cuattn import _jit
+
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    tile = attention_module.FwdSm90Tile(64, 2, 2)
+    with pytest.raises(cuattn.CompileError, match="the PV GEMM's pieces start at V's panels"):
+        _jit.compile_kernel(attention_module.fwd_sm90_spec(np.dtype(np.float16), 128, 112, tile), "sm_90a")
+    assert _jit.compile_kernel(attention_module.fwd_sm90_spec(np.dtype(np.float16), 128, 96, tile), "sm_90a").cubin_path
