@@ -303,14 +303,16 @@ def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_dtype=None) -> _jit.KernelSpec:
+def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_dtype=None,
+                  paged: bool = False) -> _jit.KernelSpec:
     """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
     ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
-    with a 16-bit ``out_dtype``."""
+    with a 16-bit ``out_dtype``; ``paged``: its PAGED variant (keys and values from a paged cache,
+    16-bit)."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
-    flags = f"{str(tile.overlap).lower()}, {str(tile.pingpong).lower()}"
+    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, paged))
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
@@ -326,14 +328,15 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
     flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
     runs, no ALiBi); flash_fwd_sm90_kernel reads the slopes' pointer at run time (its registers did
-    not move with ALiBi), so it has one variant per tile."""
+    not move with ALiBi), so it has one variant per tile, and a paged one per tile of D = Dv (the
+    paged forward's values share the keys' head dim)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
                for d in TILE_HEAD_DIMS for alibi in (False, True)]
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        forward += [fwd_sm90_spec(dtype, d, dv, tile) for dtype in _arrays.CUDA_TYPES
-                    for (d, dv), tile in FWD_SM90_TILES.items()]
+        forward += [fwd_sm90_spec(dtype, d, dv, tile, paged=paged) for dtype in _arrays.CUDA_TYPES
+                    for (d, dv), tile in FWD_SM90_TILES.items() for paged in (False, True) if d == dv or not paged]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
@@ -903,8 +906,6 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     arch = _jit.target_arch()
     maps = ()
     sm90_dims = None  # the Hopper tile's (D, Dv)
-    if paged is not None:
-        tile = tile or fwd_tile(head_dim, arch, head_dim_v=head_dim_v)
     if fp8 is not None:
         tile = tile or FWD_SM90_FP8_TILES[head_dim]
         maps = _fwd_maps(q, k, v, tile, fp8=True)
@@ -915,19 +916,23 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
         sm90_tile = None if sm90_dims is None else FWD_SM90_TILES[sm90_dims] if tile is None else tile
-        if sm90_tile is not None:
-            maps = _fwd_maps(q, k, v, sm90_tile)
+        # paged keys: boxes of one page (or BLOCK_N rows of a longer one), where the pages allow
+        page_rows = None if paged is None or sm90_tile is None else paged_box_rows(paged.block_size,
+                                                                                   sm90_tile.block_n)
+        if sm90_tile is not None and (paged is None or page_rows is not None):
+            maps = _fwd_maps(q, k, v, sm90_tile, page_rows=page_rows)
         if maps:
             tile = sm90_tile
         elif tile is not None:
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
-                             f"head_dim_v {head_dim_v}, strides {q.strides}, {k.strides}, {v.strides})")
+                             f"head_dim_v {head_dim_v}, strides {q.strides}, {k.strides}, {v.strides}"
+                             + (f", block_size {paged.block_size}" if paged is not None else "") + ")")
     if tile is None:
         tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
         spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, head_dim, tile, np.dtype(out.dtype))
     elif isinstance(tile, FwdSm90Tile):
-        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile)
+        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile, paged=paged is not None)
     else:
         spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
                         paged is not None)
@@ -971,7 +976,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         grid = (m_blocks, *_split_grid(bh))
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
     params = _params.pack(
-        "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map,
+        "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map, v_row_map=no_map,
         q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
         **(fp8 or Fp8Args()).fields(),
         alibi_slopes=alibi[0], alibi_batch_stride=alibi[1],
@@ -1000,14 +1005,31 @@ def _paged_fields(paged: PagedKeys | None) -> dict:
                 block_size_mul=mul, block_size_shift=shift, num_blocks=paged.num_blocks)
 
 
-def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False):
+def paged_box_rows(block_size: int, block_n: int) -> int | None:
+    """Rows of one TMA box of paged keys in flash_fwd_sm90_kernel (load_chunk): a whole page, or
+    BLOCK_N rows of a page that holds whole key blocks; None (the paged call runs flash_fwd_kernel)
+    where neither divides the other or a page is shorter than a swizzle atom (each box must start
+    a whole atom of the shared tile)."""
+    atom_rows = _params.constant("kSwizzleAtomBytes") // _params.constant("kSwizzleRowBytes")
+    rows = min(block_size, block_n)
+    if rows % atom_rows or max(block_size, block_n) % rows:
+        return None
+    return rows
+
+
+def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | None = None):
     """The TMA views of q, k, v [B, S, H, D] for flash_fwd_sm90_kernel: 4-D (D, S, H, B), boxes of
     [BLOCK rows, one 128-byte row of columns] (64 16-bit or 128 e4m3 elements); () when one of
     them cannot be read that way (a byte stride that is not a multiple of 16, an empty axis).
-    ``fp8``: v is V^T [B, Hk, D, Sk_pad], read as (Sk_pad, D, Hk, B) in boxes of [D rows, 128 keys]."""
+    ``fp8``: v is V^T [B, Hk, D, Sk_pad], read as (Sk_pad, D, Hk, B) in boxes of [D rows, 128 keys].
+    ``page_rows``: k and v are pages [num_blocks, block_size, Hk, D], read in boxes of that many
+    rows (:func:`paged_box_rows`), and v_row_map reads v in boxes of one row."""
     row_bytes = _params.constant("kSwizzleRowBytes")
     maps = []
-    for field, x, rows in (("q", q, tile.block_m), ("k", k, tile.block_n), ("v", v, tile.block_n)):
+    views = [("q", q, tile.block_m), ("k", k, page_rows or tile.block_n), ("v", v, page_rows or tile.block_n)]
+    if page_rows is not None:
+        views.append(("v_row", v, 1))
+    for field, x, rows in views:
         b, s, h, d = map(int, x.shape)
         sb, ss, sh, sd = _arrays.element_strides(x)
         panel = row_bytes // x.dtype.itemsize
@@ -1019,7 +1041,7 @@ def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False):
             layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel, rows, 1, 1))
         if layout is None:
             return ()
-        maps.append((f"{field}_map", field, layout))
+        maps.append((f"{field}_map", "v" if field == "v_row" else field, layout))
     return tuple(maps)
 
 

@@ -44,6 +44,15 @@ struct SequenceRange {
   __device__ __forceinline__ SequenceRange(i64 q_first, int sq, int sk)
       : q_start(q_first), k_start(0), seqlen_q(sq), seqlen_k(sk), offset(sk - sq) {}
 
+  // Sequence b of a paged launch (FwdParams' paged fields): its queries packed through
+  // cu_seqlens_q, seq_lens[b] keys clamped to [0, the table's capacity p.seqlen_k], as the paged
+  // decode clamps unchecked lengths.
+  template <class Params>
+  __device__ __forceinline__ static SequenceRange paged(const Params& p, int b) {
+    const int q_start = p.cu_seqlens_q[b];
+    return SequenceRange(q_start, p.cu_seqlens_q[b + 1] - q_start, min(max(p.seq_lens[b], 0), p.seqlen_k));
+  }
+
   // Key blocks of BLOCK_N keys any of query rows [m0, m0 + rows) sees: [first, last).
   template <int BLOCK_N>
   __device__ __forceinline__ void key_blocks(int m0, int rows, int left, int right, int& first, int& last) const {

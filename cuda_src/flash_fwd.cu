@@ -156,11 +156,8 @@ template <typename T>
 struct KvSource<T, true> {
   using Rows = PagedRows<T>;
   __device__ __forceinline__ static int sequence(const FwdParams<T>& p, int entry) { return p.batch_index[entry]; }
-  // keys clamped to [0, the table's capacity], as the paged decode clamps unchecked lengths
   __device__ __forceinline__ static SequenceRange range(const FwdParams<T>& p, int b) {
-    const int q_start = p.cu_seqlens_q[b];
-    const int seqlen_k = min(max(p.seq_lens[b], 0), p.seqlen_k);
-    return SequenceRange(q_start, p.cu_seqlens_q[b + 1] - q_start, seqlen_k);
+    return SequenceRange::paged(p, b);
   }
   __device__ __forceinline__ static Rows rows(const FwdParams<T>& p, const T* x, i64 page_stride, i64 row_stride,
                                               i64 head_stride, int b, int h_kv, const SequenceRange&) {

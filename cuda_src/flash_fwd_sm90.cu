@@ -10,6 +10,10 @@
 //   k    [B, Sk, Hk, D]   through k_map the same way
 //   v    [B, Sk, Hk, Dv]  through v_map the same way
 //   out  [B, Sq, Hq, Dv]  plain 16-byte stores (rows past a varlen sequence belong to the next)
+//   paged keys (PAGED, p.block_table set; paged_attention_varlen's prefill): k and v are pages
+//        [num_blocks, block_size, Hk, D | Dv] through k_map / v_map as 4-D (D, block_size, Hk,
+//        num_blocks), each key block loaded page by page (the producer's page_of, load_chunk); q, out
+//        and lse packed as in varlen
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
@@ -86,10 +90,13 @@
 
 namespace cuattn {
 
-// setmaxnreg of the producer warpgroup. With two consumers at 240 this frees exactly what they
-// take (384 threads start at 168): a producer keeping 32 leaves them short, and
-// setmaxnreg.inc then waits for registers forever.
+// setmaxnreg of the producer warpgroup. 384 threads start at 168 registers, so with two
+// consumers producer + 2 x consumer must stay within 3 x 168 = 504, or setmaxnreg.inc waits for
+// registers forever: 24 + 2 x 240. The paged variant's producer (its page lookups) spills at 24
+// and takes 40, its consumers 232 (no tile spills there; at 232 the dense D = 256 tile ran 2-3%
+// slower, so the dense variants keep 240).
 constexpr int kFwdSm90ProducerRegs = 24;
+constexpr int kFwdSm90PagedProducerRegs = 40;
 constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
 constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
 constexpr int kMbarrierBytes = 8;
@@ -174,11 +181,14 @@ struct FwdSm90Work {
     const int local = tile - first * m_blocks;
     return {first + local % width, local / width};
   }
+  // b is the sequence: launch entry pair.bh / num_heads, or with paged keys the sequence that
+  // entry names (batch_index)
   __device__ __forceinline__ FwdSm90Work(const Params& p, Pair pair, int m_blocks)
-      : b(pair.bh / p.num_heads),
+      : b(p.block_table != nullptr ? p.batch_index[pair.bh / p.num_heads] : pair.bh / p.num_heads),
         h(pair.bh % p.num_heads),
         m0((m_blocks - 1 - pair.m_rank) * BLOCK_M),
-        seq(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k) {
+        seq(p.block_table != nullptr ? SequenceRange::paged(p, b)
+                                     : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
   }
   // varlen: a sequence shorter than the longest has tiles past its end
@@ -187,7 +197,7 @@ struct FwdSm90Work {
 };
 
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
-          bool OVERLAP, bool PINGPONG>
+          bool OVERLAP, bool PINGPONG, bool PAGED>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
@@ -215,10 +225,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(!kFp8 || BLOCK_N % kBoxCols == 0, "V^T boxes of whole 128-key rows");
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
+  static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
   // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
-  // (240 with two consumers, 160 with three)
+  // (240 with two consumers, 160 with three; paged 232, 152)
+  constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
   constexpr int kConsumerRegs =
-      (kRegistersPerSm / kWarpgroupThreads - kFwdSm90ProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
+      (kRegistersPerSm / kWarpgroupThreads - kProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
 
   // Persistent grid: the producer picks the tiles (the file's opening comment) and runs ahead
   // into the next tile's loads while the consumers finish this one's epilogue. Tile indices are
@@ -269,27 +281,86 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: one thread streams each tile's Q, then K and V block by block (last first)
-    registers_decrease<kFwdSm90ProducerRegs>();
-    if (threadIdx.x != 0) return;
+    // ---- producer: one warp streams each tile's Q, then K and V block by block (last first).
+    // Lane 0 (the leader) takes and publishes the tiles, arms every barrier and issues the loads
+    // of dense keys; with paged keys each lane also loads its own chunk of each key block, so a
+    // block's page lookups run in parallel (one after another they made the producer, not the
+    // tensor cores, the bottleneck). The other warps of the warpgroup only give their registers up.
+    registers_decrease<kProducerRegs>();
+    if (threadIdx.x >= kWarpSize) return;
+    const int lane = threadIdx.x;
+    const bool leader = lane == 0;
     int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
     int tiles = 0;  // tiles started (and published) so far: the phase of Q's and the ring's barriers
     int* const counter = p.tile_counter;
-    // the index after `tile` in this CTA's sequence (dynamic: the take, past the first wave)
+    // the index after `tile` in this CTA's sequence (dynamic: the leader's take, past the first
+    // wave; the other lanes read 0 and learn the result from the leader where it is used)
     const auto take = [&](int tile) {
-      return counter != nullptr ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x)
-                                : tile + static_cast<int>(gridDim.x);
+      if (counter == nullptr) return tile + static_cast<int>(gridDim.x);
+      return leader ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x) : 0;
     };
+    const auto from_leader = [&](int value) { return __shfl_sync(0xffffffffu, value, 0); };
     const auto publish = [&](int tile) {
-      const int slot = tiles % kFwdSm90TileRing;
-      mbarrier_wait(tile_empty(slot), ((tiles / kFwdSm90TileRing) & 1) ^ 1);
-      tile_ring[slot] = tile;
-      mbarrier_arrive(tile_full(slot));  // release: the consumers' wait sees the write
+      if (leader) {
+        const int slot = tiles % kFwdSm90TileRing;
+        mbarrier_wait(tile_empty(slot), ((tiles / kFwdSm90TileRing) & 1) ^ 1);
+        tile_ring[slot] = tile;
+        mbarrier_arrive(tile_full(slot));  // release: the consumers' wait sees the write
+      }
+    };
+    // The leader arms `bar` for a stage's bytes before any lane's copy into it can land.
+    const auto arm = [&](u32 bar, int bytes) {
+      if (leader) mbarrier_arrive_expect_tx(bar, bytes);
+      __syncwarp();
+    };
+    // Paged keys: key block [key0, key0 + BLOCK_N) of w's sequence comes in chunks of
+    // min(block_size, BLOCK_N) rows (the host checks that one divides the other and that a chunk
+    // is whole swizzle atoms: at most BLOCK_N / 8 chunks, fewer than the lanes). Lane l looks up
+    // chunk l's page (page_of, before the stage is free, so the lookup's latency hides under the
+    // wait) and loads it with one TMA per panel at (column, slot, kv head, page). A chunk past
+    // the sequence reads a page past the pool: the TMA writes zeros and still counts the box's
+    // bytes. V's chunk holding the sequence's last key comes row by row through v_row_map, the
+    // rows past the end from a slot past the page (zeros): those slots may hold anything, NaN
+    // included, and P = 0 times NaN is NaN (K's stale rows only reach masked scores, which the
+    // mask replaces).
+    const int chunk = PAGED ? min(p.block_size, BLOCK_N) : BLOCK_N;
+    struct PageChunk {
+      int key, page, slot;  // page p.num_blocks: past the pool
+    };
+    const auto page_of = [&](const Work& w, int key0) {
+      PageChunk c{key0 + lane * chunk, p.num_blocks, 0};
+      if (lane * chunk < BLOCK_N && c.key < w.seq.seqlen_k) {
+        const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
+        const int index = block_size.div(c.key);
+        c.page = min(max(__ldg(p.block_table + w.b * p.table_stride + index), 0), p.num_blocks - 1);
+        c.slot = block_size.mod(c.key, index);
+      }
+      return c;
+    };
+    const auto load_chunk = [&](u32 tile, int panel_bytes, int panels, const TensorMap* map, const PageChunk& c,
+                                u32 bar, const Work& w, int h_kv, bool zero_tail) {
+      if (lane * chunk >= BLOCK_N) return;
+      const u32 dst = tile + lane * chunk * kSwizzleRowBytes;
+      if (zero_tail && c.key < w.seq.seqlen_k && c.key + chunk > w.seq.seqlen_k) {
+#pragma unroll 1
+        for (int r = 0; r < chunk; ++r) {
+          // slot block_size is past the page: a row of zeros
+          const int row_slot = c.key + r < w.seq.seqlen_k ? c.slot + r : p.block_size;
+#pragma unroll 1
+          for (int panel = 0; panel < panels; ++panel)
+            tma_load_4d(dst + panel * panel_bytes + r * kSwizzleRowBytes, &p.v_row_map, bar, panel * kBoxCols,
+                        row_slot, h_kv, c.page);
+        }
+        return;
+      }
+#pragma unroll 1
+      for (int panel = 0; panel < panels; ++panel)
+        tma_load_4d(dst + panel * panel_bytes, map, bar, panel * kBoxCols, c.slot, h_kv, c.page);
     };
     int tile = blockIdx.x;
     for (;;) {
       // skip the tiles past a varlen sequence's end here: they never reach the consumers
-      while (tile < num_tiles && Work(p, tile, m_blocks).empty()) tile = take(tile);
+      while (tile < num_tiles && Work(p, tile, m_blocks).empty()) tile = from_leader(take(tile));
       if (tile >= num_tiles) break;
       const Work w(p, tile, m_blocks);
       publish(tile);
@@ -300,39 +371,50 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
       // the consumers are done with the previous tile's Q
       mbarrier_wait(q_empty, (tiles & 1) ^ 1);
-      mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+      arm(q_full, QTile::kBytes);
+      if (leader) {
 #pragma unroll
-      for (int panel = 0; panel < kPanels; ++panel)
-        tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kBoxCols,
-                    static_cast<int>(w.seq.q_start) + w.m0, w.h, tma_b);
+        for (int panel = 0; panel < kPanels; ++panel)
+          tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, q_full, panel * kBoxCols,
+                      static_cast<int>(w.seq.q_start) + w.m0, w.h, tma_b);
+      }
       ++tiles;
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
         const int row = static_cast<int>(w.seq.k_start) + (w.n_last - 1 - i) * BLOCK_N;
+        const PageChunk c = PAGED ? page_of(w, row) : PageChunk{};
         mbarrier_wait(k_empty(stage), parity ^ 1);
-        mbarrier_arrive_expect_tx(k_full(stage), KTile::kBytes);
+        arm(k_full(stage), KTile::kBytes);
+        if constexpr (PAGED) {
+          load_chunk(sK(stage), KTile::kPanelBytes, kPanels, &p.k_map, c, k_full(stage), w, h_kv, false);
+        } else if (leader) {
 #pragma unroll
-        for (int panel = 0; panel < kPanels; ++panel)
-          tma_load_4d(sK(stage) + panel * KTile::kPanelBytes, &p.k_map, k_full(stage), panel * kBoxCols, row, h_kv,
-                      tma_b);
+          for (int panel = 0; panel < kPanels; ++panel)
+            tma_load_4d(sK(stage) + panel * KTile::kPanelBytes, &p.k_map, k_full(stage), panel * kBoxCols, row,
+                        h_kv, tma_b);
+        }
         mbarrier_wait(v_empty(stage), parity ^ 1);
-        mbarrier_arrive_expect_tx(v_full(stage), VTile::kBytes);
+        arm(v_full(stage), VTile::kBytes);
+        if constexpr (PAGED) {
+          load_chunk(sV(stage), VTile::kPanelBytes, kVPanels, &p.v_map, c, v_full(stage), w, h_kv, true);
+        } else if (leader) {
 #pragma unroll
-        for (int panel = 0; panel < kVPanels; ++panel) {
-          if constexpr (kFp8) {
-            // V^T [D rows, keys]: panel = 128 keys of all D rows (the key coordinate innermost)
-            tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), row + panel * kBoxCols, 0,
-                        h_kv, tma_b);
-          } else {
-            tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), panel * kBoxCols, row,
-                        h_kv, tma_b);
+          for (int panel = 0; panel < kVPanels; ++panel) {
+            if constexpr (kFp8) {
+              // V^T [D rows, keys]: panel = 128 keys of all D rows (the key coordinate innermost)
+              tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), row + panel * kBoxCols, 0,
+                          h_kv, tma_b);
+            } else {
+              tma_load_4d(sV(stage) + panel * VTile::kPanelBytes, &p.v_map, v_full(stage), panel * kBoxCols, row,
+                          h_kv, tma_b);
+            }
           }
         }
       }
-      tile = next;
+      tile = from_leader(next);
     }
     publish(kFwdSm90NoTile);
-    if (counter != nullptr) {
+    if (leader && counter != nullptr) {
       // this CTA's last take is done; the last CTA to get here resets the counters for the next
       // launch (no CTA of this one reads them again)
       __threadfence();

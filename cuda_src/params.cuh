@@ -21,12 +21,14 @@ namespace cuattn {
 // The tensor maps are the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1,
 // S = total) with a box of [rows, 64 columns]; the mma.sync kernel leaves them zero.
 //
-// Paged keys (flash_fwd_kernel's PAGED variants): k and v are pages [num_blocks, block_size, Hk,
-// D] (k_batch_stride / v_batch_stride: the page stride), key j of sequence b is slot
-// j % block_size of page block_table[b, j / block_size], sequence b has min(seq_lens[b],
-// seqlen_k) keys (seqlen_k: the table's capacity) and its queries are packed at cu_seqlens_q[b].
-// Launch entry e is sequence batch_index[e], so one launch can cover any subset of a batch.
-// Dense and varlen launches leave these fields zero.
+// Paged keys (flash_fwd_kernel's PAGED variants, and the Hopper kernel when block_table is set):
+// k and v are pages [num_blocks, block_size, Hk, D] (k_batch_stride / v_batch_stride: the page
+// stride), key j of sequence b is slot j % block_size of page block_table[b, j / block_size],
+// sequence b has min(seq_lens[b], seqlen_k) keys (seqlen_k: the table's capacity) and its
+// queries are packed at cu_seqlens_q[b]. Launch entry e is sequence batch_index[e], so one launch
+// can cover any subset of a batch. The Hopper kernel's k_map and v_map then view the pages as
+// 4-D [num_blocks, block_size, Hk, D] with a box of [min(block_size, BLOCK_N) rows, 64 columns],
+// and v_row_map the same with a box of one row. Dense and varlen launches leave these fields zero.
 //
 // The FP8 Hopper forward (T = e4m3, TOut fp16/bf16) reads v_map as V^T [B, Hk, D, Sk_pad] (keys
 // permuted, flash_fwd_sm90.cu) and takes descales: real q = stored x q_descale x q_scale[b * sb + h * sh + (row / 64) * sblk]
@@ -37,6 +39,7 @@ struct FwdParams {
   TensorMap q_map;
   TensorMap k_map;
   TensorMap v_map;
+  TensorMap v_row_map;
   const T* q;              // [B, Sq, Hq, D] | [total_q, Hq, D]
   const T* k;              // [B, Sk, Hk, D] | [total_k, Hk, D]
   const T* v;              // [B, Sk, Hk, Dv] | [total_k, Hk, Dv]

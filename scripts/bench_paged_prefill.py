@@ -1,16 +1,17 @@
 """Prefill throughput over a paged KV cache: cuattn.paged_attention_varlen against cuattn.attention_varlen
 on the same tokens in a dense packed layout, on the current GPU.
 
-python scripts/bench_paged_prefill.py OUT.json [--no-runs]
-    bf16, D = 128, GQA 32/8, block size 16, pages shuffled over the pool, causal (bottom-right):
+python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16]
+    bf16, D = 128, GQA 32/8, block size 16 (or --block-size), pages shuffled over the pool, causal (bottom-right):
       prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
       mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
       mixed-8k 1 chunk of 2048 queries + 63 decode rows, 8192 keys each; also the chunk alone and
                the rows alone (paged_attention), and the ratio of the mixed call to their sum
     one line per (case, path): ms and TFLOP/s (4 * H * D per visible query-key pair). The paged
-    times include the call's host planning (check=False, device tables). Dense is timed twice: as
-    dispatched (the Hopper forward on an H200) and on flash_fwd_kernel, the mma.sync kernel the
-    paged forward is a variant of, so the cost of the page lookups shows apart from the kernel's.
+    times include the call's host planning (check=False, device tables). Dense and paged are each
+    timed twice: as dispatched (the Hopper forward on an H200, its PAGED variant for the paged
+    call) and on flash_fwd_kernel, the mma.sync kernel (its PAGED variant: the paged forward
+    before Hopper), so the cost of the page lookups shows apart from the kernel's.
     Unless --no-runs, a last path times the decode-only schedule (every sequence cut into runs of
     16 queries through paged decode, what paged_attention_varlen did before the paged forward).
 """
@@ -30,7 +31,7 @@ from cuattn.bench import timing
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not the function
 
-HQ, HK, D, BLOCK = 32, 8, 128, 16
+HQ, HK, D = 32, 8, 128
 CASES = {
     # name: (queries per sequence, keys per sequence)
     "prefill": ((4096,) * 4, (4096, 6144, 8192, 8192)),
@@ -47,20 +48,20 @@ def visible_pairs(queries, keys) -> int:
     return sum(n * (sk - n) + n * (n + 1) // 2 for n, sk in zip(queries, keys))
 
 
-def make_case(rng, queries, keys):
+def make_case(rng, queries, keys, block):
     """Packed q, dense packed k and v, and the same keys and values scattered over shuffled pages."""
     bf16 = cupy.dtype("bfloat16")
     cu_q = np.concatenate([[0], np.cumsum(queries)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(keys)]).astype(np.int32)
     q, k, v = (cupy.random.standard_normal((int(cu[-1]), h, D), dtype=cupy.float32).astype(bf16)
                for cu, h in ((cu_q, HQ), (cu_k, HK), (cu_k, HK)))
-    per_seq = -(-max(keys) // BLOCK)
+    per_seq = -(-max(keys) // block)
     order = rng.permutation(len(keys) * per_seq).astype(np.int32)
     table = order.reshape(len(keys), per_seq)
-    pages = [cupy.zeros((order.size, BLOCK, HK, D), bf16) for _ in range(2)]
+    pages = [cupy.zeros((order.size, block, HK, D), bf16) for _ in range(2)]
     for b, n in enumerate(keys):
-        blocks = -(-n // BLOCK)
-        slots = (table[b, :blocks, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
+        blocks = -(-n // block)
+        slots = (table[b, :blocks, None] * block + np.arange(block)).reshape(-1)[:n]
         for dense, paged in zip((k, v), pages):
             paged.reshape(-1, HK, D)[cupy.asarray(slots)] = dense[int(cu_k[b]):int(cu_k[b + 1])]
     return q, k, v, cu_q, cu_k, tuple(pages), cupy.asarray(table), cupy.asarray(np.asarray(keys, np.int32))
@@ -88,11 +89,12 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--no-runs", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
     for name, (queries, keys) in CASES.items():
-        q, k, v, cu_q, cu_k, pages, table, lens = make_case(rng, queries, keys)
+        q, k, v, cu_q, cu_k, pages, table, lens = make_case(rng, queries, keys, args.block_size)
         cuq_d, cuk_d = cupy.asarray(cu_q), cupy.asarray(cu_k)
         paths = {
             "dense attention_varlen": lambda: cuattn.attention_varlen(q, k, v, cuq_d, cuk_d, max(queries), max(keys),
@@ -103,7 +105,8 @@ def main(argv):
         # agreement first: the two layouts hold the same tokens
         diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
                               - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
-        timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"])]
+        timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"]),
+                                       ("paged_attention_varlen, mma.sync", paths["paged_attention_varlen"])]
         if not args.no_runs:
             timed.append(("decode runs of 16 (old schedule)", paths["paged_attention_varlen"]))
         if name in SPLIT_CASES:
@@ -122,7 +125,7 @@ def main(argv):
             work = 4.0 * HQ * D * visible_pairs(queries[part], keys[part])
             row = dict(case=name, path=path, queries=list(queries)[:4] + (["..."] if len(queries) > 4 else []),
                        sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=work / ms / 1e9,
-                       max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=BLOCK)
+                       max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=args.block_size)
             rows.append(row)
             print(f"{name:8s} {path:34s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
         print(f"{name:8s} max |paged - dense| = {diff:.3g}", flush=True)

@@ -13,7 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from conftest import BF16, error_budget, randn
+from conftest import BF16, error_budget, expected_forward_kernel, randn
 
 QUERY_RUNS = (0, 1, 3, 16, 17, 40)  # empty, decode, speculative, one full run, a run and a tail, several
 SEQ_LENS = (5, 300, 2, 64, 17, 129)  # the speculative run is longer than its sequence: early rows see nothing
@@ -144,9 +144,11 @@ MIXED_RUNS = (0, 1, 7, 16, 17, 200, 1030, 1, 3)
 MIXED_LENS = (5, 301, 7, 40, 9, 200, 1337, 1, 2)
 
 
-def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS):
+def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS, poison=False):
     """A batch over a pool with spare pages: each sequence's pages drawn from a shuffled pool, table
-    entries past a sequence's pages set to -1 (the kernels must not read them)."""
+    entries past a sequence's pages set to -1 (the kernels must not read them). ``poison``: every
+    slot no sequence owns (past a sequence's last key, and the spare pages) holds NaN, which must
+    not reach an output (a P of 0 times NaN is NaN)."""
     cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
     q = randn(rng, (int(cu[-1]), hq, d), dtype)
     per_seq = -(-max(lens) // block)
@@ -160,6 +162,13 @@ def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS):
         used += pages
     k_pages = randn(rng, (num_blocks, block, hk, d), dtype)
     v_pages = randn(rng, (num_blocks, block, hk, d), dtype)
+    if poison:
+        owned = np.zeros((num_blocks, block), bool)
+        for b, n in enumerate(lens):
+            for t in range(n):
+                owned[table[b, t // block], t % block] = True
+        k_pages[~owned] = np.nan
+        v_pages[~owned] = np.nan
     return q, (k_pages, v_pages), table, cu, np.asarray(lens, np.int32)
 
 
@@ -198,22 +207,44 @@ MIXED_OPTIONS = {
 
 # (dtype, mask options, block size): each option and block size with each dtype at least once,
 # rather than the full product (its float64 references are the slow part of a device run)
+# Blocks 8-64 and 256 are whole TMA boxes of the Hopper forward's paged loads (one page, or 128
+# keys of a 256-key page); 1 and 7 run flash_fwd_kernel's PAGED variant there too.
 MIXED_CASES = [
     (BF16, "causal", 16), (np.float16, "causal", 1), (BF16, "left-window", 7), (np.float16, "left-window", 16),
     (np.float16, "softcap-scale", 7), (BF16, "softcap-scale", 1), (BF16, "noncausal", 16), (np.float16, "noncausal", 7),
+    (BF16, "causal", 8), (np.float16, "causal", 32), (BF16, "noncausal", 64), (BF16, "left-window", 256),
 ]
+
+
+def expected_paged_kernel(dtype, head_dim: int, block: int) -> tuple[str, str]:
+    """The start and end of the kernel name the paged forward logs: the Hopper kernel where the
+    dispatcher would take it for dense keys and the block size makes whole TMA boxes, else
+    flash_fwd_kernel's PAGED variant (its last template flag)."""
+    import importlib
+
+    from cuattn import _arrays
+
+    attention_module = importlib.import_module("cuattn.attention")
+    expected = expected_forward_kernel(dtype, head_dim, head_dim)
+    if expected.startswith("flash_fwd_sm90_kernel"):
+        tile = attention_module.FWD_SM90_TILES[attention_module.fwd_sm90_tile_dims(head_dim, head_dim)]
+        if attention_module.paged_box_rows(block, tile.block_n) is not None:
+            return expected, ", true>"
+    ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
+    return f"flash_fwd_kernel<{ctype}, {attention_module.fwd_tile_dim(head_dim, head_dim)},", ", false, true>"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,mask,block", MIXED_CASES,
                          ids=[f"{'bf16' if d == BF16 else 'fp16'}-{m}-block{b}" for d, m, b in MIXED_CASES])
-def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, dtype, mask, block):
-    """GQA 32/8 at D = 128: the long runs take the paged forward (its PAGED kernel is named in the
-    debug log), the short ones paged decode, into one NaN-poisoned output."""
+def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, forward_kernel, dtype, mask, block):
+    """GQA 32/8 at D = 128: the long runs take the paged forward (the Hopper kernel or the PAGED
+    flash_fwd_kernel, named in the debug log), the short ones paged decode, into one NaN-poisoned
+    output; the slots of the cache no sequence owns hold NaN."""
     import cupy
 
     options = MIXED_OPTIONS[mask]
-    q, pages, table, cu, lens = make_mixed(rng, dtype, block, hq=32, hk=8, d=128)
+    q, pages, table, cu, lens = make_mixed(rng, dtype, block, hq=32, hk=8, d=128, poison=True)
     out = cupy.full(q.shape, np.nan, dtype)
     with caplog.at_level("DEBUG", logger="cuattn"):
         got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages),
@@ -221,7 +252,9 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, dtype, mask, block):
                                                  max(MIXED_RUNS), return_lse=True, out=out, **options)
     assert got is out
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    assert len(chosen) == 1 and chosen[0].endswith(", false, true>"), chosen
+    start, end = expected_paged_kernel(dtype, 128, block)
+    assert len(chosen) == 1 and chosen[0].startswith(f"attention forward: cuattn::{start}"), (chosen, start)
+    assert chosen[0].endswith(end), (chosen, end)
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, dtype, options)
 
 
@@ -229,13 +262,14 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, dtype, mask, block):
 @pytest.mark.parametrize("head_dim,heads", [(64, (8, 8)), (256, (4, 1)), (32, (6, 2)), (96, (4, 2)), (40, (4, 2)),
                                            (200, (4, 1))],
                          ids=["d64-mha", "d256-mqa", "d32-gqa", "d96-gqa", "d40-gqa", "d200-mqa"])
-@pytest.mark.parametrize("block", [256, 2])
-def test_head_dims_and_block_sizes_on_the_gpu(rng, head_dim, heads, block):
-    """Every head dim of the forward; a block bigger than any key tile and one of two tokens."""
+@pytest.mark.parametrize("block", [256, 16, 2])
+def test_head_dims_and_block_sizes_on_the_gpu(rng, forward_kernel, head_dim, heads, block):
+    """Every head dim of the forward; a block bigger than any key tile, one of 16 (whole TMA boxes
+    of the Hopper kernel at every tile) and one of two tokens; NaN in the slots no sequence owns."""
     import cupy
 
     runs, lens = (33, 1, 300, 0, 129), (33, 77, 1000, 3, 500)
-    q, pages, table, cu, lens = make_mixed(rng, BF16, block, heads[0], heads[1], head_dim, runs, lens)
+    q, pages, table, cu, lens = make_mixed(rng, BF16, block, heads[0], heads[1], head_dim, runs, lens, poison=True)
     got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), table, cu, lens,
                                              max(runs), return_lse=True)
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16, {})

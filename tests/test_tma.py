@@ -46,12 +46,45 @@ def test_a_single_index_axis_takes_any_stride():
     assert found is not None and found.strides[3] * 2 % _tma.STRIDE_ALIGN_BYTES == 0
 
 
-def test_the_forward_struct_holds_three_aligned_maps():
+def test_the_forward_struct_holds_four_aligned_maps():
     dtype = _params.struct_dtype("FwdParams")
-    for name in ("q_map", "k_map", "v_map"):
+    for name in ("q_map", "k_map", "v_map", "v_row_map"):
         sub, offset = dtype.fields[name][:2]
         assert offset % _params.TENSOR_MAP_ALIGN == 0 and sub.itemsize == _tma.MAP_BYTES
     assert dtype.itemsize % _params.TENSOR_MAP_ALIGN == 0
+
+
+@pytest.mark.parametrize("block_size, block_n, rows", [
+    (16, 128, 16), (8, 128, 8), (64, 128, 64), (128, 128, 128), (256, 128, 128), (384, 128, 128),
+    (16, 80, 16), (40, 80, 40), (160, 80, 80),
+    (1, 128, None), (4, 128, None), (7, 128, None), (12, 128, None), (192, 128, None), (32, 80, None),
+])
+def test_paged_keys_load_in_boxes_of_a_page_or_a_key_block(block_size, block_n, rows):
+    # None: a page shorter than a swizzle atom (8 rows), or neither of page and block divides the other
+    assert attention_module.paged_box_rows(block_size, block_n) == rows
+
+
+def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
+    tile = attention_module.FWD_SM90_TILES[128, 128]
+    q = np.empty((1, 300, 32, 128), BF16)
+    pages = np.empty((50, 16, 8, 128), BF16)  # [num_blocks, block_size, Hk, D]
+    maps = {field: (pointer, found) for field, pointer, found in
+            attention_module._fwd_maps(q, pages, pages, tile, page_rows=16)}
+    assert set(maps) == {"q_map", "k_map", "v_map", "v_row_map"}
+    assert maps["k_map"][1].dims == (128, 16, 8, 50) and maps["k_map"][1].box == (64, 16, 1, 1)
+    assert maps["v_row_map"] == ("v", _tma.MapLayout.of(BF16, (128, 16, 8, 50), (1, 1024, 128, 16384), (64, 1, 1, 1)))
+    assert maps["q_map"][1].box == (64, tile.block_m, 1, 1)
+    assert {pointer for pointer, _ in maps.values()} == {"q", "k", "v"}
+
+
+def test_each_hopper_tile_of_one_head_dim_has_a_paged_variant():
+    # paged_attention_varlen's forward takes values of the keys' head dim only
+    names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
+    for (d, dv), tile in attention_module.FWD_SM90_TILES.items():
+        for dtype in (np.float16, BF16):
+            spec = attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile, paged=True)
+            assert spec.name.endswith(", true>") and (spec.name in names) == (d == dv), spec.name
+            assert attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile).name in names
 
 
 def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
