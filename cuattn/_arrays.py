@@ -158,6 +158,20 @@ class ArrayContext:
     def on_host(self) -> bool:
         return self.kind == "numpy"
 
+    def ints(self, *arrays):
+        """Integer arrays planned on the host (indices, lengths, prefix sums below 2^31), where the
+        kernels read them: as int32 CuPy arrays that are views of one buffer, brought over in ONE
+        copy (each small host-to-device copy costs 0.1-0.25 ms of host time, more than a planned
+        call's Python), or on the host as they are."""
+        if self.on_host:
+            return arrays
+        import cupy
+
+        flat = [np.asarray(x).reshape(-1) for x in arrays]
+        device = cupy.asarray(np.concatenate(flat).astype(np.int32) if flat else np.zeros(0, np.int32))
+        ends = np.cumsum([x.size for x in flat])
+        return tuple(device[end - x.size:end].reshape(np.shape(a)) for a, x, end in zip(arrays, flat, ends))
+
     def view(self, x):
         """What the checks and kernels work on: NumPy arrays as they are, device arrays as zero-copy CuPy views."""
         if x is None or self.kind in ("numpy", "cupy"):

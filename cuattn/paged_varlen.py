@@ -132,25 +132,29 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
         lse = xp.empty((num_heads, total_q), np.float32) if ctx.on_host or not return_lse else \
             ctx.empty((num_heads, total_q), np.float32)
-        if prefill.any():
-            _launch_prefill(qv, kv, vv, table, lens, cu, prefill, ov, lse if return_lse else None, ctx, **options)
+        # the whole plan on the host, then where the kernels read it in one copy
         runs = _Runs.of(cu, ~prefill)
+        index = np.flatnonzero(prefill)
+        cu_x, index_x, rows_x, sequence_x, tail_x, query_rows_x, keep_x = ctx.ints(
+            cu, index, runs.rows, runs.sequence, runs.tail, runs.query_rows, runs.keep)
+        if prefill.any():
+            _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov, lse if return_lse else None, ctx,
+                            **options)
         if runs.count:
             # each run's S query rows [runs, S, Hq, D] (filler positions repeat a real row), its
             # sequence's table row, and the keys its last token sees (seq_lens less the tokens after it)
-            run_q = qv[xp.asarray(runs.rows)]
-            run_table = _rows_of(table, runs.sequence)
-            run_lens = _rows_of(lens, runs.sequence).astype(np.int32)
+            run_q = qv[rows_x]
+            run_table = table[runs.sequence if table_host else sequence_x]
+            run_lens = lens[runs.sequence if lens_host else sequence_x].astype(np.int32)
             if causal:
-                run_lens = run_lens - _like(run_lens, runs.tail)
+                run_lens = run_lens - (runs.tail if lens_host else tail_x)
                 run_lens = (run_lens * (run_lens > 0)).astype(np.int32)  # a run before the first key sees none
             run_out, run_lse = paged_attention(run_q, pair, run_table, run_lens, max_seq_len=max_seq_len,
                                                return_lse=True, check=check, k_scale=k_scale, v_scale=v_scale,
                                                **options)
             # the decode rows' results among the runs' rows: out [total_q, Hq, Dv], lse [Hq, total_q]
-            rows, keep = xp.asarray(runs.query_rows), xp.asarray(runs.keep)
-            ov[rows] = run_out.reshape(-1, num_heads, head_dim_v)[keep]
-            lse.T[rows] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep]
+            ov[query_rows_x] = run_out.reshape(-1, num_heads, head_dim_v)[keep_x]
+            lse.T[query_rows_x] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep_x]
         if not ctx.on_host:
             ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
         return (ov, lse) if return_lse else ov
@@ -186,30 +190,21 @@ def _check_pages(q, k, v, table, lens) -> None:
         _check_page_strides(name, _arrays.element_strides(x))
 
 
-def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, prefill: np.ndarray, out, lse, ctx, *, causal, scale,
-                    window, softcap) -> None:
-    """One flash_fwd_kernel (PAGED) launch over the sequences marked in ``prefill``: q, out and lse
-    in place (their rows through the full prefix sums), launch entry e being sequence batch_index[e]."""
+def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_device, index_device, out, lse, ctx,
+                    *, causal, scale, window, softcap) -> None:
+    """One paged forward launch (the Hopper kernel or flash_fwd_kernel's PAGED variant) over the
+    sequences ``index`` (host; ``index_device`` the same on the device, and ``cu_device`` the
+    prefix sums): q, out and lse in place (their rows through the full prefix sums), launch entry
+    e being sequence index[e]."""
     import cupy
 
-    index = np.flatnonzero(prefill).astype(np.int32)
     longest = int(np.diff(cu.astype(np.int64))[index].max())
     paged = PagedKeys(block_table=cupy.ascontiguousarray(cupy.asarray(table, dtype=cupy.int32)),
                       seq_lens=cupy.ascontiguousarray(cupy.asarray(lens, dtype=cupy.int32)),
-                      batch_index=cupy.asarray(index), block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
-    _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cupy.asarray(cu), None,
+                      batch_index=index_device, block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
+    _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
                 batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal, scale=scale,
                 window=window, softcap=softcap, stream=ctx.stream, paged=paged)
-
-
-def _rows_of(x, index: np.ndarray):
-    """x[index] with the index in x's own array module (a host table stays on the host)."""
-    return x[index] if isinstance(x, np.ndarray) else x[_like(x, index)]
-
-
-def _like(x, values: np.ndarray):
-    """values in x's array module."""
-    return values if isinstance(x, np.ndarray) else __import__("cupy").asarray(values)
 
 
 def _host_prefix_sums(cu):
@@ -234,29 +229,24 @@ class _Runs:
 
     @classmethod
     def of(cls, cu: np.ndarray, selected: np.ndarray) -> "_Runs":
-        """Runs of the sequences marked in ``selected`` (bool [B])."""
+        """Runs of the sequences marked in ``selected`` (bool [B]), planned with whole-array NumPy
+        (a mixed serving step has hundreds of decode rows; a loop over them cost a millisecond).
+        Run j of a sequence of n tokens starts at min(j S, n - S): the last run ends at the
+        sequence's last token and may overlap the one before, whose rows it leaves to it; a
+        sequence shorter than S is preceded by filler positions (negative, reading row 0 of it)."""
         lengths = np.diff(cu.astype(np.int64))
         size = int(min(MAX_NEW_TOKENS, max(int(lengths[selected].max(initial=0)), 1)))
-        rows, sequence, tail, query_rows, keep = [], [], [], [], []
-        for b in np.flatnonzero(selected):
-            n = int(lengths[b])
-            answered = 0  # the sequence's positions below this have a run already
-            for start in range(0, n, size):
-                # the last run ends at the sequence's last token (it may overlap the one before);
-                # a sequence shorter than S is preceded by filler positions
-                start = min(start, n - size)
-                positions = np.arange(start, start + size)
-                index = len(rows)
-                rows.append(int(cu[b]) + np.maximum(positions, 0))
-                sequence.append(int(b))
-                tail.append(n - (start + size))
-                # the positions this run answers: an overlapping last run leaves the earlier ones to the run before
-                new = np.flatnonzero(positions >= answered)
-                query_rows.append(int(cu[b]) + positions[new])
-                keep.append(index * size + new)
-                answered = start + size
-        if not rows:
-            empty = np.zeros(0, np.int64)
-            return cls(np.zeros((0, size), np.int64), empty, np.zeros(0, np.int32), empty, empty)
-        return cls(np.stack(rows), np.asarray(sequence, np.int64), np.asarray(tail, np.int32),
-                   np.concatenate(query_rows), np.concatenate(keep))
+        chosen = np.flatnonzero(selected)
+        n = lengths[chosen]
+        per_sequence = -(-n // size)  # runs of each chosen sequence (none for an empty one)
+        sequence = np.repeat(chosen, per_sequence)
+        n_run = np.repeat(n, per_sequence)
+        j = np.arange(sequence.size) - np.repeat(np.cumsum(per_sequence) - per_sequence, per_sequence)
+        start = np.minimum(j * size, n_run - size)
+        positions = start[:, None] + np.arange(size)  # [runs, S] positions in the sequence
+        first = cu.astype(np.int64)[sequence][:, None]  # each run's sequence's first packed row
+        # run j answers its positions from j S on (those below are the run before's)
+        new = positions >= (j * size)[:, None]
+        tail = (n_run - start - size).astype(np.int32)
+        return cls(first + np.maximum(positions, 0), sequence.astype(np.int64), tail, (first + positions)[new],
+                   np.flatnonzero(new.reshape(-1)))

@@ -106,3 +106,23 @@ def test_torch_dtypes_map_every_buffer_type_and_refuse_others():
     assert table[np.dtype(np.int32)] is torch.int32 and table[_arrays.BFLOAT16] is torch.bfloat16
     with pytest.raises(KeyError, match="no torch dtype for complex64"):
         table[np.dtype(np.complex64)]
+
+
+def test_host_planned_ints_stay_on_the_host_for_numpy_calls():
+    cu, rows = np.array([0, 3, 7], np.int32), np.arange(6).reshape(2, 3)
+    with _arrays.array_context(q=np.zeros(1)) as ctx:
+        got = ctx.ints(cu, rows)
+    assert got[0] is cu and got[1] is rows
+
+
+@pytest.mark.gpu
+def test_host_planned_ints_reach_the_device_in_one_buffer():
+    import cupy
+
+    cu, rows, empty = np.array([0, 3, 7], np.int32), np.arange(6, dtype=np.int64).reshape(2, 3), np.zeros(0, np.int64)
+    with _arrays.array_context(q=cupy.zeros(1)) as ctx:
+        got = ctx.ints(cu, rows, empty)
+    assert [x.shape for x in got] == [(3,), (2, 3), (0,)] and all(x.dtype == np.int32 for x in got)
+    assert np.array_equal(got[0].get(), cu) and np.array_equal(got[1].get(), rows)
+    # views of one allocation: one host-to-device copy
+    assert got[1].data.ptr == got[0].data.ptr + cu.nbytes

@@ -79,6 +79,41 @@ def test_run_plan_answers_every_selected_row_once():
     assert size == 16 and np.unique(runs.keep).size == runs.keep.size
 
 
+def _runs_by_loop(cu, selected, size):
+    """The run plan written as the loop it describes (the oracle of the vectorised _Runs.of)."""
+    rows, sequence, tail, query_rows, keep = [], [], [], [], []
+    for b in np.flatnonzero(selected):
+        n = int(cu[b + 1] - cu[b])
+        for j, start in enumerate(range(0, n, size)):
+            start = min(start, n - size)
+            positions = np.arange(start, start + size)
+            new = np.flatnonzero(positions >= j * size)
+            keep.append(len(rows) * size + new)
+            rows.append(int(cu[b]) + np.maximum(positions, 0))
+            sequence.append(b)
+            tail.append(n - start - size)
+            query_rows.append(int(cu[b]) + positions[new])
+    return rows, sequence, tail, query_rows, keep
+
+
+def test_run_plan_matches_its_loop_on_random_batches():
+    from cuattn.paged_varlen import _Runs
+
+    rng = np.random.default_rng()
+    for _ in range(20):
+        lengths = rng.choice([0, 1, 2, 15, 16, 17, 33, 100], size=int(rng.integers(1, 40)))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        selected = rng.random(lengths.size) < 0.7
+        runs = _Runs.of(cu, selected)
+        size = runs.rows.shape[1]
+        rows, sequence, tail, query_rows, keep = _runs_by_loop(cu, selected, size)
+        assert runs.count == len(sequence)
+        assert np.array_equal(runs.rows, np.array(rows, np.int64).reshape(-1, size))
+        assert np.array_equal(runs.sequence, sequence) and np.array_equal(runs.tail, tail)
+        assert np.array_equal(runs.query_rows, np.concatenate(query_rows or [np.zeros(0, np.int64)]))
+        assert np.array_equal(runs.keep, np.concatenate(keep or [np.zeros(0, np.int64)]))
+
+
 def test_out_argument_on_the_cpu():
     rng = np.random.default_rng()
     q, pages, table, cu, lens = make_problem(rng, np.float32)
