@@ -328,15 +328,15 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
     flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
     runs, no ALiBi); flash_fwd_sm90_kernel reads the slopes' pointer at run time (its registers did
-    not move with ALiBi), so it has one variant per tile, and a paged one per tile of D = Dv (the
-    paged forward's values share the keys' head dim)."""
+    not move with ALiBi), so it has one variant per tile, and a paged one (paged_attention_varlen's
+    prefill on sm_90a)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
                for d in TILE_HEAD_DIMS for alibi in (False, True)]
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
         forward += [fwd_sm90_spec(dtype, d, dv, tile, paged=paged) for dtype in _arrays.CUDA_TYPES
-                    for (d, dv), tile in FWD_SM90_TILES.items() for paged in (False, True) if d == dv or not paged]
+                    for (d, dv), tile in FWD_SM90_TILES.items() for paged in (False, True)]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)

@@ -29,8 +29,8 @@ Both launches run on the caller's stream and write disjoint rows of the one outp
 rows are scattered there from the decode launch's run rows). With 17 to ~BLOCK_M queries a
 forward tile is partly empty, but every alternative reads the keys more often: the decode kernel
 would need two or more runs. FP8 (e4m3) pages take the decode path for every sequence (runs of
-16 tokens, keys read once per run): the forward reads 2-byte pages only. So do value pages whose
-head dim Dv differs from the keys' D, until the paged forward takes them. NumPy inputs run every
+16 tokens, keys read once per run): the forward reads 2-byte pages only. Value pages may have a
+head dim Dv of their own on both paths. NumPy inputs run every
 sequence through the runs on the CPU, each run an exact float64 reference problem.
 
 Layouts: q ``(total_q, Hq, D)``, out ``(total_q, Hq, Dv)`` (Dv the value pages' head dim, D by

@@ -156,7 +156,8 @@ struct FwdSm90Smem {
 };
 
 // One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.
-template <int BLOCK_M, int BLOCK_N, typename Params>
+// PAGED: launch entries name sequences of a paged cache (FwdParams' paged fields).
+template <int BLOCK_M, int BLOCK_N, typename Params, bool PAGED>
 struct FwdSm90Work {
   int b, h, m0;
   SequenceRange seq;
@@ -184,11 +185,11 @@ struct FwdSm90Work {
   // b is the sequence: launch entry pair.bh / num_heads, or with paged keys the sequence that
   // entry names (batch_index)
   __device__ __forceinline__ FwdSm90Work(const Params& p, Pair pair, int m_blocks)
-      : b(p.block_table != nullptr ? p.batch_index[pair.bh / p.num_heads] : pair.bh / p.num_heads),
+      : b(PAGED ? p.batch_index[pair.bh / p.num_heads] : pair.bh / p.num_heads),
         h(pair.bh % p.num_heads),
         m0((m_blocks - 1 - pair.m_rank) * BLOCK_M),
-        seq(p.block_table != nullptr ? SequenceRange::paged(p, b)
-                                     : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
+        seq(PAGED ? SequenceRange::paged(p, b)
+                  : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
   }
   // varlen: a sequence shorter than the longest has tiles past its end
@@ -217,7 +218,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   using O = WgmmaRow<T, HEAD_DIM_V>;  // 64 rows x Dv
   constexpr int kPSteps = BLOCK_N / O::kK;  // k steps of the PV GEMM
   using Tile = AttentionTile<TOut, 1, BLOCK_N / 8, HEAD_DIM_V / 8>;
-  using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T, TOut>>;
+  using Work = FwdSm90Work<BLOCK_M, BLOCK_N, FwdParams<T, TOut>, PAGED>;
   static_assert(sizeof(TOut) == 2 && (kFp8 || sizeof(T) == 2), "16-bit output; 16-bit or e4m3 inputs");
   static_assert(HEAD_DIM % S::kK == 0, "whole k steps of the S GEMM");
   static_assert(kFp8 || wgmma_row_panel_aligned(HEAD_DIM_V), "the PV GEMM's pieces start at V's panels");
@@ -281,13 +282,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: one warp streams each tile's Q, then K and V block by block (last first).
-    // Lane 0 (the leader) takes and publishes the tiles, arms every barrier and issues the loads
-    // of dense keys; with paged keys each lane also loads its own chunk of each key block, so a
-    // block's page lookups run in parallel (one after another they made the producer, not the
-    // tensor cores, the bottleneck). The other warps of the warpgroup only give their registers up.
+    // ---- producer: lane 0 (the leader) streams each tile's Q, then K and V block by block (last
+    // first): it takes and publishes the tiles, arms every barrier and issues the loads of dense
+    // keys. With paged keys the whole warp stays: each lane loads its own chunk of each key
+    // block, so a block's page lookups run in parallel (one after another they made the
+    // producer, not the tensor cores, the bottleneck). The rest of the warpgroup only gives its
+    // registers up.
     registers_decrease<kProducerRegs>();
-    if (threadIdx.x >= kWarpSize) return;
+    constexpr u32 kLanes = PAGED ? 0xffffffffu : 1u;  // the producer's lanes, as a warp mask
+    if (threadIdx.x >= kWarpSize || !((kLanes >> threadIdx.x) & 1u)) return;
     const int lane = threadIdx.x;
     const bool leader = lane == 0;
     int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
@@ -299,7 +302,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       if (counter == nullptr) return tile + static_cast<int>(gridDim.x);
       return leader ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x) : 0;
     };
-    const auto from_leader = [&](int value) { return __shfl_sync(0xffffffffu, value, 0); };
+    // (the dense producer is lane 0 alone: no warp operations in its loop)
+    const auto from_leader = [&](int value) { return PAGED ? __shfl_sync(kLanes, value, 0) : value; };
     const auto publish = [&](int tile) {
       if (leader) {
         const int slot = tiles % kFwdSm90TileRing;
@@ -311,7 +315,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // The leader arms `bar` for a stage's bytes before any lane's copy into it can land.
     const auto arm = [&](u32 bar, int bytes) {
       if (leader) mbarrier_arrive_expect_tx(bar, bytes);
-      __syncwarp();
+      if constexpr (PAGED) __syncwarp(kLanes);
     };
     // Paged keys: key block [key0, key0 + BLOCK_N) of w's sequence comes in chunks of
     // min(block_size, BLOCK_N) rows (the host checks that one divides the other and that a chunk
