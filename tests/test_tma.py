@@ -86,6 +86,24 @@ def test_each_hopper_tile_has_a_paged_variant():
             assert attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile).name in names
 
 
+@pytest.mark.parametrize("arch, block_size, why", [("sm_80", None, r"arch sm_80, head_dim 128"),
+                                                   ("sm_90a", 7, r"arch sm_90a, .*, block_size 7\)")],
+                         ids=["not-hopper", "paged-block-7"])
+def test_a_forced_hopper_tile_the_call_cannot_take_is_refused(monkeypatch, arch, block_size, why):
+    # tests and tuning force tiles; the dispatcher itself falls back to flash_fwd_kernel there
+    monkeypatch.setattr(attention_module._jit, "target_arch", lambda device_id=None: arch)
+    q = np.zeros((1, 40, 4, 128), BF16)
+    k = v = q if block_size is None else np.zeros((6, block_size, 4, 128), BF16)
+    paged = None if block_size is None else attention_module.PagedKeys(
+        block_table=np.zeros((1, 6), np.int32), seq_lens=np.full(1, 40, np.int32), batch_index=np.zeros(1, np.int32),
+        block_size=block_size, num_blocks=6)
+    cu = None if block_size is None else np.array([0, 40], np.int32)
+    with pytest.raises(ValueError, match=rf"flash_fwd_sm90_kernel cannot run this call \({why}"):
+        attention_module._launch_fwd(q, k, v, q, None, cu, None, batch=1, seqlen_q=40, seqlen_k=40, causal=False,
+                                     scale=None, window=(-1, -1), softcap=0.0, stream=None,
+                                     tile=attention_module.FWD_SM90_TILES[128, 128], paged=paged)
+
+
 def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
     limit = _params.constant("kFwdSm90MaxSmem")
     for (head_dim, head_dim_v), tile in attention_module.FWD_SM90_TILES.items():
