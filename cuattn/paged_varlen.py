@@ -19,19 +19,20 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   block page by page through the TMA) where the block size is a multiple of 8 that divides the
   tile's key block or is divided by it (``attention.paged_box_rows``: 8, 16, 32, 64 or a multiple
   of 128 for head dims up to 128; 8, 16, 40 or a multiple of 80 above), else ``flash_fwd_kernel``'s
-  PAGED variant. Tiles of 64-128 queries, so the keys
-  are read once per tile rather than once per 16 queries, and each tile's GEMMs are full. The
-  launch covers only these sequences: its entries index them in the batch (``batch_index``,
-  built on the host), q is read in place through the full ``cu_seqlens_q``, and the kernel writes
-  its rows of ``out`` and ``lse`` in place.
+  PAGED variant. Tiles of 64-128 queries, so the keys are read once per tile rather than once
+  per 16 queries, and each tile's GEMMs are full. The launch covers only these sequences: its
+  entries index them in the batch (``batch_index``, built on the host), q is read in place
+  through the full ``cu_seqlens_q``, and the kernel writes its rows of ``out`` and ``lse`` in
+  place.
 
 Both launches run on the caller's stream and write disjoint rows of the one output (the decode
 rows are scattered there from the decode launch's run rows). With 17 to ~BLOCK_M queries a
 forward tile is partly empty, but every alternative reads the keys more often: the decode kernel
 would need two or more runs. FP8 (e4m3) pages take the decode path for every sequence (runs of
 16 tokens, keys read once per run): the forward reads 2-byte pages only. Value pages may have a
-head dim Dv of their own on both paths. NumPy inputs run every
-sequence through the runs on the CPU, each run an exact float64 reference problem.
+head dim Dv of their own on both paths. NumPy inputs run every sequence through the runs on the
+CPU, each run an exact float64 reference problem. The whole split is planned on the host in
+NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
 
 Layouts: q ``(total_q, Hq, D)``, out ``(total_q, Hq, Dv)`` (Dv the value pages' head dim, D by
 default); lse ``(Hq, total_q)`` float32; cu_seqlens_q int32 ``(B + 1,)``, read on the host
