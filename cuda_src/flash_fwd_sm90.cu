@@ -24,10 +24,11 @@
 //
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
 // (batch, head), with 128 (CONSUMERS + 1) threads in warpgroups:
-//   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread
-//     issues every TMA load: each tile's Q, then K and V of each visible key block into a circular
-//     buffer of STAGES stages, each stage guarded by a "full" mbarrier (TMA bytes landed) and
-//     an "empty" one (every consumer thread is done reading it);
+//   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread (one
+//     warp with paged keys, each lane loading a page) issues the TMA loads: each tile's Q, then
+//     K and V of each visible key block into a circular buffer of STAGES stages, each stage
+//     guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer thread
+//     is done reading it);
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each, with the registers. Per key
 //     block: S = Q K^T (wgmma, both operands in shared memory), mask and online softmax in
 //     registers (AttentionTile: the wgmma accumulator layout is the mma.sync one), then
