@@ -481,15 +481,7 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
     runs in float32 on ``dtype``-rounded operands and its result, the capped scores and the
     probabilities are each rounded to ``dtype``. Returns float64 out ``(B, Sq, Hq, Dv)``.
     """
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        # NumPy knows bfloat16 only through ml_dtypes; only this function needs it.
-        import ml_dtypes
-
-        dtype = ml_dtypes.bfloat16
-
-    def rounded(x):
-        return np.asarray(x).astype(dtype).astype(np.float32)
-
+    rounded = _rounding_to(dtype)
     q, k, v = rounded(q), rounded(k), rounded(v)
     scale, window = _options(q, scale, window)
     scale = np.float32(scale)
@@ -501,23 +493,42 @@ def naive_attention_lowp(q, k, v, *, causal=False, scale=None,
     out = np.empty(out_shape(q, v), dtype=np.float64)
     for bi in range(b):
         qh, kh, vh = (_heads_first(x[bi]) for x in (q, k, v))
-        s = rounded(scale * (qh @ kh.transpose(0, 2, 1)))
-        if softcap > 0:
-            cap = np.float32(softcap)
-            s = rounded(cap * np.tanh(s / cap))
-        s = _with_alibi(np.where(mask, s, -np.inf), None if alibi is None else alibi[bi], mask).astype(np.float32)
-        # Softmax in float32 (as framework kernels do internally), result rounded to dtype.
-        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-        sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
-        if sink is not None:
-            m = np.maximum(m, sink)
-        e = np.exp(s - _finite_or_zero(m).astype(np.float32))
-        denom = e.sum(axis=-1, keepdims=True)
-        if sink is not None:
-            denom = denom + np.exp(sink - _finite_or_zero(m).astype(np.float32))
-        p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
+        _, p = _naive_probabilities_lowp(qh, kh, mask, None if alibi is None else alibi[bi], scale, softcap, sinks,
+                                         rounded)
         out[bi] = _heads_first(rounded(p @ vh).astype(np.float64))
     return out
+
+
+def _rounding_to(dtype):
+    """x -> x rounded to ``dtype`` (float16 or bfloat16, or its name) and held in float32."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        # NumPy knows bfloat16 only through ml_dtypes; only the naive low-precision paths need it.
+        import ml_dtypes
+
+        dtype = ml_dtypes.bfloat16
+
+    def rounded(x):
+        return np.asarray(x).astype(dtype).astype(np.float32)
+
+    return rounded
+
+
+def _naive_probabilities_lowp(qh, kh, mask, alibi, scale, softcap, sinks, rounded):
+    """The naive same-precision forward of one sequence, heads first (qh [H, Sq, D], kh [H, Sk,
+    D]): its rounded scores before the softcap, and its probabilities, the softmax in float32 (as
+    framework kernels do internally) rounded to the dtype."""
+    s_raw = rounded(scale * (qh @ kh.transpose(0, 2, 1)))
+    s = rounded(np.float32(softcap) * np.tanh(s_raw / np.float32(softcap))) if softcap > 0 else s_raw
+    s = _with_alibi(np.where(mask, s, -np.inf), alibi, mask).astype(np.float32)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
+    if sink is not None:
+        m = np.maximum(m, sink)
+    e = np.exp(s - _finite_or_zero(m).astype(np.float32))
+    denom = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - _finite_or_zero(m).astype(np.float32))
+    return s_raw, rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
 
 
 def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
@@ -529,14 +540,7 @@ def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
     backward's dV, dP, dS, dQ and dK each computed in float32 from ``dtype``-rounded operands
     and rounded to ``dtype``. Returns float64 ``(dq, dk, dv)`` shaped like q, k, v.
     """
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        import ml_dtypes
-
-        dtype = ml_dtypes.bfloat16
-
-    def rounded(x):
-        return np.asarray(x).astype(dtype).astype(np.float32)
-
+    rounded = _rounding_to(dtype)
     dout, q, k, v = (rounded(x) for x in (dout, q, k, v))
     scale, window = _options(q, scale, window)
     scale = np.float32(scale)
@@ -550,18 +554,8 @@ def naive_attention_backward_lowp(dout, q, k, v, *, causal=False, scale=None,
     dv = np.empty(ve.shape, np.float64)
     for bi in range(b):
         qh, kh, vh, doh = (_heads_first(x[bi]) for x in (q, ke, ve, dout))
-        s_raw = rounded(scale * (qh @ kh.transpose(0, 2, 1)))
-        s = rounded(np.float32(softcap) * np.tanh(s_raw / np.float32(softcap))) if softcap > 0 else s_raw
-        s = _with_alibi(np.where(mask, s, -np.inf), None if alibi is None else alibi[bi], mask).astype(np.float32)
-        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-        sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(-1)[:, None, None]
-        if sink is not None:
-            m = np.maximum(m, sink)
-        e = np.exp(s - _finite_or_zero(m).astype(np.float32))
-        denom = e.sum(axis=-1, keepdims=True)
-        if sink is not None:
-            denom = denom + np.exp(sink - _finite_or_zero(m).astype(np.float32))
-        p = rounded(e / np.where(denom > 0, denom, np.float32(1.0)))
+        s_raw, p = _naive_probabilities_lowp(qh, kh, mask, None if alibi is None else alibi[bi], scale, softcap,
+                                             sinks, rounded)
         oh = rounded(p @ vh)
         dv[bi] = _heads_first(rounded(p.transpose(0, 2, 1) @ doh))
         dp = rounded(doh @ vh.transpose(0, 2, 1))
