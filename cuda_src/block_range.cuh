@@ -119,7 +119,7 @@ struct PagedRows {
     __device__ __forceinline__ const T* address() {
       const int p = rows->block_size.div(j);
       if (p != page) {
-        const int block = min(max(__ldg(rows->table + p), 0), rows->num_blocks - 1);
+        const int block = clamp_page(__ldg(rows->table + p), rows->num_blocks);
         page_base = rows->base + block * rows->page_stride + col;
         page = p;
       }

@@ -183,4 +183,8 @@ struct FastDivisor {
   __device__ __forceinline__ int mod(int n, int quotient) const { return n - quotient * divisor; }
 };
 
+// A page id read from a block table, clamped into the pool of num_blocks pages: ids outside it
+// are refused on the host when checked, and an unchecked table still reads only the cache.
+__device__ __forceinline__ int clamp_page(int page, int num_blocks) { return min(max(page, 0), num_blocks - 1); }
+
 }  // namespace cuattn

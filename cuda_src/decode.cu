@@ -127,11 +127,10 @@ struct PagedKV {
     return Cursor{table[index], spills ? table[index + 1] : 0, slot};
   }
 
-  // Columns `k_col` of K and `v_col` of V of a slot. Ids outside the pool are refused on the host;
-  // clamping here keeps an unchecked table from reading outside the pool.
+  // Columns `k_col` of K and `v_col` of V of a slot (page clamped into the pool, clamp_page).
   __device__ __forceinline__ void address(int page, int slot, int k_col, int v_col, const T*& k_row,
                                           const T*& v_row) const {
-    const i64 p = min(max(page, 0), num_blocks - 1);
+    const i64 p = clamp_page(page, num_blocks);
     k_row = k + (p * k_page_stride + slot * k_slot_stride + k_col);
     v_row = v + (p * v_page_stride + slot * v_slot_stride + v_col);
   }

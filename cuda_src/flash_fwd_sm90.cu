@@ -337,7 +337,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       if (lane * chunk < BLOCK_N && c.key < w.seq.seqlen_k) {
         const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
         const int index = block_size.div(c.key);
-        c.page = min(max(__ldg(p.block_table + w.b * p.table_stride + index), 0), p.num_blocks - 1);
+        c.page = clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks);
         c.slot = block_size.mod(c.key, index);
       }
       return c;

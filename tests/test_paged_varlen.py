@@ -200,8 +200,8 @@ def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS, p
     if poison:
         owned = np.zeros((num_blocks, block), bool)
         for b, n in enumerate(lens):
-            for t in range(n):
-                owned[table[b, t // block], t % block] = True
+            keys = np.arange(n)
+            owned[table[b, keys // block], keys % block] = True
         k_pages[~owned] = np.nan
         v_pages[~owned] = np.nan
     return q, (k_pages, v_pages), table, cu, np.asarray(lens, np.int32)
