@@ -189,8 +189,8 @@ class FwdSm90Tile:
 # Dv = 64 in (192, 128). Head dims of at most FWD_SM90_MIN_HEAD_DIM and views the TMA cannot read
 # run flash_fwd_kernel. Shared tiles are whole 64-column panels (D = 160 takes three), and the
 # wide head dims take 80-key blocks: more keys spill with the intra-warpgroup overlap. D = 256
-# takes no intra-warpgroup overlap (its output accumulator alone is 128 registers a thread, and a
-# second block's P beside it spills) and measured faster without ping-pong.
+# takes the intra-warpgroup overlap without ping-pong: its output accumulator alone is 128
+# registers a thread, a second block's P sits beside it, and with ping-pong as well it spills.
 # `scripts/tune_fwd.py --sm90` measured the candidates on the H200 (BENCHMARKS.md).
 FWD_SM90_TILES = {
     (64, 64): FwdSm90Tile(128, 2, 4),
@@ -200,8 +200,22 @@ FWD_SM90_TILES = {
     (160, 160): FwdSm90Tile(80, 2, 2, pingpong=False),
     (192, 128): FwdSm90Tile(128, 2, 2),
     (192, 192): FwdSm90Tile(80, 2, 2),
+    (256, 256): FwdSm90Tile(80, 2, 2, pingpong=False),
+}
+# The PAGED variant's tile where the dense one does not fit its registers: the paged producer is a
+# whole warp and keeps more registers (kFwdSm90PagedProducerRegs), leaving the consumers 8 fewer,
+# and D = 256's intra-warpgroup overlap spills 44 bytes there.
+FWD_SM90_PAGED_TILES = {
     (256, 256): FwdSm90Tile(80, 2, 2, overlap=False, pingpong=False),
 }
+
+
+def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False) -> FwdSm90Tile:
+    """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
+    paged keys."""
+    return FWD_SM90_PAGED_TILES.get(dims, FWD_SM90_TILES[dims]) if paged else FWD_SM90_TILES[dims]
+
+
 # ptxas options of every flash_fwd_sm90_kernel variant. At ptxas's default -O3 (CUDA 13.0) some
 # variants computed wrong outputs on the H200, every launch the same way: D = 160 and 192 with
 # 80-key blocks and ping-pong, D = 256 with ping-pong and no intra-warpgroup overlap, D = 192 with
@@ -226,8 +240,8 @@ def fwd_sm90_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None
     return min(fits, key=lambda pair: (pair[0] + pair[1], pair)) if fits else None
 # The FP8 forward (e4m3 q, k, v; flash_fwd_sm90_kernel with T = e4m3): D = 128 and 256 (a row of
 # D = 64 is half a 128-byte swizzle row). Key blocks of kFp8ScaleBlockKeys = 128 (one 128-byte
-# row of V^T per D row). D = 256 takes no intra-warpgroup overlap, as in 16 bits: the 128
-# accumulator registers of O leave no room for a second block's P. Not tuned on the H200 yet.
+# row of V^T per D row). D = 256 takes no intra-warpgroup overlap: beside the 128 accumulator
+# registers of O, a second 128-key block's P spills (36 bytes without ping-pong).
 FWD_SM90_FP8_TILES = {
     128: FwdSm90Tile(128, 2, 2),
     256: FwdSm90Tile(128, 2, 2, overlap=False),
@@ -335,8 +349,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        forward += [fwd_sm90_spec(dtype, d, dv, tile, paged=paged) for dtype in _arrays.CUDA_TYPES
-                    for (d, dv), tile in FWD_SM90_TILES.items() for paged in (False, True)]
+        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged), paged=paged)
+                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES for paged in (False, True)]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
@@ -915,7 +929,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif tile is None or isinstance(tile, FwdSm90Tile):
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
-        sm90_tile = None if sm90_dims is None else FWD_SM90_TILES[sm90_dims] if tile is None else tile
+        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None)
         # paged keys: boxes of one page (or BLOCK_N rows of a longer one), where the pages allow
         page_rows = None if paged is None or sm90_tile is None else paged_box_rows(paged.block_size,
                                                                                    sm90_tile.block_n)

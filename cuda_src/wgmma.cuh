@@ -50,10 +50,13 @@ struct SwizzledTile {
   static constexpr int kPanelBytes = ROWS * kSwizzleRowBytes;
   static constexpr int kBytes = ROWS * COLS * 2;
 
-  // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row`.
+  // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row`. Unsigned arithmetic: signed
+  // `row % 8` cannot fold into an immediate, so offsets computed once per tile (the Hopper
+  // forward's epilogue) would stay live in registers across the key loop and spill.
   static __device__ __forceinline__ int chunk_offset(int row, int chunk) {
-    return (chunk / kChunksPerSwizzleRow) * kPanelBytes + row * kSwizzleRowBytes +
-           (((chunk % kChunksPerSwizzleRow) ^ (row % 8)) * kCopyBytes);
+    const unsigned r = static_cast<unsigned>(row), c = static_cast<unsigned>(chunk);
+    return static_cast<int>((c / kChunksPerSwizzleRow) * kPanelBytes + r * kSwizzleRowBytes +
+                            (((c % kChunksPerSwizzleRow) ^ (r % 8u)) * kCopyBytes));
   }
   // Byte offset of element (row, col).
   static __device__ __forceinline__ int offset(int row, int col) {

@@ -34,7 +34,7 @@ SM90_CANDIDATES = {
          FwdSm90Tile(112, 3, 2, True, False), FwdSm90Tile(112, 3, 3, True, False)],
     128: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
           FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True)],
-    256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True)],
+    256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True), FwdSm90Tile(80, 2, 2, True, False)],
     # head dims of padded panels (every candidate compiles without spills)
     80: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],
     96: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],

@@ -262,7 +262,7 @@ def expected_paged_kernel(dtype, head_dim: int, block: int) -> tuple[str, str]:
     attention_module = importlib.import_module("cuattn.attention")
     expected = expected_forward_kernel(dtype, head_dim, head_dim)
     if expected.startswith("flash_fwd_sm90_kernel"):
-        tile = attention_module.FWD_SM90_TILES[attention_module.fwd_sm90_tile_dims(head_dim, head_dim)]
+        tile = attention_module.fwd_sm90_tile(attention_module.fwd_sm90_tile_dims(head_dim, head_dim), paged=True)
         if attention_module.paged_box_rows(block, tile.block_n) is not None:
             return expected, ", true>"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]

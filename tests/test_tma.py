@@ -80,8 +80,12 @@ def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
 def test_each_hopper_tile_has_a_paged_variant():
     names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
     for (d, dv), tile in attention_module.FWD_SM90_TILES.items():
+        # the paged tile is the dense one but where it would spill under the paged producer
+        paged_tile = attention_module.fwd_sm90_tile((d, dv), paged=True)
+        assert paged_tile == attention_module.FWD_SM90_PAGED_TILES.get((d, dv), tile)
+        assert paged_tile.block_n == tile.block_n, "the same key block: the same page sizes take the Hopper path"
         for dtype in (np.float16, BF16):
-            spec = attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile, paged=True)
+            spec = attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, paged_tile, paged=True)
             assert spec.name.endswith(", true>") and spec.name in names, spec.name
             assert attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile).name in names
 
