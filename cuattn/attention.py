@@ -318,15 +318,15 @@ def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
 
 @functools.lru_cache(maxsize=None)
 def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_dtype=None,
-                  paged: bool = False) -> _jit.KernelSpec:
+                  alibi: bool = False, paged: bool = False) -> _jit.KernelSpec:
     """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
     ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
-    with a 16-bit ``out_dtype``; ``paged``: its PAGED variant (keys and values from a paged cache,
-    16-bit)."""
+    with a 16-bit ``out_dtype``; ``alibi``: its ALIBI variant; ``paged``: its PAGED variant (keys
+    and values from a paged cache, 16-bit, no ALiBi)."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
-    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, paged))
+    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, alibi, paged))
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
@@ -341,18 +341,19 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
     flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
-    runs, no ALiBi); flash_fwd_sm90_kernel reads the slopes' pointer at run time (its registers did
-    not move with ALiBi), so it has one variant per tile, and a paged one (paged_attention_varlen's
-    prefill on sm_90a)."""
+    runs, no ALiBi); flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), and
+    a paged one (paged_attention_varlen's prefill on sm_90a)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
                for d in TILE_HEAD_DIMS for alibi in (False, True)]
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged), paged=paged)
-                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES for paged in (False, True)]
-        forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out) for out in _arrays.CUDA_TYPES
-                    for d, tile in FWD_SM90_FP8_TILES.items()] + [fp8_transpose_spec()]
+        forward += [fwd_sm90_spec(dtype, *dims, FWD_SM90_TILES[dims], alibi=alibi) for dtype in _arrays.CUDA_TYPES
+                    for dims in FWD_SM90_TILES for alibi in (False, True)]
+        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
+                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
+        forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
+                    for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)] + [fp8_transpose_spec()]
     return forward + bwd_kernel_variants(arch)
 
 
@@ -944,9 +945,10 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     if tile is None:
         tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
-        spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, head_dim, tile, np.dtype(out.dtype))
+        spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, head_dim, tile, np.dtype(out.dtype),
+                             alibi=alibi[0] is not None)
     elif isinstance(tile, FwdSm90Tile):
-        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile, paged=paged is not None)
+        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile, alibi=alibi[0] is not None, paged=paged is not None)
     else:
         spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
                         paged is not None)

@@ -118,15 +118,55 @@ struct AttentionTile {
   // reach the exp2 multiplied by softmax_scale() and capped ones are in log2 units already. Called
   // after cap_and_mask, so the bias adds to the capped score. Distances are exact in fp32 for any
   // length below 2^24.
+  //
+  // Where no row of the warp has its diagonal inside the lane's columns of the block (every
+  // block of a causal row but the diagonal one), the bias is linear in the key:
+  //     -slope * |d - j| = sigma * j - sigma * d,   sigma = slope left of the diagonal (d >= j),
+  //                                                        -slope right of it (d <= j)
+  // with d the row's diagonal relative to the lane's first column and j = 8 nt + c the register's
+  // column, a compile-time constant: one multiply-add per score. The per-row rest, -sigma * d,
+  // goes to `bias[mt][r]` (the row's offset, in the scores' units) for row_max and
+  // exponentiate, once per row. Elsewhere the distance takes its absolute value per score, and
+  // the offset is 0.
   template <class DiagOf, class SlopeOf>
-  __device__ __forceinline__ void add_alibi(DiagOf diag_of, SlopeOf slope_of, int col0, int lane) {
+  __device__ __forceinline__ void add_alibi(DiagOf diag_of, SlopeOf slope_of, int col0, int lane,
+                                            float (&bias)[MT][2]) {
+    constexpr int kLastCol = (kNTiles - 1) * 8 + 1;  // the lane's last column, relative to its first
+    // the row's diagonal relative to this lane's first column: key column j is at distance |diag - j|
+    const auto diag_rel = [&](int mt, int r) { return diag_of(mt, r) - col0 - (lane % 4) * 2; };
+    bool linear = true;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        // the row's diagonal relative to this lane's first column: key column j is at distance |diag - j|
-        const float diag = static_cast<float>(diag_of(mt, r) - col0 - (lane % 4) * 2);
+        const int d = diag_rel(mt, r);
+        linear &= d >= kLastCol || d <= 0;
+      }
+    // one path for the warp, so that its lanes do not diverge
+    if (__all_sync(0xffffffffu, linear)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float d = static_cast<float>(diag_rel(mt, r));
+          const float slope = slope_of(mt, r);
+          const float sigma = d > 0.f ? slope : -slope;
+          bias[mt][r] = -sigma * d;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              s[mt][nt][2 * r + c] = fmaf(sigma, static_cast<float>(nt * 8 + c), s[mt][nt][2 * r + c]);
+        }
+      return;
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float diag = static_cast<float>(diag_rel(mt, r));
         const float slope = slope_of(mt, r);
+        bias[mt][r] = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -145,30 +185,34 @@ struct AttentionTile {
   // kLazyRescaleLog2 (SoftmaxState::needs_rescale), m stays put and the output is not rescaled;
   // probabilities are then at most 2^kLazyRescaleLog2, far inside fp32 and the P dtype. After
   // the first blocks the max rarely moves that far, so most blocks skip the rescale.
-  __device__ __forceinline__ float row_max(int mt, int r, float scale) const {
+  //
+  // `bias[mt][r]` (add_alibi's per-row offset, 0 without ALiBi) belongs to every score of the
+  // lane's row r: the scores held are score - bias. The four lanes of a row hold different
+  // offsets, so each adds its own before the quad's max, and exponentiate subtracts it from m.
+  __device__ __forceinline__ float row_max(int mt, int r, float scale, const float (&bias)[MT][2]) const {
     float x = -infinity();
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
     // the four lanes of a quad hold the row between them
-    return quad_max(x) * scale;
+    return quad_max(x + bias[mt][r]) * scale;
   }
 
   // Move the row maxes that must move (lazily, see above). Returns whether any row of the warp
   // moved; then factor[mt][r] rescales row r's running output (SoftmaxState::update), which
   // the caller applies with rescale_output: at once (softmax_update), or after a GEMM that is
   // still adding into the output has finished (the Hopper forward).
-  __device__ __forceinline__ bool move_max(float scale, float (&factor)[MT][2]) {
+  __device__ __forceinline__ bool move_max(float scale, float (&factor)[MT][2], const float (&bias)[MT][2]) {
     bool rescale = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale));
+      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale, bias));
     // Rare path: recompute the row maxes rather than keep them live in registers.
     if (!__any_sync(0xffffffffu, rescale)) return false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale));
+      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
     return true;
   }
 
@@ -185,13 +229,13 @@ struct AttentionTile {
         }
   }
 
-  // Scores to unnormalised probabilities exp2(scale * x - m), summed into l.
-  __device__ __forceinline__ void exponentiate(float scale) {
+  // Scores to unnormalised probabilities exp2(scale * (x + bias) - m), summed into l.
+  __device__ __forceinline__ void exponentiate(float scale, const float (&bias)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float ref = state[mt][r].reference();
+        const float ref = fmaf(-bias[mt][r], scale, state[mt][r].reference());
         float block_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
@@ -205,10 +249,10 @@ struct AttentionTile {
       }
   }
 
-  __device__ __forceinline__ void softmax_update(float scale) {
+  __device__ __forceinline__ void softmax_update(float scale, const float (&bias)[MT][2]) {
     float factor[MT][2];
-    if (move_max(scale, factor)) rescale_output(factor);
-    exponentiate(scale);
+    if (move_max(scale, factor, bias)) rescale_output(factor);
+    exponentiate(scale, bias);
   }
 
   // Round the probabilities to P (T unless the PV GEMM runs in another type) as mma A

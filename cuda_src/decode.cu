@@ -445,8 +445,10 @@ __device__ __forceinline__ void decode_body(
     } else {
       tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
     }
-    if constexpr (ALIBI) tile.add_alibi(diag_of, alibi_of, n0, lane);
-    tile.softmax_update(mask.softmax_scale());
+    // each row's ALiBi offset (add_alibi); 0 without ALiBi, where it folds away
+    float row_bias[MT][2] = {};
+    if constexpr (ALIBI) tile.add_alibi(diag_of, alibi_of, n0, lane, row_bias);
+    tile.softmax_update(mask.softmax_scale(), row_bias);
 
     // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15.
     // With an e4m3 cache this GEMM runs in fp16 (see QkType): probabilities in [0, 2^8] keep 3

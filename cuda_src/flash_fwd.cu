@@ -261,13 +261,15 @@ flash_fwd_kernel(const __grid_constant__ FwdParams<T> p) {
     } else {
       fwd.template cap_and_mask<false>(mp, diag_of, n0, lane);
     }
+    // each row's ALiBi offset (add_alibi); 0 without ALiBi, where it folds away
+    float row_bias[Fwd::kMTiles][2] = {};
     if constexpr (ALIBI) {
       // this head's slope in the units of the scores add_alibi sees, read per block (an L1 hit)
       // rather than held in a register across the loop: D = 64 and 128 have none to spare on sm_90a
       const float alibi = alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, b, h, softmax_scale);
-      fwd.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane);
+      fwd.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
     }
-    fwd.softmax_update(softmax_scale);
+    fwd.softmax_update(softmax_scale, row_bias);
     u32 p[Fwd::kMTiles][BLOCK_N / 16][4];
     fwd.to_fragments(p);
 

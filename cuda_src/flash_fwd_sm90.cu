@@ -38,6 +38,9 @@
 //     the softmax of block j runs while PV still computes; the output's rescale waits for it.
 //   PINGPONG (between warpgroups): named barriers take turns issuing GEMMs, so one warpgroup's
 //     softmax runs under the other's GEMMs.
+// ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
+// pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
+// code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
 // Key blocks are visited from last to first, so the masked blocks at the causal edge come first;
 // only blocks that cross a mask boundary evaluate the mask.
 //
@@ -199,7 +202,7 @@ struct FwdSm90Work {
 };
 
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
-          bool OVERLAP, bool PINGPONG, bool PAGED>
+          bool OVERLAP, bool PINGPONG, bool ALIBI, bool PAGED>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
@@ -228,6 +231,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
+  static_assert(!(ALIBI && PAGED), "paged_attention_varlen takes no ALiBi");
   // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
   // (240 with two consumers, 160 with three; paged 232, 152)
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
@@ -481,10 +485,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
     const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale * qk_descale, p.softcap_out};
     const float softmax_scale = mp.softmax_scale();
-    // this head's ALiBi slope in the units of the scores add_alibi sees (0: no ALiBi, no bias pass)
-    const float alibi = p.alibi_slopes != nullptr
-                            ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale)
-                            : 0.f;
+    // this head's ALiBi slope in the units of the scores add_alibi sees
+    const float alibi =
+        ALIBI ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale) : 0.f;
     const int offset = w.seq.offset;
     const auto diag_of = [=](int, int r) { return row0 + lane / 4 + 8 * r + offset; };
     if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
@@ -530,9 +533,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       } else {
         tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
       }
-      if (alibi != 0.f) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane);
-      const bool moved = tile.move_max(softmax_scale, factor);
-      tile.exponentiate(softmax_scale);
+      // each row's ALiBi offset (add_alibi); 0 without ALiBi, where it folds away
+      float row_bias[1][2] = {};
+      if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
+      const bool moved = tile.move_max(softmax_scale, factor, row_bias);
+      tile.exponentiate(softmax_scale, row_bias);
       return moved;
     };
     const auto to_fragments = [&] {

@@ -177,6 +177,22 @@ def test_alibi_bias_by_distance(rng, head_dim, mask, per_sequence):
     run_and_check(rng, DTYPES[0], 2, 113, 17, 4, 4, head_dim, alibi_slopes=slopes, **MASKS[mask])
 
 
+def test_alibi_runs_the_alibi_variant(rng, caplog, fwd_kernel):
+    """alibi_slopes select the kernel's ALIBI instantiation (its last flag but paged); without
+    slopes the plain one runs, which carries no ALiBi code."""
+    cupy = _cupy()
+    q = cupy.asarray(randn(rng, (1, 130, 2, 128), DTYPES[1]))
+    names = []
+    for slopes in (None, cupy.asarray(_alibi_slopes(2))):
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="cuattn"):
+            cuattn.attention(q, q, q, alibi_slopes=slopes)
+        names.append([r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")][-1])
+    # flash_fwd_sm90_kernel<..., OVERLAP, PINGPONG, ALIBI, PAGED>, flash_fwd_kernel<..., ALIBI, PAGED>
+    assert names[0].endswith(", false, false>") and names[1].endswith(", true, false>"), names
+    assert ("flash_fwd_sm90_kernel<" in names[1]) == (fwd_kernel == "sm90"), names
+
+
 def test_alibi_with_sinks_and_long_keys(rng):
     """Distances into the thousands (fp32 exact) beside sinks, on a long non-causal row."""
     run_and_check(rng, DTYPES[1], 1, 203, 4100, 8, 2, 128, alibi_slopes=_alibi_slopes(8), sinks=_sinks(rng, 8))

@@ -352,16 +352,20 @@ def outlier_inputs(rng, shape):
     return x + hit * rng.standard_normal(shape).astype(np.float32) * np.float32(OUTLIER_STD)
 
 
-def fp8_emulated(q, k, v, *, causal=False, scale=None):
-    """The FP8 kernel's arithmetic in NumPy on real float64 q, k, v (B, S, H, D): exact scores,
-    probabilities exp(s - rowmax) rounded to e4m3 for the PV product, the row sums from the
-    unrounded ones. The naive error of an FP8 forward, for the tolerance and the RMSE bounds."""
+def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None):
+    """The FP8 kernel's arithmetic in NumPy on real float64 q, k, v (B, S, H, D): exact scores
+    (with ALiBi's bias for (Hq,) slopes), probabilities exp(s - rowmax) rounded to e4m3 for the PV
+    product, the row sums from the unrounded ones. The naive error of an FP8 forward, for the
+    tolerance and the RMSE bounds."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     group = hq // hk
     kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if alibi_slopes is not None:
+        distance = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+        s = s - np.asarray(alibi_slopes, np.float64).reshape(1, hq, 1, 1) * distance
     mask = reference.visible(sq, sk, causal)
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -547,14 +551,14 @@ def score_error_reach(q, k, v, causal, error):
     return error * reach
 
 
-def fp8_budget(real, out, causal, out_dtype, ref):
+def fp8_budget(real, out, causal, out_dtype, ref, alibi_slopes=None):
     """The tolerance of an FP8 forward: 4x the naive FP8 error (fp8_emulated: the same inputs, P
     rounded to e4m3 once, exact otherwise) plus one unit of the output dtype, plus what the
     scores' accumulation error (fp8_score_error) reaches to first order (score_error_reach). The
     kernel rounds P against a lazily moved max (probabilities up to 2^8 rather than 1: the same
     relative rounding), and in another order, so its errors are the naive ones' kind, not the
     same values."""
-    naive = fp8_emulated(*real, causal=causal)
+    naive = fp8_emulated(*real, causal=causal, alibi_slopes=alibi_slopes)
     naive_err = float(np.abs(naive - ref).max())
     scores = score_error_reach(*real, causal, fp8_score_error(real[0], real[1]))
     return error_budget(naive_err, out_dtype, 4.0, float(np.abs(ref).max())) + scores
@@ -588,6 +592,25 @@ def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape)
         # P's rounding does not reach lse; the scores' accumulation error does, by at most its
         # bound (lse is a smooth maximum of the scores): the 16-bit forward's tolerance plus that
         np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_forward_with_alibi(head_dim, causal):
+    """alibi_slopes run the FP8 kernel's ALIBI variant; Sq != Sk, so the distances are bottom-right."""
+    _require_sm90()
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    (q8, k8, v8), scales, real = fp8_inputs(rng, 2, 197, 333, 4, 2, head_dim, "head")
+    slopes = (2.0 ** (-8.0 * np.arange(1, 5) / 4)).astype(np.float32)
+    ref = reference.attention(*real, causal=causal, alibi_slopes=slopes)
+    out = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), causal=causal,
+                           **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)},
+                           alibi_slopes=cupy.asarray(slopes))
+    got = out.get().astype(np.float64)
+    assert np.isfinite(got).all()
+    assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, causal, BF16, ref, alibi_slopes=slopes)
 
 
 @pytest.mark.gpu

@@ -77,7 +77,7 @@ def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
     assert {pointer for pointer, _ in maps.values()} == {"q", "k", "v"}
 
 
-def test_each_hopper_tile_has_a_paged_variant():
+def test_each_hopper_tile_has_alibi_and_paged_variants():
     names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
     for (d, dv), tile in attention_module.FWD_SM90_TILES.items():
         # the paged tile is the dense one but where it would spill under the paged producer
@@ -88,6 +88,8 @@ def test_each_hopper_tile_has_a_paged_variant():
             spec = attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, paged_tile, paged=True)
             assert spec.name.endswith(", true>") and spec.name in names, spec.name
             assert attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile).name in names
+            alibi = attention_module.fwd_sm90_spec(np.dtype(dtype), d, dv, tile, alibi=True).name
+            assert alibi.endswith(", true, false>") and alibi in names, alibi
 
 
 @pytest.mark.parametrize("arch, block_size, why", [("sm_80", None, r"arch sm_80, head_dim 128"),
