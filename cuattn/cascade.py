@@ -5,11 +5,16 @@ start with the same L tokens. Decode over a paged cache reads those tokens' keys
 per sequence; here the shared prefix is read once for the whole batch, and each sequence's own
 tokens (its suffix, in the paged cache) once for that sequence:
 
-    prefix   every query of the batch against the prefix keys, one dense non-causal attention
-             (cuattn.attention with the B x Sq_new queries as one sequence): tensor cores, the
-             prefix's bytes read once
-    suffix   each sequence's queries against its own tokens (cuattn.paged_attention, causal)
-    merge    the two partial results by their log-sum-exp (cuattn.merge_states): softmax over
+    prefix   every query of the batch against the prefix keys, non-causal, on tensor cores, the
+             prefix's bytes read once. The B x Sq_new queries are one sequence; alone it would
+             fill one tile per head (32 CTAs for 64 queries and 32 heads), so the prefix's keys
+             are split into S contiguous ranges and the rows repeated S times: one
+             attention_varlen call over S "sequences" of the same rows, each against its key
+             range, fills the GPU (S x tiles ~ the SM count)
+    suffix   each sequence's queries against its own tokens (cuattn.paged_attention, causal);
+             the sinks join here, once per row
+    merge    the S prefix states (read in place: the splits are evenly strided), then the
+             prefix with the suffix, by their log-sum-exp (cuattn.merge_states): softmax over
              disjoint key sets merges exactly
 
 Layouts:
@@ -30,14 +35,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays
-from .attention import attention
-from .decode import merge_states
+from . import _arrays, _jit
+from .attention import FwdSm90Tile, attention_varlen
+from .decode import merge_stacked, merge_states
 from .paged import PagedKVCache, _cache_pair, paged_attention
+
+# Fewest prefix keys one split takes when the split count is chosen here: a split of fewer keys
+# spends more of its time on its tile's prologue and epilogue than on its key blocks.
+MIN_SPLIT_KEYS = 512
+# The splits' cu_seqlens on the device, by (device, splits, packed rows, keys per split, L): a
+# serving loop repeats one shape step after step, and its calls and the CUDA graphs captured
+# from them reuse one pair. A full table is cleared.
+_split_bounds_cache: dict[tuple, tuple] = {}
+MAX_CACHED_SPLIT_BOUNDS = 64
 
 
 def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, scale=None, softcap=0.0, sinks=None,
-                      return_lse=False, max_seq_len=None, check=True, k_scale=None, v_scale=None):
+                      return_lse=False, max_seq_len=None, check=True, k_scale=None, v_scale=None, prefix_splits=None):
     """Attention of each sequence's new tokens over a shared prefix and its own paged tokens.
 
     Args:
@@ -50,6 +64,9 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
             counts sequence b's own tokens, the new ones included, so it is at least Sq_new;
             NumPy and checked lengths are refused below that.
         causal, scale, softcap, sinks: as in :func:`cuattn.decode` (the sinks join once per row).
+        prefix_splits: how many key ranges the prefix is split into (1 to L), each attended by a
+            copy of the queries and merged; default: on the GPU enough to give every SM a tile
+            (each range at least MIN_SPLIT_KEYS keys), on the CPU 1.
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
@@ -57,18 +74,106 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
     prefix_k, prefix_v = _check_prefix(prefix, q, cache)
     _check_suffix_lengths(seq_lens, int(q.shape[1]), check)
     batch, sq_new, num_heads, head_dim = (int(n) for n in q.shape)
-    head_dim_v = int(prefix_v.shape[2])
-    # every query of the batch as one sequence of B x Sq_new rows over the prefix: no mask
-    rows = q.reshape(1, batch * sq_new, num_heads, head_dim)
-    out_prefix, lse_prefix = attention(rows, prefix_k.reshape(1, *prefix_k.shape), prefix_v.reshape(1, *prefix_v.shape),
-                                       scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
-    out_prefix = out_prefix.reshape(batch, sq_new, num_heads, head_dim_v)
-    lse_prefix = _heads_after_batch(lse_prefix.reshape(num_heads, batch, sq_new))  # (B, Hq, Sq_new)
+    out_prefix, lse_prefix = _prefix_states(q, prefix_k, prefix_v, prefix_splits, scale, softcap)
     out_own, lse_own = paged_attention(q, cache, block_table, seq_lens, max_seq_len=max_seq_len, causal=causal,
-                                       scale=scale, softcap=softcap, return_lse=True, check=check, k_scale=k_scale,
-                                       v_scale=v_scale)
+                                       scale=scale, softcap=softcap, sinks=sinks, return_lse=True, check=check,
+                                       k_scale=k_scale, v_scale=v_scale)
     out, lse = merge_states(out_prefix, lse_prefix, out_own, lse_own)
     return (out, lse) if return_lse else out
+
+
+def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
+    """Every query against the whole prefix: ``(out, lse)`` as ``(B, Sq_new, Hq, Dv)`` and
+    ``(B, Hq, Sq_new)`` in q's framework, from S key ranges merged by their lse.
+
+    The GQA group's query heads are packed into the rows of their KV head: KV head k's rows are
+    (query r, group member g) for the R = B x Sq_new queries, R x G of them, so 64 decode rows of
+    a 4-head group fill two whole 128-row tiles instead of half of each of four.
+    """
+    batch, sq_new, num_heads, head_dim = (int(n) for n in q.shape)
+    prefix_len, num_kv_heads, head_dim_v = int(prefix_k.shape[0]), int(prefix_k.shape[1]), int(prefix_v.shape[2])
+    group = num_heads // num_kv_heads
+    rows = batch * sq_new
+    packed = rows * group  # rows of one KV head in one split
+    with _arrays.array_context(q=q, prefix_k=prefix_k, prefix_v=prefix_v) as ctx:
+        if ctx.on_host:
+            xp = np
+        else:
+            import cupy as xp
+        splits = _check_splits(splits, prefix_len) if splits is not None else (
+            1 if ctx.on_host else default_prefix_splits(packed, num_kv_heads, prefix_len, ctx.device_id))
+        # split s takes keys [s * per_split, (s + 1) * per_split), the last one up to L; no split is
+        # empty (L = 5 asked for 4 splits takes 3 of 2, 2 and 1 keys)
+        per_split = -(-prefix_len // splits)
+        splits = -(-prefix_len // per_split)
+        # [S, R, G, Hk, D]: query r's head k * G + g is row (r, g) of KV head k, once per split
+        grouped = ctx.view(q).reshape(rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
+        repeated = xp.ascontiguousarray(xp.broadcast_to(grouped, (splits, rows, group, num_kv_heads, head_dim)))
+        cu_q, cu_k = _split_bounds(ctx, splits, packed, per_split, prefix_len)
+        # out [S * R * G, Hk, Dv], lse [Hk, S * R * G]
+        out, lse = attention_varlen(repeated.reshape(splits * packed, num_kv_heads, head_dim), ctx.view(prefix_k),
+                                    ctx.view(prefix_v), cu_q, cu_k, packed, per_split, scale=scale, softcap=softcap,
+                                    return_lse=True)
+        # the splits' states, stacked: [S, R, G, Hk, Dv] and [S, R, Hk, G] (views)
+        parts = out.reshape(splits, rows, group, num_kv_heads, head_dim_v)
+        parts_lse = lse.reshape(num_kv_heads, splits, rows, group).transpose(1, 2, 0, 3)
+        if ctx.on_host:
+            grouped_out, grouped_lse = merge_states(list(zip(parts, parts_lse)))
+            out = grouped_out.transpose(0, 2, 1, 3).reshape(batch, sq_new, num_heads, head_dim_v)
+            return out, np.ascontiguousarray(grouped_lse.reshape(batch, sq_new, num_heads).transpose(0, 2, 1))
+        # the merged state lands unpacked: (R, G, Hk, Dv) is a permuted view of (B, Sq_new, Hq, Dv)
+        merged_out = ctx.empty((batch, sq_new, num_heads, head_dim_v), out.dtype)
+        merged_lse = ctx.empty((batch, num_heads, sq_new), np.float32)
+        grouped_out = merged_out.reshape(rows, num_kv_heads, group, head_dim_v).transpose(0, 2, 1, 3)
+        # (B, Hq, 1) is (R, Hk, G) for decode rows; with Sq_new > 1, (b, s) is no single axis there
+        grouped_lse = (merged_lse.reshape(rows, num_kv_heads, group) if sq_new == 1
+                       else xp.empty((rows, num_kv_heads, group), np.float32))
+        merge_stacked(parts, parts_lse, grouped_out, grouped_lse, ctx.stream)
+        if sq_new > 1:
+            merged_lse[...] = grouped_lse.reshape(batch, sq_new, num_heads).transpose(0, 2, 1)
+        return ctx.to_caller(merged_out), ctx.to_caller(merged_lse)
+
+
+def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int):
+    """cu_seqlens_q and cu_seqlens_k of the splits, int32 [S + 1] each: split s holds rows
+    [s * packed, (s + 1) * packed) and keys [s * per_split, min((s + 1) * per_split, L))."""
+    cu_q = np.arange(splits + 1, dtype=np.int64) * packed
+    cu_k = np.minimum(np.arange(splits + 1, dtype=np.int64) * per_split, prefix_len)
+    if ctx.on_host:
+        return cu_q.astype(np.int32), cu_k.astype(np.int32)
+    key = (ctx.device_id, splits, packed, per_split, prefix_len)
+    cached = _split_bounds_cache.get(key)
+    if cached is not None:
+        return cached
+    if ctx.stream.is_capturing():
+        # a copy from the host cannot be captured: made on the device, for this capture alone
+        import cupy
+
+        made = cupy.arange(0, (splits + 1) * packed, packed, dtype=np.int32)
+        keys = cupy.minimum(cupy.arange(0, (splits + 1) * per_split, per_split, dtype=np.int32), prefix_len)
+        return made, keys
+    bounds = ctx.ints(cu_q, cu_k)
+    # the copy has landed before any stream reads the pair
+    ctx.stream.synchronize()
+    if len(_split_bounds_cache) >= MAX_CACHED_SPLIT_BOUNDS:
+        _split_bounds_cache.clear()
+    _split_bounds_cache[key] = bounds
+    return bounds
+
+
+def default_prefix_splits(rows: int, num_kv_heads: int, prefix_len: int, device_id: int) -> int:
+    """Key ranges that give the prefix's varlen call about one tile per SM (``rows`` packed rows
+    per KV head in tiles of the Hopper forward's 128 query rows), none shorter than MIN_SPLIT_KEYS."""
+    block_m = FwdSm90Tile(block_n=0, consumers=2, stages=0).block_m
+    tiles = -(-rows // block_m) * num_kv_heads
+    by_sms = _jit.multiprocessor_count(device_id) // tiles
+    return max(1, min(by_sms, prefix_len // MIN_SPLIT_KEYS))
+
+
+def _check_splits(splits, prefix_len: int) -> int:
+    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or not 1 <= splits <= prefix_len:
+        raise ValueError(f"prefix_splits must be an int from 1 to the prefix length L = {prefix_len}, got {splits!r}")
+    return int(splits)
 
 
 def _check_prefix(prefix, q, cache):
@@ -79,6 +184,10 @@ def _check_prefix(prefix, q, cache):
         _arrays.check_ndim(name, x, layout)
         _arrays.check_positive(name, x, 0, "L")
     _arrays.check_axis("prefix_k", prefix_k, 2, "head_dim", int(q.shape[3]), "q.shape[3]")
+    num_heads, num_kv_heads = int(q.shape[2]), int(prefix_k.shape[1])
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q.shape[2] (num_heads) = {num_heads} must be a multiple of prefix_k.shape[1] (num_kv_heads) "
+                         f"= {num_kv_heads}")
     for axis, axis_name in enumerate(("L", "Hk")):
         _arrays.check_axis("prefix_v", prefix_v, axis, axis_name, int(prefix_k.shape[axis]), f"prefix_k.shape[{axis}]")
     # v's head dim is its own, and the prefix's and the suffix's outputs merge: the cache's v pages set it
@@ -105,8 +214,3 @@ def _check_suffix_lengths(seq_lens, sq_new: int, check: bool) -> None:
         b = int(short[0])
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} counts sequence {b}'s own tokens, the new ones included, "
                          f"so it must be at least q.shape[1] (Sq_new) = {sq_new}")
-
-
-def _heads_after_batch(x):
-    """(H, B, S) -> (B, H, S) in the array's own framework (torch names it permute)."""
-    return x.permute(1, 0, 2) if _arrays.array_kind(x) == "torch" else x.transpose(1, 0, 2)

@@ -47,12 +47,14 @@ def make_batch(rng, dtype, batch=3, sq_new=2, hq=8, hk=2, d=64, prefix_len=37, b
 @pytest.mark.parametrize("options", [{}, {"causal": False}, {"softcap": 20.0, "scale": 0.1}, {"sinks": "random"}],
                          ids=["causal", "noncausal", "softcap-scale", "sinks"])
 @pytest.mark.parametrize("sq_new", [1, 3])
-def test_cascade_equals_decode_over_prefix_then_own_tokens(sq_new, options):
+@pytest.mark.parametrize("prefix_splits", [None, 1, 4, 36, 37], ids=lambda s: f"splits{s}")
+def test_cascade_equals_decode_over_prefix_then_own_tokens(sq_new, options, prefix_splits):
     rng = np.random.default_rng()
     q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(rng, np.float32, sq_new=sq_new)
     if options.get("sinks") == "random":
         options = {"sinks": rng.standard_normal(q.shape[2]).astype(np.float32)}
-    out, lse = cuattn.cascade_attention(q, prefix, pages, table, lens, return_lse=True, **options)
+    out, lse = cuattn.cascade_attention(q, prefix, pages, table, lens, return_lse=True, prefix_splits=prefix_splits,
+                                        **options)
     ref, ref_lse = reference.decode(q, k_full, v_full, full_lens, return_lse=True, **options)
     assert out.dtype == np.float32 and out.shape == q.shape and lse.shape == (3, q.shape[2], sq_new)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
@@ -68,23 +70,65 @@ def test_cascade_argument_errors():
         cuattn.cascade_attention(q, (prefix[0][None], prefix[1]), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_v.shape\[0\] \(L\) must equal prefix_k.shape\[0\] = 37, got 36"):
         cuattn.cascade_attention(q, (prefix[0], prefix[1][1:]), pages, table, lens)
+    with pytest.raises(ValueError, match=r"q.shape\[2\] \(num_heads\) = 8 must be a multiple of prefix_k.shape\[1\] "
+                                         r"\(num_kv_heads\) = 3"):
+        cuattn.cascade_attention(q, tuple(np.concatenate([x, x[:, :1]], axis=1) for x in prefix), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_k.shape\[2\] \(head_dim\) must equal q.shape\[3\] = 64, got 32"):
         cuattn.cascade_attention(q, (prefix[0][..., :32], prefix[1][..., :32]), pages, table, lens)
+    for splits in (0, 38, 2.0, True):
+        with pytest.raises(ValueError, match=rf"prefix_splits must be an int from 1 to the prefix length L = 37, "
+                                             rf"got {splits!r}"):
+            cuattn.cascade_attention(q, prefix, pages, table, lens, prefix_splits=splits)
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 2 counts sequence 1's own tokens, the new ones included, "
                                          r"so it must be at least q.shape\[1\] \(Sq_new\) = 3"):
         cuattn.cascade_attention(q, prefix, pages, table, np.array([5, 2, 40], np.int32))
 
 
+def test_default_prefix_splits_fill_the_sms(monkeypatch):
+    from cuattn import _jit, cascade
+
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: 132)
+    # 64 decode rows of a 4-head group packed per KV head: 256 rows, 2 tiles per KV head, 16 tiles
+    # for 8 KV heads, so 8 key ranges give 128 CTAs
+    assert cascade.default_prefix_splits(256, 8, 8192, 0) == 8
+    assert cascade.default_prefix_splits(64, 32, 8192, 0) == 4
+    # no range shorter than MIN_SPLIT_KEYS, and never fewer than one
+    assert cascade.default_prefix_splits(64, 32, 3 * cascade.MIN_SPLIT_KEYS - 1, 0) == 2
+    assert cascade.default_prefix_splits(64, 32, 100, 0) == 1
+    # rows enough to fill the SMs alone: no split
+    assert cascade.default_prefix_splits(1024, 32, 8192, 0) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq_new", [1, 4])
-def test_cascade_on_the_gpu(rng, sq_new):
+@pytest.mark.parametrize("prefix_splits", [None, 1, 7], ids=lambda s: f"splits{s}")
+def test_cascade_on_the_gpu(rng, sq_new, prefix_splits):
     cupy = _cupy()
+    # a 2000-key prefix: the default splits it in 3 (8 KV heads, one tile of packed rows each) on an H200
     q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(
-        rng, BF16, batch=6, sq_new=sq_new, hq=32, hk=8, d=128, prefix_len=1000, lens=(5, 17, 400, 64, 9, 300))
+        rng, BF16, batch=6, sq_new=sq_new, hq=32, hk=8, d=128, prefix_len=2000, lens=(5, 17, 400, 64, 9, 300))
     out, lse = cuattn.cascade_attention(cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix),
                                         tuple(cupy.asarray(x) for x in pages), cupy.asarray(table), cupy.asarray(lens),
-                                        return_lse=True)
+                                        return_lse=True, prefix_splits=prefix_splits)
     check_decode(rng, BF16, q, k_full, v_full, full_lens, out.get(), lse.get())
+
+
+@pytest.mark.gpu
+def test_cascade_with_torch_sinks_and_splits(rng):
+    torch = pytest.importorskip("torch")
+    q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(
+        rng, BF16, batch=4, sq_new=2, hq=8, hk=2, d=64, prefix_len=300, lens=(5, 17, 40, 2))
+    sinks = rng.standard_normal(8).astype(np.float32)
+
+    def dev(x):
+        return torch.from_numpy(np.asarray(x, np.float32)).to("cuda", torch.bfloat16 if x.dtype == BF16 else None)
+
+    out, lse = cuattn.cascade_attention(dev(q), tuple(dev(x) for x in prefix), tuple(dev(x) for x in pages),
+                                        torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda(),
+                                        return_lse=True, sinks=torch.from_numpy(sinks).cuda(), prefix_splits=5)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    check_decode(rng, BF16, q, k_full, v_full, full_lens, out.float().cpu().numpy().astype(BF16),
+                 lse.cpu().numpy(), sinks=sinks)
 
 
 @pytest.mark.gpu
@@ -107,3 +151,33 @@ def test_cascade_over_an_e4m3_paged_cache(rng):
                              v_real[table].reshape(3, -1, 2, 128)], axis=1)
     assert k_full.shape[1] >= prefix_len + int(lens.max())
     check_decode(rng, BF16, q, k_full, v_full, full_lens, out.get(), lse.get())
+
+
+@pytest.mark.gpu
+def test_cascade_captured_in_a_cuda_graph(rng):
+    """The splits' bounds come from a cache filled by eager calls; a capture that misses it makes
+    them on the device (a host copy cannot be captured). Both replay to the reference."""
+    cupy = _cupy()
+    from cuattn import cascade
+
+    q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(
+        rng, BF16, batch=5, sq_new=1, hq=8, hk=2, d=128, prefix_len=1500, lens=(5, 17, 40, 2, 9))
+    args = (cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix), tuple(cupy.asarray(x) for x in pages),
+            cupy.asarray(table), cupy.asarray(lens))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuattn.cascade_attention(*args, prefix_splits=3, check=False)  # kernels loaded, bounds of 3 cached
+        assert any(key[1] == 3 for key in cascade._split_bounds_cache)
+        results = {}
+        for splits in (3, 4):  # 4: not cached, made during the capture
+            stream.synchronize()
+            stream.begin_capture()
+            out, lse = cuattn.cascade_attention(*args, prefix_splits=splits, check=False, return_lse=True)
+            graph = stream.end_capture()
+            out[...] = cupy.nan
+            graph.launch(stream)
+            stream.synchronize()
+            results[splits] = (out.get(), lse.get())
+        assert not any(key[1] == 4 for key in cascade._split_bounds_cache)
+    for out, lse in results.values():
+        check_decode(rng, BF16, q, k_full, v_full, full_lens, out, lse)
