@@ -210,10 +210,26 @@ FWD_SM90_PAGED_TILES = {
 }
 
 
-def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False) -> FwdSm90Tile:
+# Tiles for long key ranges, (from how many keys, tile): three consumer warpgroups (192 query
+# rows a tile, FlashAttention-3's D = 64 shape) without either overlap, at 128 registers a
+# consumer less than the two-warpgroup tile's 240 but with a third softmax under the others'
+# GEMMs. `scripts/tune_fwd.py --sm90 --head-dims 64,80,96` on the H200 (bf16, full / causal): D = 64
+# 427 / 359 TFLOP/s at 4k keys and 460 / 437 at 16k against 393 / 363 and 419 / 408; D = 80 and
+# 96 +6% at 16k but 2-4% slower at 4k; every one of them 10-20% slower at 1k (fewer, larger tiles).
+FWD_SM90_LONG_TILES = {
+    (64, 64): (4096, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
+    (80, 80): (16384, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (96, 96): (16384, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+}
+
+
+def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0) -> FwdSm90Tile:
     """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
-    paged keys."""
-    return FWD_SM90_PAGED_TILES.get(dims, FWD_SM90_TILES[dims]) if paged else FWD_SM90_TILES[dims]
+    paged keys, over at most ``seqlen_k`` keys a sequence."""
+    if paged:
+        return FWD_SM90_PAGED_TILES.get(dims, FWD_SM90_TILES[dims])
+    long_keys, long_tile = FWD_SM90_LONG_TILES.get(dims, (None, None))
+    return long_tile if long_keys is not None and seqlen_k >= long_keys else FWD_SM90_TILES[dims]
 
 
 # ptxas options of every flash_fwd_sm90_kernel variant. At ptxas's default -O3 (CUDA 13.0) some
@@ -240,10 +256,14 @@ def fwd_sm90_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None
     return min(fits, key=lambda pair: (pair[0] + pair[1], pair)) if fits else None
 # The FP8 forward (e4m3 q, k, v; flash_fwd_sm90_kernel with T = e4m3): D = 128 and 256 (a row of
 # D = 64 is half a 128-byte swizzle row). Key blocks of kFp8ScaleBlockKeys = 128 (one 128-byte
-# row of V^T per D row). D = 256 takes no intra-warpgroup overlap: beside the 128 accumulator
-# registers of O, a second 128-key block's P spills (36 bytes without ping-pong).
+# row of V^T per D row). D = 128 runs three consumer warpgroups (192 query rows a tile) without
+# either overlap: at 160 registers a consumer the overlap spills, and without it the third
+# warpgroup's softmax runs under the others' GEMMs (`scripts/bench_fp8_fwd.py --tune`, H200:
+# 847 / 757 TFLOP/s at N = 8192 full / causal against 786 / 718 for the 16-bit kernels' tile).
+# D = 256 takes no intra-warpgroup overlap: beside the 128 accumulator registers of O, a second
+# 128-key block's P spills (36 bytes without ping-pong).
 FWD_SM90_FP8_TILES = {
-    128: FwdSm90Tile(128, 2, 2),
+    128: FwdSm90Tile(128, 3, 3, overlap=False, pingpong=False),
     256: FwdSm90Tile(128, 2, 2, overlap=False),
 }
 FP8_HEAD_DIMS = tuple(sorted(FWD_SM90_FP8_TILES))
@@ -348,8 +368,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        forward += [fwd_sm90_spec(dtype, *dims, FWD_SM90_TILES[dims], alibi=alibi) for dtype in _arrays.CUDA_TYPES
-                    for dims in FWD_SM90_TILES for alibi in (False, True)]
+        dense = list(FWD_SM90_TILES.items()) + [(dims, tile) for dims, (_, tile) in FWD_SM90_LONG_TILES.items()]
+        forward += [fwd_sm90_spec(dtype, *dims, tile, alibi=alibi) for dtype in _arrays.CUDA_TYPES
+                    for dims, tile in dense for alibi in (False, True)]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
@@ -930,7 +951,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif tile is None or isinstance(tile, FwdSm90Tile):
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
-        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None)
+        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k)
         # paged keys: boxes of one page (or BLOCK_N rows of a longer one), where the pages allow
         page_rows = None if paged is None or sm90_tile is None else paged_box_rows(paged.block_size,
                                                                                    sm90_tile.block_n)

@@ -30,14 +30,17 @@ SM90_CANDIDATES = {
          FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True), FwdSm90Tile(128, 2, 4, True, True),
          # three consumers (192 query rows a tile, FlashAttention-3's D = 64 shape): at 160 registers
          # a consumer the overlap spills with 128-key blocks, not with 96 or 112
-         FwdSm90Tile(128, 3, 2, False, False), FwdSm90Tile(96, 3, 2, True, False), FwdSm90Tile(96, 3, 3, True, False),
+         FwdSm90Tile(128, 3, 2, False, False), FwdSm90Tile(128, 3, 3, False, False),
+         FwdSm90Tile(128, 3, 4, False, False), FwdSm90Tile(96, 3, 2, True, False), FwdSm90Tile(96, 3, 3, True, False),
          FwdSm90Tile(112, 3, 2, True, False), FwdSm90Tile(112, 3, 3, True, False)],
     128: [FwdSm90Tile(128, 2, 2, False, False), FwdSm90Tile(128, 2, 2, True, False),
           FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 2, True, True)],
     256: [FwdSm90Tile(80, 2, 2, False, False), FwdSm90Tile(80, 2, 2, False, True), FwdSm90Tile(80, 2, 2, True, False)],
     # head dims of padded panels (every candidate compiles without spills)
-    80: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],
-    96: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True)],
+    80: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True),
+         FwdSm90Tile(128, 3, 2, False, False)],
+    96: [FwdSm90Tile(128, 2, 2), FwdSm90Tile(128, 2, 2, False, True), FwdSm90Tile(128, 2, 3, False, True),
+         FwdSm90Tile(128, 3, 2, False, False)],
     160: [FwdSm90Tile(80, 2, 2, True, False), FwdSm90Tile(80, 2, 2), FwdSm90Tile(64, 2, 2),
           FwdSm90Tile(112, 2, 2, False, True), FwdSm90Tile(64, 2, 3, False, True)],
     192: [FwdSm90Tile(80, 2, 2), FwdSm90Tile(80, 2, 2, True, False), FwdSm90Tile(64, 2, 2),

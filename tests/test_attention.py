@@ -405,6 +405,23 @@ def test_sm90_schedules(rng, monkeypatch, fwd_kernel, schedule, case):
     _check_varlen(rng, lens_q, lens_k, c["hq"], c["hk"], c["d"], c["causal"])
 
 
+@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES))
+def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
+    """The three-warpgroup tiles long key ranges take (FWD_SM90_LONG_TILES), forced from 0 keys:
+    masks, ALiBi, GQA, varlen, lengths off every tile; the log names the tile."""
+    if fwd_kernel != "sm90":
+        pytest.skip("a flash_fwd_sm90_kernel tile")
+    tile = attention_module.FWD_SM90_LONG_TILES[d, d][1]
+    monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES", {(d, d): (0, tile)})
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    assert chosen and f", {tile.block_n}, {tile.consumers}, {tile.stages}, false, false," in chosen[-1], chosen
+    run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
+    run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
+    _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
+
+
 # Hopper variants that ptxas's default -O3 compiled into wrong outputs on the H200 (CUDA 13.0;
 # attention.FWD_SM90_PTXAS_OPTIONS): under the options their specs carry, each must match the
 # reference.

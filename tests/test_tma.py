@@ -77,6 +77,18 @@ def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
     assert {pointer for pointer, _ in maps.values()} == {"q", "k", "v"}
 
 
+def test_long_key_ranges_take_their_tile_from_their_length():
+    for dims, (keys, tile) in attention_module.FWD_SM90_LONG_TILES.items():
+        assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys - 1) == attention_module.FWD_SM90_TILES[dims]
+        assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys) == tile
+        # paged prefill keeps its own tile at every length
+        assert attention_module.fwd_sm90_tile(dims, paged=True, seqlen_k=keys) == attention_module.fwd_sm90_tile(
+            dims, paged=True)
+        names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
+        for alibi in (False, True):
+            assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, tile, alibi=alibi).name in names
+
+
 def test_each_hopper_tile_has_alibi_and_paged_variants():
     names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
     for (d, dv), tile in attention_module.FWD_SM90_TILES.items():
