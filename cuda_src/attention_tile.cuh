@@ -152,11 +152,7 @@ struct AttentionTile {
           const float slope = slope_of(mt, r);
           const float sigma = d > 0.f ? slope : -slope;
           bias[mt][r] = -sigma * d;
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              s[mt][nt][2 * r + c] = fmaf(sigma, static_cast<float>(nt * 8 + c), s[mt][nt][2 * r + c]);
+          map_row(mt, r, [=](float x, float j) { return fmaf(sigma, j, x); });
         }
       return;
     }
@@ -167,14 +163,18 @@ struct AttentionTile {
         const float diag = static_cast<float>(diag_rel(mt, r));
         const float slope = slope_of(mt, r);
         bias[mt][r] = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float j = static_cast<float>(nt * 8 + c);
-            s[mt][nt][2 * r + c] = fmaf(-slope, fabsf(diag - j), s[mt][nt][2 * r + c]);
-          }
+        map_row(mt, r, [=](float x, float j) { return fmaf(-slope, fabsf(diag - j), x); });
       }
+  }
+
+  // Every score of the lane's row r of m16 tile mt becomes f(score, j), j its column in the
+  // block relative to the lane's first (a compile-time constant after unrolling).
+  template <class F>
+  __device__ __forceinline__ void map_row(int mt, int r, F f) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) s[mt][nt][2 * r + c] = f(s[mt][nt][2 * r + c], static_cast<float>(nt * 8 + c));
   }
 
   // Online softmax over the new block: move the row max, rescale the running output, and turn
