@@ -6,14 +6,16 @@ per sequence; here the shared prefix is read once for the whole batch, and each 
 tokens (its suffix, in the paged cache) once for that sequence:
 
     prefix   every query of the batch against the prefix keys, non-causal, on tensor cores, the
-             prefix's bytes read once. The B x Sq_new queries are one sequence; alone it would
-             fill one tile per head (32 CTAs for 64 queries and 32 heads), so the prefix's keys
-             are split into S contiguous ranges and the rows repeated S times: one
-             attention_varlen call over S "sequences" of the same rows, each against its key
-             range, fills the GPU (S x tiles ~ the SM count)
+             prefix's bytes read once. The B x Sq_new queries are one sequence, and each KV
+             head's G query heads are packed into its rows ((query, group member) pairs). Alone
+             that would fill two tiles per KV head (16 CTAs for 64 queries and GQA 32/8), so
+             the prefix's keys are split into S contiguous ranges and the rows repeated S
+             times: one attention_varlen call over S "sequences" of the same rows, each against
+             its key range, fills the GPU (S x tiles ~ the SM count)
     suffix   each sequence's queries against its own tokens (cuattn.paged_attention, causal);
              the sinks join here, once per row
-    merge    the S prefix states (read in place: the splits are evenly strided), then the
+    merge    the S prefix states (read in place: the splits are evenly strided; written
+             unpacked, into a permuted view of the prefix's (B, Sq_new, Hq, Dv)), then the
              prefix with the suffix, by their log-sum-exp (cuattn.merge_states): softmax over
              disjoint key sets merges exactly
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _jit
-from .attention import FwdSm90Tile, attention_varlen
+from .attention import FWD_SM90_TILES, SM90, attention_varlen, fwd_sm90_tile_dims, fwd_tile
 from .decode import merge_stacked, merge_states
 from .paged import PagedKVCache, _cache_pair, paged_attention
 
@@ -101,7 +103,8 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
         else:
             import cupy as xp
         splits = _check_splits(splits, prefix_len) if splits is not None else (
-            1 if ctx.on_host else default_prefix_splits(packed, num_kv_heads, prefix_len, ctx.device_id))
+            1 if ctx.on_host else default_prefix_splits(packed, num_kv_heads, prefix_len, ctx.device_id,
+                                                        _tile_rows(head_dim, head_dim_v)))
         # split s takes keys [s * per_split, (s + 1) * per_split), the last one up to L; no split is
         # empty (L = 5 asked for 4 splits takes 3 of 2, 2 and 1 keys)
         per_split = -(-prefix_len // splits)
@@ -161,13 +164,20 @@ def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int
     return bounds
 
 
-def default_prefix_splits(rows: int, num_kv_heads: int, prefix_len: int, device_id: int) -> int:
+def default_prefix_splits(rows: int, num_kv_heads: int, prefix_len: int, device_id: int, tile_rows: int) -> int:
     """Key ranges that give the prefix's varlen call about one tile per SM (``rows`` packed rows
-    per KV head in tiles of the Hopper forward's 128 query rows), none shorter than MIN_SPLIT_KEYS."""
-    block_m = FwdSm90Tile(block_n=0, consumers=2, stages=0).block_m
-    tiles = -(-rows // block_m) * num_kv_heads
+    per KV head in tiles of ``tile_rows`` query rows), none shorter than MIN_SPLIT_KEYS."""
+    tiles = -(-rows // tile_rows) * num_kv_heads
     by_sms = _jit.multiprocessor_count(device_id) // tiles
     return max(1, min(by_sms, prefix_len // MIN_SPLIT_KEYS))
+
+
+def _tile_rows(head_dim: int, head_dim_v: int) -> int:
+    """Query rows per tile of the forward the prefix runs on: the Hopper tile holding the head dims
+    on sm_90a, else flash_fwd_kernel's (the split count only needs the tile count roughly)."""
+    arch = _jit.target_arch()
+    dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
+    return FWD_SM90_TILES[dims].block_m if dims is not None else fwd_tile(head_dim, arch, head_dim_v=head_dim_v).block_m
 
 
 def _check_splits(splits, prefix_len: int) -> int:

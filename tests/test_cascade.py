@@ -90,13 +90,34 @@ def test_default_prefix_splits_fill_the_sms(monkeypatch):
     monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: 132)
     # 64 decode rows of a 4-head group packed per KV head: 256 rows, 2 tiles per KV head, 16 tiles
     # for 8 KV heads, so 8 key ranges give 128 CTAs
-    assert cascade.default_prefix_splits(256, 8, 8192, 0) == 8
-    assert cascade.default_prefix_splits(64, 32, 8192, 0) == 4
+    assert cascade.default_prefix_splits(256, 8, 8192, 0, 128) == 8
+    assert cascade.default_prefix_splits(64, 32, 8192, 0, 128) == 4
     # no range shorter than MIN_SPLIT_KEYS, and never fewer than one
-    assert cascade.default_prefix_splits(64, 32, 3 * cascade.MIN_SPLIT_KEYS - 1, 0) == 2
-    assert cascade.default_prefix_splits(64, 32, 100, 0) == 1
+    assert cascade.default_prefix_splits(64, 32, 3 * cascade.MIN_SPLIT_KEYS - 1, 0, 128) == 2
+    assert cascade.default_prefix_splits(64, 32, 100, 0, 128) == 1
     # rows enough to fill the SMs alone: no split
-    assert cascade.default_prefix_splits(1024, 32, 8192, 0) == 1
+    assert cascade.default_prefix_splits(1024, 32, 8192, 0, 128) == 1
+    # tiles of 64 rows: 4 per KV head, 32 in all, so 4 key ranges
+    assert cascade.default_prefix_splits(256, 8, 8192, 0, 64) == 4
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_prefix_tile_rows_follow_the_forward_tile_tables(monkeypatch, arch):
+    import importlib
+
+    from cuattn import _jit, cascade
+
+    attention_module = importlib.import_module("cuattn.attention")
+    monkeypatch.setattr(_jit, "target_arch", lambda device_id=None: arch)
+    # the Hopper tiles are 128 query rows; flash_fwd_kernel's are 128, but 64 in its 256 tile
+    # (D = 192 pads into it); D = 24 has no Hopper tile
+    wide = 128 if arch == "sm_90a" else 64
+    for (d, dv), rows in {(128, 128): 128, (64, 64): 128, (192, 128): wide, (24, 24): 128}.items():
+        assert cascade._tile_rows(d, dv) == rows, (d, dv)
+    # a three-warpgroup Hopper tile (192 rows) counts where the table holds one, on sm_90a only
+    three = attention_module.FwdSm90Tile(128, 3, 2, False, False)
+    monkeypatch.setitem(attention_module.FWD_SM90_TILES, (128, 128), three)
+    assert cascade._tile_rows(128, 128) == (192 if arch == "sm_90a" else 128)
 
 
 @pytest.mark.gpu
