@@ -227,7 +227,7 @@ def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0)
     """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
     paged keys, over at most ``seqlen_k`` keys a sequence."""
     if paged:
-        return FWD_SM90_PAGED_TILES.get(dims, FWD_SM90_TILES[dims])
+        return FWD_SM90_PAGED_TILES.get(dims) or FWD_SM90_TILES[dims]
     long_keys, long_tile = FWD_SM90_LONG_TILES.get(dims, (None, None))
     return long_tile if long_keys is not None and seqlen_k >= long_keys else FWD_SM90_TILES[dims]
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import _arrays, _jit
 from .attention import FWD_SM90_TILES, SM90, attention_varlen, fwd_sm90_tile_dims, fwd_tile
-from .decode import merge_stacked, merge_states
+from .decode import max_merge_parts, merge_stacked, merge_states
 from .paged import PagedKVCache, _cache_pair, paged_attention
 
 # Fewest prefix keys one split takes when the split count is chosen here: a split of fewer keys
@@ -47,9 +47,10 @@ from .paged import PagedKVCache, _cache_pair, paged_attention
 MIN_SPLIT_KEYS = 512
 # The splits' cu_seqlens on the device, by (device, splits, packed rows, keys per split, L): a
 # serving loop repeats one shape step after step, and its calls and the CUDA graphs captured
-# from them reuse one pair. A full table is cleared.
+# from them reuse one pair. Kept for the life of the process (a graph reads them at every
+# replay; a few hundred bytes a shape), as are the pairs made during captures.
 _split_bounds_cache: dict[tuple, tuple] = {}
-MAX_CACHED_SPLIT_BOUNDS = 64
+_captured_split_bounds: list[tuple] = []
 
 
 def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, scale=None, softcap=0.0, sinks=None,
@@ -98,10 +99,6 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
     rows = batch * sq_new
     packed = rows * group  # rows of one KV head in one split
     with _arrays.array_context(q=q, prefix_k=prefix_k, prefix_v=prefix_v) as ctx:
-        if ctx.on_host:
-            xp = np
-        else:
-            import cupy as xp
         splits = _check_splits(splits, prefix_len) if splits is not None else (
             1 if ctx.on_host else default_prefix_splits(packed, num_kv_heads, prefix_len, ctx.device_id,
                                                         _tile_rows(head_dim, head_dim_v)))
@@ -111,12 +108,20 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
         splits = -(-prefix_len // per_split)
         # [S, R, G, Hk, D]: query r's head k * G + g is row (r, g) of KV head k, once per split
         grouped = ctx.view(q).reshape(rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
-        repeated = xp.ascontiguousarray(xp.broadcast_to(grouped, (splits, rows, group, num_kv_heads, head_dim)))
+        shape = (splits, rows, group, num_kv_heads, head_dim)
+        if ctx.on_host:
+            repeated = np.ascontiguousarray(np.broadcast_to(grouped, shape))
+        else:
+            # device memory comes from the caller's framework, here and in the varlen call (torch's
+            # allocator keeps what a captured graph used for that graph)
+            repeated = ctx.empty(shape, grouped.dtype)
+            repeated[...] = grouped
         cu_q, cu_k = _split_bounds(ctx, splits, packed, per_split, prefix_len)
-        # out [S * R * G, Hk, Dv], lse [Hk, S * R * G]
-        out, lse = attention_varlen(repeated.reshape(splits * packed, num_kv_heads, head_dim), ctx.view(prefix_k),
-                                    ctx.view(prefix_v), cu_q, cu_k, packed, per_split, scale=scale, softcap=softcap,
-                                    return_lse=True)
+        # out [S * R * G, Hk, Dv], lse [Hk, S * R * G], in the caller's framework, then viewed
+        out, lse = attention_varlen(ctx.to_caller(repeated.reshape(splits * packed, num_kv_heads, head_dim)), prefix_k,
+                                    prefix_v, ctx.to_caller(cu_q), ctx.to_caller(cu_k), packed, per_split, scale=scale,
+                                    softcap=softcap, return_lse=True)
+        out, lse = ctx.view(out), ctx.view(lse)
         # the splits' states, stacked: [S, R, G, Hk, Dv] and [S, R, Hk, G] (views)
         parts = out.reshape(splits, rows, group, num_kv_heads, head_dim_v)
         parts_lse = lse.reshape(num_kv_heads, splits, rows, group).transpose(1, 2, 0, 3)
@@ -130,7 +135,7 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
         grouped_out = merged_out.reshape(rows, num_kv_heads, group, head_dim_v).transpose(0, 2, 1, 3)
         # (B, Hq, 1) is (R, Hk, G) for decode rows; with Sq_new > 1, (b, s) is no single axis there
         grouped_lse = (merged_lse.reshape(rows, num_kv_heads, group) if sq_new == 1
-                       else xp.empty((rows, num_kv_heads, group), np.float32))
+                       else ctx.empty((rows, num_kv_heads, group), np.float32))
         merge_stacked(parts, parts_lse, grouped_out, grouped_lse, ctx.stream)
         if sq_new > 1:
             merged_lse[...] = grouped_lse.reshape(batch, sq_new, num_heads).transpose(0, 2, 1)
@@ -149,17 +154,17 @@ def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int
     if cached is not None:
         return cached
     if ctx.stream.is_capturing():
-        # a copy from the host cannot be captured: made on the device, for this capture alone
+        # a copy from the host cannot be captured: made on the device by the graph itself (not
+        # cached: their values exist only once it has run)
         import cupy
 
-        made = cupy.arange(0, (splits + 1) * packed, packed, dtype=np.int32)
-        keys = cupy.minimum(cupy.arange(0, (splits + 1) * per_split, per_split, dtype=np.int32), prefix_len)
-        return made, keys
+        made = (cupy.arange(0, (splits + 1) * packed, packed, dtype=np.int32),
+                cupy.minimum(cupy.arange(0, (splits + 1) * per_split, per_split, dtype=np.int32), prefix_len))
+        _captured_split_bounds.append(made)
+        return made
     bounds = ctx.ints(cu_q, cu_k)
     # the copy has landed before any stream reads the pair
     ctx.stream.synchronize()
-    if len(_split_bounds_cache) >= MAX_CACHED_SPLIT_BOUNDS:
-        _split_bounds_cache.clear()
     _split_bounds_cache[key] = bounds
     return bounds
 
@@ -181,8 +186,11 @@ def _tile_rows(head_dim: int, head_dim_v: int) -> int:
 
 
 def _check_splits(splits, prefix_len: int) -> int:
-    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or not 1 <= splits <= prefix_len:
-        raise ValueError(f"prefix_splits must be an int from 1 to the prefix length L = {prefix_len}, got {splits!r}")
+    """At most a key per split, and at most as many splits as one merge takes."""
+    limit = min(prefix_len, max_merge_parts())
+    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or not 1 <= splits <= limit:
+        raise ValueError(f"prefix_splits must be an int from 1 to {limit} (the prefix length L = {prefix_len}, and "
+                         f"at most {max_merge_parts()} parts a merge), got {splits!r}")
     return int(splits)
 
 

@@ -76,9 +76,17 @@ def test_cascade_argument_errors():
     with pytest.raises(ValueError, match=r"prefix_k.shape\[2\] \(head_dim\) must equal q.shape\[3\] = 64, got 32"):
         cuattn.cascade_attention(q, (prefix[0][..., :32], prefix[1][..., :32]), pages, table, lens)
     for splits in (0, 38, 2.0, True):
-        with pytest.raises(ValueError, match=rf"prefix_splits must be an int from 1 to the prefix length L = 37, "
-                                             rf"got {splits!r}"):
+        with pytest.raises(ValueError, match=rf"prefix_splits must be an int from 1 to 37 \(the prefix length L = 37, "
+                                             rf"and at most \d+ parts a merge\), got {splits!r}"):
             cuattn.cascade_attention(q, prefix, pages, table, lens, prefix_splits=splits)
+    # a prefix longer than a merge's parts: the merge's limit bounds the splits
+    from cuattn.decode import max_merge_parts
+
+    limit = max_merge_parts()
+    long_prefix = tuple(np.zeros((limit + 1, 2, 64), np.float32) for _ in range(2))
+    with pytest.raises(ValueError, match=rf"prefix_splits must be an int from 1 to {limit} \(the prefix length "
+                                         rf"L = {limit + 1}, and at most {limit} parts a merge\), got {limit + 1}"):
+        cuattn.cascade_attention(q, long_prefix, pages, table, lens, prefix_splits=limit + 1)
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 2 counts sequence 1's own tokens, the new ones included, "
                                          r"so it must be at least q.shape\[1\] \(Sq_new\) = 3"):
         cuattn.cascade_attention(q, prefix, pages, table, np.array([5, 2, 40], np.int32))
@@ -185,6 +193,7 @@ def test_cascade_captured_in_a_cuda_graph(rng):
         rng, BF16, batch=5, sq_new=1, hq=8, hk=2, d=128, prefix_len=1500, lens=(5, 17, 40, 2, 9))
     args = (cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix), tuple(cupy.asarray(x) for x in pages),
             cupy.asarray(table), cupy.asarray(lens))
+    captured_before = len(cascade._captured_split_bounds)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         cuattn.cascade_attention(*args, prefix_splits=3, check=False)  # kernels loaded, bounds of 3 cached
@@ -200,5 +209,38 @@ def test_cascade_captured_in_a_cuda_graph(rng):
             stream.synchronize()
             results[splits] = (out.get(), lse.get())
         assert not any(key[1] == 4 for key in cascade._split_bounds_cache)
+        # the bounds the capture made live on: the graph writes and reads them at every replay
+        assert len(cascade._captured_split_bounds) == captured_before + 1
     for out, lse in results.values():
         check_decode(rng, BF16, q, k_full, v_full, full_lens, out, lse)
+
+
+@pytest.mark.gpu
+def test_cascade_in_a_torch_cuda_graph(rng):
+    """Captured with torch.cuda.graph, the call's device memory comes from torch's allocator, which
+    keeps it for the graph: arrays made after the capture (CuPy's and torch's) are not written by
+    a replay, and the replay matches the reference."""
+    torch = pytest.importorskip("torch")
+    cupy = _cupy()
+    q, prefix, pages, table, lens, k_full, v_full, full_lens = make_batch(
+        rng, BF16, batch=4, sq_new=2, hq=8, hk=2, d=64, prefix_len=700, lens=(5, 17, 40, 2))
+
+    def dev(x):
+        return torch.from_numpy(np.asarray(x, np.float32)).to("cuda", torch.bfloat16)
+
+    args = (dev(q), tuple(dev(x) for x in prefix), tuple(dev(x) for x in pages), torch.from_numpy(table).cuda(),
+            torch.from_numpy(lens).cuda())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuattn.cascade_attention(*args, prefix_splits=3, check=False)  # kernels, plans, cached bounds
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = cuattn.cascade_attention(*args, prefix_splits=3, check=False, return_lse=True)
+    clutter = [cupy.full((1 << 18,), cupy.nan, cupy.float32) for _ in range(8)]
+    clutter += [cupy.asarray(torch.full((1 << 18,), float("nan"), device="cuda")) for _ in range(8)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(bool(cupy.isnan(c).all()) for c in clutter), "the replay wrote memory the capture had freed"
+    check_decode(rng, BF16, q, k_full, v_full, full_lens, out.float().cpu().numpy().astype(BF16), lse.cpu().numpy())
