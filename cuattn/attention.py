@@ -213,9 +213,10 @@ FWD_SM90_PAGED_TILES = {
 # Tiles for long key ranges, (from how many keys, tile): three consumer warpgroups (192 query
 # rows a tile, FlashAttention-3's D = 64 shape) without either overlap: 160 registers a
 # consumer against the two-warpgroup tile's 240 (too few for a second block's P), but a third
-# softmax under the others' GEMMs. `scripts/tune_fwd.py --sm90 --head-dims 64,80,96` on the H200 (bf16, full / causal): D = 64
-# 427 / 359 TFLOP/s at 4k keys and 460 / 437 at 16k against 393 / 363 and 419 / 408; D = 80 and
-# 96 +6% at 16k but 2-4% slower at 4k; every one of them 10-20% slower at 1k (fewer, larger tiles).
+# softmax under the others' GEMMs. `scripts/tune_fwd.py --sm90 --head-dims 64,80,96` on the H200
+# (bf16, full / causal): D = 64 427 / 359 TFLOP/s at 4k keys and 460 / 437 at 16k against 393 /
+# 363 and 419 / 408; D = 80 and 96 +6% at 16k but 2-4% slower at 4k; every one of them 10-20%
+# slower at 1k (fewer, larger tiles).
 FWD_SM90_LONG_TILES = {
     (64, 64): (4096, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): (16384, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),

@@ -145,15 +145,11 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
 def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int):
     """cu_seqlens_q and cu_seqlens_k of the splits, int32 [S + 1] each: split s holds rows
     [s * packed, (s + 1) * packed) and keys [s * per_split, min((s + 1) * per_split, L))."""
-    cu_q = np.arange(splits + 1, dtype=np.int64) * packed
-    cu_k = np.minimum(np.arange(splits + 1, dtype=np.int64) * per_split, prefix_len)
-    if ctx.on_host:
-        return cu_q.astype(np.int32), cu_k.astype(np.int32)
     key = (ctx.device_id, splits, packed, per_split, prefix_len)
-    cached = _split_bounds_cache.get(key)
+    cached = None if ctx.on_host else _split_bounds_cache.get(key)
     if cached is not None:
         return cached
-    if ctx.stream.is_capturing():
+    if not ctx.on_host and ctx.stream.is_capturing():
         # a copy from the host cannot be captured: made on the device by the graph itself (not
         # cached: their values exist only once it has run)
         import cupy
@@ -162,6 +158,10 @@ def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int
                 cupy.minimum(cupy.arange(0, (splits + 1) * per_split, per_split, dtype=np.int32), prefix_len))
         _captured_split_bounds.append(made)
         return made
+    cu_q = (np.arange(splits + 1, dtype=np.int64) * packed).astype(np.int32)
+    cu_k = np.minimum(np.arange(splits + 1, dtype=np.int64) * per_split, prefix_len).astype(np.int32)
+    if ctx.on_host:
+        return cu_q, cu_k
     bounds = ctx.ints(cu_q, cu_k)
     # the copy has landed before any stream reads the pair
     ctx.stream.synchronize()
