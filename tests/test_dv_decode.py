@@ -96,7 +96,9 @@ def test_reference_decode_is_the_written_out_softmax(rng, dims):
     assert out.shape == (B, SQ_NEW, HQ, dv) and lse.shape == (B, HQ, SQ_NEW)
     np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
     assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+    # lse near 0 (a row whose scores cancel) has no relative precision to speak of: the absolute
+    # tolerance test_dv.py's lse comparisons already take
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
