@@ -163,7 +163,7 @@ class FwdSm90Tile:
         """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
         V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or
         1 for e4m3); two 8-byte mbarriers for Q, four per stage and two per slot of the tile ring,
-        the ring's int32 tile indices, an atom of alignment slack, and an O tile [BLOCK_M, Dv] of
+        the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment slack, and an O tile [BLOCK_M, Dv] of
         the 16-bit output where that still fits (else O is staged in Q's)."""
         panel = _params.constant("kSwizzleRowBytes")
 
@@ -177,9 +177,10 @@ class FwdSm90Tile:
         v_stage = v_rows * row_bytes(v_cols, itemsize)
         ring = _params.constant("kFwdSm90TileRing")
         barriers = 2 + 4 * self.stages + 2 * ring
+        index_words = ring + _params.constant("kFwdSm90ProducerSlots")
         fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
-                 + _params.constant("kMbarrierBytes") * barriers + _params.constant("kFwdSm90TileIndexBytes") * ring
-                 + _params.constant("kSwizzleAtomBytes"))
+                 + _params.constant("kMbarrierBytes") * barriers
+                 + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
         return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
 
 
@@ -943,6 +944,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     arch = _jit.target_arch()
     maps = ()
     sm90_dims = None  # the Hopper tile's (D, Dv)
+    copy_pages = False  # paged keys the Hopper kernel copies row by row
     if fp8 is not None:
         tile = tile or FWD_SM90_FP8_TILES[head_dim]
         maps = _fwd_maps(q, k, v, tile, fp8=True)
@@ -953,11 +955,14 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
         sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k)
-        # paged keys: boxes of one page (or BLOCK_N rows of a longer one), where the pages allow
-        page_rows = None if paged is None or sm90_tile is None else paged_box_rows(paged.block_size,
-                                                                                   sm90_tile.block_n)
-        if sm90_tile is not None and (paged is None or page_rows is not None):
-            maps = _fwd_maps(q, k, v, sm90_tile, page_rows=page_rows)
+        # paged keys: rows copied by the producer warpgroup, or boxes of one page (or BLOCK_N rows
+        # of a longer one)
+        copy_pages = paged is not None and sm90_tile is not None and paged_keys_by_copy(paged.block_size,
+                                                                                         sm90_tile.block_n)
+        page_rows = None if paged is None or sm90_tile is None or copy_pages else paged_box_rows(
+            paged.block_size, sm90_tile.block_n)
+        if sm90_tile is not None:
+            maps = _fwd_maps(q, k, v, sm90_tile, page_rows=page_rows, copy_pages=copy_pages)
         if maps:
             tile = sm90_tile
         elif tile is not None:
@@ -975,6 +980,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
                         paged is not None)
     _jit.logger.debug("attention forward: %s", spec.name)
+    if paged is not None and isinstance(tile, FwdSm90Tile):
+        _jit.logger.debug("paged keys: %s", "row copies" if copy_pages else f"TMA boxes of {page_rows} rows")
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_m)
 
@@ -1025,22 +1032,42 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right, head_dim=head_dim,
-        head_dim_v=head_dim_v, **_paged_fields(paged), tile_counter=counter, tile_section=section,
+        head_dim_v=head_dim_v, **_paged_fields(paged, copy_pages),
+        tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
     launch.run(_jit.stream_ptr(stream))
     return launch
 
 
-def _paged_fields(paged: PagedKeys | None) -> dict:
-    """FwdParams' paged fields: zero for dense and varlen launches."""
+def _paged_fields(paged: PagedKeys | None, copy_pages: bool = False) -> dict:
+    """FwdParams' paged fields: zero for dense and varlen launches. ``copy_pages``: the Hopper
+    kernel's producer copies the key rows (:func:`paged_keys_by_copy`)."""
     if paged is None:
         return dict(block_table=None, seq_lens=None, batch_index=None, table_stride=0, block_size=0,
-                    block_size_mul=np.uint32(0), block_size_shift=0, num_blocks=0)
+                    block_size_mul=np.uint32(0), block_size_shift=0, num_blocks=0, pages_by_copy=0)
     mul, shift = fast_divisor(paged.block_size)
     return dict(block_table=paged.block_table, seq_lens=paged.seq_lens, batch_index=paged.batch_index,
                 table_stride=_arrays.element_strides(paged.block_table)[0], block_size=paged.block_size,
-                block_size_mul=mul, block_size_shift=shift, num_blocks=paged.num_blocks)
+                block_size_mul=mul, block_size_shift=shift, num_blocks=paged.num_blocks,
+                pages_by_copy=int(copy_pages))
+
+
+# Paged keys in flash_fwd_sm90_kernel come in TMA boxes of a page (or of a key block), one box per
+# page and 128-byte panel, where the block size allows (paged_box_rows); other block sizes are
+# copied row by row by the producer warpgroup (cp.async, 16 bytes a thread). Pages of at most this
+# many tokens would be copied too: 0, since the copies ran slower than boxes at every block size
+# measured (`scripts/tune_paged_prefill.py` on the H200, D = 128: 345-357 TFLOP/s, 0.58-0.62x the
+# dense forward, against 0.79-0.81x for 2 KB boxes at 16-token pages and 0.94-1.0x at 32 and 64),
+# and 1.5x flash_fwd_kernel's PAGED variant, which took those block sizes before.
+FWD_SM90_COPY_MAX_BLOCK_SIZE = 0
+
+
+def paged_keys_by_copy(block_size: int, block_n: int) -> bool:
+    """Whether flash_fwd_sm90_kernel's producer copies paged keys row by row rather than in TMA
+    boxes: pages of at most FWD_SM90_COPY_MAX_BLOCK_SIZE tokens, and pages no box takes
+    (:func:`paged_box_rows`)."""
+    return block_size <= FWD_SM90_COPY_MAX_BLOCK_SIZE or paged_box_rows(block_size, block_n) is None
 
 
 def paged_box_rows(block_size: int, block_n: int) -> int | None:
@@ -1055,16 +1082,21 @@ def paged_box_rows(block_size: int, block_n: int) -> int | None:
     return rows
 
 
-def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | None = None):
+def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | None = None,
+              copy_pages: bool = False):
     """The TMA views of q, k, v [B, S, H, D] for flash_fwd_sm90_kernel: 4-D (D, S, H, B), boxes of
     [BLOCK rows, one 128-byte row of columns] (64 16-bit or 128 e4m3 elements); () when one of
     them cannot be read that way (a byte stride that is not a multiple of 16, an empty axis).
     ``fp8``: v is V^T [B, Hk, D, Sk_pad], read as (Sk_pad, D, Hk, B) in boxes of [D rows, 128 keys].
     ``page_rows``: k and v are pages [num_blocks, block_size, Hk, D], read in boxes of that many
-    rows (:func:`paged_box_rows`), and v_row_map reads v in boxes of one row."""
+    rows (:func:`paged_box_rows`), and v_row_map reads v in boxes of one row. ``copy_pages``: k and
+    v are pages the kernel copies row by row (16-byte pieces, which the callers' layout checks
+    allow): q's map alone."""
     row_bytes = _params.constant("kSwizzleRowBytes")
     maps = []
-    views = [("q", q, tile.block_m), ("k", k, page_rows or tile.block_n), ("v", v, page_rows or tile.block_n)]
+    views = [("q", q, tile.block_m)]
+    if not copy_pages:
+        views += [("k", k, page_rows or tile.block_n), ("v", v, page_rows or tile.block_n)]
     if page_rows is not None:
         views.append(("v_row", v, 1))
     for field, x, rows in views:

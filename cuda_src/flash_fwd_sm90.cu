@@ -11,9 +11,10 @@
 //   v    [B, Sk, Hk, Dv]  through v_map the same way
 //   out  [B, Sq, Hq, Dv]  plain 16-byte stores (rows past a varlen sequence belong to the next)
 //   paged keys (PAGED, p.block_table set; paged_attention_varlen's prefill): k and v are pages
-//        [num_blocks, block_size, Hk, D | Dv] through k_map / v_map as 4-D (D, block_size, Hk,
-//        num_blocks), each key block loaded page by page (the producer's page_of, load_chunk); q, out
-//        and lse packed as in varlen
+//        [num_blocks, block_size, Hk, D | Dv], each key block loaded page by page through k_map /
+//        v_map as 4-D (D, block_size, Hk, num_blocks) (the producer's page_of, load_chunk), or
+//        with p.pages_by_copy row by row in 16-byte cp.async pieces (copy_key_rows; every
+//        stride a multiple of 16 bytes); q, out and lse packed as in varlen
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
@@ -25,10 +26,11 @@
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
 // (batch, head), with 128 (CONSUMERS + 1) threads in warpgroups:
 //   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread (one
-//     warp with paged keys, each lane loading a page) issues the TMA loads: each tile's Q, then
-//     K and V of each visible key block into a circular buffer of STAGES stages, each stage
-//     guarded by a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer thread
-//     is done reading it);
+//     warp with paged keys in TMA boxes, each lane loading a page; all of it with paged keys
+//     copied row by row) issues the loads: each tile's Q, then K and V of each visible key block
+//     into a circular buffer of STAGES stages, each stage guarded by a "full" mbarrier (TMA
+//     bytes, or every producer thread's copies, landed) and an "empty" one (every consumer
+//     thread is done reading it);
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each, with the registers. Per key
 //     block: S = Q K^T (wgmma, both operands in shared memory), mask and online softmax in
 //     registers (AttentionTile: the wgmma accumulator layout is the mma.sync one), then
@@ -96,11 +98,11 @@ namespace cuattn {
 
 // setmaxnreg of the producer warpgroup. 384 threads start at 168 registers, so with two
 // consumers producer + 2 x consumer must stay within 3 x 168 = 504, or setmaxnreg.inc waits for
-// registers forever: 24 + 2 x 240. The paged variant's producer (its page lookups) spills at 24
-// and takes 40, its consumers 232 (no tile spills there; at 232 the dense D = 256 tile ran 2-3%
-// slower, so the dense variants keep 240).
+// registers forever: 24 + 2 x 240. The paged variant's producer (its page lookups and row
+// copies) spills at 40 and takes 48, its consumers 224 (no tile spills there; at 232 the dense
+// D = 256 tile ran 2-3% slower, so the dense variants keep 240).
 constexpr int kFwdSm90ProducerRegs = 24;
-constexpr int kFwdSm90PagedProducerRegs = 40;
+constexpr int kFwdSm90PagedProducerRegs = 48;
 constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
 constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
 constexpr int kMbarrierBytes = 8;
@@ -110,6 +112,8 @@ constexpr int kFwdSm90MaxSmem = 232448;
 // consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
 constexpr int kFwdSm90EpilogueBarrier = 5;
+// the producer warpgroup's own barrier, where all of it copies paged keys (p.pages_by_copy)
+constexpr int kFwdSm90ProducerBarrier = 3;
 // Keys per k scale of a block-quantised e4m3 k: the FP8 kernels' key block (BLOCK_N); q's blocks
 // are one consumer's kWgmmaM rows.
 constexpr int kFp8ScaleBlockKeys = 128;
@@ -119,6 +123,9 @@ constexpr int kFp8ScaleBlockKeys = 128;
 constexpr int kFwdSm90TileRing = 2;
 constexpr int kFwdSm90TileIndexBytes = 4;
 constexpr int kFwdSm90NoTile = -1;
+// Where the whole producer warpgroup copies paged keys, its leader hands each tile index to the
+// other warps through two alternating int32 slots after the ring's (one barrier per hand-over).
+constexpr int kFwdSm90ProducerSlots = 2;
 
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
@@ -138,11 +145,13 @@ struct FwdSm90Smem {
                                      SwizzledTile<BLOCK_N, panel_cols(HEAD_DIM_V)>>::type;
   using OTile = SwizzledTile<BLOCK_M, panel_cols(HEAD_DIM_V)>;  // [BLOCK_M, Dv] of the 16-bit output
   // mbarriers: Q full, Q empty, then per stage K full, V full, K empty, V empty, then per ring
-  // slot tile full, tile empty (8 bytes each); then the ring's tile indices (int32); the dynamic
-  // allocation's base is only 16-byte aligned: one atom of slack to round it up
+  // slot tile full, tile empty (8 bytes each); then the ring's tile indices and the producer's
+  // hand-over slots (int32); the dynamic allocation's base is only 16-byte aligned: one atom of
+  // slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES + 2 * kFwdSm90TileRing;
+  static constexpr int kIndexWords = kFwdSm90TileRing + kFwdSm90ProducerSlots;
   static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) +
-                                kBarrierCount * kMbarrierBytes + kFwdSm90TileRing * kFwdSm90TileIndexBytes +
+                                kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes +
                                 kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (16-bit D = 256, say) in Q's, which is then released after
@@ -155,6 +164,7 @@ struct FwdSm90Smem {
   static constexpr int kV = kK + STAGES * KTile::kBytes;
   static constexpr int kBarriers = kV + STAGES * VTile::kBytes;
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
+  static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kFwdSm90MaxSmem, "tiles fit in shared memory");
 };
@@ -201,6 +211,51 @@ struct FwdSm90Work {
   __device__ __forceinline__ int blocks() const { return n_last - n_first; }
 };
 
+// Paged keys copied row by row (the producer warpgroup, p.pages_by_copy): warp wp copies rows
+// [wp R, wp R + R) of a key block of BLOCK_N rows, R = copy_warp_rows(BLOCK_N); lane l of the warp
+// has looked up row wp R + l (a KeyRow: its page and slot, or kNoKeyRow past the sequence).
+struct KeyRow {
+  int page, slot;
+};
+constexpr int kNoKeyRow = -1;
+__host__ __device__ constexpr int copy_warp_rows(int block_n) { return block_n / (kWarpgroupThreads / kWarpSize); }
+
+// One key block's rows of k or v pages [num_blocks, block_size, Hk, D] (src: the kv head's first
+// element; strides in elements) into a swizzled tile [BLOCK_N, TILE_COLS] (Tile), as the TMA would
+// write it. Each pass copies kWarpSize / 8 rows of the warp's: lane l the 16-byte piece l % 8 of
+// each 128-byte panel of row 4 i + l / 8, whose page and slot come by shuffle from the lane that
+// looked it up. Rows past the sequence and columns from `cols` on are zero (cp.async's source size
+// 0, nothing read): a page's slots past the sequence may hold NaN, and P = 0 times NaN is NaN.
+template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
+__device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_stride, i64 row_stride, int cols,
+                                              KeyRow looked_up, int lane, int warp) {
+  constexpr int kPieces = kSwizzleRowBytes / kCopyBytes;  // 16-byte pieces of a panel's row
+  constexpr int kPassRows = kWarpSize / kPieces;
+  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));
+  constexpr int kPanelCols = kSwizzleRowBytes / static_cast<int>(sizeof(T));
+  constexpr int kPanels = (TILE_COLS + kPanelCols - 1) / kPanelCols;
+  constexpr int kRows = copy_warp_rows(BLOCK_N);
+  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
+  const int piece = lane % kPieces;
+#pragma unroll 1
+  for (int r0 = 0; r0 < kRows; r0 += kPassRows) {
+    const int from = r0 + lane / kPieces;
+    const int page = __shfl_sync(0xffffffffu, looked_up.page, from);
+    const int slot = __shfl_sync(0xffffffffu, looked_up.slot, from);
+    const int row = warp * kRows + from;
+    const T* row_src = page == kNoKeyRow ? src : src + page * page_stride + slot * row_stride;
+#pragma unroll
+    for (int panel = 0; panel < kPanels; ++panel) {
+      const int col = panel * kPanelCols + piece * kPieceCols;
+      // columns past the tile's are never read (a panel may reach past TILE_COLS)
+      if (col < TILE_COLS) {
+        const bool valid = page != kNoKeyRow && col < cols;
+        cp_async_16(tile + Tile::chunk_offset(row, col / kPieceCols), valid ? row_src + col : src, valid);
+      }
+    }
+  }
+}
+
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
           bool OVERLAP, bool PINGPONG, bool ALIBI, bool PAGED>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
@@ -232,11 +287,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
   static_assert(!(ALIBI && PAGED), "paged_attention_varlen takes no ALiBi");
-  // the registers the consumers take: what the producer gives up, shared out (multiple of 8)
-  // (240 with two consumers, 160 with three; paged 232, 152)
+  // The registers the consumers take. The launch gives each thread kLaunchRegs (the register file
+  // over the CTA's threads in whole granules: 168 with two consumers, 128 with three); setmaxnreg
+  // hands what the producer gives up to the consumers, and an increase past that pool waits
+  // forever. 240 with two consumers, 160 with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
+  constexpr int kLaunchRegs =
+      kRegistersPerSm / (kWarpgroupThreads * (CONSUMERS + 1)) / kRegisterGranule * kRegisterGranule;
   constexpr int kConsumerRegs =
-      (kRegistersPerSm / kWarpgroupThreads - kProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
+      (kLaunchRegs * (CONSUMERS + 1) - kProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
 
   // Persistent grid: the producer picks the tiles (the file's opening comment) and runs ahead
   // into the next tile's loads while the consumers finish this one's epilogue. Tile indices are
@@ -264,17 +323,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     return q_full + kMbarrierBytes * (2 + 4 * STAGES + kFwdSm90TileRing + slot);
   };
   volatile int* tile_ring = reinterpret_cast<volatile int*>(base + Smem::kTileRing);  // [kFwdSm90TileRing]
+  // Paged keys copied row by row (p.pages_by_copy; else TMA boxes of pages): every producer thread
+  // arrives on K's and V's "full" barriers once its copies have landed (announce_copies).
+  const bool copy_pages = PAGED && p.pages_by_copy != 0;
+  const int full_arrivals = copy_pages ? kWarpgroupThreads : 1;
 
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&p.q_map);
-    prefetch_tensor_map(&p.k_map);
-    prefetch_tensor_map(&p.v_map);
+    if (!copy_pages) {
+      prefetch_tensor_map(&p.k_map);
+      prefetch_tensor_map(&p.v_map);
+    }
     mbarrier_init(q_full, 1);
     mbarrier_init(q_empty, CONSUMERS * kWarpgroupThreads);
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(k_full(s), 1);
-      mbarrier_init(v_full(s), 1);
+      mbarrier_init(k_full(s), full_arrivals);
+      mbarrier_init(v_full(s), full_arrivals);
       mbarrier_init(k_empty(s), CONSUMERS * kWarpgroupThreads);
       mbarrier_init(v_empty(s), CONSUMERS * kWarpgroupThreads);
     }
@@ -287,17 +352,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: lane 0 (the leader) streams each tile's Q, then K and V block by block (last
-    // first): it takes and publishes the tiles, arms every barrier and issues the loads of dense
-    // keys. With paged keys the whole warp stays: each lane loads its own chunk of each key
-    // block, so a block's page lookups run in parallel (one after another they made the
-    // producer, not the tensor cores, the bottleneck). The rest of the warpgroup only gives its
-    // registers up.
+    // ---- producer: thread 0 (the leader) streams each tile's Q, then K and V block by block
+    // (last first): it takes and publishes the tiles, arms every barrier and issues the loads of
+    // dense keys. Paged keys come one of two ways:
+    //   TMA boxes of pages: the whole first warp stays, each lane loading its own chunk of each
+    //     key block, so a block's page lookups run in parallel (one after another they made the
+    //     producer, not the tensor cores, the bottleneck);
+    //   row copies (copy_pages): the whole warpgroup stays and copies the block's rows in 16-byte
+    //     pieces with cp.async (copy_key_rows), where a page is shorter than a TMA box pays for
+    //     (32 boxes of 2 KB a block at 16-token pages) or of a size the boxes cannot take.
+    // The rest of the warpgroup only gives its registers up.
     registers_decrease<kProducerRegs>();
-    constexpr u32 kLanes = PAGED ? 0xffffffffu : 1u;  // the producer's lanes, as a warp mask
-    if (threadIdx.x >= kWarpSize || !((kLanes >> threadIdx.x) & 1u)) return;
-    const int lane = threadIdx.x;
-    const bool leader = lane == 0;
+    constexpr u32 kLanes = PAGED ? 0xffffffffu : 1u;  // the producer's lanes in each of its warps, as a mask
+    const int producers = !PAGED ? 1 : copy_pages ? kWarpgroupThreads : kWarpSize;
+    if (static_cast<int>(threadIdx.x) >= producers) return;
+    const int lane = threadIdx.x % kWarpSize;
+    const bool leader = threadIdx.x == 0;
     int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
     int tiles = 0;  // tiles started (and published) so far: the phase of Q's and the ring's barriers
     int* const counter = p.tile_counter;
@@ -307,8 +377,24 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       if (counter == nullptr) return tile + static_cast<int>(gridDim.x);
       return leader ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x) : 0;
     };
-    // (the dense producer is lane 0 alone: no warp operations in its loop)
-    const auto from_leader = [&](int value) { return PAGED ? __shfl_sync(kLanes, value, 0) : value; };
+    // A value of the leader's, for every producer thread (the dense producer is the leader alone:
+    // no warp operations in its loop). Row copies: the other warps read it from a hand-over slot
+    // behind the producer's barrier; the slots alternate, so the leader's next write to one comes
+    // after the next barrier, which everyone reaches only after reading it.
+    int handovers = 0;
+    volatile int* handover = reinterpret_cast<volatile int*>(base + Smem::kProducerSlots);  // [2]
+    const auto from_leader = [&](int value) {
+      if constexpr (PAGED) {
+        value = __shfl_sync(kLanes, value, 0);
+        if (copy_pages) {
+          volatile int* slot = handover + (handovers++ & 1);
+          if (leader) *slot = value;
+          named_barrier_sync(kFwdSm90ProducerBarrier, kWarpgroupThreads);
+          value = *slot;
+        }
+      }
+      return value;
+    };
     const auto publish = [&](int tile) {
       if (leader) {
         const int slot = tiles % kFwdSm90TileRing;
@@ -366,6 +452,31 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       for (int panel = 0; panel < panels; ++panel)
         tma_load_4d(dst + panel * panel_bytes, map, bar, panel * kBoxCols, c.slot, h_kv, c.page);
     };
+    // Row copies land through the generic proxy, and wgmma reads shared memory through the async
+    // proxy: each producer thread waits until its copies but the last group (all of them: `all`)
+    // have landed, fences the proxies and arrives on `full` (one arrival per thread). So K's
+    // arrival waits for K's copies alone (V's are issued behind them), and V's comes when the next
+    // block's K copies are issued (or at the tile's end), off the consumers' path.
+    const auto announce_copies = [&](u32 full, bool all) {
+      if (all) cp_async_wait<0>();
+      else cp_async_wait<1>();
+      fence_proxy_async();
+      mbarrier_arrive(full);
+    };
+    // Row copies: lane l of warp wp looks up row wp R + l of the key block at key0 (R =
+    // copy_warp_rows(BLOCK_N), the rows copy_key_rows gives a warp), before the stage is free.
+    const int warp = threadIdx.x / kWarpSize;
+    const auto row_of = [&](const Work& w, int key0) {
+      KeyRow r{kNoKeyRow, 0};
+      const int key = key0 + warp * copy_warp_rows(BLOCK_N) + lane;
+      if (lane < copy_warp_rows(BLOCK_N) && key < w.seq.seqlen_k) {
+        const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
+        const int index = block_size.div(key);
+        r.page = clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks);
+        r.slot = block_size.mod(key, index);
+      }
+      return r;
+    };
     int tile = blockIdx.x;
     for (;;) {
       // skip the tiles past a varlen sequence's end here: they never reach the consumers
@@ -391,6 +502,25 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
         const int row = static_cast<int>(w.seq.k_start) + (w.n_last - 1 - i) * BLOCK_N;
+        if constexpr (PAGED) {
+          if (copy_pages) {
+            // K's copies; the previous block's V announced once it has landed (below); V's copies;
+            // this block's K announced once it has landed
+            const KeyRow r = row_of(w, row);
+            mbarrier_wait(k_empty(stage), parity ^ 1);
+            copy_key_rows<KTile, BLOCK_N, HEAD_DIM>(sK(stage), p.k + h_kv * p.k_head_stride, p.k_batch_stride,
+                                                   p.k_row_stride, p.head_dim, r, lane, warp);
+            cp_async_commit();
+            if (i > 0) announce_copies(v_full((loads - 1) % STAGES), false);
+            mbarrier_wait(v_empty(stage), parity ^ 1);
+            copy_key_rows<VTile, BLOCK_N, HEAD_DIM_V>(sV(stage), p.v + h_kv * p.v_head_stride, p.v_batch_stride,
+                                                     p.v_row_stride, p.head_dim_v, r, lane, warp);
+            cp_async_commit();
+            announce_copies(k_full(stage), false);
+            if (i == w.blocks() - 1) announce_copies(v_full(stage), true);
+            continue;
+          }
+        }
         const PageChunk c = PAGED ? page_of(w, row) : PageChunk{};
         mbarrier_wait(k_empty(stage), parity ^ 1);
         arm(k_full(stage), KTile::kBytes);

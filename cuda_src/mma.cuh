@@ -27,10 +27,12 @@ __device__ __forceinline__ u32 smem_address(const void* ptr) {
 // 16-byte async copy into shared memory, bypassing L1. `valid == false` writes 16 zero bytes
 // without reading global memory (rows past the sequence end must be 0, never stale data:
 // 0 * NaN would poison the accumulator).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async_16(u32 smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? kCopyBytes : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(smem_address(smem), gmem, valid);
 }
 
 // 4-byte async copy (one float), zero when `valid == false`: per-row statistics beside a tile.

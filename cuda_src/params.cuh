@@ -87,7 +87,7 @@ struct FwdParams {
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
   int head_dim;            // D, a multiple of 8 up to the kernel's tile head dim (the Hopper kernel
-                           // reads zeros past it through its maps and does not read this field)
+                           // reads zeros past it through its maps, or zero-fills its row copies there)
   int head_dim_v;          // Dv, v's and out's head dim, likewise (the Hopper kernel stores its columns)
   const int* block_table;  // paged: [B_all, max_blocks] page ids, or null
   const int* seq_lens;     // paged: [B_all] keys per sequence, or null
@@ -97,6 +97,8 @@ struct FwdParams {
   u32 block_size_mul;      // FastDivisor of block_size
   int block_size_shift;
   int num_blocks;          // page ids are clamped to [0, num_blocks)
+  int pages_by_copy;       // paged, flash_fwd_sm90_kernel: 1 = the producer warpgroup copies key rows
+                           // (cp.async, any block size), 0 = TMA boxes of whole pages (the maps)
   // flash_fwd_sm90_kernel's schedule (flash_fwd_sm90.cu): tile_counter null is the static one
   // (CTA i takes tiles i, i + gridDim.x, ...), else the dynamic one with int32 [2] counters, the
   // next tile and the CTAs finished, zero at every launch's start (its last CTA resets them),

@@ -8,6 +8,8 @@ errors.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -251,22 +253,29 @@ MIXED_CASES = [
 ]
 
 
-def expected_paged_kernel(dtype, head_dim: int, block: int) -> tuple[str, str]:
-    """The start and end of the kernel name the paged forward logs: the Hopper kernel where the
-    dispatcher would take it for dense keys and the block size makes whole TMA boxes, else
-    flash_fwd_kernel's PAGED variant (its last template flag)."""
-    import importlib
-
+def expected_paged_kernel(dtype, head_dim: int, block: int) -> tuple[str, str, str | None]:
+    """The start and end of the kernel name the paged forward logs, and how the Hopper kernel loads
+    the pages (its "paged keys:" log line; None for flash_fwd_kernel): the Hopper kernel wherever the
+    dispatcher would take it for dense keys, copying rows (small pages, and those no TMA box takes)
+    or in boxes of a page, else flash_fwd_kernel's PAGED variant (its last template flag)."""
     from cuattn import _arrays
 
     attention_module = importlib.import_module("cuattn.attention")
     expected = expected_forward_kernel(dtype, head_dim, head_dim)
     if expected.startswith("flash_fwd_sm90_kernel"):
         tile = attention_module.fwd_sm90_tile(attention_module.fwd_sm90_tile_dims(head_dim, head_dim), paged=True)
-        if attention_module.paged_box_rows(block, tile.block_n) is not None:
-            return expected, ", true>"
+        if attention_module.paged_keys_by_copy(block, tile.block_n):
+            return expected, ", true>", "row copies"
+        return expected, ", true>", f"TMA boxes of {attention_module.paged_box_rows(block, tile.block_n)} rows"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
-    return f"flash_fwd_kernel<{ctype}, {attention_module.fwd_tile_dim(head_dim, head_dim)},", ", false, true>"
+    return f"flash_fwd_kernel<{ctype}, {attention_module.fwd_tile_dim(head_dim, head_dim)},", ", false, true>", None
+
+
+def logged_forward(caplog) -> tuple[list[str], list[str]]:
+    """The forward kernels and paged-key loads the debug log names."""
+    messages = [r.getMessage() for r in caplog.records]
+    return ([m for m in messages if m.startswith("attention forward:")],
+            [m.removeprefix("paged keys: ") for m in messages if m.startswith("paged keys: ")])
 
 
 @pytest.mark.gpu
@@ -286,10 +295,11 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, forward_kernel, dtype,
                                                  cupy.asarray(table), cupy.asarray(cu), cupy.asarray(lens),
                                                  max(MIXED_RUNS), return_lse=True, out=out, **options)
     assert got is out
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    start, end = expected_paged_kernel(dtype, 128, block)
+    chosen, loads = logged_forward(caplog)
+    start, end, load = expected_paged_kernel(dtype, 128, block)
     assert len(chosen) == 1 and chosen[0].startswith(f"attention forward: cuattn::{start}"), (chosen, start)
     assert chosen[0].endswith(end), (chosen, end)
+    assert loads == ([] if load is None else [load]), loads
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, dtype, options)
 
 
@@ -298,15 +308,25 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, forward_kernel, dtype,
                                            (200, (4, 1))],
                          ids=["d64-mha", "d256-mqa", "d32-gqa", "d96-gqa", "d40-gqa", "d200-mqa"])
 @pytest.mark.parametrize("block", [256, 16, 2])
-def test_head_dims_and_block_sizes_on_the_gpu(rng, forward_kernel, head_dim, heads, block):
+@pytest.mark.parametrize("copy_max", [None, 32], ids=["loads-default", "copy-upto32"])
+def test_head_dims_and_block_sizes_on_the_gpu(rng, caplog, monkeypatch, forward_kernel, head_dim, heads, block,
+                                              copy_max):
     """Every head dim of the forward; a block bigger than any key tile, one of 16 (whole TMA boxes
-    of the Hopper kernel at every tile) and one of two tokens; NaN in the slots no sequence owns."""
+    of the Hopper kernel at every tile) and one of two tokens (no box: rows copied); with the
+    default rule (boxes wherever they fit) and with the rows of pages up to 32 tokens copied too;
+    NaN in the slots no sequence owns."""
     import cupy
 
+    if copy_max is not None:
+        monkeypatch.setattr(importlib.import_module("cuattn.attention"), "FWD_SM90_COPY_MAX_BLOCK_SIZE", copy_max)
     runs, lens = (33, 1, 300, 0, 129), (33, 77, 1000, 3, 500)
     q, pages, table, cu, lens = make_mixed(rng, BF16, block, heads[0], heads[1], head_dim, runs, lens, poison=True)
-    got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), table, cu, lens,
-                                             max(runs), return_lse=True)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), table, cu,
+                                                 lens, max(runs), return_lse=True)
+    _, loads = logged_forward(caplog)
+    load = expected_paged_kernel(BF16, head_dim, block)[2]
+    assert loads == ([] if load is None else [load]), loads
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16, {})
 
 

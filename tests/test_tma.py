@@ -64,6 +64,27 @@ def test_paged_keys_load_in_boxes_of_a_page_or_a_key_block(block_size, block_n, 
     assert attention_module.paged_box_rows(block_size, block_n) == rows
 
 
+@pytest.mark.parametrize("block_size, block_n, by_copy", [
+    (1, 128, True), (7, 128, True), (16, 128, True), (32, 128, True), (32, 80, True), (48, 128, True),
+    (192, 128, True), (64, 128, False), (128, 128, False), (256, 128, False), (40, 80, False), (160, 80, False),
+])
+def test_small_pages_and_those_no_box_takes_are_copied_row_by_row(monkeypatch, block_size, block_n, by_copy):
+    monkeypatch.setattr(attention_module, "FWD_SM90_COPY_MAX_BLOCK_SIZE", 32)
+    assert attention_module.paged_keys_by_copy(block_size, block_n) == by_copy
+    if attention_module.paged_box_rows(block_size, block_n) is not None:
+        # without the size rule, every page a box takes comes in boxes
+        monkeypatch.setattr(attention_module, "FWD_SM90_COPY_MAX_BLOCK_SIZE", 0)
+        assert not attention_module.paged_keys_by_copy(block_size, block_n)
+
+
+def test_copied_pages_need_q_map_only():
+    tile = attention_module.FWD_SM90_TILES[128, 128]
+    q = np.empty((1, 300, 32, 128), BF16)
+    pages = np.empty((50, 16, 8, 128), BF16)
+    maps = attention_module._fwd_maps(q, pages, pages, tile, copy_pages=True)
+    assert [(field, pointer) for field, pointer, _ in maps] == [("q_map", "q")]
+
+
 def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
     tile = attention_module.FWD_SM90_TILES[128, 128]
     q = np.empty((1, 300, 32, 128), BF16)
@@ -106,11 +127,12 @@ def test_each_hopper_tile_has_alibi_and_paged_variants():
 
 @pytest.mark.parametrize("arch, block_size, why", [("sm_80", None, r"arch sm_80, head_dim 128"),
                                                    ("sm_90a", 7, r"arch sm_90a, .*, block_size 7\)")],
-                         ids=["not-hopper", "paged-block-7"])
+                         ids=["not-hopper", "paged-q-rows-of-264-bytes"])
 def test_a_forced_hopper_tile_the_call_cannot_take_is_refused(monkeypatch, arch, block_size, why):
-    # tests and tuning force tiles; the dispatcher itself falls back to flash_fwd_kernel there
+    # tests and tuning force tiles; the dispatcher itself falls back to flash_fwd_kernel there. Paged
+    # keys of any block size can be copied: q's rows of 132 elements (264 bytes) are what no TMA reads.
     monkeypatch.setattr(attention_module._jit, "target_arch", lambda device_id=None: arch)
-    q = np.zeros((1, 40, 4, 128), BF16)
+    q = np.zeros((1, 40, 4, 128 if block_size is None else 132), BF16)[..., :128]
     k = v = q if block_size is None else np.zeros((6, block_size, 4, 128), BF16)
     paged = None if block_size is None else attention_module.PagedKeys(
         block_table=np.zeros((1, 6), np.int32), seq_lens=np.full(1, 40, np.int32), batch_index=np.zeros(1, np.int32),
