@@ -25,12 +25,11 @@
 //
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one
 // (batch, head), with 128 (CONSUMERS + 1) threads in warpgroups:
-//   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread (one
-//     warp with paged keys in TMA boxes, each lane loading a page; all of it with paged keys
-//     copied row by row) issues the loads: each tile's Q, then K and V of each visible key block
-//     into a circular buffer of STAGES stages, each stage guarded by a "full" mbarrier (TMA
-//     bytes, or every producer thread's copies, landed) and an "empty" one (every consumer
-//     thread is done reading it);
+//   warpgroup 0, the producer: gives up most of its registers (setmaxnreg) and one thread (all
+//     four warps with paged keys, loading pages in TMA boxes or copying rows) issues the loads:
+//     each tile's Q, then K and V of each visible key block into a circular buffer of STAGES
+//     stages, each stage guarded by a "full" mbarrier (TMA bytes, or every producer thread's
+//     copies, landed) and an "empty" one (every consumer thread is done reading it);
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each, with the registers. Per key
 //     block: S = Q K^T (wgmma, both operands in shared memory), mask and online softmax in
 //     registers (AttentionTile: the wgmma accumulator layout is the mma.sync one), then
@@ -326,7 +325,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // Paged keys copied row by row (p.pages_by_copy; else TMA boxes of pages): every producer thread
   // arrives on K's and V's "full" barriers once its copies have landed (announce_copies).
   const bool copy_pages = PAGED && p.pages_by_copy != 0;
-  const int full_arrivals = copy_pages ? kWarpgroupThreads : 1;
+  // paged keys in boxes: each producer warp arms K's and V's barriers for its own boxes
+  constexpr int kProducerWarps = kWarpgroupThreads / kWarpSize;
+  const int full_arrivals = copy_pages ? kWarpgroupThreads : PAGED ? kProducerWarps : 1;
 
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
@@ -355,18 +356,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // ---- producer: thread 0 (the leader) streams each tile's Q, then K and V block by block
     // (last first): it takes and publishes the tiles, arms every barrier and issues the loads of
     // dense keys. Paged keys come one of two ways:
-    //   TMA boxes of pages: the whole first warp stays, each lane loading its own chunk of each
-    //     key block, so a block's page lookups run in parallel (one after another they made the
-    //     producer, not the tensor cores, the bottleneck);
-    //   row copies (copy_pages): the whole warpgroup stays and copies the block's rows in 16-byte
-    //     pieces with cp.async (copy_key_rows), where a page is shorter than a TMA box pays for
-    //     (32 boxes of 2 KB a block at 16-token pages) or of a size the boxes cannot take.
-    // The rest of the warpgroup only gives its registers up.
+    //   TMA boxes of pages: each of the block's chunks (pages) has a thread of its own, round
+    //     robin over the four warps, so a block's page lookups run in parallel and its TMAs issue
+    //     from four schedulers. Both mattered: one lookup after another, and then one warp
+    //     issuing a 16-token page's 32 boxes a block, each made the producer, not the tensor
+    //     cores, the bottleneck;
+    //   row copies (copy_pages): the whole warpgroup copies the block's rows in 16-byte pieces
+    //     with cp.async (copy_key_rows), where no box takes the pages.
+    // The dense producer's other threads only give their registers up.
     registers_decrease<kProducerRegs>();
     constexpr u32 kLanes = PAGED ? 0xffffffffu : 1u;  // the producer's lanes in each of its warps, as a mask
-    const int producers = !PAGED ? 1 : copy_pages ? kWarpgroupThreads : kWarpSize;
+    const int producers = PAGED ? kWarpgroupThreads : 1;
     if (static_cast<int>(threadIdx.x) >= producers) return;
     const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
     const bool leader = threadIdx.x == 0;
     int loads = 0;  // K/V blocks loaded so far: the stage and phase of the next
     int tiles = 0;  // tiles started (and published) so far: the phase of Q's and the ring's barriers
@@ -385,13 +388,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     volatile int* handover = reinterpret_cast<volatile int*>(base + Smem::kProducerSlots);  // [2]
     const auto from_leader = [&](int value) {
       if constexpr (PAGED) {
-        value = __shfl_sync(kLanes, value, 0);
-        if (copy_pages) {
-          volatile int* slot = handover + (handovers++ & 1);
-          if (leader) *slot = value;
-          named_barrier_sync(kFwdSm90ProducerBarrier, kWarpgroupThreads);
-          value = *slot;
-        }
+        volatile int* slot = handover + (handovers++ & 1);
+        if (leader) *slot = value;
+        named_barrier_sync(kFwdSm90ProducerBarrier, kWarpgroupThreads);
+        value = *slot;
       }
       return value;
     };
@@ -403,28 +403,39 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         mbarrier_arrive(tile_full(slot));  // release: the consumers' wait sees the write
       }
     };
-    // The leader arms `bar` for a stage's bytes before any lane's copy into it can land.
+    // The leader arms `bar` for a tile's bytes before any copy into it can land; with paged keys
+    // in boxes each warp's lane 0 arms K's and V's barriers for its warp's boxes (arm_warp: the
+    // barrier expects one arrival per warp, and the bytes add up).
     const auto arm = [&](u32 bar, int bytes) {
       if (leader) mbarrier_arrive_expect_tx(bar, bytes);
       if constexpr (PAGED) __syncwarp(kLanes);
     };
+    const auto arm_warp = [&](u32 bar, int bytes) {
+      if (lane == 0) mbarrier_arrive_expect_tx(bar, bytes);
+      __syncwarp(kLanes);
+    };
     // Paged keys: key block [key0, key0 + BLOCK_N) of w's sequence comes in chunks of
     // min(block_size, BLOCK_N) rows (the host checks that one divides the other and that a chunk
-    // is whole swizzle atoms: at most BLOCK_N / 8 chunks, fewer than the lanes). Lane l looks up
-    // chunk l's page (page_of, before the stage is free, so the lookup's latency hides under the
-    // wait) and loads it with one TMA per panel at (column, slot, kv head, page). A chunk past
-    // the sequence reads a page past the pool: the TMA writes zeros and still counts the box's
-    // bytes. V's chunk holding the sequence's last key comes row by row through v_row_map, the
-    // rows past the end from a slot past the page (zeros): those slots may hold anything, NaN
-    // included, and P = 0 times NaN is NaN (K's stale rows only reach masked scores, which the
-    // mask replaces).
+    // is whole swizzle atoms: at most BLOCK_N / 8 chunks, fewer than the threads). Chunk `mine`
+    // of the block is this thread's: it looks up the chunk's page (page_of, before the stage is
+    // free, so the lookup's latency hides under the wait) and loads it with one TMA per panel at
+    // (column, slot, kv head, page). A chunk past the sequence reads a page past the pool: the
+    // TMA writes zeros and still counts the box's bytes. V's chunk holding the sequence's last
+    // key comes row by row through v_row_map, the rows past the end from a slot past the page
+    // (zeros): those slots may hold anything, NaN included, and P = 0 times NaN is NaN (K's stale
+    // rows only reach masked scores, which the mask replaces).
     const int chunk = PAGED ? min(p.block_size, BLOCK_N) : BLOCK_N;
     struct PageChunk {
       int key, page, slot;  // page p.num_blocks: past the pool
     };
+    // chunks go round robin over the warps
+    const int mine = lane * kProducerWarps + warp;
+    const int chunks = BLOCK_N / chunk;
+    // warp wp's share of a K or V tile's bytes: its chunks' (every box counts, zeros included)
+    const int warp_chunks = (chunks - warp + kProducerWarps - 1) / kProducerWarps;
     const auto page_of = [&](const Work& w, int key0) {
-      PageChunk c{key0 + lane * chunk, p.num_blocks, 0};
-      if (lane * chunk < BLOCK_N && c.key < w.seq.seqlen_k) {
+      PageChunk c{key0 + mine * chunk, p.num_blocks, 0};
+      if (mine < chunks && c.key < w.seq.seqlen_k) {
         const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
         const int index = block_size.div(c.key);
         c.page = clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks);
@@ -434,8 +445,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     };
     const auto load_chunk = [&](u32 tile, int panel_bytes, int panels, const TensorMap* map, const PageChunk& c,
                                 u32 bar, const Work& w, int h_kv, bool zero_tail) {
-      if (lane * chunk >= BLOCK_N) return;
-      const u32 dst = tile + lane * chunk * kSwizzleRowBytes;
+      if (mine >= chunks) return;
+      const u32 dst = tile + mine * chunk * kSwizzleRowBytes;
       if (zero_tail && c.key < w.seq.seqlen_k && c.key + chunk > w.seq.seqlen_k) {
 #pragma unroll 1
         for (int r = 0; r < chunk; ++r) {
@@ -465,7 +476,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     };
     // Row copies: lane l of warp wp looks up row wp R + l of the key block at key0 (R =
     // copy_warp_rows(BLOCK_N), the rows copy_key_rows gives a warp), before the stage is free.
-    const int warp = threadIdx.x / kWarpSize;
     const auto row_of = [&](const Work& w, int key0) {
       KeyRow r{kNoKeyRow, 0};
       const int key = key0 + warp * copy_warp_rows(BLOCK_N) + lane;
@@ -523,20 +533,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         }
         const PageChunk c = PAGED ? page_of(w, row) : PageChunk{};
         mbarrier_wait(k_empty(stage), parity ^ 1);
-        arm(k_full(stage), KTile::kBytes);
         if constexpr (PAGED) {
+          arm_warp(k_full(stage), KTile::kBytes / chunks * warp_chunks);
           load_chunk(sK(stage), KTile::kPanelBytes, kPanels, &p.k_map, c, k_full(stage), w, h_kv, false);
         } else if (leader) {
+          arm(k_full(stage), KTile::kBytes);
 #pragma unroll
           for (int panel = 0; panel < kPanels; ++panel)
             tma_load_4d(sK(stage) + panel * KTile::kPanelBytes, &p.k_map, k_full(stage), panel * kBoxCols, row,
                         h_kv, tma_b);
         }
         mbarrier_wait(v_empty(stage), parity ^ 1);
-        arm(v_full(stage), VTile::kBytes);
         if constexpr (PAGED) {
+          arm_warp(v_full(stage), VTile::kBytes / chunks * warp_chunks);
           load_chunk(sV(stage), VTile::kPanelBytes, kVPanels, &p.v_map, c, v_full(stage), w, h_kv, true);
         } else if (leader) {
+          arm(v_full(stage), VTile::kBytes);
 #pragma unroll
           for (int panel = 0; panel < kVPanels; ++panel) {
             if constexpr (kFp8) {
