@@ -13,7 +13,10 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   row and the key count its last token sees (a shorter sequence is completed with filler rows
   whose outputs are dropped). 16 is the decode kernel's most query rows per launch entry
   (``decode.MAX_NEW_TOKENS``): up to it a sequence is one run, so its keys are read once, and
-  split-KV spreads long contexts over the SMs even when the batch is small.
+  split-KV spreads long contexts over the SMs even when the batch is small. When those sequences
+  are one token each and in a row (a serving step's decode rows), the launch reads views of q,
+  the table and the lengths and its results land with one copy: no gathers or scatters, whose
+  host time a mixed step's kernels used to wait for.
 * Sequences with more queries go through ONE launch of the tensor-core forward over the paged
   cache: on sm_90a the Hopper forward (``flash_fwd_sm90_kernel``) at every block size, its
   producer loading each key block page by page through the TMA where the block size makes whole
@@ -140,7 +143,23 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         if prefill.any():
             _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov, lse if return_lse else None, ctx,
                             **options)
-        if runs.count:
+        block = _one_token_block(lengths, ~prefill)
+        if block is not None:
+            # sequences [first, last) are one token each, rows cu[first]..cu[last) (a serving step's
+            # decode rows): the runs are views of q, the table and the lengths, and their results
+            # land with one copy (the gathers and scatters below are some ten small launches, host
+            # time that a mixed step's kernels would wait for)
+            first, last = block
+            rows = slice(int(cu[first]), int(cu[last]))
+            run_lens = lens[first:last]
+            run_out, run_lse = paged_attention(qv[rows][:, None], pair, table[first:last],
+                                               run_lens if run_lens.dtype == np.int32 else run_lens.astype(np.int32),
+                                               max_seq_len=max_seq_len, return_lse=True, check=check,
+                                               k_scale=k_scale, v_scale=v_scale, **options)
+            ov[rows] = run_out[:, 0]
+            if return_lse:
+                lse[:, rows] = run_lse[:, :, 0].T
+        elif runs.count:
             # each run's S query rows [runs, S, Hq, D] (filler positions repeat a real row), its
             # sequence's table row, and the keys its last token sees (seq_lens less the tokens after it)
             run_q = qv[rows_x]
@@ -154,7 +173,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
                                                **options)
             # the decode rows' results among the runs' rows: out [total_q, Hq, Dv], lse [Hq, total_q]
             ov[query_rows_x] = run_out.reshape(-1, num_heads, head_dim_v)[keep_x]
-            lse.T[query_rows_x] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep_x]
+            if return_lse:
+                lse.T[query_rows_x] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep_x]
         if not ctx.on_host:
             ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
         return (ov, lse) if return_lse else ov
@@ -212,6 +232,16 @@ def _host_prefix_sums(cu):
     if isinstance(cu, (list, tuple)):
         return np.asarray(cu, np.int32)
     return cu if _arrays.array_kind(cu) == "numpy" else _arrays.to_numpy(cu)
+
+
+def _one_token_block(lengths: np.ndarray, selected: np.ndarray) -> tuple[int, int] | None:
+    """(first, last) when the selected sequences that have queries are sequences [first, last) and
+    each has exactly one (their rows then follow one another); else None."""
+    chosen = np.flatnonzero(selected & (lengths > 0))
+    if chosen.size == 0:
+        return None
+    first, last = int(chosen[0]), int(chosen[-1]) + 1
+    return (first, last) if last - first == chosen.size and bool((lengths[first:last] == 1).all()) else None
 
 
 class _Runs:

@@ -54,6 +54,34 @@ def test_decode_only_batches_take_runs_of_one_token():
     np.testing.assert_allclose(out, cuattn.paged_attention(q[:, None], pages, table, lens)[:, 0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("lengths, selected, block", [
+    ((0, 1, 1, 1), None, (1, 4)),             # one-token sequences after an empty one
+    ((40, 1, 1), (False, True, True), (1, 3)),  # a prefill chunk, then the decode rows
+    ((1, 0, 1), None, None),                  # an empty sequence between: not one block
+    ((1, 3, 1), None, None),                  # a speculative run among them
+    ((1, 40, 1), (True, False, True), None),  # decode rows on both sides of a chunk
+    ((0, 0), None, None),                     # no queries
+])
+def test_one_token_sequences_in_a_row_are_found(lengths, selected, block):
+    from cuattn.paged_varlen import _one_token_block
+
+    lengths = np.asarray(lengths)
+    selected = np.ones(lengths.shape, bool) if selected is None else np.asarray(selected)
+    assert _one_token_block(lengths, selected) == block
+
+
+@pytest.mark.parametrize("runs", [(0, 1, 1, 1), (1, 0, 1, 1)], ids=["one-block", "runs"])
+def test_one_token_sequences_on_the_cpu(runs):
+    """Sequences of one token each in a row take views of q, the table and the lengths (one
+    copy of the results); the same batch with a gap takes the planned runs; both as the reference."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32, runs=runs, lens=(5, 300, 2, 64))
+    out, lse = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 1, return_lse=True)
+    ref, ref_lse = reference.paged_attention_varlen(q, *pages, table, cu, lens, return_lse=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-6)
+
+
 def test_e4m3_pages_on_the_cpu():
     rng = np.random.default_rng()
     q, (k_pages, v_pages), table, cu, lens = make_problem(rng, np.float32)
@@ -328,6 +356,22 @@ def test_head_dims_and_block_sizes_on_the_gpu(rng, caplog, monkeypatch, forward_
     load = expected_paged_kernel(BF16, head_dim, block)[2]
     assert loads == ([] if load is None else [load]), loads
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runs", [(300, 1, 1, 1, 1), (1, 300, 1, 1)], ids=["rows-in-one-block", "rows-apart"])
+def test_a_chunk_with_one_token_sequences_on_the_gpu(rng, runs):
+    """A serving step's shape: a prefill chunk and one-token sequences, in one block after it (the
+    decode launch on views, one copy of its results) or on both sides (the planned runs), with
+    return_lse and without; NaN in the slots no sequence owns."""
+    import cupy
+
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 128, runs, (700, 40, 513, 1, 90)[:len(runs)],
+                                           poison=True)
+    args = (cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), table, cu, lens, max(runs))
+    got, lse = cuattn.paged_attention_varlen(*args, return_lse=True)
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16, {})
+    assert cupy.array_equal(cuattn.paged_attention_varlen(*args), got)
 
 
 @pytest.mark.gpu
