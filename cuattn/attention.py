@@ -163,8 +163,9 @@ class FwdSm90Tile:
         """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
         V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or
         1 for e4m3); two 8-byte mbarriers for Q, four per stage and two per slot of the tile ring,
-        the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment slack, and an O tile [BLOCK_M, Dv] of
-        the 16-bit output where that still fits (else O is staged in Q's)."""
+        the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment
+        slack, and an O tile [BLOCK_M, Dv] of the 16-bit output where that still fits (else O is
+        staged in Q's)."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:

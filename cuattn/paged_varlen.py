@@ -21,8 +21,9 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   cache: on sm_90a the Hopper forward (``flash_fwd_sm90_kernel``) at every block size, its
   producer loading each key block page by page through the TMA where the block size makes whole
   boxes (``attention.paged_box_rows``), else copying the block's rows from their pages
-  (``attention.paged_keys_by_copy``); elsewhere ``flash_fwd_kernel``'s PAGED variant. Tiles of 64-128 queries, so the keys are read once per tile rather than once
-  per 16 queries, and each tile's GEMMs are full. The launch covers only these sequences: its
+  (``attention.paged_keys_by_copy``); elsewhere ``flash_fwd_kernel``'s PAGED variant. Tiles of
+  64-128 queries, so the keys are read once per tile rather than once per 16 queries, and each
+  tile's GEMMs are full. The launch covers only these sequences: its
   entries index them in the batch (``batch_index``, built on the host), q is read in place
   through the full ``cu_seqlens_q``, and the kernel writes its rows of ``out`` and ``lse`` in
   place.

@@ -111,7 +111,7 @@ constexpr int kFwdSm90MaxSmem = 232448;
 // consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
 constexpr int kFwdSm90EpilogueBarrier = 5;
-// the producer warpgroup's own barrier, where all of it copies paged keys (p.pages_by_copy)
+// the producer warpgroup's own barrier (paged keys, which all four of its warps load)
 constexpr int kFwdSm90ProducerBarrier = 3;
 // Keys per k scale of a block-quantised e4m3 k: the FP8 kernels' key block (BLOCK_N); q's blocks
 // are one consumer's kWgmmaM rows.
@@ -122,7 +122,7 @@ constexpr int kFp8ScaleBlockKeys = 128;
 constexpr int kFwdSm90TileRing = 2;
 constexpr int kFwdSm90TileIndexBytes = 4;
 constexpr int kFwdSm90NoTile = -1;
-// Where the whole producer warpgroup copies paged keys, its leader hands each tile index to the
+// With paged keys (all four producer warps loading) the leader hands each tile index to the
 // other warps through two alternating int32 slots after the ring's (one barrier per hand-over).
 constexpr int kFwdSm90ProducerSlots = 2;
 
@@ -381,9 +381,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       return leader ? atomicAdd(counter, 1) + static_cast<int>(gridDim.x) : 0;
     };
     // A value of the leader's, for every producer thread (the dense producer is the leader alone:
-    // no warp operations in its loop). Row copies: the other warps read it from a hand-over slot
-    // behind the producer's barrier; the slots alternate, so the leader's next write to one comes
-    // after the next barrier, which everyone reaches only after reading it.
+    // no warp operations in its loop). Paged keys: the other threads read it from a hand-over
+    // slot behind the producer's barrier; the slots alternate, so the leader's next write to one
+    // comes after the next barrier, which everyone reaches only after reading it.
     int handovers = 0;
     volatile int* handover = reinterpret_cast<volatile int*>(base + Smem::kProducerSlots);  // [2]
     const auto from_leader = [&](int value) {
