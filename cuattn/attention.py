@@ -752,11 +752,12 @@ def _fp8_v_transposed_on_device(v, stream):
     group = _params.constant("kFp8KeyGroup")
     padded_len = -(-sk // group) * group
     v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
-    threads = b * hk * (padded_len // group) * (d // _params.constant("kFp8TransposeBytes"))
-    if threads:
+    # a thread per (group of keys, 4 head-dim bytes) of each (batch, kv head) pair
+    threads = (padded_len // group) * (d // _params.constant("kFp8TransposeBytes"))
+    if threads and b * hk:
         sb, ss, sh, _ = _arrays.element_strides(v)
         spec = fp8_transpose_spec()
-        _jit.launch(spec, (-(-threads // spec.threads), 1, 1), (
+        _jit.launch(spec, (-(-threads // spec.threads), *_split_grid(b * hk)), (
             v, v_t, np.int64(sb), np.int64(ss), np.int64(sh), np.int32(b), np.int32(sk), np.int32(padded_len),
             np.int32(hk), np.int32(d)), stream=stream)
     return v_t

@@ -818,9 +818,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 // ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,
 // padded] (contiguous, padded = Sk rounded up to 16), the keys of each group of 16 in the order
 // pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds key 8 h + 2 t + e, keys
-// past Sk read 0. Thread i takes 4 head-dim bytes of one group of 16 keys: 16 4-byte loads (a
-// warp reads 128 contiguous bytes of a key row per load), a byte transpose in registers, and 4
-// 16-byte stores (16 keys of one V^T row each). The reference is attention.fp8_v_transposed.
+// past Sk read 0. Thread i of (batch, kv head) pair blockIdx.z * gridDim.y + blockIdx.y takes 4
+// head-dim bytes of one group of 16 keys: 16 4-byte loads (a warp reads 128 contiguous bytes of a
+// key row per load), a byte transpose in registers, and 4 16-byte stores (16 keys of one V^T row
+// each). Indices within a pair are 32-bit (a pair holds at most a few million (group, chunk)
+// pairs; 64-bit divisions per coordinate made the pass 11% slower). The pass runs at about a third
+// of the memory bandwidth: its stores are 16-byte pieces of rows `padded` bytes apart. The
+// reference is attention.fp8_v_transposed.
 constexpr int kFp8TransposeThreads = 256;
 constexpr int kFp8KeyGroup = 16;  // keys per permutation group (and the padding of Sk)
 constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread
@@ -830,12 +834,11 @@ fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_st
                        i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
   const int chunks = head_dim / kFp8TransposeBytes;
   const int groups = padded / kFp8KeyGroup;
-  const i64 i = static_cast<i64>(blockIdx.x) * kFp8TransposeThreads + threadIdx.x;
-  if (i >= static_cast<i64>(batch) * num_kv_heads * groups * chunks) return;
-  const int chunk = static_cast<int>(i % chunks);
-  const int group = static_cast<int>(i / chunks % groups);
-  const int h = static_cast<int>(i / chunks / groups % num_kv_heads);
-  const int b = static_cast<int>(i / chunks / groups / num_kv_heads);
+  const int i = blockIdx.x * kFp8TransposeThreads + threadIdx.x;  // (group, chunk) of the pair
+  const int pair = blockIdx.z * gridDim.y + blockIdx.y;
+  if (i >= groups * chunks || pair >= batch * num_kv_heads) return;
+  const int chunk = i % chunks, group = i / chunks;
+  const int h = pair % num_kv_heads, b = pair / num_kv_heads;
   const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * kFp8TransposeBytes;
   u32 w[kFp8KeyGroup];  // w[p]: 4 head-dim bytes of the key at position p
 #pragma unroll
