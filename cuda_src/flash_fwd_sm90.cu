@@ -433,13 +433,19 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     const int chunks = BLOCK_N / chunk;
     // warp wp's share of a K or V tile's bytes: its chunks' (every box counts, zeros included)
     const int warp_chunks = (chunks - warp + kProducerWarps - 1) / kProducerWarps;
+    // the page (clamped into the pool) and slot of key `key` of w's sequence
+    const auto locate = [&](const Work& w, int key) {
+      const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
+      const int index = block_size.div(key);
+      return KeyRow{clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks),
+                    block_size.mod(key, index)};
+    };
     const auto page_of = [&](const Work& w, int key0) {
       PageChunk c{key0 + mine * chunk, p.num_blocks, 0};
       if (mine < chunks && c.key < w.seq.seqlen_k) {
-        const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
-        const int index = block_size.div(c.key);
-        c.page = clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks);
-        c.slot = block_size.mod(c.key, index);
+        const KeyRow at = locate(w, c.key);
+        c.page = at.page;
+        c.slot = at.slot;
       }
       return c;
     };
@@ -477,15 +483,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // Row copies: lane l of warp wp looks up row wp R + l of the key block at key0 (R =
     // copy_warp_rows(BLOCK_N), the rows copy_key_rows gives a warp), before the stage is free.
     const auto row_of = [&](const Work& w, int key0) {
-      KeyRow r{kNoKeyRow, 0};
       const int key = key0 + warp * copy_warp_rows(BLOCK_N) + lane;
-      if (lane < copy_warp_rows(BLOCK_N) && key < w.seq.seqlen_k) {
-        const FastDivisor block_size{p.block_size, p.block_size_mul, p.block_size_shift};
-        const int index = block_size.div(key);
-        r.page = clamp_page(__ldg(p.block_table + w.b * p.table_stride + index), p.num_blocks);
-        r.slot = block_size.mod(key, index);
-      }
-      return r;
+      return lane < copy_warp_rows(BLOCK_N) && key < w.seq.seqlen_k ? locate(w, key) : KeyRow{kNoKeyRow, 0};
     };
     int tile = blockIdx.x;
     for (;;) {
