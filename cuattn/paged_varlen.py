@@ -136,15 +136,16 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
         lse = xp.empty((num_heads, total_q), np.float32) if ctx.on_host or not return_lse else \
             ctx.empty((num_heads, total_q), np.float32)
-        # the whole plan on the host, then where the kernels read it in one copy
-        runs = _Runs.of(cu, ~prefill)
+        # the whole plan on the host, then where the kernels read it in one copy (one-token
+        # sequences in a row need no runs: their decode launch reads views)
+        block = _one_token_block(lengths, ~prefill)
+        runs = _Runs.of(cu, ~prefill if block is None else np.zeros_like(prefill))
         index = np.flatnonzero(prefill)
         cu_x, index_x, rows_x, sequence_x, tail_x, query_rows_x, keep_x = ctx.ints(
             cu, index, runs.rows, runs.sequence, runs.tail, runs.query_rows, runs.keep)
         if prefill.any():
             _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov, lse if return_lse else None, ctx,
                             **options)
-        block = _one_token_block(lengths, ~prefill)
         if block is not None:
             # sequences [first, last) are one token each, rows cu[first]..cu[last) (a serving step's
             # decode rows): the runs are views of q, the table and the lengths, and their results
