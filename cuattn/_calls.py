@@ -193,7 +193,8 @@ def clear() -> None:
 @dataclasses.dataclass
 class Bound:
     """One prepared launch and where its pointer fields come from: ``{field: role}``; a role names
-    an input or output of the call, or ``workspace+OFFSET`` (bytes into the stream's workspace)."""
+    an input or output of the call, ``workspace+OFFSET`` (bytes into the stream's workspace), or
+    ``OUTPUT+OFFSET`` (bytes into an output: a call's scratch, allocated with its results)."""
 
     launch: object  # _jit.Launch
     fields: dict[str, str]
@@ -226,11 +227,14 @@ class Plan:
             from_inputs, from_outputs, from_workspace = [], [], []
             for field, role in b.fields.items():
                 slot = b.launch.slot(field)
-                if role.startswith("workspace+"):
-                    from_workspace.append((slot, int(role[len("workspace+"):])))
-                elif role in outputs or role not in self.inputs:
-                    # a new output (`out` when the caller gave none), or a role this call leaves null
-                    from_outputs.append((slot, role))
+                name, _, offset = role.partition("+")
+                if name == "workspace":
+                    from_workspace.append((slot, int(offset)))
+                elif name in outputs:
+                    # a new output (`out` when the caller gave none), or a region of one
+                    from_outputs.append((slot, name, int(offset or 0)))
+                elif role not in self.inputs:
+                    from_outputs.append((slot, role, 0))  # a role this call leaves null
                 else:
                     from_inputs.append((slot, self.inputs.index(role)))
                     used.add(self.inputs.index(role))
@@ -262,8 +266,8 @@ class Plan:
             pointers = []
             for slot, i in from_inputs:
                 pointers.append((slot, addresses[i]))
-            for slot, role in from_outputs:
-                pointers.append((slot, out_addresses.get(role, 0)))
+            for slot, role, offset in from_outputs:
+                pointers.append((slot, out_addresses[role] + offset if role in out_addresses else 0))
             for slot, offset in from_workspace:
                 pointers.append((slot, base + offset))
             launch.run(stream, pointers)

@@ -921,7 +921,7 @@ class PagedKeys:
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
-                schedule=None):
+                schedule=None, execute=True):
     """Launch the forward on 4-D views q, k [B, S, H, D], v, out [B, S, H, Dv] and lse [B, H, S] (or
     None): flash_fwd_sm90_kernel where the GPU, head dims (a tile of FWD_SM90_TILES holds them) and
     strides allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
@@ -932,7 +932,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     k and ``v`` already V^T (``_fp8_v_transposed``), with their checked scales (:class:`Fp8Args`).
     ``schedule``: flash_fwd_sm90_kernel's tile schedule, FWD_SM90_SCHEDULE when None ("static"
     for launches that may be recorded by stream capture: the dynamic one's per-stream counters
-    are allocated on a stream's first launch).
+    are allocated on a stream's first launch). ``execute=False`` only prepares the launch (a plan
+    that runs it later, over addresses of its own).
 
     Returns the prepared launch (the plan of later identical calls), or None when there was
     nothing to compute."""
@@ -1038,7 +1039,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         tile_counter=counter, tile_section=section,
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
-    launch.run(_jit.stream_ptr(stream))
+    if execute:
+        launch.run(_jit.stream_ptr(stream))
     return launch
 
 

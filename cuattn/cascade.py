@@ -31,16 +31,28 @@ Layouts:
 Sequence b's keys are the L prefix tokens then its seq_lens[b] own tokens; with ``causal``, new
 token i sees every prefix key and its own tokens j <= seq_lens[b] - Sq_new + i (the prefix always
 lies before the new tokens, so it needs no mask).
+
+A repeated call (CuPy or torch arrays of the same signatures and options, ``check=False``) runs a
+plan (cuattn._calls): its first call, after the steps above, prepares their launches over one
+scratch allocation of the caller's framework, and later calls only allocate out, lse and that
+scratch and launch:
+
+    copy      q's rows, GQA group packed, once per split            scratch [S, R, G, Hk, D]
+    prefix    the varlen forward over the splits (static schedule)  scratch [S R G, Hk, Dv], [Hk, S R G]
+    merge     the S prefix states into state 0                      scratch [2, B, Sq_new, Hq, Dv]
+              (with Sq_new > 1 its lse through [R, Hk, G], copied)  scratch [2, B, Hq, Sq_new]
+    suffix    paged decode (its split partials in the scratch too)  state 1
+    final     states 0 and 1 merged into out and lse
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _jit
-from .attention import FWD_SM90_TILES, SM90, attention_varlen, fwd_sm90_tile_dims, fwd_tile
+from . import _arrays, _calls, _jit, _masks, decode as _decode
+from .attention import FWD_SM90_TILES, SM90, _launch_fwd, attention_varlen, fwd_sm90_tile_dims, fwd_tile
 from .decode import max_merge_parts, merge_stacked, merge_states
-from .paged import PagedKVCache, _cache_pair, paged_attention
+from .paged import PagedKVCache, _cache_pair, paged_attention, prepare_copy
 
 # Fewest prefix keys one split takes when the split count is chosen here: a split of fewer keys
 # spends more of its time on its tile's prologue and epilogue than on its key blocks.
@@ -74,14 +86,27 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
     Returns:
         ``out`` ``(B, Sq_new, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
+    call_key = None
+    planned = None if check else _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale)
+    if planned is not None:
+        arrays = (*planned[0][:5], block_table, seq_lens, *planned[0][5:])
+        options = (bool(causal), scale, softcap, bool(return_lse), max_seq_len, prefix_splits,
+                   _decode.scale_options(k_scale, v_scale))
+        result, call_key = _calls.run("cascade_attention", arrays, options)
+        if result is not None:
+            return result
     prefix_k, prefix_v = _check_prefix(prefix, q, cache)
     _check_suffix_lengths(seq_lens, int(q.shape[1]), check)
-    batch, sq_new, num_heads, head_dim = (int(n) for n in q.shape)
     out_prefix, lse_prefix = _prefix_states(q, prefix_k, prefix_v, prefix_splits, scale, softcap)
     out_own, lse_own = paged_attention(q, cache, block_table, seq_lens, max_seq_len=max_seq_len, causal=causal,
                                        scale=scale, softcap=softcap, sinks=sinks, return_lse=True, check=check,
                                        k_scale=k_scale, v_scale=v_scale)
     out, lse = merge_states(out_prefix, lse_prefix, out_own, lse_own)
+    if call_key is not None:
+        # the checks above passed: later calls of this signature run the plan
+        _calls.remember(call_key, _plan(planned[0], planned[1], block_table, seq_lens, causal=causal, scale=scale,
+                                        softcap=softcap, return_lse=return_lse, max_seq_len=max_seq_len,
+                                        splits=prefix_splits))
     return (out, lse) if return_lse else out
 
 
@@ -99,13 +124,8 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
     rows = batch * sq_new
     packed = rows * group  # rows of one KV head in one split
     with _arrays.array_context(q=q, prefix_k=prefix_k, prefix_v=prefix_v) as ctx:
-        splits = _check_splits(splits, prefix_len) if splits is not None else (
-            1 if ctx.on_host else default_prefix_splits(packed, num_kv_heads, prefix_len, ctx.device_id,
-                                                        _tile_rows(head_dim, head_dim_v)))
-        # split s takes keys [s * per_split, (s + 1) * per_split), the last one up to L; no split is
-        # empty (L = 5 asked for 4 splits takes 3 of 2, 2 and 1 keys)
-        per_split = -(-prefix_len // splits)
-        splits = -(-prefix_len // per_split)
+        splits, per_split = _split_ranges(splits, prefix_len, packed, num_kv_heads, head_dim, head_dim_v,
+                                          None if ctx.on_host else ctx.device_id)
         # [S, R, G, Hk, D]: query r's head k * G + g is row (r, g) of KV head k, once per split
         grouped = ctx.view(q).reshape(rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
         shape = (splits, rows, group, num_kv_heads, head_dim)
@@ -140,6 +160,18 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
         if sq_new > 1:
             merged_lse[...] = grouped_lse.reshape(batch, sq_new, num_heads).transpose(0, 2, 1)
         return ctx.to_caller(merged_out), ctx.to_caller(merged_lse)
+
+
+def _split_ranges(splits, prefix_len: int, packed: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
+                  device_id) -> tuple[int, int]:
+    """(S, keys per split): ``splits`` checked, or by default (device_id None: the CPU, one split)
+    enough to give every SM a tile. Split s takes keys [s * per_split, (s + 1) * per_split), the
+    last one up to L; no split is empty (L = 5 asked for 4 splits takes 3 of 2, 2 and 1 keys)."""
+    splits = _check_splits(splits, prefix_len) if splits is not None else (
+        1 if device_id is None else default_prefix_splits(packed, num_kv_heads, prefix_len, device_id,
+                                                          _tile_rows(head_dim, head_dim_v)))
+    per_split = -(-prefix_len // splits)
+    return -(-prefix_len // per_split), per_split
 
 
 def _split_bounds(ctx, splits: int, packed: int, per_split: int, prefix_len: int):
@@ -232,3 +264,193 @@ def _check_suffix_lengths(seq_lens, sq_new: int, check: bool) -> None:
         b = int(short[0])
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} counts sequence {b}'s own tokens, the new ones included, "
                          f"so it must be at least q.shape[1] (Sq_new) = {sq_new}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of repeated calls
+
+# Scratch regions start on this many bytes (the kernels' 16-byte vectors, the TMA's 16-byte
+# addresses, with room to spare).
+SCRATCH_ALIGN = 256
+_ROLES = ("q", "prefix_k", "prefix_v", "k", "v", "table", "lens", "sinks", "k_scale", "v_scale")
+
+
+def _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale):
+    """(the plan's arrays but the table and lengths, the cache's scales) of a call a plan may run:
+    a (prefix_k, prefix_v) pair and a cache whose pages are arrays; else None (the full path
+    raises what is wrong)."""
+    if not (isinstance(prefix, (tuple, list)) and len(prefix) == 2):
+        return None
+    if isinstance(cache, PagedKVCache):
+        if k_scale is not None or v_scale is not None or cache.device != "cuda":
+            return None
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+        if cache.e4m3:
+            k_scale, v_scale = cache.k_scale, cache.v_scale
+    elif isinstance(cache, (tuple, list)) and len(cache) == 2:
+        k_pages, v_pages = cache
+    else:
+        return None
+    scales = _decode.scale_arrays(k_scale, v_scale)
+    arrays = (q, prefix[0], prefix[1], k_pages, v_pages, sinks, scales.get("k_scale"), scales.get("v_scale"))
+    return arrays, (k_scale, v_scale)
+
+
+class _Deferred:
+    """launch_decode's step: collects nothing (its launches come back bound to roles) and places
+    the split partials at offset 0 of a region whose size it records."""
+
+    nbytes = 0
+
+    def workspace(self, nbytes: int) -> int:
+        self.nbytes = nbytes
+        return 0
+
+    def add(self, launch) -> None:
+        pass
+
+
+class _Scratch:
+    """The plan's regions in one allocation: offsets by name, and CuPy views of a buffer."""
+
+    def __init__(self):
+        self.regions = {}
+        self.nbytes = 0
+
+    def add(self, name: str, shape, dtype, nbytes: int | None = None) -> None:
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape)) * dtype.itemsize if nbytes is None else nbytes
+        self.regions[name] = (self.nbytes, tuple(shape), dtype)
+        self.nbytes += -(-max(size, 1) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+    def role(self, name: str, extra: int = 0) -> str:
+        return f"scratch+{self.regions[name][0] + extra}"
+
+    def views(self, buf) -> dict:
+        out = {}
+        for name, (offset, shape, dtype) in self.regions.items():
+            size = int(np.prod(shape)) * dtype.itemsize
+            out[name] = buf[offset:offset + size].view(dtype).reshape(shape)
+        return out
+
+
+def _rebind(bound, roles: dict, scratch_offset: int = 0):
+    """Bound launches with their roles renamed (``roles``; a role mapped to None is dropped, so
+    the field keeps null) and ``workspace+N`` moved to ``scratch+(scratch_offset + N)``."""
+    rebound = []
+    for b in bound:
+        fields = {}
+        for field, role in b.fields.items():
+            if role.startswith("workspace+"):
+                role = f"scratch+{scratch_offset + int(role[len('workspace+'):])}"
+            role = roles.get(role, role)
+            if role is not None:
+                fields[field] = role
+        rebound.append(_calls.Bound(b.launch, fields))
+    return rebound
+
+
+def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, return_lse, max_seq_len, splits):
+    """The plan of a call whose checks passed, or None where the call's layout has none (a
+    capture running, rows (b, s) of q not one axis, NumPy or JAX arrays, ...): the launches of the
+    module docstring, prepared over views of a scratch allocated for this purpose alone (each run
+    allocates its own)."""
+    q, prefix_k, prefix_v, k_pages, v_pages, sinks = arrays[:6]
+    if any(_calls.framework(x) is None for x in (q, prefix_k, prefix_v, k_pages, v_pages, block_table, seq_lens)):
+        return None
+    import cupy
+
+    with _arrays.array_context(q=q, prefix_k=prefix_k, prefix_v=prefix_v, sinks=sinks) as ctx:
+        if ctx.stream.is_capturing():
+            return None
+        # a GPU PagedKVCache brings CuPy pages and scales whatever q's framework; the rest is q's
+        qv, pk, pv, sv, kv, vv, table, lens = (x if isinstance(x, cupy.ndarray) else ctx.view(x) for x in (
+            q, prefix_k, prefix_v, sinks, k_pages, v_pages, block_table, seq_lens))
+        k_scale, v_scale = (x if isinstance(x, cupy.ndarray) or not _arrays.is_array(x) else ctx.view(x)
+                            for x in scales)
+        batch, sq_new, num_heads, head_dim = (int(n) for n in qv.shape)
+        prefix_len, num_kv_heads, head_dim_v = int(pk.shape[0]), int(pk.shape[1]), int(pv.shape[2])
+        group, rows = num_heads // num_kv_heads, batch * sq_new
+        packed = rows * group
+        if batch == 0 or (batch > 1 and sq_new > 1 and qv.strides[0] != sq_new * qv.strides[1]) or not (
+                lens.flags.c_contiguous):
+            return None  # the copy reads q's rows (b, s) as one axis; the decode reads lengths in a row
+        splits, per_split = _split_ranges(splits, prefix_len, packed, num_kv_heads, head_dim, head_dim_v,
+                                          ctx.device_id)
+        state_shape, state_lse_shape = (batch, sq_new, num_heads, head_dim_v), (batch, num_heads, sq_new)
+        scratch = _Scratch()
+        scratch.add("rows", (splits, rows, group, num_kv_heads, head_dim), qv.dtype)
+        scratch.add("parts", (splits * packed, num_kv_heads, head_dim_v), qv.dtype)
+        scratch.add("parts_lse", (num_kv_heads, splits * packed), np.float32)
+        scratch.add("states", (2, *state_shape), qv.dtype)  # the prefix's state, then the suffix's
+        scratch.add("states_lse", (2, *state_lse_shape), np.float32)
+        scratch.add("grouped_lse", (rows, num_kv_heads, group), np.float32)
+        views = scratch.views(cupy.empty(scratch.nbytes, cupy.uint8))
+        state_bytes = int(np.prod(state_shape)) * qv.dtype.itemsize
+        lse_bytes = int(np.prod(state_lse_shape)) * 4
+        bound = []
+
+        # copy: [S, R, G, Hk, D], query r's head k * G + g as row (r, g) of KV head k, per split
+        grouped = qv.reshape(rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
+        copy = prepare_copy(cupy.broadcast_to(grouped, views["rows"].shape), views["rows"])
+        bound.append(_calls.Bound(copy, {"src": "q", "dst": scratch.role("rows")}))
+
+        # prefix: split s's rows against keys [s * per_split, (s + 1) * per_split)
+        cu_q, cu_k = _split_bounds(ctx, splits, packed, per_split, prefix_len)
+        launch = _launch_fwd(views["rows"].reshape(splits * packed, num_kv_heads, head_dim)[None], pk[None], pv[None],
+                             views["parts"][None], views["parts_lse"][None], cu_q, cu_k, batch=splits, seqlen_q=packed,
+                             seqlen_k=per_split, causal=False, scale=scale, window=(-1, -1), softcap=softcap,
+                             stream=ctx.stream, schedule="static", execute=False)
+        bound.append(_calls.Bound(launch, {"q": scratch.role("rows"), "k": "prefix_k", "v": "prefix_v",
+                                           "out": scratch.role("parts"), "lse": scratch.role("parts_lse")}))
+
+        # merge: the splits' states, read in place ([S, R, G, Hk, Dv], [S, R, Hk, G]) into state 0 seen
+        # grouped ([R, G, Hk, Dv]); its lse straight into [B, Hq, 1] for decode rows, else through
+        # [R, Hk, G] and a copy ((b, s) is no single axis of [B, Hq, Sq_new])
+        parts = views["parts"].reshape(splits, rows, group, num_kv_heads, head_dim_v)
+        parts_lse = views["parts_lse"].reshape(num_kv_heads, splits, rows, group).transpose(1, 2, 0, 3)
+        grouped_out = views["states"][0].reshape(rows, num_kv_heads, group, head_dim_v).transpose(0, 2, 1, 3)
+        lse_region = "states_lse" if sq_new == 1 else "grouped_lse"
+        grouped_lse = (views["states_lse"][0].reshape(rows, num_kv_heads, group) if sq_new == 1
+                       else views["grouped_lse"])
+        merge = merge_stacked(parts, parts_lse, grouped_out, grouped_lse, ctx.stream, execute=False)
+        bound.append(_calls.Bound(merge, {"parts": scratch.role("parts"), "part_lse": scratch.role("parts_lse"),
+                                          "out": scratch.role("states"), "lse_out": scratch.role(lse_region)}))
+        if sq_new > 1:
+            lse_copy = prepare_copy(
+                views["grouped_lse"].reshape(batch, sq_new, num_kv_heads, group, 1).transpose(0, 2, 3, 1, 4),
+                views["states_lse"][0].reshape(batch, num_kv_heads, group, sq_new, 1))
+            bound.append(_calls.Bound(lse_copy, {"src": scratch.role("grouped_lse"),
+                                                 "dst": scratch.role("states_lse")}))
+
+        # suffix: paged decode into state 1, its split partials after the other regions
+        e4m3, ks, vs = _decode.check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_pages", "v_pages"), False)
+        left, right = _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=True)
+        block_size, num_blocks = int(kv.shape[1]), int(kv.shape[0])
+        capacity = int(table.shape[1]) * block_size
+        deferred = _Deferred()
+        suffix, _ = _decode.launch_decode(
+            qv, kv, vv, lens, views["states"][1], views["states_lse"][1], (table, block_size, num_blocks), capacity,
+            num_splits=None, causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
+            split_length=min(int(max_seq_len or capacity), capacity), step=deferred, sinks=sv, e4m3=e4m3,
+            k_scale=ks, v_scale=vs)
+        partials_offset = scratch.nbytes
+        bound += _rebind(suffix, {"out": scratch.role("states", state_bytes),
+                                  "lse": scratch.role("states_lse", lse_bytes), "alibi_slopes": None},
+                         partials_offset)
+
+        # final: the two states merged into out (and lse)
+        final = merge_stacked(views["states"], views["states_lse"], views["states"][0],
+                              views["states_lse"][0] if return_lse else None, ctx.stream, execute=False)
+        bound.append(_calls.Bound(final, {"parts": scratch.role("states"), "part_lse": scratch.role("states_lse"),
+                                          "out": "out", **({"lse_out": "lse"} if return_lse else {})}))
+
+    total = partials_offset + -(-deferred.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    outputs = {"out": (state_shape, False), **({"lse": (state_lse_shape, True)} if return_lse else {}),
+               "scratch": ((total // 4,), True)}
+
+    def finish(results, arrays):
+        return (results["out"], results["lse"]) if return_lse else results["out"]
+
+    return _calls.Plan(inputs=_ROLES, outputs=outputs, bound=bound, finish=finish,
+                       aligned=("q", "prefix_k", "prefix_v", "k", "v"))

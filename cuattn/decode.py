@@ -676,11 +676,12 @@ def _merge_on_device(views, ctx):
     return out, lse
 
 
-def merge_stacked(parts, parts_lse, out, lse, stream) -> None:
+def merge_stacked(parts, parts_lse, out, lse, stream, execute: bool = True):
     """merge_states on the device over P states stacked in two CuPy arrays of any strides, parts
     ``[P, B, S, H, D]`` and parts_lse ``[P, B, H, S]``, written into out ``[B, S, H, D]`` and float32
-    lse ``[B, H, S]``, also of any strides (cascade attention's split prefix: the parts are slices
-    of one varlen output, and the merged state lands in a permuted view of its final layout)."""
-    _launch_combine(parts.data.ptr, _arrays.element_strides(parts)[:4], parts_lse.data.ptr,
-                    _arrays.element_strides(parts_lse), tuple(int(n) for n in parts.shape), parts.dtype, out, lse,
-                    stream)
+    lse ``[B, H, S]`` (or None), also of any strides (cascade attention's split prefix: the parts
+    are slices of one varlen output, and the merged state lands in a permuted view of its final
+    layout). Returns the prepared launch; ``execute=False`` only prepares it."""
+    return _launch_combine(parts.data.ptr, _arrays.element_strides(parts)[:4], parts_lse.data.ptr,
+                           _arrays.element_strides(parts_lse), tuple(int(n) for n in parts.shape), parts.dtype, out,
+                           lse, stream, execute=execute)

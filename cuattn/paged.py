@@ -566,11 +566,62 @@ def cache_spec(name: str, dtype, token_dtype=None) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """The cache kernels (the paged attention variants are listed with decode's)."""
+    """The cache kernels and the strided copies (the paged attention variants are listed with decode's)."""
     specs = [cache_spec(name, dtype) for dtype in _arrays.CUDA_TYPES for name in CACHE_KERNELS]
     specs.append(cache_spec("copy_blocks_kernel", _arrays.FLOAT8_E4M3))
     specs += [cache_spec("cache_write_kernel", _arrays.FLOAT8_E4M3, token) for token in QUANTIZED_WRITE_TYPES]
+    specs += [copy_spec(chunk) for chunk in COPY_CHUNK_BYTES]
     return specs
+
+
+# strided_copy_kernel's chunks, widest first: 16-byte vectors (rows of 16-bit elements whose head
+# dim is a multiple of 8), 32-bit words (float32 scalars: log-sum-exps)
+COPY_CHUNK_BYTES = (16, 4)
+COPY_AXES = 5  # four outer axes and the contiguous row
+
+
+@functools.lru_cache(maxsize=None)
+def copy_spec(chunk_bytes: int) -> _jit.KernelSpec:
+    """strided_copy_kernel (cache_ops.cu) moving chunks of ``chunk_bytes`` (one of COPY_CHUNK_BYTES)."""
+    return _jit.KernelSpec("cache_ops.cu", f"cuattn::strided_copy_kernel<{chunk_bytes}>",
+                           threads=_params.constant("kCacheThreads"))
+
+
+def prepare_copy(src, dst, *, src_address=None, dst_address=None) -> _jit.Launch | None:
+    """A prepared ``dst[...] = src`` between CuPy views of one shape and dtype (at most COPY_AXES
+    axes, the last contiguous in both); ``src`` may repeat along an axis (stride 0, from
+    ``cupy.broadcast_to``). Addresses default to the views'; a plan rewrites the ``src`` and
+    ``dst`` fields per run. Chunks are the widest of COPY_CHUNK_BYTES that divides the row, every
+    stride and both addresses. Returns None when there is nothing to copy."""
+    if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+        raise ValueError(f"a strided copy needs one shape and dtype, got {src.shape} {src.dtype} -> "
+                         f"{dst.shape} {dst.dtype}")
+    if not 1 <= dst.ndim <= COPY_AXES or any(x.ndim and x.strides[-1] != x.itemsize for x in (src, dst)):
+        raise ValueError(f"a strided copy takes 1 to {COPY_AXES} axes, the last contiguous; got shape {dst.shape}, "
+                         f"strides {src.strides} -> {dst.strides}")
+    if dst.size == 0:
+        return None
+    src_address = src.data.ptr if src_address is None else src_address
+    dst_address = dst.data.ptr if dst_address is None else dst_address
+    row_bytes = int(dst.shape[-1]) * dst.itemsize
+    byte_strides = [int(n) for x in (src, dst) for n in x.strides[:-1]]
+    chunk = next((c for c in COPY_CHUNK_BYTES
+                  if all(n % c == 0 for n in (row_bytes, src_address, dst_address, *byte_strides))), None)
+    if chunk is None:
+        raise ValueError(f"a strided copy moves whole 32-bit words; got rows of {row_bytes} bytes, strides "
+                         f"{src.strides} -> {dst.strides}")
+    pad = COPY_AXES - dst.ndim  # leading axes of one entry
+    outer = (1,) * pad + tuple(int(n) for n in dst.shape[:-1])
+    src_strides = (0,) * pad + tuple(int(n) // chunk for n in src.strides[:-1])
+    dst_strides = (0,) * pad + tuple(int(n) // chunk for n in dst.strides[:-1])
+    row_chunks = row_bytes // chunk
+    params = _params.pack(
+        "CopyParams", src=src_address, dst=dst_address,
+        **{f"src_s{i}": n for i, n in enumerate(src_strides)}, **{f"dst_s{i}": n for i, n in enumerate(dst_strides)},
+        **{f"n{i}": n for i, n in enumerate(outer)}, row_chunks=row_chunks)
+    spec = copy_spec(chunk)
+    chunks = int(np.prod(outer)) * row_chunks
+    return _jit.prepare(spec, (-(-chunks // spec.threads), 1, 1), params)
 
 
 def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,

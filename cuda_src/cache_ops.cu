@@ -9,7 +9,10 @@
 //                       fp16, bf16 or fp32 tokens.
 //   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
 //                       a copy of page src: one launch for all pairs, 16-byte vectors.
-// Both take CacheParams (params.cuh). V may have its own head dim Dv: a thread's column covers
+//   strided_copy_kernel a copy between two strided 5-D views, rows of contiguous chunks (a
+//                       zero source stride repeats the source): cascade attention's packed
+//                       queries and its log-sum-exps. Takes CopyParams.
+// The first two take CacheParams (params.cuh). V may have its own head dim Dv: a thread's column covers
 // max(D, Dv), and it writes only the tensor (k or v) whose row reaches that column.
 #include "common.cuh"
 #include "fp8.cuh"
@@ -100,6 +103,27 @@ copy_blocks_kernel(const __grid_constant__ CacheParams<T, T> p) {
     *reinterpret_cast<uint4*>(v_pages + dst * vp_sp + offset * vp_ss + h * vp_sh + col) =
         *reinterpret_cast<const uint4*>(v_pages + src * vp_sp + offset * vp_ss + h * vp_sh + col);
   }
+}
+
+// grid.x covers n0 * n1 * n2 * n3 * row_chunks chunks of kChunkBytes (16: rows of 16-byte
+// vectors; 4: float32 scalars)
+template <int kChunkBytes>
+__global__ void __launch_bounds__(kCacheThreads) strided_copy_kernel(const __grid_constant__ CopyParams p) {
+  using Chunk = typename Conditional<kChunkBytes == kCopyBytes, uint4, u32>::type;
+  static_assert(sizeof(Chunk) == kChunkBytes, "a chunk is one 16-byte vector or one 32-bit word");
+  const Chunk* __restrict__ src = static_cast<const Chunk*>(p.src);
+  Chunk* __restrict__ dst = static_cast<Chunk*>(p.dst);
+  const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // idx -> (i0, i1, i2, i3, chunk), the chunk fastest
+  const i64 row = idx / p.row_chunks;
+  const int chunk = static_cast<int>(idx % p.row_chunks);
+  if (row >= static_cast<i64>(p.n0) * p.n1 * p.n2 * p.n3) return;
+  const int i3 = static_cast<int>(row % p.n3);
+  const int i2 = static_cast<int>((row / p.n3) % p.n2);
+  const int i1 = static_cast<int>((row / (static_cast<i64>(p.n3) * p.n2)) % p.n1);
+  const int i0 = static_cast<int>(row / (static_cast<i64>(p.n3) * p.n2 * p.n1));
+  dst[i0 * p.dst_s0 + i1 * p.dst_s1 + i2 * p.dst_s2 + i3 * p.dst_s3 + chunk] =
+      src[i0 * p.src_s0 + i1 * p.src_s1 + i2 * p.src_s2 + i3 * p.src_s3 + chunk];
 }
 
 }  // namespace cuattn

@@ -297,4 +297,26 @@ struct CacheParams {
   int num_blocks;
 };
 
+// Strided copies (cache_ops.cu's strided_copy_kernel): dst[i0, i1, i2, i3, :] = src[i0, i1, i2, i3, :]
+// over four outer axes and a contiguous row of row_chunks chunks of the kernel's chunk bytes; the
+// strides count chunks, and a zero source stride repeats the source along that axis (cascade
+// attention's queries, copied once per prefix split with their GQA group packed into rows).
+struct CopyParams {
+  const void* src;         // [n0, n1, n2, n3, row] with the src strides below
+  void* dst;               // [n0, n1, n2, n3, row] with the dst strides below
+  i64 src_s0;
+  i64 src_s1;
+  i64 src_s2;
+  i64 src_s3;
+  i64 dst_s0;
+  i64 dst_s1;
+  i64 dst_s2;
+  i64 dst_s3;
+  int n0;
+  int n1;
+  int n2;
+  int n3;
+  int row_chunks;
+};
+
 }  // namespace cuattn

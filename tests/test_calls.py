@@ -58,6 +58,66 @@ def test_plan_table_is_bounded(monkeypatch):
     assert ("k", "none") not in _calls._plans
 
 
+class _RecordingLaunch:
+    """What a Plan needs of a _jit.Launch: named pointer slots, and the pointers of each run."""
+
+    device_id = 0
+
+    def __init__(self, fields):
+        self.fields = fields
+        self.runs = []
+
+    def slot(self, field):
+        return self.fields.index(field)
+
+    def run(self, stream, pointers=()):
+        self.runs.append((stream, dict(pointers)))
+
+
+class _FakeArray:
+    def __init__(self, address, shape=(), float32=False):
+        self.address, self.shape, self.float32 = address, shape, float32
+
+
+class _FakeReader:
+    """A framework whose arrays are _FakeArrays; new ones are allocated at increasing addresses."""
+
+    def __init__(self):
+        self.next = 0x10000
+
+    def device_ok(self, x, device_id):
+        return True
+
+    def address(self, x):
+        return x.address
+
+    def stream(self, x):
+        return 7
+
+    def empty(self, shape, like, float32=False):
+        self.next += 0x1000
+        return _FakeArray(self.next, shape, float32)
+
+    zeros = empty
+
+
+def test_plan_roles_resolve_inputs_outputs_regions_of_outputs_and_nulls():
+    launch = _RecordingLaunch(["a", "b", "out", "lse", "tmp", "tmp2", "missing"])
+    plan = _calls.Plan(inputs=("a", "b"), outputs={"out": ((2, 3), False), "scratch": ((64,), True)},
+                       bound=[_calls.Bound(launch, {"a": "a", "b": "b", "out": "out", "lse": "lse",
+                                                    "tmp": "scratch+0", "tmp2": "scratch+96", "missing": "nothing"})],
+                       finish=lambda results, arrays: results, aligned=("a",))
+    reader = _FakeReader()
+    results = plan.run([_FakeArray(0x100), _FakeArray(0x200)], [reader, reader])
+    assert set(results) == {"out", "scratch"} and results["scratch"].float32 and results["out"].shape == (2, 3)
+    stream, pointers = launch.runs[0]
+    scratch = results["scratch"].address
+    assert stream == 7
+    assert pointers == {0: 0x100, 1: 0x200, 2: results["out"].address, 3: 0, 4: scratch, 5: scratch + 96, 6: 0}
+    # an input misaligned for a vector load sends the call down the full path
+    assert plan.run([_FakeArray(0x108), _FakeArray(0x200)], [reader, reader]) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

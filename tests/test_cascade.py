@@ -244,3 +244,94 @@ def test_cascade_in_a_torch_cuda_graph(rng):
     torch.cuda.synchronize()
     assert all(bool(cupy.isnan(c).all()) for c in clutter), "the replay wrote memory the capture had freed"
     check_decode(rng, BF16, q, k_full, v_full, full_lens, out.float().cpu().numpy().astype(BF16), lse.cpu().numpy())
+
+
+# (Sq_new, options, suffix lengths): decode rows with the default splits, several new tokens (the
+# prefix lse through its grouped layout and a copy) with sinks and softcap, and long suffixes of
+# two sequences (the suffix decode splits: its partials live in the plan's scratch too)
+PLAN_CASES = [(1, {}, (5, 17, 400, 64, 9, 300)),
+              (4, {"sinks": True, "softcap": 25.0, "scale": 0.07}, (5, 17, 400, 64, 9, 300)),
+              (3, {"causal": False}, (3000, 1777))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("sq_new, options, lens", PLAN_CASES, ids=["decode", "sq4-sinks-softcap", "long-suffix"])
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "out-only"])
+def test_cascade_second_call_takes_the_plan(rng, monkeypatch, framework, sq_new, options, lens, return_lse):
+    """With check=False the second call of a signature runs the plan (the full path is made to
+    fail) over fresh inputs and matches the reference; the plan's launches are the copy, the
+    prefix forward, the merge, the lse copy where Sq_new > 1, the suffix decode (and its combine
+    when it splits) and the final merge."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    from cuattn import _arrays, _calls
+
+    _calls.clear()
+    batch = len(lens)
+    hq, hk, d = 32, 8, 128
+    sinks = rng.standard_normal(hq).astype(np.float32) if options.get("sinks") else None
+    call_options = {**options, "sinks": sinks}
+
+    def dev(x):
+        if x is None:
+            return None
+        if framework == "torch":
+            return torch.from_numpy(np.asarray(x, np.float32) if x.dtype == BF16 else x).to(
+                "cuda", torch.bfloat16 if x.dtype == BF16 else None)
+        return _cupy().asarray(x)
+
+    for step in range(2):
+        if step == 1:
+            # the first call's parts (attention_varlen, paged_attention) leave plans of their own
+            (plan,) = (plan for key, plan in _calls._plans.items() if key[0] == "cascade_attention")
+            suffix_launches = len(plan.launches) - 4 - (sq_new > 1)
+            assert suffix_launches == 2 if lens[0] == 3000 else suffix_launches in (1, 2)
+
+            def refuse(**named):
+                raise AssertionError("a planned call took the full path")
+
+            monkeypatch.setattr(_arrays, "array_context", refuse)
+        q, prefix, pages, table, seq_lens, k_full, v_full, full_lens = make_batch(
+            rng, BF16, batch=batch, sq_new=sq_new, hq=hq, hk=hk, d=d, prefix_len=1900, lens=lens)
+        result = cuattn.cascade_attention(dev(q), tuple(dev(x) for x in prefix), tuple(dev(x) for x in pages),
+                                          dev(table), dev(seq_lens), check=False, return_lse=return_lse,
+                                          **{**call_options, "sinks": dev(sinks)})
+        out, lse = result if return_lse else (result, None)
+        assert type(out).__module__.split(".")[0] == framework and tuple(out.shape) == q.shape
+        got = _arrays.to_numpy(out).astype(np.float32).astype(BF16)
+        if lse is None:  # checked through the output alone
+            ref_lse = reference.decode(q, k_full, v_full, full_lens, return_lse=True, **call_options)[1]
+            check_decode(rng, BF16, q, k_full, v_full, full_lens, got, ref_lse, **call_options)
+        else:
+            check_decode(rng, BF16, q, k_full, v_full, full_lens, got, _arrays.to_numpy(lse), **call_options)
+    assert sum(key[0] == "cascade_attention" for key in _calls._plans) == 1
+
+
+@pytest.mark.gpu
+def test_cascade_plan_over_an_e4m3_cache_and_with_check_takes_none(rng, monkeypatch):
+    """A PagedKVCache of e4m3 brings its scales into the plan; check=True always takes the full path."""
+    cupy = _cupy()
+    from cuattn import _calls
+
+    _calls.clear()
+    q, prefix, (k_pages, v_pages), table, lens, _, _, full_lens = make_batch(rng, BF16, hq=8, hk=2, d=128)
+    cache = cuattn.PagedKVCache(k_pages.shape[0], k_pages.shape[1], 2, 128, "float8_e4m3fn", k_scale=0.01,
+                                v_scale=0.02)
+    slots = np.arange(k_pages.shape[0] * k_pages.shape[1], dtype=np.int32)
+    cache.write(cupy.asarray(k_pages.reshape(-1, 2, 128)), cupy.asarray(v_pages.reshape(-1, 2, 128)), slots)
+    args = (cupy.asarray(q), tuple(cupy.asarray(x) for x in prefix), cache, cupy.asarray(table), cupy.asarray(lens))
+    def cascade_plans():
+        return sum(key[0] == "cascade_attention" for key in _calls._plans)
+
+    checked = cuattn.cascade_attention(*args, return_lse=True)
+    assert cascade_plans() == 0
+    first = cuattn.cascade_attention(*args, return_lse=True, check=False)
+    assert cascade_plans() == 1
+    planned = cuattn.cascade_attention(*args, return_lse=True, check=False)
+    # the plan repeats the first call's kernels and split counts: the same bits
+    assert all(bool(cupy.array_equal(x, y)) for x, y in zip(first, planned))
+    # the checked call may split the suffix by its longest length instead of the table's capacity
+    np.testing.assert_allclose(cupy.asnumpy(planned[0]).astype(np.float32),
+                               cupy.asnumpy(checked[0]).astype(np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(cupy.asnumpy(planned[1]), cupy.asnumpy(checked[1]), rtol=1e-3, atol=1e-3)

@@ -486,6 +486,47 @@ def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
 
 
+def test_strided_copy_refuses_mismatched_views():
+    from cuattn import paged
+
+    a = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        paged.prepare_copy(a, np.zeros((4, 9), np.float32))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        paged.prepare_copy(a, np.zeros((4, 8), np.float16))
+    with pytest.raises(ValueError, match="1 to 5 axes, the last contiguous"):
+        paged.prepare_copy(a[:, ::2], np.zeros((4, 4), np.float32))
+    six = np.zeros((1,) * 6, np.float32)
+    with pytest.raises(ValueError, match="1 to 5 axes"):
+        paged.prepare_copy(six, six)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, row", [(BF16, 128), (np.float32, 1), (np.float16, 12)],
+                         ids=["bf16-vectors", "f32-words", "f16-odd"])
+def test_strided_copy_kernel_matches_numpy(rng, dtype, row):
+    """A repeated (stride 0), permuted and sliced source into a padded destination, copied by
+    16-byte vectors where the rows, strides and addresses allow (bf16 rows of 128) and by 32-bit
+    words otherwise (float32 scalars, fp16 rows of 24 bytes); the padding stays untouched."""
+    import cupy
+
+    from cuattn import paged
+
+    src_host = randn(rng, (2, 3, 4, row), dtype)
+    # [3 (a repeat), 3, 2, 2, row]: axes 1 and 2 swapped, axis 3 sliced
+    src = cupy.broadcast_to(cupy.asarray(src_host).transpose(1, 0, 2, 3)[None], (3, 3, 2, 4, row))[:, :, :, 1:3]
+    pad = 16 // np.dtype(dtype).itemsize  # a 16-byte offset keeps the rows' addresses 16-byte aligned
+    full = cupy.full((3, 3, 2, 2, row + 2 * pad), np.nan, dtype)
+    dst = full[..., pad:pad + row]
+    launch = paged.prepare_copy(src, dst)
+    assert launch.spec == paged.copy_spec(16 if row * np.dtype(dtype).itemsize % 16 == 0 else 4)
+    launch.run(cupy.cuda.get_current_stream().ptr)
+    got = cupy.asnumpy(full).astype(np.float32)
+    expected = np.broadcast_to(src_host.transpose(1, 0, 2, 3)[None, :, :, 1:3], (3, 3, 2, 2, row))
+    assert np.array_equal(got[..., pad:pad + row], expected.astype(np.float32))
+    assert np.isnan(got[..., :pad]).all() and np.isnan(got[..., pad + row:]).all()
+
+
 def check_paged_against_decode(rng, dtype, block_size, d, **options):
     import cupy
 
