@@ -312,6 +312,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             _arrays.check_kernel_layout(name, x)
             _arrays.check_same_device(name, x, "q", qv)
         _arrays.check_same_device("cache_seqlens", lens, "q", qv)
+        lens, lens_copied = contiguous_rows("cache_seqlens", lens, planning)
         batch, sq_new, num_heads, _ = map(int, qv.shape)
         out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
         out = ctx.empty(out_shape, qv.dtype)
@@ -324,8 +325,10 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         )
         if step is not None:
             return step
-        _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes", "k_scale", "v_scale"),
-                                              bound, workspace, out_shape, (batch, num_heads, sq_new), return_lse))
+        if not lens_copied:  # a plan reads the caller's lengths in place
+            _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes", "k_scale",
+                                                   "v_scale"), bound, workspace, out_shape, (batch, num_heads, sq_new),
+                                                  return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
@@ -369,6 +372,26 @@ def merge_states(*args):
 
 # ---------------------------------------------------------------------------------------------
 # Checks shared with paged attention
+
+
+def rows_contiguous(x) -> bool:
+    """Whether the last axis of a device array is contiguous (what the kernels' index reads assume)."""
+    return x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == x.itemsize
+
+
+def contiguous_rows(name: str, x, planning: bool):
+    """``(x, copied)``: a CuPy int array as the kernels read it, its last axis contiguous (a block
+    table's rows, a length vector): x itself, or a contiguous copy (a Fortran-ordered table from
+    np.concatenate over a broadcast, a strided view of the lengths). A step plan reads x in place
+    every run, so planning refuses a copy; a plain call with a copy records no plan either."""
+    if rows_contiguous(x):
+        return x, False
+    if planning:
+        raise ValueError(f"{name} must have a contiguous last axis (stride {x.itemsize} bytes) to be planned: the "
+                         f"plan reads it in place every run; got strides {tuple(x.strides)} bytes")
+    import cupy
+
+    return cupy.ascontiguousarray(x), True
 
 
 def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, str]) -> None:

@@ -761,8 +761,9 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         _arrays.check_kernel_layout("q", qv)
         if max_seq_len is None:
             max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
-        table_d = cupy.asarray(table, dtype=cupy.int32)
-        lens_d = cupy.asarray(lens, dtype=cupy.int32)
+        # the kernel reads a table row and the lengths as contiguous int32
+        table_d, table_copied = _decode.contiguous_rows("block_table", cupy.asarray(table, dtype=cupy.int32), planning)
+        lens_d, lens_copied = _decode.contiguous_rows("seq_lens", cupy.asarray(lens, dtype=cupy.int32), planning)
         batch, sq_new, num_heads, _ = map(int, qv.shape)
         out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
         out = ctx.empty(out_shape, qv.dtype)
@@ -776,8 +777,9 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         )
         if step is not None:
             return step
-        if not (check or table_host or lens_host):
-            # device tables, unchecked: nothing of this call is read on the host, so it can be replayed
+        if not (check or table_host or lens_host or table_copied or lens_copied):
+            # device tables read in place, unchecked: nothing of this call is read on the host, so it
+            # can be replayed
             _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes",
                                                            "k_scale", "v_scale"),
                                                           bound, workspace, out_shape, (batch, num_heads, sq_new),

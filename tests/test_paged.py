@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cuattn
-from cuattn import reference
+from cuattn import _arrays, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
@@ -525,6 +525,51 @@ def test_strided_copy_kernel_matches_numpy(rng, dtype, row):
     expected = np.broadcast_to(src_host.transpose(1, 0, 2, 3)[None, :, :, 1:3], (3, 3, 2, 2, row))
     assert np.array_equal(got[..., pad:pad + row], expected.astype(np.float32))
     assert np.isnan(got[..., :pad]).all() and np.isnan(got[..., pad + row:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_tables_and_lengths_of_any_strides_are_read_by_value(rng, framework):
+    """A column-major block table (np.concatenate over a broadcast makes one) and strided views of
+    the lengths give what their values say: the plain calls copy them (bit for bit the result of
+    contiguous copies, and the float64 reference); the step plans, which read them in place
+    every run, refuse them and name the argument."""
+    import cupy
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    batch, prefix_pages, hq, hk, d, block = 8, 56, 16, 4, 128, 16
+    num_blocks = prefix_pages + batch
+    k_pages, v_pages = (randn(rng, (num_blocks, block, hk, d), np.float16) for _ in range(2))
+    q = randn(rng, (batch, 1, hq, d), np.float16)
+    own = (prefix_pages + np.arange(batch, dtype=np.int32))[:, None]
+    table = np.concatenate([np.broadcast_to(np.arange(prefix_pages, dtype=np.int32), (batch, prefix_pages)), own], 1)
+    assert not table.flags.c_contiguous  # column-major: rows are strided
+    lens = rng.integers(prefix_pages * block - 40, (prefix_pages + 1) * block + 1, batch).astype(np.int32)
+    ref = reference.paged_attention(q, k_pages, v_pages, table, lens)
+
+    def dev(x):
+        x = cupy.asarray(x)  # keeps a column-major layout
+        return torch.from_dlpack(x) if framework == "torch" else x
+
+    strided_lens = dev(np.repeat(lens, 2))[::2]
+    args = (dev(q), (dev(k_pages), dev(v_pages)))
+    got = cuattn.paged_attention(*args, dev(table), strided_lens, check=False)
+    again = cuattn.paged_attention(*args, dev(np.ascontiguousarray(table)), dev(lens), check=False)
+    got, again = (_arrays.to_numpy(x) for x in (got, again))
+    assert np.array_equal(got, again)
+    assert np.abs(got.astype(np.float64) - ref).max() < 1e-2, f"seed {rng.seed}"
+    with pytest.raises(ValueError, match=r"block_table must have a contiguous last axis \(stride 4 bytes\)"):
+        cuattn.plan_paged_attention(*args, dev(table), dev(lens))
+    with pytest.raises(ValueError, match="seq_lens must have a contiguous last axis"):
+        cuattn.plan_paged_attention(*args, dev(np.ascontiguousarray(table)), strided_lens)
+    # the contiguous decode's lengths too
+    k_cache = reference.gather_pages(k_pages, table, lens).astype(np.float16)
+    v_cache = reference.gather_pages(v_pages, table, lens).astype(np.float16)
+    dense = _arrays.to_numpy(cuattn.decode(dev(q), dev(k_cache), dev(v_cache), strided_lens))
+    assert np.array_equal(dense, _arrays.to_numpy(cuattn.decode(dev(q), dev(k_cache), dev(v_cache), dev(lens))))
+    with pytest.raises(ValueError, match="cache_seqlens must have a contiguous last axis"):
+        cuattn.plan_decode(dev(q), dev(k_cache), dev(v_cache), strided_lens)
 
 
 def check_paged_against_decode(rng, dtype, block_size, d, **options):
