@@ -11,7 +11,7 @@ from . import reference
 from ._errors import CompileError, NoDeviceError, OutOfBlocksError
 from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
-from .cascade import cascade_attention
+from .cascade import cascade_attention, plan_cascade
 from ._calls import StepPlan
 from .decode import decode, merge_states, plan_decode
 from .fp8 import fp8_scales, quantize_fp8
@@ -40,6 +40,7 @@ __all__ = [
     "merge_states",
     "paged_attention",
     "paged_attention_varlen",
+    "plan_cascade",
     "plan_decode",
     "plan_paged_attention",
     "quantize_fp8",

@@ -244,6 +244,30 @@ class Plan:
     def run(self, arrays, readers):
         """Launch over ``arrays`` (read by ``readers``, their frameworks), or None to send the
         call down the full path (another device current, an unaligned address)."""
+        bound = self._bind(arrays, readers)
+        if bound is None:
+            return None
+        results, stream, launches = bound
+        for launch, pointers in launches:
+            launch.run(stream, pointers)
+        return self.finish(results, arrays)
+
+    def step(self, arrays, readers):
+        """A :class:`StepPlan` over these arrays: this plan's launches with every pointer written
+        once (the plan is the step's alone from here on), and outputs (scratch included) the step
+        owns; None where :meth:`run` would take the full path."""
+        bound = self._bind(arrays, readers, workspace=False)
+        if bound is None:
+            return None
+        results, _, launches = bound
+        for launch, pointers in launches:
+            launch.bind(pointers)
+        out = self.finish(results, arrays)
+        out, lse = out if isinstance(out, tuple) else (out, None)
+        return StepPlan.of(out, lse, [launch for launch, _ in launches], list(results.values()), self.device_id)
+
+    def _bind(self, arrays, readers, workspace: bool = True):
+        """(outputs by role, the stream, [(launch, its (slot, address) pairs)]), or None."""
         like, fw = arrays[0], readers[0]
         if fw is None or not fw.device_ok(like, self.device_id):
             return None
@@ -261,7 +285,10 @@ class Plan:
             x = results[role] = (fw.zeros if zeroed else fw.empty)(shape, like, float32)
             out_addresses[role] = fw.address(x)
         stream = fw.stream(like)
+        if self.workspace and not workspace:
+            raise ValueError("a plan with a per-stream workspace has no step of its own")
         base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0
+        launches = []
         for launch, from_inputs, from_outputs, from_workspace in self.launches:
             pointers = []
             for slot, i in from_inputs:
@@ -270,8 +297,8 @@ class Plan:
                 pointers.append((slot, out_addresses[role] + offset if role in out_addresses else 0))
             for slot, offset in from_workspace:
                 pointers.append((slot, base + offset))
-            launch.run(stream, pointers)
-        return self.finish(results, arrays)
+            launches.append((launch, pointers))
+        return results, stream, launches
 
 
 class StepPlan:
@@ -296,6 +323,15 @@ class StepPlan:
         self.device_id = cupy.cuda.runtime.getDevice()
         self._launches = []
         self._buffers = []  # the workspace, held for the plan's life
+
+    @classmethod
+    def of(cls, out, lse, launches, buffers, device_id: int) -> "StepPlan":
+        """A step over launches whose pointers are already written (:meth:`Plan.step`), holding
+        ``buffers`` (its scratch) for its life."""
+        step = cls.__new__(cls)
+        step.out, step.lse, step._reader, step.device_id = out, lse, framework(out), device_id
+        step._launches, step._buffers = list(launches), list(buffers)
+        return step
 
     def workspace(self, nbytes: int) -> int:
         """The plan's own split workspace of ``nbytes``; returns its address."""

@@ -541,6 +541,15 @@ class Launch:
                 params[word:word + encoded.size] = encoded
                 entry[3] = address
 
+    def bind(self, pointers) -> None:
+        """Write ``(slot, address)`` pairs (and the tensor maps of those addresses) for every later
+        :meth:`run`: a step plan's launches over fixed arrays."""
+        with self._lock:
+            for slot, address in pointers:
+                self.params[slot] = address
+            if self._maps:
+                self._refresh_maps()
+
     def run(self, stream_ptr: int, pointers=()) -> None:
         """Launch on the raw CUDA stream ``stream_ptr`` with ``(slot, address)`` pairs written first
         (and the tensor maps of those addresses).

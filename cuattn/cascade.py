@@ -110,6 +110,39 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
     return (out, lse) if return_lse else out
 
 
+def plan_cascade(q, prefix, cache, block_table, seq_lens, *, causal=True, scale=None, softcap=0.0, sinks=None,
+                 return_lse=False, max_seq_len=None, k_scale=None, v_scale=None, prefix_splits=None):
+    """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one cascade step over these arrays.
+
+    Takes the arguments of :func:`cascade_attention` (CuPy or torch arrays; ``block_table`` and
+    ``seq_lens`` on the device, not read on the host, as with ``check=False``) and checks them
+    once, by one call. The plan owns its outputs and scratch and keeps reading the arrays given
+    here: write each step's queries into ``q`` and the lengths and table into ``seq_lens`` and
+    ``block_table`` in place (the prefix and the pages stay where they are), then call
+    ``plan.run()``: only the step's five or six launches, no allocation and no host-device copy,
+    so it can be captured in a CUDA graph; it returns the plan's ``out`` (and ``lse``),
+    overwritten by each run.
+    """
+    planned = _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale)
+    if planned is None or any(_calls.framework(x) is None for x in (q, block_table, seq_lens)):
+        raise TypeError("plan_cascade plans GPU launches over CuPy or torch arrays (a (prefix_k, prefix_v) pair, "
+                        "device block_table and seq_lens); call cuattn.cascade_attention otherwise")
+    options = dict(causal=causal, scale=scale, softcap=softcap, return_lse=return_lse, max_seq_len=max_seq_len)
+    # every check of the full path, once
+    cascade_attention(q, prefix, cache, block_table, seq_lens, sinks=sinks, check=False, k_scale=k_scale,
+                      v_scale=v_scale, prefix_splits=prefix_splits, **options)
+    # launches of its own (a cached plan's are rewritten by every planned call)
+    plan = _plan(planned[0], planned[1], block_table, seq_lens, splits=prefix_splits, **options)
+    arrays = (*planned[0][:5], block_table, seq_lens, *planned[0][5:])
+    step = None if plan is None else plan.step(arrays, [_calls.framework(x) if x is not None else None
+                                                        for x in arrays])
+    if step is None:
+        raise ValueError("plan_cascade cannot plan these arrays (a stream capture running, q's rows (b, s) not one "
+                         "axis, block_table rows or seq_lens not contiguous, another device current, or an "
+                         "unaligned view)")
+    return step
+
+
 def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
     """Every query against the whole prefix: ``(out, lse)`` as ``(B, Sq_new, Hq, Dv)`` and
     ``(B, Hq, Sq_new)`` in q's framework, from S key ranges merged by their lse.
@@ -373,8 +406,10 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
         group, rows = num_heads // num_kv_heads, batch * sq_new
         packed = rows * group
         if batch == 0 or (batch > 1 and sq_new > 1 and qv.strides[0] != sq_new * qv.strides[1]) or not (
-                lens.flags.c_contiguous):
-            return None  # the copy reads q's rows (b, s) as one axis; the decode reads lengths in a row
+                _decode.rows_contiguous(table) and _decode.rows_contiguous(lens)):
+            # the copy reads q's rows (b, s) as one axis; the decode reads table rows and lengths
+            # in place, contiguous (the full path copies others each call)
+            return None
         splits, per_split = _split_ranges(splits, prefix_len, packed, num_kv_heads, head_dim, head_dim_v,
                                           ctx.device_id)
         state_shape, state_lse_shape = (batch, sq_new, num_heads, head_dim_v), (batch, num_heads, sq_new)

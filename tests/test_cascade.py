@@ -335,3 +335,59 @@ def test_cascade_plan_over_an_e4m3_cache_and_with_check_takes_none(rng, monkeypa
     np.testing.assert_allclose(cupy.asnumpy(planned[0]).astype(np.float32),
                                cupy.asnumpy(checked[0]).astype(np.float32), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(cupy.asnumpy(planned[1]), cupy.asnumpy(checked[1]), rtol=1e-3, atol=1e-3)
+
+
+def test_plan_cascade_refuses_host_arrays():
+    rng = np.random.default_rng()
+    q, prefix, pages, table, lens, *_ = make_batch(rng, np.float32)
+    with pytest.raises(TypeError, match="plan_cascade plans GPU launches over CuPy or torch arrays"):
+        cuattn.plan_cascade(q, prefix, pages, table, lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("sq_new", [1, 2])
+def test_plan_cascade_runs_steps_over_arrays_updated_in_place(rng, framework, sq_new):
+    """A step plan reads q, the table and the lengths where they are: each step writes new ones in
+    place, and run() (eagerly, then replayed from a CUDA graph) matches the reference."""
+    cupy = _cupy()
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    from cuattn import _arrays
+
+    batch, hq, hk, d, prefix_len, max_len = 4, 16, 4, 128, 900, 70
+    q, prefix, pages, table, lens, *_ = make_batch(rng, BF16, batch=batch, sq_new=sq_new, hq=hq, hk=hk, d=d,
+                                                   prefix_len=prefix_len, lens=(max_len,) * batch)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    dq, dtable, dlens = cupy.asarray(q), cupy.asarray(table), cupy.asarray(lens)
+    device = [dq, *(cupy.asarray(x) for x in prefix), *(cupy.asarray(x) for x in pages), dtable, dlens,
+              cupy.asarray(sinks)]
+    wrapped = [torch.from_dlpack(x) for x in device] if framework == "torch" else device
+    plan = cuattn.plan_cascade(wrapped[0], (wrapped[1], wrapped[2]), (wrapped[3], wrapped[4]), wrapped[5],
+                               wrapped[6], sinks=wrapped[7], return_lse=True, max_seq_len=max_len)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for step in range(3):
+        # a new step: fresh queries, each sequence one of its own lengths, the table's rows shuffled
+        q = randn(rng, q.shape, BF16)
+        lens = rng.integers(sq_new, max_len + 1, batch).astype(np.int32)
+        table = table[rng.permutation(batch)]
+        dq[...], dlens[...], dtable[...] = cupy.asarray(q), cupy.asarray(lens), cupy.asarray(table)
+        if step < 2:
+            out, lse = plan.run()
+        else:  # replayed from a graph captured on a CuPy stream (CuPy arrays: torch's stream differs)
+            if framework == "torch":
+                continue
+            with stream:
+                stream.synchronize()
+                stream.begin_capture()
+                out, lse = plan.run()
+                graph = stream.end_capture()
+                plan.out[...] = cupy.nan
+                graph.launch(stream)
+                stream.synchronize()
+        k_full = np.concatenate([np.broadcast_to(prefix[0], (batch, *prefix[0].shape)),
+                                 pages[0][table].reshape(batch, -1, hk, d)], axis=1)
+        v_full = np.concatenate([np.broadcast_to(prefix[1], (batch, *prefix[1].shape)),
+                                 pages[1][table].reshape(batch, -1, hk, d)], axis=1)
+        check_decode(rng, BF16, q, k_full, v_full, prefix_len + lens,
+                     _arrays.to_numpy(out).astype(np.float32).astype(BF16), _arrays.to_numpy(lse), sinks=sinks)
