@@ -447,6 +447,8 @@ def _host_result(result, q, return_lse):
 
 
 _workspaces: dict[tuple[int, int], object] = {}
+# Workspaces outgrown by a larger call: a graph captured before still writes into them.
+_retired_workspaces: list = []
 
 
 def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
@@ -454,13 +456,18 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
 
     Reusing it keeps allocations off the decode path, so a step captured in a CUDA graph keeps
     pointing at live memory when it is replayed. It is held for the process's life (one per
-    stream that ever decoded with splits), so it never goes back to a pool.
+    stream that ever decoded with splits), so it never goes back to a pool; one that a larger
+    call outgrows is kept too (a graph captured before still points at it), and the new one is
+    at least twice its size, so what is kept stays under the largest buffer's size.
     """
     import cupy
 
     key = (device_id, stream_ptr)
     buf = _workspaces.get(key)
     if buf is None or buf.nbytes < nbytes:
+        if buf is not None:
+            _retired_workspaces.append(buf)
+            nbytes = max(nbytes, 2 * buf.nbytes)
         with cupy.cuda.Device(device_id):
             buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
         _workspaces[key] = buf

@@ -426,7 +426,8 @@ class PagedKVCache:
 
             for name, x in (("k", kv_), ("v", vv_)):
                 _arrays.check_kernel_layout(name, x)
-            slots = cupy.asarray(slots, dtype=cupy.int32)
+            # the kernel reads slot n at slot_ids[n]: a strided view is copied first
+            slots = cupy.ascontiguousarray(cupy.asarray(slots, dtype=cupy.int32))
             self._launch_write(kv_, vv_, slots, ctx.stream)
 
     def copy_blocks(self, pairs) -> None:
@@ -453,7 +454,7 @@ class PagedKVCache:
 
         spec = cache_spec("copy_blocks_kernel", self.dtype)
         chunks = self.block_size * self.num_kv_heads * self._chunks_per_row()
-        pairs_d = cupy.asarray(pairs)  # [P, 2]
+        pairs_d = cupy.ascontiguousarray(cupy.asarray(pairs, dtype=cupy.int32))  # [P, 2], read as 2 P ints
         params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
                                     num_tokens=0)
         with cupy.cuda.Device(self.k_pages.device.id):

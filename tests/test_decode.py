@@ -7,6 +7,8 @@ packing ratios, strided caches, and a decode step captured in a CUDA graph and r
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -192,6 +194,39 @@ def test_decode_step_replays_in_a_cuda_graph(rng):
             stream.synchronize()
             ref = reference.decode(q.get(), k.get(), v.get(), lens.get())
             assert np.abs(out.get().astype(np.float64) - ref).max() < 3e-2, f"replay {step}"
+
+
+@pytest.mark.gpu
+def test_a_graph_keeps_its_workspace_when_a_larger_call_outgrows_it(rng):
+    """The stream's split workspace a captured step writes into stays allocated (held by the
+    module) after a larger call on that stream replaces it, and the replay still matches the
+    reference."""
+    cupy = _cupy()
+    decode_module = importlib.import_module("cuattn.decode")  # the module (cuattn.decode is the function)
+
+    b, s_max, hq, hk, d = 2, 4096, 16, 4, 128
+    q = cupy.asarray(randn(rng, (b, 1, hq, d), BF16))
+    k, v = (cupy.asarray(randn(rng, (b, s_max, hk, d), BF16)) for _ in range(2))
+    lens = cupy.asarray(np.array([4000, 1500], np.int32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuattn.decode(q, k, v, lens, num_splits=4)  # the stream's workspace, sized for 4 splits
+        stream.begin_capture()
+        out = cuattn.decode(q, k, v, lens, num_splits=4)
+        graph = stream.end_capture()
+        key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+        captured = decode_module._workspaces[key].data.ptr  # the address the graph writes partials to
+        # 32 splits of a batch of 8 need a larger workspace on the same stream
+        big_q = cupy.asarray(randn(rng, (8, 1, hq, d), BF16))
+        big_k, big_v = (cupy.asarray(randn(rng, (8, s_max, hk, d), BF16)) for _ in range(2))
+        cuattn.decode(big_q, big_k, big_v, cupy.full(8, s_max, np.int32), num_splits=32)
+        assert decode_module._workspaces[key].data.ptr != captured
+        assert any(buf.data.ptr == captured for buf in decode_module._retired_workspaces)
+        q[...] = cupy.asarray(randn(rng, q.shape, BF16))
+        graph.launch(stream)
+        stream.synchronize()
+    ref = reference.decode(q.get(), k.get(), v.get(), lens.get())
+    assert np.abs(out.get().astype(np.float64) - ref).max() < 3e-2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -572,6 +572,29 @@ def test_tables_and_lengths_of_any_strides_are_read_by_value(rng, framework):
         cuattn.plan_decode(dev(q), dev(k_cache), dev(v_cache), strided_lens)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_cache_write_reads_strided_device_slot_ids_by_value(rng, framework):
+    """Device slot ids as a strided view (every other entry of a longer vector) and copy pairs as a
+    column-major array land where their values say, as on the CPU cache."""
+    import cupy
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    gpu = cuattn.PagedKVCache(16, 5, 2, 64, BF16)
+    cpu = cuattn.PagedKVCache(16, 5, 2, 64, BF16, device="cpu")
+    k, v = randn(rng, (30, 2, 64), BF16), randn(rng, (30, 2, 64), BF16)
+    slots = rng.permutation(60)[:30].astype(np.int32)
+    doubled = cupy.asarray(np.repeat(slots, 2))
+    strided = (torch.from_dlpack(doubled) if framework == "torch" else doubled)[::2]
+    gpu.write(cupy.asarray(k), cupy.asarray(v), strided)
+    cpu.write(k, v, slots)
+    pairs = np.asfortranarray(np.array([[1, 12], [4, 13]], np.int32))
+    gpu.copy_blocks(pairs)
+    cpu.copy_blocks(pairs)
+    assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
+
+
 def check_paged_against_decode(rng, dtype, block_size, d, **options):
     import cupy
 
