@@ -611,6 +611,17 @@ def device_attribute(name: str, device_id: int | None = None) -> int:
     return value
 
 
+# Registers are allocated per warp, in units of this many.
+REGISTER_ALLOCATION_UNIT = 256
+
+
+def ctas_by_registers(threads: int, registers: int, registers_per_sm: int) -> int:
+    """How many CTAs of ``threads`` threads at ``registers`` registers a thread an SM's register
+    file of ``registers_per_sm`` holds at once."""
+    regs_per_warp = -(-registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    return registers_per_sm // max(regs_per_warp * (threads // 32), 1)
+
+
 def max_shared_memory_per_block(device_id: int | None = None) -> int:
     """The opt-in dynamic shared-memory limit of a device (232448 bytes on an H100/H200)."""
     return device_attribute("MaxSharedMemoryPerBlockOptin", device_id)

@@ -18,8 +18,6 @@ DEFAULT_ARCHS = ("sm_80", "sm_90a")
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM = {"sm_80": 167936, "sm_90a": 233472, "sm_90": 233472}
 MAX_THREADS_PER_SM = 2048
-# Registers are allocated per warp in units of 256.
-REGISTER_ALLOCATION_UNIT = 256
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
@@ -47,9 +45,7 @@ class BuildRow:
 
 
 def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
-    warps = spec.threads // 32
-    regs_per_warp = -(-res.registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
-    by_regs = REGISTERS_PER_SM // max(regs_per_warp * warps, 1)
+    by_regs = _jit.ctas_by_registers(spec.threads, res.registers, REGISTERS_PER_SM)
     smem = spec.smem_bytes + res.static_smem_bytes
     by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]) // smem if smem else by_regs
     return min(by_regs, by_smem, MAX_THREADS_PER_SM // spec.threads)

@@ -78,6 +78,15 @@ DECODE_TILES = {
     128: DecodeTile(max_mt=2, stages=3),
     256: DecodeTile(max_mt=1, stages=2),
 }
+# The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
+# E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
+# spills; the paged kernel spills 24 bytes there, so it has none) and a ring shallow enough that
+# their shared memory fits as many. Picked only where the default variant needs more than one
+# wave of CTAs (no splits: large batches of short contexts), where the wider wave ends the tail:
+# on the H200, B = 64, L = 2k (GQA 32/8) 101.5 -> 74.7 us; with one wave or less the deeper ring
+# is faster (B = 8, L = 8k 44.9 against 49.4 us), BENCHMARKS.md ("Tenth session").
+E4M3_WIDE_DECODE_TILES = {128: DecodeTile(max_mt=1, stages=2)}
+E4M3_WIDE_MIN_CTAS = 4
 # every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache), for q and k (D)
 # and for v (Dv) alike; a call runs the smallest tile head dim at least max(D, Dv)
 # (DecodeParams::head_dim and head_dim_v: the columns past each are zero-filled, never read, so a
@@ -102,17 +111,25 @@ ALIBI_DECODE_MT = 1
 
 
 @functools.lru_cache(maxsize=None)
-def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False) -> _jit.KernelSpec:
+def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
+                wide: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
-    ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias."""
-    tile = DECODE_TILES[head_dim]
+    ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
+    variant of more CTAs an SM (E4M3_WIDE_DECODE_TILES)."""
+    if wide and not (e4m3 and not alibi and not paged and head_dim in E4M3_WIDE_DECODE_TILES
+                     and mt <= E4M3_WIDE_DECODE_TILES[head_dim].max_mt):
+        raise ValueError(f"the wide decode variants take contiguous e4m3 caches without ALiBi at tile head dims "
+                         f"{sorted(E4M3_WIDE_DECODE_TILES)} and one m16 tile; got head_dim {head_dim}, mt {mt}, "
+                         f"paged {paged}, e4m3 {e4m3}, alibi {alibi}")
+    tile = E4M3_WIDE_DECODE_TILES[head_dim] if wide else DECODE_TILES[head_dim]
+    min_ctas = E4M3_WIDE_MIN_CTAS if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     with_alibi = "true" if alibi else "false"
     return _jit.KernelSpec(
-        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}>",
+        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}>",
         threads=_params.constant("kDecodeThreads"),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
@@ -136,6 +153,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
+        for d, tile in E4M3_WIDE_DECODE_TILES.items():
+            for mt in range(1, tile.max_mt + 1):
+                specs.append(decode_spec(dtype, d, mt, paged=False, e4m3=True, wide=True))
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
     specs.append(combine_spec(np.float32, np.float32))
     return specs
@@ -189,10 +209,13 @@ RESERVED_SMEM_PER_CTA = 1024
 
 
 def ctas_per_sm(spec: _jit.KernelSpec) -> int:
-    """How many CTAs of a decode variant fit on one SM, by shared memory and threads."""
+    """How many CTAs of a decode variant fit on one SM, by shared memory, threads and registers
+    (the loaded kernel's count)."""
     by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
     by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
-    return max(1, min(by_smem, by_threads))
+    by_regs = _jit.ctas_by_registers(spec.threads, _jit.get_function(spec).num_regs,
+                                     _jit.device_attribute("MaxRegistersPerMultiprocessor"))
+    return max(1, min(by_smem, by_threads, by_regs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,6 +534,11 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
+    ctas = batch * num_kv_heads * row_chunks
+    if (e4m3 and paged is None and not with_alibi and tile_dim in E4M3_WIDE_DECODE_TILES
+            and mt <= E4M3_WIDE_DECODE_TILES[tile_dim].max_mt and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
+        # more CTAs than one wave of the default variant: the wide one's wider wave ends the tail
+        spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(),

@@ -547,9 +547,13 @@ __device__ __forceinline__ float kv_descale(float host, const float* device, int
   return device != nullptr ? host * device[hk * stride] : host;
 }
 
-// grid: x = split, y = kv head * row chunks + chunk, z = sequence
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
-__global__ void __launch_bounds__(kDecodeThreads)
+// grid: x = split, y = kv head * row chunks + chunk, z = sequence. MIN_CTAS: the CTAs an SM must
+// hold at once (launch bounds): 0, no bound (the compiler's own register count; a bound of 1 let
+// it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
+// e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
+// (cuattn/decode.py, E4M3_WIDE_DECODE_TILES).
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS>
+__global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_cache = p.k;      // [B, S_max, Hk, D]
@@ -588,8 +592,8 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI>
-__global__ void __launch_bounds__(kDecodeThreads)
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS>
+__global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_pages = p.k;      // [num_blocks, block_size, Hk, D]

@@ -411,3 +411,19 @@ def test_alibi_decode_variants_are_listed():
         for d in decode_module.TILE_HEAD_DIMS:
             for paged in (False, True):
                 assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed
+                if d in decode_module.E4M3_WIDE_DECODE_TILES and not paged:
+                    assert decode_module.decode_spec(dtype, d, 1, paged, True, wide=True).name in listed
+
+
+def test_wide_decode_variants_take_e4m3_caches_alone():
+    import importlib
+
+    decode_module = importlib.import_module("cuattn.decode")
+    spec = decode_module.decode_spec("bfloat16", 128, 1, False, True, wide=True)
+    assert spec.name.endswith(f", {decode_module.E4M3_WIDE_MIN_CTAS}>")
+    assert decode_module.decode_spec("bfloat16", 128, 1, False, True).name.endswith(", 0>")
+    for args in (dict(e4m3=False), dict(e4m3=True, alibi=True), dict(e4m3=True, mt=2), dict(e4m3=True, head_dim=64),
+                 dict(e4m3=True, paged=True)):
+        call = {"dtype": "bfloat16", "head_dim": 128, "mt": 1, "paged": False, **args}
+        with pytest.raises(ValueError, match="the wide decode variants take contiguous e4m3 caches without ALiBi"):
+            decode_module.decode_spec(**call, wide=True)

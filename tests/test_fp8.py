@@ -243,6 +243,35 @@ def test_paged_attention_e4m3_pages(rng, head_dim, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged_block", [None, 16], ids=["contiguous", "paged"])
+def test_large_batches_over_e4m3_run_the_wide_variant(rng, monkeypatch, paged_block):
+    """More (sequence, kv head) CTAs than one wave of the default e4m3 variant run the wide one
+    over a contiguous cache (E4M3_WIDE_DECODE_TILES: four CTAs an SM), the default one over pages;
+    both match the reference."""
+    import importlib
+
+    decode_module = importlib.import_module("cuattn.decode")
+    picked = []
+    spec_of = decode_module.decode_spec
+
+    def recording(*args, **kwargs):
+        spec = spec_of(*args, **kwargs)
+        picked.append(kwargs.get("wide", False))
+        return spec
+
+    monkeypatch.setattr(decode_module, "decode_spec", recording)
+    batch, hq, hk, s_max = 56, 32, 8, 320
+    default = spec_of(BF16, 128, 1, paged_block is not None, True)
+    one_wave = decode_module.ctas_per_sm(default) * _cupy().cuda.Device().attributes["MultiProcessorCount"]
+    lens = rng.integers(1, s_max + 1, batch)
+    lens[0] = s_max
+    run_fp8_decode(rng, BF16, batch, 1, hq, hk, 128, s_max, list(lens), True, paged_block=paged_block,
+                   num_splits=None)
+    assert picked[-1] == (paged_block is None and batch * hk > one_wave)
+    assert batch * hk > one_wave or one_wave >= 448, "the case should need more than one wave on this GPU"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("token_dtype", [np.float16, BF16, np.float32], ids=["fp16", "bf16", "fp32"])
 def test_paged_cache_quantising_write_matches_numpy_bit_for_bit(token_dtype):
     cupy = _cupy()
