@@ -89,7 +89,7 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
     call_key = None
     planned = None if check else _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale)
     if planned is not None:
-        arrays = (*planned[0][:5], block_table, seq_lens, *planned[0][5:])
+        arrays = _plan_arrays(planned[0], block_table, seq_lens)
         options = (bool(causal), scale, softcap, bool(return_lse), max_seq_len, prefix_splits,
                    _decode.scale_options(k_scale, v_scale))
         result, call_key = _calls.run("cascade_attention", arrays, options)
@@ -133,7 +133,7 @@ def plan_cascade(q, prefix, cache, block_table, seq_lens, *, causal=True, scale=
                       v_scale=v_scale, prefix_splits=prefix_splits, **options)
     # launches of its own (a cached plan's are rewritten by every planned call)
     plan = _plan(planned[0], planned[1], block_table, seq_lens, splits=prefix_splits, **options)
-    arrays = (*planned[0][:5], block_table, seq_lens, *planned[0][5:])
+    arrays = _plan_arrays(planned[0], block_table, seq_lens)
     step = None if plan is None else plan.step(arrays, [_calls.framework(x) if x is not None else None
                                                         for x in arrays])
     if step is None:
@@ -309,9 +309,10 @@ _ROLES = ("q", "prefix_k", "prefix_v", "k", "v", "table", "lens", "sinks", "k_sc
 
 
 def _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale):
-    """(the plan's arrays but the table and lengths, the cache's scales) of a call a plan may run:
-    a (prefix_k, prefix_v) pair and a cache whose pages are arrays; else None (the full path
-    raises what is wrong)."""
+    """``((q, prefix_k, prefix_v, k_pages, v_pages, sinks, k_scale array, v_scale array), (k_scale,
+    v_scale))`` of a call a plan may run (a (prefix_k, prefix_v) pair and a cache whose pages are
+    arrays): the arrays, and the scales the suffix reads (a GPU PagedKVCache's own, or the
+    caller's floats or arrays); else None (the full path raises what is wrong)."""
     if not (isinstance(prefix, (tuple, list)) and len(prefix) == 2):
         return None
     if isinstance(cache, PagedKVCache):
@@ -327,6 +328,11 @@ def _plan_inputs(q, prefix, cache, sinks, k_scale, v_scale):
     scales = _decode.scale_arrays(k_scale, v_scale)
     arrays = (q, prefix[0], prefix[1], k_pages, v_pages, sinks, scales.get("k_scale"), scales.get("v_scale"))
     return arrays, (k_scale, v_scale)
+
+
+def _plan_arrays(inputs, block_table, seq_lens) -> tuple:
+    """The plan's arrays in _ROLES order: _plan_inputs' with the table and lengths after the pages."""
+    return (*inputs[:5], block_table, seq_lens, *inputs[5:])
 
 
 class _Deferred:
