@@ -256,7 +256,9 @@ class Plan:
         """A :class:`StepPlan` over these arrays: this plan's launches with every pointer written
         once (the plan is the step's alone from here on), and outputs (scratch included) the step
         owns; None where :meth:`run` would take the full path."""
-        bound = self._bind(arrays, readers, workspace=False)
+        if self.workspace:
+            raise ValueError("a plan with a per-stream workspace has no step of its own")
+        bound = self._bind(arrays, readers)
         if bound is None:
             return None
         results, _, launches = bound
@@ -266,7 +268,7 @@ class Plan:
         out, lse = out if isinstance(out, tuple) else (out, None)
         return StepPlan.of(out, lse, [launch for launch, _ in launches], list(results.values()), self.device_id)
 
-    def _bind(self, arrays, readers, workspace: bool = True):
+    def _bind(self, arrays, readers):
         """(outputs by role, the stream, [(launch, its (slot, address) pairs)]), or None."""
         like, fw = arrays[0], readers[0]
         if fw is None or not fw.device_ok(like, self.device_id):
@@ -285,8 +287,6 @@ class Plan:
             x = results[role] = (fw.zeros if zeroed else fw.empty)(shape, like, float32)
             out_addresses[role] = fw.address(x)
         stream = fw.stream(like)
-        if self.workspace and not workspace:
-            raise ValueError("a plan with a per-stream workspace has no step of its own")
         base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0
         launches = []
         for launch, from_inputs, from_outputs, from_workspace in self.launches:

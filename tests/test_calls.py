@@ -118,6 +118,31 @@ def test_plan_roles_resolve_inputs_outputs_regions_of_outputs_and_nulls():
     assert plan.run([_FakeArray(0x108), _FakeArray(0x200)], [reader, reader]) is None
 
 
+def test_plan_step_writes_pointers_once_and_owns_its_outputs():
+    """Plan.step binds every pointer (Launch.bind) and returns a StepPlan whose run() launches
+    with no pointers of its own; a plan that uses the per-stream workspace has no step."""
+    bound = {}
+
+    class BindingLaunch(_RecordingLaunch):
+        def bind(self, pointers):
+            bound.update(dict(pointers))
+
+    launch = BindingLaunch(["a", "out", "tmp"])
+    plan = _calls.Plan(inputs=("a",), outputs={"out": ((4,), False), "scratch": ((8,), True)},
+                       bound=[_calls.Bound(launch, {"a": "a", "out": "out", "tmp": "scratch+32"})],
+                       finish=lambda results, arrays: results["out"], aligned=())
+    reader = _FakeReader()
+    step = plan.step([_FakeArray(0x100)], [reader])
+    assert bound == {0: 0x100, 1: step.out.address, 2: step._buffers[1].address + 32}
+    assert step.lse is None and len(step._buffers) == 2 and not launch.runs
+    with_workspace = _calls.Plan(inputs=("a",), outputs={"out": ((4,), False)},
+                                 bound=[_calls.Bound(launch, {"a": "a", "tmp": "workspace+0"})],
+                                 finish=lambda results, arrays: results["out"], aligned=(), workspace=64,
+                                 workspace_of=lambda nbytes, stream, device: 0)
+    with pytest.raises(ValueError, match="a plan with a per-stream workspace has no step of its own"):
+        with_workspace.step([_FakeArray(0x100)], [reader])
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
