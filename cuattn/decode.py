@@ -87,6 +87,8 @@ DECODE_TILES = {
 # is faster (B = 8, L = 8k 44.9 against 49.4 us), BENCHMARKS.md ("Tenth session").
 E4M3_WIDE_DECODE_TILES = {128: DecodeTile(max_mt=1, stages=2)}
 E4M3_WIDE_MIN_CTAS = 4
+# The target they are built and picked for: on sm_80 the 128-register cap spills 8 bytes.
+E4M3_WIDE_DECODE_ARCH = "sm_90a"
 # every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache), for q and k (D)
 # and for v (Dv) alike; a call runs the smallest tile head dim at least max(D, Dv)
 # (DecodeParams::head_dim and head_dim_v: the columns past each are zero-filled, never read, so a
@@ -153,7 +155,7 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
-        for d, tile in E4M3_WIDE_DECODE_TILES.items():
+        for d, tile in E4M3_WIDE_DECODE_TILES.items() if arch == E4M3_WIDE_DECODE_ARCH else ():
             for mt in range(1, tile.max_mt + 1):
                 specs.append(decode_spec(dtype, d, mt, paged=False, e4m3=True, wide=True))
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
@@ -536,7 +538,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
     ctas = batch * num_kv_heads * row_chunks
     if (e4m3 and paged is None and not with_alibi and tile_dim in E4M3_WIDE_DECODE_TILES
-            and mt <= E4M3_WIDE_DECODE_TILES[tile_dim].max_mt and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
+            and mt <= E4M3_WIDE_DECODE_TILES[tile_dim].max_mt and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH
+            and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
         # more CTAs than one wave of the default variant: the wide one's wider wave ends the tail
         spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
     if num_splits is None:
