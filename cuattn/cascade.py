@@ -356,9 +356,9 @@ class _Scratch:
         self.regions = {}
         self.nbytes = 0
 
-    def add(self, name: str, shape, dtype, nbytes: int | None = None) -> None:
+    def add(self, name: str, shape, dtype) -> None:
         dtype = np.dtype(dtype)
-        size = int(np.prod(shape)) * dtype.itemsize if nbytes is None else nbytes
+        size = int(np.prod(shape)) * dtype.itemsize
         self.regions[name] = (self.nbytes, tuple(shape), dtype)
         self.nbytes += -(-max(size, 1) // SCRATCH_ALIGN) * SCRATCH_ALIGN
 
@@ -475,10 +475,10 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
             num_splits=None, causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
             split_length=min(int(max_seq_len or capacity), capacity), step=deferred, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs)
-        partials_offset = scratch.nbytes
+        scratch.add("partials", (deferred.nbytes,), np.uint8)
         bound += _rebind(suffix, {"out": scratch.role("states", state_bytes),
                                   "lse": scratch.role("states_lse", lse_bytes), "alibi_slopes": None},
-                         partials_offset)
+                         scratch.regions["partials"][0])
 
         # final: the two states merged into out (and lse)
         final = merge_stacked(views["states"], views["states_lse"], views["states"][0],
@@ -486,9 +486,8 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
         bound.append(_calls.Bound(final, {"parts": scratch.role("states"), "part_lse": scratch.role("states_lse"),
                                           "out": "out", **({"lse_out": "lse"} if return_lse else {})}))
 
-    total = partials_offset + -(-deferred.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
     outputs = {"out": (state_shape, False), **({"lse": (state_lse_shape, True)} if return_lse else {}),
-               "scratch": ((total // 4,), True)}
+               "scratch": ((scratch.nbytes // 4,), True)}
 
     def finish(results, arrays):
         return (results["out"], results["lse"]) if return_lse else results["out"]

@@ -112,14 +112,20 @@ MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 ALIBI_DECODE_MT = 1
 
 
+def has_wide_variant(head_dim: int, mt: int, paged: bool, e4m3: bool, alibi: bool) -> bool:
+    """Whether a decode of this tile head dim, m16 tiles, cache kind and bias has a wide variant
+    (E4M3_WIDE_DECODE_TILES: contiguous e4m3 caches without ALiBi)."""
+    tile = E4M3_WIDE_DECODE_TILES.get(head_dim)
+    return e4m3 and not alibi and not paged and tile is not None and mt <= tile.max_mt
+
+
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
                 wide: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
     variant of more CTAs an SM (E4M3_WIDE_DECODE_TILES)."""
-    if wide and not (e4m3 and not alibi and not paged and head_dim in E4M3_WIDE_DECODE_TILES
-                     and mt <= E4M3_WIDE_DECODE_TILES[head_dim].max_mt):
+    if wide and not has_wide_variant(head_dim, mt, paged, e4m3, alibi):
         raise ValueError(f"the wide decode variants take contiguous e4m3 caches without ALiBi at tile head dims "
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} and one m16 tile; got head_dim {head_dim}, mt {mt}, "
                          f"paged {paged}, e4m3 {e4m3}, alibi {alibi}")
@@ -537,9 +543,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     row_chunks = math.ceil(rows / (16 * mt))
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
     ctas = batch * num_kv_heads * row_chunks
-    if (e4m3 and paged is None and not with_alibi and tile_dim in E4M3_WIDE_DECODE_TILES
-            and mt <= E4M3_WIDE_DECODE_TILES[tile_dim].max_mt and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH
-            and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
+    if (has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
+            and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
         # more CTAs than one wave of the default variant: the wide one's wider wave ends the tail
         spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
     if num_splits is None:

@@ -588,12 +588,12 @@ def copy_spec(chunk_bytes: int) -> _jit.KernelSpec:
                            threads=_params.constant("kCacheThreads"))
 
 
-def prepare_copy(src, dst, *, src_address=None, dst_address=None) -> _jit.Launch | None:
+def prepare_copy(src, dst) -> _jit.Launch | None:
     """A prepared ``dst[...] = src`` between CuPy views of one shape and dtype (at most COPY_AXES
     axes, the last contiguous in both); ``src`` may repeat along an axis (stride 0, from
-    ``cupy.broadcast_to``). Addresses default to the views'; a plan rewrites the ``src`` and
-    ``dst`` fields per run. Chunks are the widest of COPY_CHUNK_BYTES that divides the row, every
-    stride and both addresses. Returns None when there is nothing to copy."""
+    ``cupy.broadcast_to``). A plan rewrites the ``src`` and ``dst`` fields per run. Chunks are the
+    widest of COPY_CHUNK_BYTES that divides the row, every stride and both addresses. Returns None
+    when there is nothing to copy."""
     if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
         raise ValueError(f"a strided copy needs one shape and dtype, got {src.shape} {src.dtype} -> "
                          f"{dst.shape} {dst.dtype}")
@@ -602,8 +602,7 @@ def prepare_copy(src, dst, *, src_address=None, dst_address=None) -> _jit.Launch
                          f"strides {src.strides} -> {dst.strides}")
     if dst.size == 0:
         return None
-    src_address = src.data.ptr if src_address is None else src_address
-    dst_address = dst.data.ptr if dst_address is None else dst_address
+    src_address, dst_address = src.data.ptr, dst.data.ptr
     row_bytes = int(dst.shape[-1]) * dst.itemsize
     byte_strides = [int(n) for x in (src, dst) for n in x.strides[:-1]]
     chunk = next((c for c in COPY_CHUNK_BYTES
