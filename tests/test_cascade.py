@@ -344,6 +344,21 @@ def test_plan_cascade_refuses_host_arrays():
         cuattn.plan_cascade(q, prefix, pages, table, lens)
 
 
+def test_plan_cascade_names_what_keeps_a_call_from_a_plan(monkeypatch):
+    """Where the checked call has no plan (a capture running, q's rows (b, s) not one axis,
+    strided table rows or lengths, ...), plan_cascade says so instead of returning a step."""
+    from cuattn import _calls, cascade
+
+    rng = np.random.default_rng()
+    q, prefix, pages, table, lens, *_ = make_batch(rng, np.float32)
+    monkeypatch.setattr(_calls, "framework", lambda x: object())  # device arrays, as far as the check sees
+    monkeypatch.setattr(cascade, "cascade_attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cascade, "_plan", lambda *args, **kwargs: None)
+    with pytest.raises(ValueError, match="plan_cascade cannot plan these arrays .*block_table rows or seq_lens not "
+                                         "contiguous"):
+        cuattn.plan_cascade(q, prefix, pages, table, lens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("sq_new", [1, 2])

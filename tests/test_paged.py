@@ -500,6 +500,19 @@ def test_strided_copy_refuses_mismatched_views():
     with pytest.raises(ValueError, match="1 to 5 axes"):
         paged.prepare_copy(six, six)
 
+    class DeviceView:
+        """What prepare_copy reads of a CuPy view: its layout and address."""
+
+        def __init__(self, x, address):
+            self.shape, self.dtype, self.strides, self.ndim = x.shape, x.dtype, x.strides, x.ndim
+            self.itemsize, self.size = x.itemsize, x.size
+            self.data = type("Pointer", (), {"ptr": address})()
+
+    # fp16 rows of 3 elements (6 bytes) are no whole number of 32-bit words
+    rows = np.zeros((4, 3), np.float16)
+    with pytest.raises(ValueError, match="a strided copy moves whole 32-bit words; got rows of 6 bytes"):
+        paged.prepare_copy(DeviceView(rows, 0x1000), DeviceView(rows, 0x2000))
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, row", [(BF16, 128), (np.float32, 1), (np.float16, 12)],
