@@ -1146,8 +1146,9 @@ class BwdTile:
     `stages` shared buffers; `min_blocks` CTAs per SM for the register allocator.
     flash_bwd_dq_kernel (deterministic dQ): `dq_block_m` queries per CTA, `dq_block_n` keys per
     step, `dq_warps` warps of 16 query rows each.
-    `wgmma`: the main kernel is flash_bwd_sm90_kernel instead (sm_90a; two warpgroups, BLOCK_N =
-    128, two Q/dO stages; only block_m counts, the warp layout fields do not apply).
+    `wgmma`: the main kernel is flash_bwd_sm90_kernel instead (sm_90a; a TMA producer warpgroup and
+    two wgmma consumer warpgroups, BLOCK_N = 128, two Q/dO stages; only block_m counts, the warp
+    layout fields do not apply; views the TMA cannot read run the sm_80 row's mma.sync kernels).
     `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
     per part, and deterministic=True orders those reductions with per-tile semaphores in the same
     kernel; "atomic" is the earlier design, float4 atomics and, for deterministic=True,
@@ -1183,14 +1184,20 @@ class BwdTile:
         stages, dS^T, lse and delta, the bulk dQ staging tile [BLOCK_M, D] fp32 (bulk_dq), and the
         alignment slack."""
         if self.wgmma:
-            # flash_bwd.cu's kBwdSm90BlockN keys and kBwdSm90Stages buffers; swizzled tiles start on
-            # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
-            block_n, stages = _params.constant("kBwdSm90BlockN"), _params.constant("kBwdSm90Stages")
+            # flash_bwd.cu's kBwdSm90BlockN keys, kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
+            # buffers and kBwdSm90Barriers mbarriers; a consumer's bulk dQ staging part is
+            # BLOCK_M x (D at D = 64, D / 2 at 128); swizzled tiles start on kSwizzleAtomBytes
+            # boundaries, so that much slack rounds the base up
+            c = _params.constant
+            block_n, stages = c("kBwdSm90BlockN"), c("kBwdSm90Stages")
+            consumers = c("kBwdSm90Consumers")
             tiles = (2 * block_n + 2 * stages * self.block_m) * head_dim * itemsize
+            ds = c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
             stats = 2 * stages * self.block_m * 4
-            staging = self.block_m * head_dim * 4 if self.bulk_dq else 0
-            return (tiles + block_n * self.block_m * itemsize + stats + staging
-                    + _params.constant("kSwizzleAtomBytes"))
+            dq_cols = head_dim if head_dim <= c("kSwizzlePanelCols") else head_dim // consumers
+            staging = consumers * self.block_m * dq_cols * 4 if self.bulk_dq else 0
+            barriers = c("kBwdSm90Barriers") * c("kMbarrierBytes")
+            return tiles + ds + stats + staging + barriers + c("kSwizzleAtomBytes")
         pad = _params.constant("kPadElems")
         tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
         return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
@@ -1202,7 +1209,7 @@ class BwdTile:
 
 # One row per tile head dim and arch family (a head dim runs the smallest tile at least it, given
 # at run time, as the forward's FWD_TILES). Hopper runs D = 64 and 128 on the wgmma kernel
-# (flash_bwd_sm90_kernel: 64 queries x 128 keys, two warpgroups; 1.3x the mma.sync kernel at
+# (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer warpgroups; 1.3x the mma.sync kernel at
 # D = 64, 1.7-1.9x at D = 128). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
 # fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
@@ -1228,10 +1235,10 @@ BWD_TILES = {
 }
 
 
-# Head dims whose ordered bulk dQ (deterministic=True) spills with ALiBi's bias on sm_90a: at D =
-# 128 the kernel sits at 255 registers, and the semaphore spin adds 16 bytes of spill
-# (`python -m cuattn build`). There deterministic ALiBi keeps the earlier path (BwdTile.dq_mode
-# "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
+# Head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 128 the consumers
+# sit at their 240 registers, and the staging and semaphore code add 16-88 bytes of spill
+# (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the earlier
+# path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
 BWD_ORDERED_ALIBI_FALLBACK = (128,)
 # Head dims whose deterministic=True runs the ordered bulk reductions: where they measured faster
 # than flash_bwd_dq_kernel on the H200 (D = 128: 1.15-1.22x; D = 64: 4-7% slower, so not there).
@@ -1285,7 +1292,8 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
         main_name = (f"cuattn::flash_bwd_kernel<{ctype}, {head_dim}, {t.block_m}, {t.block_n}, {t.warps}, "
                      f"{t.s_warps_n}, {t.kv_warps_n}, {t.dq_warps_m}, {t.stages}, {t.min_blocks}, {atomic}, "
                      f"{with_alibi}>")
-    main = _jit.KernelSpec("flash_bwd.cu", main_name, threads=t.warps * 32,
+    main = _jit.KernelSpec("flash_bwd.cu", main_name,
+                           threads=_params.constant("kBwdSm90Threads") if t.wgmma else t.warps * 32,
                            smem_bytes=t.smem_bytes(head_dim, itemsize), needs_sm90a=t.wgmma)
     if t.bulk_dq:
         last = _jit.KernelSpec("flash_bwd.cu",
@@ -1317,9 +1325,9 @@ def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                                                   (False, True)):
         tile_dim = bwd_tile_dim(d)
         tile = bwd_tile(d, arch, det, alibi)
-        # (deterministic ALiBi's ordered variant spills where BWD_ORDERED_ALIBI_FALLBACK says; a
-        # padded head dim's mma.sync tile has one dQ path)
-        spills = det and alibi and d in BWD_ORDERED_ALIBI_FALLBACK
+        # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says; a padded head dim's
+        # mma.sync tile has one dQ path)
+        spills = alibi and d in BWD_ORDERED_ALIBI_FALLBACK
         modes = BWD_DQ_MODES if tile.wgmma and not spills else (tile.dq_mode,)
         for mode in modes:
             specs.update(bwd_specs(dtype, tile_dim, dataclasses.replace(tile, dq_mode=mode), det, alibi))
@@ -1485,6 +1493,10 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = zeros if varlen else ctx.empty
     tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None, head_dim_v)
+    maps = _bwd_maps(q, k, v, dout, tile) if tile.wgmma else ()
+    if tile.wgmma and not maps:
+        # a view the TMA cannot read: the mma.sync kernels take it
+        tile = BWD_TILES[bwd_tile_dim(head_dim)][SM80]
 
     def gradient(index, like, make):
         if grads is None:
@@ -1540,8 +1552,9 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # an unbounded window side becomes a bound past every key and query the kernels compute
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_n)
     # one BwdParams for every launch of the call (flash_bwd.cu)
+    no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the main kernel's launch (maps)
     params = _params.pack(
-        "BwdParams", q=q, k=k, v=v, out=out, dout=dout, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv,
+        "BwdParams", q_map=no_map, k_map=no_map, v_map=no_map, do_map=no_map, q=q, k=k, v=v, out=out, dout=dout, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi[0], alibi_sb=alibi[1],
         dq_semaphores=semaphores, cta_ticket=ticket,
         **{f"{name}_{axis}": stride[i] for name, stride in strides.items() for i, axis in enumerate(("sb", "ss", "sh"))},
@@ -1574,18 +1587,19 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
                 outputs[role] = ((int(array.size),), True, True)
         plan.update(bound=[], outputs=outputs)
 
-    def run(spec, grid):
-        if planning:
-            launch = _jit.prepare(spec, grid, params)
+    def run(spec, grid, maps=()):
+        if planning or maps:
+            launch = _jit.prepare(spec, grid, params, maps=maps)
             launch.run(_jit.stream_ptr(stream))
-            plan["bound"].append(_calls.Bound(launch, roles))
+            if planning:
+                plan["bound"].append(_calls.Bound(launch, roles))
         else:
             _jit.launch_params(spec, grid, params, stream=stream)
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     views = int(q.shape[0])
     run(pre, (-(-(views * rows_q * num_heads) // _params.constant("kPreprocessWarps")), 1, 1))
-    run(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)))
+    run(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), maps)
     if tile.bulk_dq:
         run(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)))
     elif deterministic:
@@ -1593,6 +1607,24 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     else:
         run(last, (-(-int(dq_accum.size) // _params.constant("kConvertThreads")), 1, 1))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
+
+
+def _bwd_maps(q, k, v, dout, tile: BwdTile):
+    """The TMA views flash_bwd_sm90_kernel loads through: q and dout in boxes of [BLOCK_M rows, one
+    128-byte panel], k and v in boxes of [kBwdSm90BlockN rows, one panel], all 4-D (D, S, H, B)
+    of the [B, S, H, D] views; () when one of them cannot be read that way (a byte stride that is
+    not a multiple of 16)."""
+    panel_bytes, block_n = _params.constant("kSwizzleRowBytes"), _params.constant("kBwdSm90BlockN")
+    maps = []
+    for field, role, x, rows in (("q_map", "q", q, tile.block_m), ("k_map", "k", k, block_n),
+                                 ("v_map", "v", v, block_n), ("do_map", "dout", dout, tile.block_m)):
+        b, s, h, d = map(int, x.shape)
+        sb, ss, sh, sd = _arrays.element_strides(x)
+        layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel_bytes // x.dtype.itemsize, rows, 1, 1))
+        if layout is None:
+            return ()
+        maps.append((field, role, layout))
+    return tuple(maps)
 
 
 def _sink_grads(sinks, lse, delta):

@@ -13,8 +13,9 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
-//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job on warpgroup MMA for D = 64 and
-//                           128, with dQ by float4 atomics, by one bulk reduction per tile, or
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for D = 64 and 128, warp-specialised
+//                           (a TMA producer warp, two wgmma consumer warpgroups, setmaxnreg),
+//                           with dQ by float4 atomics, by one bulk reduction per tile, or
 //                           (deterministic) by bulk reductions in a fixed order; described above
 //                           its definition
 //   bwd_convert_dq_tiles_kernel  dq = scale * the bulk reductions' tile accumulator, in q's dtype
@@ -466,39 +467,56 @@ flash_bwd_kernel(const BwdParams<T> p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// sm_90a: the main kernel on warpgroup MMA (wgmma).
+// sm_90a: the main kernel on warpgroup MMA (wgmma), warp-specialised as in FlashAttention-3.
 //
-// Two warpgroups per CTA, BLOCK_N = 128 keys and BLOCK_M = 64 queries: warpgroup w owns keys
-// [64 w, 64 w + 64) of the block for S^T, dP^T, dV and dK. P^T and dS^T leave the S^T / dP^T
-// accumulators straight as the register A operand of dV += P^T dO and dK += dS^T Q, with no
-// shared-memory round trip; dS^T also goes to shared memory for dQ = dS K. At D = 128 the two
-// warpgroups split dQ by D (each sums over all 128 keys, after a CTA barrier); at D = 64 each
-// computes its own 64 keys' share of all of dQ (only a warpgroup barrier and no n32 tile).
-// Per query block:
+// Three warpgroups per CTA. Warpgroup 0, the producer, gives its registers up (setmaxnreg) and
+// one warp of it loads; warpgroups 1 and 2, the consumers, take the registers and compute. A CTA
+// owns BLOCK_N = 128 keys and walks BLOCK_M = 64 queries per step; consumer c owns keys
+// [64 c, 64 c + 64) of the block for S^T, dP^T, dV and dK.
+//
+// Loads (the producer warp; rows as 4-D (D, S, H, B) TMA views, varlen (D, total, H, 1), boxes of
+// one 128-byte panel of columns):
+//   K, V [BLOCK_N, D]       once, by TMA (k_map, v_map), onto the kv barrier
+//   Q, dO [BLOCK_M, D]      per step, by TMA (q_map, do_map), into stage step % STAGES
+//   lse, delta [BLOCK_M]    per step, by cp.async from the warp's 32 lanes, into the same stage
+// Each stage has a "full" mbarrier (the TMA bytes, plus one arrival per lane when its cp.async
+// copies land: 1 + 32 arrivals) and an "empty" one (every consumer thread arrives once its GEMMs
+// have read the stage). Rows past a sequence: the TMA reads zeros past the tensor's end and the
+// next sequence's rows inside a packed (varlen) one, cp.async reads zeros; all finite, and such
+// rows only appear in tiles that take the mask, which zeroes their probabilities and so dS.
+//
+// Per step, each consumer (all tiles 128-byte swizzled, wgmma.cuh):
 //   S^T  = K Q^T, dP^T = V dO^T        ss, both operands K-major, two commit groups
-//   P^T, dS^T in registers             the exponentials start while dP^T is in flight
-//   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the same tiles
-//   dS^T -> shared; dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
-// All tiles are 128-byte swizzled (wgmma.cuh). Q, dO, lse and delta of the next query block
-// stream in with cp.async while this one computes.
+//   P^T, dS^T in registers             the exponentials start while dP^T is in flight; P^T and
+//                                      dS^T leave the accumulators as the A fragments below
+//   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the stage
+//   dS^T -> shared, dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
+// dQ and the two consumers. At D = 64 each computes its own 64 keys' share of all of dQ, from its
+// own dS^T rows (a warpgroup barrier). At D = 128 each computes half of D over all 128 keys and
+// needs the other's dS^T rows: there the dQ GEMM of step s runs in step s + 1, after that step's
+// dV and dK GEMMs are issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded
+// by two mbarriers each: ds_full (both consumers wrote their rows) and ds_empty (both consumers'
+// dQ GEMMs read it). The other consumer wrote its rows a step earlier, so the wait is seldom a
+// wait. Past the start there is no CTA-wide barrier: the consumers drift apart, and one's
+// exponentials run under the other's GEMMs.
 //
 // DQ_MODE, how each step's dQ tile (64 queries x D, fp32) reaches global memory:
 //   kBwdDqNone     not at all (flash_bwd_dq_kernel computes dQ: the older deterministic path)
 //   kBwdDqAtomic   float4 atomicAdd per element quad into dq_accum [B, Sq, Hq, D]; at D = 64 both
-//                  warpgroups add their keys' share (twice the atomics)
-//   kBwdDqBulk     the tile goes to shared memory and one thread per part issues one
-//                  cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
+//                  consumers add their keys' share (twice the atomics)
+//   kBwdDqBulk     each consumer stages its dQ part in shared memory and one thread of it issues
+//                  one cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
 //                  accumulator: a few instructions per tile instead of 2048 (D = 128) vector
-//                  atomics, and L2 sees whole lines. At D = 64 the two warpgroups' shares are
-//                  summed in shared memory first (warpgroup 0 stores, warpgroup 1 adds: one part)
-//   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile happen in a fixed CTA order, so
+//                  atomics, and L2 sees whole lines. At D = 64 both consumers reduce their share
+//                  into the same (single) part
+//   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile part happen in a fixed order, so
 //                  dQ is bit-identical run to run (deterministic=True) at the cost of the wait
 //
 // Tile accumulator (bulk modes): dq_accum [tiles, BLOCK_M * D] fp32, tile = b * acc_tile_sb +
 // h * acc_tile_sh + q_block0(b) + query block, where q_block0 is 0 dense and
 // (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
 // tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
-// Inside a tile, part p (p < kBwdSm90DqParts<D>: the warpgroup's D half at D = 128, all of D at
+// Inside a tile, part p (p < kBwdSm90DqParts<D>: the consumer's D half at D = 128, all of D at
 // D = 64) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
 // stores are conflict-free float4s of consecutive threads:
 //   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
@@ -512,70 +530,45 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // the order CTAs start. The key blocks that visit query block m form a range [first(m), last(m)]
 // (the mask is a band); a CTA's rank there is key_block - first(m) (ascending) or last(m) -
 // key_block (dq_descending: a bounded right window side, e.g. causal, where the highest key
-// block reaches a query block first because it starts at its diagonal). The issuing thread of a
-// part spins until the semaphore equals its rank, reduces, waits for the writes to be performed
-// and adds one. Deadlock-free without co-residency: a CTA takes its (kv head, key block) from
-// the ticket, ordered so that it only ever waits on CTAs with smaller tickets, which were
-// running before it and themselves only wait on smaller tickets.
+// block reaches a query block first because it starts at its diagonal). A part's reductions come
+// in turn order: rank at D = 128 (one consumer per part), 2 rank + c at D = 64 (both consumers
+// reduce into the one part, consumer 0 first). The issuing thread spins until the semaphore
+// equals its turn, reduces, waits for the writes to be performed and adds one. Deadlock-free
+// without co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it
+// only ever waits on CTAs with smaller tickets (or its own consumer 0), which were running before
+// it and themselves only wait on smaller tickets.
 //
-// Barriers: 0 (__syncthreads) at the top of each step and before an all-keys dQ GEMM; 1 and 2
-// per warpgroup; 3 (D = 64 bulk modes) hands warpgroup 0's staged dQ share to warpgroup 1. The
-// shared dQ staging area is rewritten only after the issuing thread has seen its previous
-// reduction's source read (bulk_wait_read), which it does before a barrier every writer passes.
+// Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; 1 and 2 per consumer
+// (warpgroup_barrier). A consumer's shared dQ staging part is rewritten only after its issuing
+// thread has seen the previous reduction's source read (bulk_wait_read) and the warpgroup has
+// passed a barrier behind it.
 constexpr int kBwdSm90BlockN = 128;
-constexpr int kBwdSm90Warpgroups = 2;
-constexpr int kBwdSm90Threads = kBwdSm90Warpgroups * kWarpgroupThreads;
-constexpr int kBwdSm90Stages = 2;  // Q/dO/lse/delta buffers: this step's and the next one's
+constexpr int kBwdSm90Consumers = 2;
+constexpr int kBwdSm90Threads = (kBwdSm90Consumers + 1) * kWarpgroupThreads;
+constexpr int kBwdSm90Stages = 2;     // Q/dO/lse/delta stages of the producer's ring
+constexpr int kBwdSm90DsBuffers = 2;  // dS^T buffers: a step's, and the one the delayed dQ GEMM reads
+constexpr int kBwdSm90ProducerRegs = 24;
+constexpr int kBwdSm90ConsumerRegs = consumer_registers(kBwdSm90Consumers, kBwdSm90ProducerRegs);
+// mbarriers: kv_full, full and empty per stage, ds_full and ds_empty per dS^T buffer
+constexpr int kBwdSm90Barriers = 1 + 2 * kBwdSm90Stages + 2 * kBwdSm90DsBuffers;
+// the full barrier's arrivals: the producer lane's expect_tx and the loading warp's cp.async lanes
+constexpr int kBwdSm90FullArrivals = 1 + kWarpSize;
 constexpr int kBwdDqNone = 0;
 constexpr int kBwdDqAtomic = 1;
 constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
-constexpr int kBwdDqHandoffBarrier = 3;
 
-// dQ columns per warpgroup: all of D at D = 64 (own keys), half of D at D = 128 (all keys)
+// dQ columns per consumer: all of D at D = 64 (own keys), half of D at D = 128 (all keys)
 template <int HEAD_DIM>
 __host__ __device__ constexpr bool bwd_sm90_dq_own_keys() { return HEAD_DIM <= kSwizzlePanelCols; }
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_cols() {
-  return bwd_sm90_dq_own_keys<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Warpgroups;
+  return bwd_sm90_dq_own_keys<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Consumers;
 }
-// parts of a bulk dQ tile, each reduced by one thread (HEAD_DIM / kDqCols)
+// parts of a bulk dQ tile (HEAD_DIM / kDqCols)
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_parts() { return HEAD_DIM / bwd_sm90_dq_cols<HEAD_DIM>(); }
-
-// cp.async copies of [ROWS, COLS] row blocks into a SwizzledTile by all THREADS threads. Each
-// thread keeps one 16-byte column chunk and walks the rows kRowsPerPass apart; a pass is a
-// multiple of 8 rows, so the thread's swizzled offset moves by a constant per pass and the
-// address arithmetic is set up once per kernel, not per copy.
-template <typename T, int ROWS, int COLS, int THREADS>
-struct SwizzledLoader {
-  using Tile = SwizzledTile<ROWS, COLS>;
-  static constexpr int kChunksPerRow = COLS * sizeof(T) / kCopyBytes;
-  static constexpr int kRowsPerPass = THREADS / kChunksPerRow;
-  static constexpr int kPasses = ROWS / kRowsPerPass;
-  static_assert(THREADS % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 && ROWS % kRowsPerPass == 0,
-                "passes of whole swizzle atoms tile the block");
-  int row0, column, smem_offset;
-
-  __device__ __forceinline__ SwizzledLoader() {
-    const int chunk = threadIdx.x % kChunksPerRow;
-    row0 = threadIdx.x / kChunksPerRow;
-    column = chunk * (kCopyBytes / static_cast<int>(sizeof(T)));
-    smem_offset = Tile::chunk_offset(row0, chunk);
-  }
-
-  // rows [0, ROWS) from `gmem` (row pitch `row_stride` elements); rows at or past `valid_rows` read 0
-  __device__ __forceinline__ void load(unsigned char* tile, const T* gmem, i64 row_stride, int valid_rows) const {
-    const T* src = gmem + row0 * row_stride + column;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const bool valid = row0 + pass * kRowsPerPass < valid_rows;
-      cp_async_16(tile + smem_offset + pass * kRowsPerPass * kSwizzleRowBytes, valid ? src : gmem, valid);
-      src += kRowsPerPass * row_stride;
-    }
-  }
-};
 
 // dst[0..3] += v (dst 16-byte aligned): Hopper's vector atomic, a quarter of the scalar operations.
 __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
@@ -590,35 +583,33 @@ __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
 }
 
 // Shared memory of flash_bwd_sm90_kernel, byte offsets from a 1024-byte-aligned base. Python
-// mirrors kBytes (cuattn/attention.py, BwdSm90Tile).
+// mirrors kBytes (cuattn/attention.py, BwdTile.smem_bytes).
 template <int HEAD_DIM, int BLOCK_M, bool BULK_DQ>
 struct BwdSm90Smem {
   static constexpr int STAGES = kBwdSm90Stages;
   using KTile = SwizzledTile<kBwdSm90BlockN, HEAD_DIM>;  // K, V   [BLOCK_N, D]
   using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;         // Q, dO  [BLOCK_M, D] per stage
-  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;   // dS^T   [BLOCK_N, BLOCK_M]
+  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;   // dS^T   [BLOCK_N, BLOCK_M] per buffer
   static constexpr int kK = 0;
   static constexpr int kV = kK + KTile::kBytes;
   static constexpr int kQ = kV + KTile::kBytes;
   static constexpr int kdO = kQ + STAGES * QTile::kBytes;
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
-  static constexpr int kLse = kdS + STile::kBytes;                     // [STAGES, BLOCK_M] fp32, natural log
+  static constexpr int kLse = kdS + kBwdSm90DsBuffers * STile::kBytes;  // [STAGES, BLOCK_M] fp32, natural log
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
-  static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);  // bulk dQ: [BLOCK_M * D] fp32
-  static constexpr int kdQBytes = BULK_DQ ? BLOCK_M * HEAD_DIM * sizeof(float) : 0;
+  static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);  // bulk dQ: [consumers, BLOCK_M * kDqCols] fp32
+  static constexpr int kdQBytes =
+      BULK_DQ ? kBwdSm90Consumers * BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float) : 0;
+  static constexpr int kBarriers = kdQ + kdQBytes;  // [kBwdSm90Barriers] mbarriers
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
-  static constexpr int kBytes = kdQ + kdQBytes + kSwizzleAtomBytes;
+  static constexpr int kBytes = kBarriers + kBwdSm90Barriers * kMbarrierBytes + kSwizzleAtomBytes;
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int DQ_MODE, bool ALIBI>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
-flash_bwd_sm90_kernel(const BwdParams<T> p) {
-  // the arrays as __restrict__ locals, as the positional arguments were: no two alias, so
-  // loads may take the read-only path and stay in flight across stores
-  const T* __restrict__ q = p.q;
-  const T* __restrict__ k = p.k;
-  const T* __restrict__ v = p.v;
-  const T* __restrict__ dout = p.dout;
+flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
+  // the arrays as __restrict__ locals: no two alias, so loads may take the read-only path and
+  // stay in flight across stores
   const float* __restrict__ lse = p.lse;
   const float* __restrict__ delta = p.delta;
   float* __restrict__ dq_accum = p.dq_accum;
@@ -630,22 +621,25 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
   using KTile = typename Smem::KTile;
   using QTile = typename Smem::QTile;
   using STile = typename Smem::STile;
+  constexpr int STAGES = Smem::STAGES;
   constexpr int BLOCK_N = kBwdSm90BlockN;
-  constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Warpgroups;
-  // dQ of one warpgroup: half of D over all keys, or (D = 64) all of D over its own keys
+  constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Consumers;
+  constexpr int kPanels = HEAD_DIM / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
+  // dQ of one consumer: half of D over all keys, or (D = 64) all of D over its own keys
   constexpr bool kDqOwnKeys = bwd_sm90_dq_own_keys<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   constexpr int kDqKeys = kDqOwnKeys ? kKeysPerWarpgroup : BLOCK_N;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
   using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
   using DQ = Wgmma<T, kDqCols>;   // dQ: 64 queries x kDqCols
-  static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per warpgroup");
+  static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dV, dK and dQ tiles of n64 or n128");
   static_assert(bwd_sm90_dq_parts<HEAD_DIM>() <= kBwdSm90DqPartsMax, "a semaphore per part");
   // one part of a bulk dQ tile: BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
   constexpr int kDqPartFloats = BLOCK_M * kDqCols;
   static_assert(kDqPartFloats == DQ::kAccumulators * kWarpgroupThreads, "a part is one warpgroup's accumulators");
+  static_assert(kBwdSm90ConsumerRegs == 240, "two consumers at 240 registers");
 
   // (kv head, key block) of this CTA: the grid position, or (ordered dQ) the ticket's, so that
   // the semaphore waits only ever point at CTAs that started earlier
@@ -672,28 +666,15 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
   const u32 raw_addr = smem_address(smem_raw);
   const u32 smem0 = (raw_addr + kSwizzleAtomBytes - 1) & ~static_cast<u32>(kSwizzleAtomBytes - 1);
   unsigned char* base = smem_raw + (smem0 - raw_addr);
-  const u32 sK = smem0 + Smem::kK, sV = smem0 + Smem::kV, sdS = smem0 + Smem::kdS;
+  const u32 sK = smem0 + Smem::kK, sV = smem0 + Smem::kV;
   float* sLse = reinterpret_cast<float*>(base + Smem::kLse);
   float* sDelta = reinterpret_cast<float*>(base + Smem::kDelta);
-
-  const int wg = threadIdx.x / kWarpgroupThreads;
-  const int wg_thread = threadIdx.x % kWarpgroupThreads;
-  const int wg_warp = (threadIdx.x / kWarpSize) % kWarpsPerWarpgroup;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / kQuadSize, tq = lane % kQuadSize;
-  const int key0 = wg * kKeysPerWarpgroup;  // this warpgroup's keys within the block
-  const int dq_key0 = kDqOwnKeys ? key0 : 0, dq_col0 = kDqOwnKeys ? 0 : wg * kDqCols;
-
-  // K and V of this block stay for the whole CTA
-  {
-    const SwizzledLoader<T, BLOCK_N, HEAD_DIM, kBwdSm90Threads> kv_loader;
-    kv_loader.load(base + Smem::kK, k + b * p.k_sb + (pb.k_start + n0) * p.k_ss + hk * p.k_sh, p.k_ss, pb.seqlen_k - n0);
-    kv_loader.load(base + Smem::kV, v + b * p.v_sb + (pb.k_start + n0) * p.v_ss + hk * p.v_sh, p.v_ss, pb.seqlen_k - n0);
-  }
-
-  float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this warpgroup's 64 keys x D
-#pragma unroll
-  for (int i = 0; i < KV::kAccumulators; ++i) dK[i] = dV[i] = 0.f;
+  const u32 bars = smem0 + Smem::kBarriers;
+  const u32 kv_full = bars;
+  const auto full = [&](int stage) { return bars + (1 + stage) * kMbarrierBytes; };
+  const auto empty = [&](int stage) { return bars + (1 + STAGES + stage) * kMbarrierBytes; };
+  const auto ds_full = [&](int buf) { return bars + (1 + 2 * STAGES + buf) * kMbarrierBytes; };
+  const auto ds_empty = [&](int buf) { return bars + (1 + 2 * STAGES + kBwdSm90DsBuffers + buf) * kMbarrierBytes; };
 
   // Query rows that see any of keys [n0, n0 + BLOCK_N) (as in flash_bwd_kernel)
   const int m_begin = max(0, n0 - pb.offset - pb.window_right);
@@ -713,56 +694,194 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
     m = m >= m_blocks ? m - m_blocks : m;
     return (m_block_begin + m) * BLOCK_M;
   };
+  const auto step_head = [&](int step) { return hk * group + step / m_blocks; };
 
-  // the fields the lambdas below read, as locals: a lambda that captured p by reference would
-  // take the parameter's address and put the whole struct in local memory
-  const i64 q_sb = p.q_sb;
-  const i64 q_ss = p.q_ss;
-  const i64 q_sh = p.q_sh;
-  const i64 do_sb = p.do_sb;
-  const i64 do_ss = p.do_ss;
-  const i64 do_sh = p.do_sh;
-  const i64 lse_sb = p.lse_sb;
-  const i64 lse_sh = p.lse_sh;
-  // Q, dO, lse and delta of step `step` into stage `stage`, all cp.async (rows past the end read
-  // 0: such rows only appear in tiles that take the mask, which zeroes their probabilities)
-  const SwizzledLoader<T, BLOCK_M, HEAD_DIM, kBwdSm90Threads> q_loader;
-  auto load_step = [&](int step, int stage) {
-    const int h = hk * group + step / m_blocks;
-    const int m0 = step_m0(step);
-    q_loader.load(base + Smem::kQ + stage * QTile::kBytes, q + b * q_sb + (pb.q_start + m0) * q_ss + h * q_sh, q_ss,
-                  pb.seqlen_q - m0);
-    q_loader.load(base + Smem::kdO + stage * QTile::kBytes,
-                  dout + b * do_sb + (pb.q_start + m0) * do_ss + h * do_sh, do_ss, pb.seqlen_q - m0);
-    for (int i = threadIdx.x; i < BLOCK_M; i += kBwdSm90Threads) {
-      const bool valid = m0 + i < pb.seqlen_q;
-      const i64 at = b * lse_sb + h * lse_sh + pb.q_start + m0 + i;
-      cp_async_4(sLse + stage * BLOCK_M + i, valid ? lse + at : lse, valid);
-      cp_async_4(sDelta + stage * BLOCK_M + i, valid ? delta + at : delta, valid);
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&p.q_map);
+    prefetch_tensor_map(&p.k_map);
+    prefetch_tensor_map(&p.v_map);
+    prefetch_tensor_map(&p.do_map);
+    mbarrier_init(kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(full(s), kBwdSm90FullArrivals);
+      mbarrier_init(empty(s), kBwdSm90Consumers * kWarpgroupThreads);
+    }
+    for (int i = 0; i < kBwdSm90DsBuffers; ++i) {
+      mbarrier_init(ds_full(i), kBwdSm90Consumers * kWarpgroupThreads);
+      mbarrier_init(ds_empty(i), kBwdSm90Consumers * kWarpgroupThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / kWarpgroupThreads;
+  const int lane = threadIdx.x % kWarpSize;
+  if (wg == 0) {
+    // ---- producer: warp 0 loads (lane 0 the TMA boxes, every lane its rows of lse and delta);
+    // the other warps only give their registers up
+    registers_decrease<kBwdSm90ProducerRegs>();
+    if (threadIdx.x >= kWarpSize || steps == 0) return;
+    const int tma_b = p.cu_seqlens_q != nullptr ? 0 : b;  // varlen: the packed view's one batch entry
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(kv_full, 2 * KTile::kBytes);
+      const int row = static_cast<int>(pb.k_start) + n0;
+#pragma unroll
+      for (int panel = 0; panel < kPanels; ++panel) {
+        tma_load_4d(sK + panel * KTile::kPanelBytes, &p.k_map, kv_full, panel * kSwizzlePanelCols, row, hk, tma_b);
+        tma_load_4d(sV + panel * KTile::kPanelBytes, &p.v_map, kv_full, panel * kSwizzlePanelCols, row, hk, tma_b);
+      }
+    }
+    for (int step = 0; step < steps; ++step) {
+      const int stage = step % STAGES;
+      const int h = step_head(step);
+      const int m0 = step_m0(step);
+      // every consumer is done with the step that used this stage before
+      mbarrier_wait(empty(stage), ((step / STAGES) & 1) ^ 1);
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(full(stage), 2 * QTile::kBytes);
+        const int row = static_cast<int>(pb.q_start) + m0;
+        const u32 sQ = smem0 + Smem::kQ + stage * QTile::kBytes, sdO = smem0 + Smem::kdO + stage * QTile::kBytes;
+#pragma unroll
+        for (int panel = 0; panel < kPanels; ++panel) {
+          tma_load_4d(sQ + panel * QTile::kPanelBytes, &p.q_map, full(stage), panel * kSwizzlePanelCols, row, h, tma_b);
+          tma_load_4d(sdO + panel * QTile::kPanelBytes, &p.do_map, full(stage), panel * kSwizzlePanelCols, row, h,
+                      tma_b);
+        }
+      }
+      // lse and delta rows [[[B, Hq, Sq]]] past the sequence read 0 (see above)
+      for (int i = lane; i < BLOCK_M; i += kWarpSize) {
+        const bool valid = m0 + i < pb.seqlen_q;
+        const i64 at = b * p.lse_sb + h * p.lse_sh + pb.q_start + m0 + i;
+        cp_async_4(sLse + stage * BLOCK_M + i, valid ? lse + at : lse, valid);
+        cp_async_4(sDelta + stage * BLOCK_M + i, valid ? delta + at : delta, valid);
+      }
+      cp_async_mbarrier_arrive_noinc(full(stage));
+    }
+    // (the warp's copies land before it exits)
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers: consumer c owns keys [64 c, 64 c + 64) of the block
+  registers_increase<kBwdSm90ConsumerRegs>();
+  const int c = wg - 1;
+  const int wg_thread = threadIdx.x % kWarpgroupThreads;
+  const int wg_warp = wg_thread / kWarpSize;
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
+  const int key0 = c * kKeysPerWarpgroup;  // this consumer's keys within the block
+  const int dq_key0 = kDqOwnKeys ? key0 : 0, dq_col0 = kDqOwnKeys ? 0 : c * kDqCols;
+  const u32 sdS = smem0 + Smem::kdS;
+
+  float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this consumer's 64 keys x D
+#pragma unroll
+  for (int i = 0; i < KV::kAccumulators; ++i) dK[i] = dV[i] = 0.f;
+  if (steps > 0) mbarrier_wait(kv_full, 0);
+
+  // dQ = dS K of step `src` (its dS^T in buffer src % 2) over keys [dq_key0, dq_key0 + kDqKeys),
+  // issued as one commit group: dS read MN-major from dS^T, K MN-major ([key][d]). At D = 128
+  // it first waits for both consumers' rows of the buffer. Step 0 at D = 128 (src -1) has no
+  // previous step: its GEMM reads the K tile (never rewritten) as dS and its result is dropped.
+  // Issued unconditionally, the GEMM keeps its accumulators out of a branch, which made ptxas
+  // serialise the wgmma and spill 828 bytes.
+  const auto issue_dq = [&](float (&dq)[DQ::kAccumulators], int src) {
+    const int buf = (src + kBwdSm90DsBuffers) % kBwdSm90DsBuffers;
+    if (!kDqOwnKeys && src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
+    const u32 dS_keys = (src < 0 ? sK : sdS + buf * STile::kBytes) + dq_key0 * kSwizzleRowBytes;
+    const u32 k_keys = sK + dq_key0 * kSwizzleRowBytes;
+#pragma unroll
+    for (int ks = 0; ks < kDqKeys / kWgmmaK; ++ks)
+      DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks), mnmajor_descriptor<KTile>(k_keys, dq_col0, ks),
+                            ks > 0);
+    wgmma_commit();
+  };
+
+  // (ordered dQ) whether a semaphore this thread waited for never came: a launch error at the end
+  bool semaphore_lost = false;
+  // dQ of step `src`, computed (the GEMM waited for), to global memory as DQ_MODE says
+  const auto emit_dq = [&](const float (&dq)[DQ::kAccumulators], int src) {
+    const int h = step_head(src);
+    const int m0 = step_m0(src);
+    if constexpr (DQ_MODE == kBwdDqAtomic) {
+      // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
+      // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
+      const bool odd = tq % 2;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int query = m0 + wg_warp * 16 + g + 8 * r;
+        float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * HEAD_DIM + dq_col0 +
+                     2 * (tq & ~1);
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; j += 2) {
+          const float* even_tile = dq + 4 * j + 2 * r;
+          const float* odd_tile = dq + 4 * (j + 1) + 2 * r;
+          // the pair this lane adds, and the one it hands its partner (selects, not a runtime
+          // index: the accumulator must stay in registers)
+          const float mine0 = odd ? odd_tile[0] : even_tile[0], mine1 = odd ? odd_tile[1] : even_tile[1];
+          const float give0 = odd ? even_tile[0] : odd_tile[0], give1 = odd ? even_tile[1] : odd_tile[1];
+          const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
+          const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
+          const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
+          if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
+        }
+      }
+    } else if constexpr (kBulkDq) {
+      // Stage the part in accumulator order (float4 j of thread t at j * 128 + t), once the
+      // previous reduction has read the staging part, then one thread reduces it into the tile
+      // accumulator (at D = 64 both consumers into the one part).
+      float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + c * (kDqPartFloats / 4);
+      if (wg_thread == 0) bulk_wait_read<0>();
+      warpgroup_barrier(c);
+#pragma unroll
+      for (int j = 0; j < DQ::kAccumulators / 4; ++j)
+        part[j * kWarpgroupThreads + wg_thread] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      // the stores reach the bulk copy's async proxy, and every thread's are in
+      fence_proxy_async();
+      warpgroup_barrier(c);
+      if (wg_thread == 0) {
+        const int part_index = kDqOwnKeys ? 0 : c;
+        // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
+        const int q_block0 =
+            p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
+        const int tile = b * static_cast<int>(p.acc_tile_sb) + h * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
+        float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
+        const u32 src_part = smem0 + Smem::kdQ + c * kDqPartFloats * static_cast<int>(sizeof(float));
+        constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
+        if constexpr (DQ_MODE == kBwdDqOrdered) {
+          // rank among the key blocks that visit this query block (the range [first, last])
+          const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
+          const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
+                               (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
+          int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
+          const int key_block_now = n0 / BLOCK_N;
+          const int rank = p.dq_descending ? last - key_block_now : key_block_now - first;
+          if (!semaphore_wait_equal(sem, kDqOwnKeys ? kBwdSm90Consumers * rank + c : rank)) semaphore_lost = true;
+          // the earlier reductions (released with the semaphore) come before ours
+          fence_proxy_async_global();
+          bulk_reduce_add_f32(dst, src_part, kPartBytes);
+          bulk_commit();
+          bulk_wait<0>();
+          fence_proxy_async_global();
+          semaphore_increment(sem);
+        } else {
+          bulk_reduce_add_f32(dst, src_part, kPartBytes);
+          bulk_commit();
+        }
+      }
     }
   };
 
-  if (steps > 0) load_step(0, 0);
-  cp_async_commit();
-
   for (int step = 0; step < steps; ++step) {
-    const int stage = step % kBwdSm90Stages;
-    const int h = hk * group + step / m_blocks;
+    const int stage = step % STAGES;
+    const int h = step_head(step);
     const int m0 = step_m0(step);
-    // this step's tiles have landed (the only group in flight) and are visible to wgmma; the
-    // barrier also means every warpgroup finished the previous step, so its stage and the dS^T
-    // tile may now be overwritten: prefetch the next step there
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    if (step + 1 < steps) load_step(step + 1, (step + 1) % kBwdSm90Stages);
-    cp_async_commit();
+    // this step's Q, dO (TMA) and lse, delta (cp.async) have landed
+    mbarrier_wait(full(stage), (step / STAGES) & 1);
     const u32 cQ = smem0 + Smem::kQ + stage * QTile::kBytes;
     const u32 cdO = smem0 + Smem::kdO + stage * QTile::kBytes;
     const float* cLse = sLse + stage * BLOCK_M;
     const float* cDelta = sDelta + stage * BLOCK_M;
 
-    // S^T = K Q^T and dP^T = V dO^T on this warpgroup's 64 keys x BLOCK_M queries, as two
+    // S^T = K Q^T and dP^T = V dO^T on this consumer's 64 keys x BLOCK_M queries, as two
     // groups: the exponentials of P^T run while dP^T is still in the tensor cores
     float s[SdP::kAccumulators], dp[SdP::kAccumulators];
     wgmma_fence();
@@ -780,15 +899,14 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float l = cLse[8 * j + 2 * tq + c];
-        lse2[j][c] = l == -infinity() ? infinity() : l * kLog2e;  // empty rows: P = 0, never NaN
+      for (int e = 0; e < 2; ++e) {
+        const float l = cLse[8 * j + 2 * tq + e];
+        lse2[j][e] = l == -infinity() ? infinity() : l * kLog2e;  // empty rows: P = 0, never NaN
       }
     wgmma_wait<1>();
     fence_registers(s);
 
-    // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary; packed into the
-    // A fragments of dV += P^T dO (k step j = queries 16 j .. 16 j + 15)
+    // P^T = exp2(S^T * scale - lse2): masked only on tiles that cross a boundary
     const int key_row = n0 + key0 + wg_warp * 16 + g;
     // the fields the lambdas below read, as locals: a lambda that captured p by reference would
     // take the parameter's address and put the whole struct in local memory
@@ -796,7 +914,7 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
     const i64 alibi_sb = p.alibi_sb;
     // lse2 of element e of query group j (query m0 + 8 j + 2 tq + e % 2, key key_row + 8 (e / 2)),
     // ALiBi's bias included; the slope is read where it is used (an L1 hit) instead of held in a
-    // register across the GEMM waits: the atomic-dQ variant has none to spare
+    // register across the GEMM waits
     const auto element_lse2 = [&](int j, int e) {
       return pb.alibi_lse2<ALIBI>(lse2[j][e % 2], bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h),
                                   m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2));
@@ -812,41 +930,36 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
           s[4 * j + e] = prob;
         }
     });
-    u32 pa[BLOCK_M / kWgmmaK][4];
-#pragma unroll
-    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[j][r] = DT::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
 
-    // dS^T = P^T (dP^T - delta), packed the same way (delta read before the wait, as lse2)
+    // dS^T = P^T (dP^T - delta) (delta read before the wait, as lse2)
     float row_delta[BLOCK_M / 8][2];
 #pragma unroll
     for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c) row_delta[j][c] = cDelta[8 * j + 2 * tq + c];
+      for (int e = 0; e < 2; ++e) row_delta[j][e] = cDelta[8 * j + 2 * tq + e];
     wgmma_wait<0>();
     fence_registers(dp);
     u32 dsa[BLOCK_M / kWgmmaK][4];
-    // one copy of the loop per softcap case (7-13% faster on the H200 than a test per element),
-    // except in the bulk-dQ variant at D = 128 (a comparison mode, not dispatched by default),
-    // where the copies spill
-    constexpr bool kSoftcapCopies = !(DQ_MODE == kBwdDqBulk && HEAD_DIM == 128);
-    const auto ds_loop = [&](auto cap) {
+    // one copy of the loop per softcap case (7-13% faster on the H200 than a test per element)
+    with_tile_flags(false, softcap, [&](auto, auto cap) {
 #pragma unroll
       for (int j = 0; j < BLOCK_M / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float lse2_e = element_lse2(j, e);
-          const bool capped = kSoftcapCopies ? decltype(cap)::value : softcap;
-          dp[4 * j + e] = capped ? pb.template score_grad<true>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2_e)
-                                 : pb.template score_grad<false>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2], lse2_e);
-        }
-    };
-    with_tile_flags(false, kSoftcapCopies && softcap, [&](auto, auto cap) { ds_loop(cap); });
+        for (int e = 0; e < 4; ++e)
+          dp[4 * j + e] = pb.template score_grad<decltype(cap)::value>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2],
+                                                                       element_lse2(j, e));
+    });
+    // P^T and dS^T packed into the A fragments of the two GEMMs below (k step j = queries
+    // 16 j .. 16 j + 15), only now: packed P^T held across the dS loop cost 16 registers where
+    // the consumers have none to spare
+    u32 pa[BLOCK_M / kWgmmaK][4];
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) dsa[j][r] = DT::pack(dp[8 * j + 2 * r], dp[8 * j + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r) {
+        pa[j][r] = DT::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+        dsa[j][r] = DT::pack(dp[8 * j + 2 * r], dp[8 * j + 2 * r + 1]);
+      }
 
     // dV += P^T dO and dK += dS^T Q: 64 keys x D over this block's queries
     wgmma_fence(dV, dK, pa, dsa);
@@ -859,138 +972,60 @@ flash_bwd_sm90_kernel(const BwdParams<T> p) {
     wgmma_commit();
 
     if constexpr (DQ_MODE != kBwdDqNone) {
-      // dS^T to shared memory: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
+      // dS^T to buffer step % 2: fragment register r of k step j holds rows +8 (r odd), columns
+      // +8 (r >= 2). At D = 128 the buffer's last reader (the dQ GEMMs of two steps back) must be
+      // done; at D = 64 this consumer's own GEMM of two steps back read its rows, and the
+      // warpgroup barrier of the last step came after that
+      const int buf = step % kBwdSm90DsBuffers;
+      if constexpr (!kDqOwnKeys) mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
+      unsigned char* dS_tile = base + Smem::kdS + buf * STile::kBytes;
 #pragma unroll
       for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int row = key0 + wg_warp * 16 + g + 8 * (r % 2);
           const int col = 16 * j + 8 * (r / 2) + 2 * tq;
-          *reinterpret_cast<u32*>(base + Smem::kdS + STile::offset(row, col)) = dsa[j][r];
+          *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
         }
-      // every dS^T row the dQ GEMM reads is written and visible to wgmma: the whole tile, or
-      // (own keys) this warpgroup's rows
+      // the rows are visible to wgmma, and (D = 128) announced to the other consumer
       fence_proxy_async();
-      if constexpr (kDqOwnKeys) {
-        warpgroup_barrier(wg);
-      } else {
-        // (bulk) this warpgroup's staging part is rewritten below: its previous reduction must
-        // have read it, and the barrier passes that on to the whole warpgroup
-        if (kBulkDq && wg_thread == 0) bulk_wait_read<0>();
-        __syncthreads();
-      }
-      // dQ = dS K over keys [dq_key0, dq_key0 + kDqKeys): dS read MN-major from dS^T, K MN-major ([key][d])
-      const u32 dS_keys = sdS + dq_key0 * kSwizzleRowBytes, k_keys = sK + dq_key0 * kSwizzleRowBytes;
-      float dq[DQ::kAccumulators];
-#pragma unroll
-      for (int ks = 0; ks < kDqKeys / kWgmmaK; ++ks)
-        DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks),
-                              mnmajor_descriptor<KTile>(k_keys, dq_col0, ks), ks > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(dq);
-      // the dV and dK GEMMs are done too: their A fragments are free from here on
-      fence_registers(pa);
-      fence_registers(dsa);
-      fence_registers(dV);
-      fence_registers(dK);
-      if constexpr (DQ_MODE == kBwdDqAtomic) {
-        // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
-        // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
-        const bool odd = tq % 2;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int query = m0 + wg_warp * 16 + g + 8 * r;
-          float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * HEAD_DIM + dq_col0 +
-                       2 * (tq & ~1);
-#pragma unroll
-          for (int j = 0; j < kDqCols / 8; j += 2) {
-            const float* even_tile = dq + 4 * j + 2 * r;
-            const float* odd_tile = dq + 4 * (j + 1) + 2 * r;
-            // the pair this lane adds, and the one it hands its partner (selects, not a runtime
-            // index: the accumulator must stay in registers)
-            const float mine0 = odd ? odd_tile[0] : even_tile[0], mine1 = odd ? odd_tile[1] : even_tile[1];
-            const float give0 = odd ? even_tile[0] : odd_tile[0], give1 = odd ? even_tile[1] : odd_tile[1];
-            const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
-            const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
-            const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
-            if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
-          }
-        }
-      } else {
-        // Stage the tile in accumulator order (float4 j of thread t at j * 128 + t), then one
-        // thread per part reduces the part into the tile accumulator. Own keys (D = 64): one part
-        // for both warpgroups; warpgroup 0 stores its share and signals, warpgroup 1 adds its own
-        // (always in that order: bit-identical sums) and issues.
-        float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + (kDqOwnKeys ? 0 : wg) * (kDqPartFloats / 4);
-        const bool issuing_warpgroup = !kDqOwnKeys || wg == 1;
-        if (kDqOwnKeys && wg == 1)
-          asm volatile("bar.sync %0, %1;\n" ::"n"(kBwdDqHandoffBarrier), "n"(kBwdSm90Threads) : "memory");
-#pragma unroll
-        for (int j = 0; j < DQ::kAccumulators / 4; ++j) {
-          float4 quad = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-          if (kDqOwnKeys && wg == 1) {
-            const float4 first = part[j * kWarpgroupThreads + wg_thread];
-            quad = make_float4(first.x + quad.x, first.y + quad.y, first.z + quad.z, first.w + quad.w);
-          }
-          part[j * kWarpgroupThreads + wg_thread] = quad;
-        }
-        if (!issuing_warpgroup) {
-          asm volatile("bar.arrive %0, %1;\n" ::"n"(kBwdDqHandoffBarrier), "n"(kBwdSm90Threads) : "memory");
-        } else {
-          // the stores reach the bulk copy's async proxy, and every thread's are in
-          fence_proxy_async();
-          warpgroup_barrier(wg);
-          if (wg_thread == 0) {
-            const int part_index = kDqOwnKeys ? 0 : wg;
-            // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
-            const int q_block0 =
-                p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
-            const int tile = b * static_cast<int>(p.acc_tile_sb) + h * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
-            float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
-            const u32 src = smem0 + Smem::kdQ + part_index * kDqPartFloats * static_cast<int>(sizeof(float));
-            constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
-            if constexpr (DQ_MODE == kBwdDqOrdered) {
-              // rank among the key blocks that visit this query block (the range [first, last])
-              const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
-              const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
-                                   (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
-              int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
-              // (the key block from n0, which the masks keep live anyway: no register of its own)
-              const int key_block_now = n0 / BLOCK_N;
-              semaphore_wait_equal(sem, p.dq_descending ? last - key_block_now : key_block_now - first);
-              // the earlier CTAs' reductions (released with the semaphore) come before ours
-              fence_proxy_async_global();
-              bulk_reduce_add_f32(dst, src, kPartBytes);
-              bulk_commit();
-              bulk_wait<0>();
-              fence_proxy_async_global();
-              semaphore_increment(sem);
-            } else {
-              bulk_reduce_add_f32(dst, src, kPartBytes);
-              bulk_commit();
-              // own keys: warpgroup 0 rewrites the part after the next step's first barrier,
-              // which this thread reaches only once the part has been read
-              if constexpr (kDqOwnKeys) bulk_wait_read<0>();
-            }
-          }
-        }
-      }
-    } else {
-      wgmma_wait<0>();
-      // the A fragments and accumulators are free again only now
-      fence_registers(pa);
-      fence_registers(dsa);
-      fence_registers(dV);
-      fence_registers(dK);
+      if constexpr (kDqOwnKeys) warpgroup_barrier(c);
+      else mbarrier_arrive(ds_full(buf));
+    }
+    // the dQ GEMM: this step's (own keys), or the previous step's (all keys, whose dS^T rows the
+    // other consumer wrote a step ago)
+    const int dq_src = kDqOwnKeys ? step : step - 1;
+    float dq[DQ::kAccumulators];
+    if constexpr (DQ_MODE != kBwdDqNone) issue_dq(dq, dq_src);
+    wgmma_wait<0>();
+    fence_registers(dq);
+    // the dV and dK GEMMs are done too: their A fragments are free from here on, and the stage
+    // goes back to the producer
+    fence_registers(pa);
+    fence_registers(dsa);
+    fence_registers(dV);
+    fence_registers(dK);
+    mbarrier_arrive(empty(stage));
+    if (DQ_MODE != kBwdDqNone && dq_src >= 0) {
+      if constexpr (!kDqOwnKeys) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+      emit_dq(dq, dq_src);
     }
   }
-  cp_async_wait<0>();
+  // all keys: the last step's dQ
+  if (DQ_MODE != kBwdDqNone && !kDqOwnKeys && steps > 0) {
+    float dq[DQ::kAccumulators];
+    wgmma_fence();
+    issue_dq(dq, steps - 1);
+    wgmma_wait<0>();
+    fence_registers(dq);
+    emit_dq(dq, steps - 1);
+  }
 
   // (bulk) the last reductions read their staging part before the CTA's shared memory goes
   if (kBulkDq && wg_thread == 0) bulk_wait<0>();
+  if (DQ_MODE == kBwdDqOrdered && warpgroup_any(c, semaphore_lost)) __trap();
 
-  // dK (times the softmax scale) and dV of this warpgroup's 64 keys
+  // dK (times the softmax scale) and dV of this consumer's 64 keys
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;

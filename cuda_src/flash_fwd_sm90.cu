@@ -102,9 +102,6 @@ namespace cuattn {
 // D = 256 tile ran 2-3% slower, so the dense variants keep 240).
 constexpr int kFwdSm90ProducerRegs = 24;
 constexpr int kFwdSm90PagedProducerRegs = 48;
-constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
-constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
-constexpr int kMbarrierBytes = 8;
 // Dynamic shared memory one CTA may have on sm_90 (227 KB).
 constexpr int kFwdSm90MaxSmem = 232448;
 // Barrier ids: 0 is __syncthreads; the pingpong turn of consumer c is kFwdSm90TurnBarrier + c,
@@ -286,15 +283,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
   static_assert(!(ALIBI && PAGED), "paged_attention_varlen takes no ALiBi");
-  // The registers the consumers take. The launch gives each thread kLaunchRegs (the register file
-  // over the CTA's threads in whole granules: 168 with two consumers, 128 with three); setmaxnreg
-  // hands what the producer gives up to the consumers, and an increase past that pool waits
-  // forever. 240 with two consumers, 160 with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
+  // The registers the consumers take (consumer_registers, tma.cuh): 240 with two consumers, 160
+  // with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
-  constexpr int kLaunchRegs =
-      kRegistersPerSm / (kWarpgroupThreads * (CONSUMERS + 1)) / kRegisterGranule * kRegisterGranule;
-  constexpr int kConsumerRegs =
-      (kLaunchRegs * (CONSUMERS + 1) - kProducerRegs) / CONSUMERS / kRegisterGranule * kRegisterGranule;
+  constexpr int kConsumerRegs = consumer_registers(CONSUMERS, kProducerRegs);
 
   // Persistent grid: the producer picks the tiles (the file's opening comment) and runs ahead
   // into the next tile's loads while the consumers finish this one's epilogue. Tile indices are

@@ -113,6 +113,10 @@ struct FwdParams {
 // Strides are in elements, in the order batch (sb), row (ss), head (sh).
 template <typename T>
 struct BwdParams {
+  TensorMap q_map;         // the sm_90a kernel's TMA views (flash_bwd.cu), else zero
+  TensorMap k_map;
+  TensorMap v_map;
+  TensorMap do_map;
   const T* q;              // [B, Sq, Hq, D]
   const T* k;              // [B, Sk, Hk, D]
   const T* v;              // [B, Sk, Hk, Dv]

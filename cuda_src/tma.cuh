@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "wgmma.cuh"  // kWarpgroupThreads
 
 namespace cuattn {
 
@@ -25,6 +26,8 @@ namespace cuattn {
 struct alignas(64) TensorMap {
   unsigned long long raw[16];
 };
+
+constexpr int kMbarrierBytes = 8;  // one mbarrier (.b64) in shared memory
 
 __device__ __forceinline__ void mbarrier_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -69,6 +72,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
       : "memory");
 }
 
+constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
+constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
+
+// The registers each consumer warpgroup of a warp-specialised CTA (one producer warpgroup giving
+// up all but `producer_registers`, `consumers` consumer warpgroups, one CTA per SM) may take.
+// The launch gives every thread the register file over the CTA's threads in whole granules (168
+// with two consumers, 128 with three); setmaxnreg hands what the producer gives up to the
+// consumers, and an increase past that pool waits forever.
+__host__ __device__ constexpr int consumer_registers(int consumers, int producer_registers) {
+  return (kRegistersPerSm / (kWarpgroupThreads * (consumers + 1)) / kRegisterGranule * kRegisterGranule *
+              (consumers + 1) -
+          producer_registers) /
+         consumers / kRegisterGranule * kRegisterGranule;
+}
+
 // Hand registers between warpgroups (sm_90a): the producer gives its own up, the consumers take
 // them. Every warp of a warpgroup executes the same one.
 template <int REGISTERS>
@@ -78,6 +96,13 @@ __device__ __forceinline__ void registers_decrease() {
 template <int REGISTERS>
 __device__ __forceinline__ void registers_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+// The lane's cp.async copies issued so far arrive on `bar` once they have landed. The barrier's
+// expected count includes this arrival (.noinc), so a lane that loads a stage's small rows by
+// cp.async completes the stage with the TMA bytes without waiting for its own copies.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Named barriers over `threads` threads (id 0 is __syncthreads): sync waits for the count,
@@ -126,18 +151,21 @@ constexpr int kSemaphoreBackoffNs = 64;
 // Reads of a semaphore before a waiter gives up: at least kSemaphoreBackoffNs apart plus an L2
 // round trip each, so between about 2 s and 20 s, where a legitimate wait (for an earlier CTA
 // to reach the same tile) lasts microseconds to milliseconds. A value that never comes is a bug
-// in the ordering (or an earlier CTA that faulted); trapping turns a hung GPU into a launch error.
+// in the ordering (or an earlier CTA that faulted); the caller turns it into a launch error.
 constexpr int kSemaphoreMaxSpins = 1 << 25;
 
-// Spin until the global semaphore reads `value` (acquire, GPU scope).
-__device__ __forceinline__ void semaphore_wait_equal(const int* sem, int value) {
-  int seen;
-  for (int spins = 0;; ++spins) {
+// Spin until the global semaphore reads `value` (acquire, GPU scope): true when it did, false
+// when it had not after kSemaphoreMaxSpins reads. The caller traps on false where its whole
+// warpgroup can (warpgroup_any, wgmma.cuh): a trap on the spinning thread's own divergent path
+// made ptxas serialise the sm_90a backward's wgmma and spill 2 KB.
+__device__ __forceinline__ bool semaphore_wait_equal(const int* sem, int value) {
+  for (int spins = 0; spins < kSemaphoreMaxSpins; ++spins) {
+    int seen;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-    if (seen == value) break;
-    if (spins == kSemaphoreMaxSpins) __trap();
+    if (seen == value) return true;
     __nanosleep(kSemaphoreBackoffNs);
   }
+  return false;
 }
 // Add one to the global semaphore, releasing this thread's earlier writes (GPU scope).
 __device__ __forceinline__ void semaphore_increment(int* sem) {
