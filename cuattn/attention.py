@@ -1185,8 +1185,8 @@ class BwdTile:
         alignment slack."""
         if self.wgmma:
             # flash_bwd.cu's kBwdSm90BlockN keys, kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
-            # buffers and kBwdSm90Barriers mbarriers; a consumer's bulk dQ staging part is
-            # BLOCK_M x (D at D = 64, D / 2 at 128); swizzled tiles start on kSwizzleAtomBytes
+            # buffers and kBwdSm90Barriers mbarriers; a consumer's kBwdSm90DqStages bulk dQ staging
+            # parts are BLOCK_M x (D at D = 64, D / 2 at 128) each; swizzled tiles start on kSwizzleAtomBytes
             # boundaries, so that much slack rounds the base up
             c = _params.constant
             block_n, stages = c("kBwdSm90BlockN"), c("kBwdSm90Stages")
@@ -1195,7 +1195,7 @@ class BwdTile:
             ds = c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
             stats = 2 * stages * self.block_m * 4
             dq_cols = head_dim if head_dim <= c("kSwizzlePanelCols") else head_dim // consumers
-            staging = consumers * self.block_m * dq_cols * 4 if self.bulk_dq else 0
+            staging = consumers * c("kBwdSm90DqStages") * self.block_m * dq_cols * 4 if self.bulk_dq else 0
             barriers = c("kBwdSm90Barriers") * c("kMbarrierBytes")
             return tiles + ds + stats + staging + barriers + c("kSwizzleAtomBytes")
         pad = _params.constant("kPadElems")
@@ -1240,9 +1240,20 @@ BWD_TILES = {
 # (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the earlier
 # path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
 BWD_ORDERED_ALIBI_FALLBACK = (128,)
-# Head dims whose deterministic=True runs the ordered bulk reductions: where they measured faster
-# than flash_bwd_dq_kernel on the H200 (D = 128: 1.15-1.22x; D = 64: 4-7% slower, so not there).
+# Head dims whose backward runs the ordered bulk reductions, deterministic=True or not: where
+# they measured fastest on the H200. At D = 128 (warp-specialised kernel, dQ writer warps) they
+# run 1.08-1.31x the float4 atomics (the CTAs of a head walk the query blocks together, and their
+# Q, dO and dQ tiles meet in L2) and 1.08-1.27x the unordered bulk reductions, so the default is
+# bit-identical run to run there too; at D = 64, where both consumers reduce into one part in
+# turn, they run 0.71-0.81x the atomics from N = 4k up (and deterministic=True keeps
+# flash_bwd_dq_kernel, as fast). BENCHMARKS.md, "Hopper backward, warp-specialised".
 BWD_ORDERED_HEAD_DIMS = (128,)
+
+
+def bwd_ordered(tile: "BwdTile", head_dim: int, deterministic: bool) -> bool:
+    """Whether the backward's main kernel reduces dQ in a fixed order (kBwdDqOrdered): a bulk
+    tile, deterministic or at a head dim of BWD_ORDERED_HEAD_DIMS."""
+    return tile.bulk_dq and (deterministic or head_dim in BWD_ORDERED_HEAD_DIMS)
 
 
 def bwd_tile_dim(head_dim: int) -> int:
@@ -1253,11 +1264,10 @@ def bwd_tile_dim(head_dim: int) -> int:
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False,
              head_dim_v: int | None = None) -> BwdTile:
     """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``deterministic`` and
-    ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions for
-    deterministic=True where BWD_ORDERED_HEAD_DIMS says (1.15-1.22x faster than
-    flash_bwd_dq_kernel at D = 128 on the H200, 4-7% slower at D = 64) but float4 atomics otherwise (there the bulk reductions measured 0-4% slower: BENCHMARKS.md, "dQ by
-    bulk reductions"), and the earlier path where deterministic ALiBi would spill
-    (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
+    ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions where
+    BWD_ORDERED_HEAD_DIMS says, deterministic=True or not (the fastest path there), but float4
+    atomics otherwise (and flash_bwd_dq_kernel for deterministic=True), and the atomic path where
+    ALiBi's bulk variants would spill (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
     to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column), and so
     does a v head dim ``head_dim_v`` of its own (the tile is then that of the larger one)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -1265,7 +1275,7 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
     tile = BWD_TILES[tile_dim][arch_family(arch)]
     if tile.wgmma and (tile_dim != head_dim or head_dim_v != head_dim):
         return BWD_TILES[tile_dim][SM80]
-    ordered = deterministic and head_dim in BWD_ORDERED_HEAD_DIMS
+    ordered = head_dim in BWD_ORDERED_HEAD_DIMS
     if tile.bulk_dq and (not ordered or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
@@ -1284,7 +1294,7 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
     if t.wgmma:
         # flash_bwd.cu's DQ_MODE constants
         if t.bulk_dq:
-            mode = _params.constant("kBwdDqOrdered" if deterministic else "kBwdDqBulk")
+            mode = _params.constant("kBwdDqOrdered" if bwd_ordered(t, head_dim, deterministic) else "kBwdDqBulk")
         else:
             mode = _params.constant("kBwdDqNone" if deterministic else "kBwdDqAtomic")
         main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {mode}, {with_alibi}>"
@@ -1361,9 +1371,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
     and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` summed with atomics, whose
     order varies between runs. ``deterministic=True`` gives bit-identical gradients run after
-    run: a second kernel sums dQ in a fixed order (no accumulator), or on sm_90a at D = 64 and
-    128 the main kernel adds its dQ tiles in a fixed order (a tile accumulator of the same size
-    and one int32 semaphore per tile half). The sinks' gradient is
+    run: a second kernel sums dQ in a fixed order (no accumulator), or on sm_90a at D = 128 the
+    main kernel adds its dQ tiles in a fixed order (a tile accumulator of the same size and one
+    int32 semaphore per tile half), which is also the default there (the fastest path), so that
+    the default is bit-identical run to run too. The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
@@ -1535,7 +1546,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
         dq_accum = zeros((tiles, tile.block_m * head_dim), np.float32)
-        if deterministic:
+        if bwd_ordered(tile, head_dim, deterministic):
             # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
             semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
             ticket = zeros((1,), np.int32)

@@ -504,11 +504,14 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //   kBwdDqNone     not at all (flash_bwd_dq_kernel computes dQ: the older deterministic path)
 //   kBwdDqAtomic   float4 atomicAdd per element quad into dq_accum [B, Sq, Hq, D]; at D = 64 both
 //                  consumers add their keys' share (twice the atomics)
-//   kBwdDqBulk     each consumer stages its dQ part in shared memory and one thread of it issues
-//                  one cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
-//                  accumulator: a few instructions per tile instead of 2048 (D = 128) vector
-//                  atomics, and L2 sees whole lines. At D = 64 both consumers reduce their share
-//                  into the same (single) part
+//   kBwdDqBulk     each consumer stages its dQ part in shared memory (two parts in turn) and hands
+//                  it (dq_full) to a
+//                  dQ writer of its own, one lane of producer warp 1 + c, which issues one
+//                  cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
+//                  accumulator and frees the part (dq_empty) once it has been read: a few
+//                  instructions per tile instead of 2048 (D = 128) vector atomics, L2 sees whole
+//                  lines, and the consumer never waits for L2. At D = 64 both consumers reduce
+//                  their share into the same (single) part
 //   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile part happen in a fixed order, so
 //                  dQ is bit-identical run to run (deterministic=True) at the cost of the wait
 //
@@ -533,24 +536,26 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // block reaches a query block first because it starts at its diagonal). A part's reductions come
 // in turn order: rank at D = 128 (one consumer per part), 2 rank + c at D = 64 (both consumers
 // reduce into the one part, consumer 0 first). The issuing thread spins until the semaphore
-// equals its turn, reduces, waits for the writes to be performed and adds one. Deadlock-free
+// equals its turn, reduces, waits for the writes to be performed and adds one. That thread is
+// the consumer's dQ writer, so the waits stall no GEMM unless the writer falls a whole step behind. Deadlock-free
 // without co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it
 // only ever waits on CTAs with smaller tickets (or its own consumer 0), which were running before
 // it and themselves only wait on smaller tickets.
 //
 // Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; 1 and 2 per consumer
-// (warpgroup_barrier). A consumer's shared dQ staging part is rewritten only after its issuing
-// thread has seen the previous reduction's source read (bulk_wait_read) and the warpgroup has
-// passed a barrier behind it.
+// (warpgroup_barrier, D = 64's dS^T rows). A consumer rewrites its dQ staging part only after its
+// writer has seen the previous reduction read the part (bulk_wait_read, then dq_empty).
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
 constexpr int kBwdSm90Threads = (kBwdSm90Consumers + 1) * kWarpgroupThreads;
 constexpr int kBwdSm90Stages = 2;     // Q/dO/lse/delta stages of the producer's ring
 constexpr int kBwdSm90DsBuffers = 2;  // dS^T buffers: a step's, and the one the delayed dQ GEMM reads
+constexpr int kBwdSm90DqStages = 2;   // bulk dQ staging parts per consumer: one staged, one being read
 constexpr int kBwdSm90ProducerRegs = 24;
 constexpr int kBwdSm90ConsumerRegs = consumer_registers(kBwdSm90Consumers, kBwdSm90ProducerRegs);
-// mbarriers: kv_full, full and empty per stage, ds_full and ds_empty per dS^T buffer
-constexpr int kBwdSm90Barriers = 1 + 2 * kBwdSm90Stages + 2 * kBwdSm90DsBuffers;
+// mbarriers: kv_full, full and empty per stage, ds_full and ds_empty per dS^T buffer, dq_full and
+// dq_empty per bulk dQ staging part
+constexpr int kBwdSm90Barriers = 1 + 2 * kBwdSm90Stages + 2 * kBwdSm90DsBuffers + 2 * kBwdSm90Consumers * kBwdSm90DqStages;
 // the full barrier's arrivals: the producer lane's expect_tx and the loading warp's cp.async lanes
 constexpr int kBwdSm90FullArrivals = 1 + kWarpSize;
 constexpr int kBwdDqNone = 0;
@@ -597,9 +602,10 @@ struct BwdSm90Smem {
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
   static constexpr int kLse = kdS + kBwdSm90DsBuffers * STile::kBytes;  // [STAGES, BLOCK_M] fp32, natural log
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
-  static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);  // bulk dQ: [consumers, BLOCK_M * kDqCols] fp32
+  // bulk dQ staging: [consumers, kBwdSm90DqStages, BLOCK_M * kDqCols] fp32
+  static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);
   static constexpr int kdQBytes =
-      BULK_DQ ? kBwdSm90Consumers * BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float) : 0;
+      BULK_DQ ? kBwdSm90Consumers * kBwdSm90DqStages * BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float) : 0;
   static constexpr int kBarriers = kdQ + kdQBytes;  // [kBwdSm90Barriers] mbarriers
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
   static constexpr int kBytes = kBarriers + kBwdSm90Barriers * kMbarrierBytes + kSwizzleAtomBytes;
@@ -642,9 +648,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   static_assert(kBwdSm90ConsumerRegs == 240, "two consumers at 240 registers");
 
   // (kv head, key block) of this CTA: the grid position, or (ordered dQ) the ticket's, so that
-  // the semaphore waits only ever point at CTAs that started earlier
+  // the semaphore waits only ever point at CTAs that started earlier. Bulk dQ takes the key
+  // blocks in the ordered mode's order (descending where dq_descending says), so that the CTAs
+  // running at once walk the same query blocks together: their Q, dO and dQ tiles meet in L2.
   i64 bhk = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
-  int key_block = blockIdx.x;
+  int key_block = kBulkDq && p.dq_descending ? static_cast<int>(gridDim.x) - 1 - blockIdx.x : blockIdx.x;
   if constexpr (DQ_MODE == kBwdDqOrdered) {
     __shared__ int ticket;
     if (threadIdx.x == 0) ticket = atomicAdd(p.cta_ticket, 1);
@@ -675,6 +683,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const auto empty = [&](int stage) { return bars + (1 + STAGES + stage) * kMbarrierBytes; };
   const auto ds_full = [&](int buf) { return bars + (1 + 2 * STAGES + buf) * kMbarrierBytes; };
   const auto ds_empty = [&](int buf) { return bars + (1 + 2 * STAGES + kBwdSm90DsBuffers + buf) * kMbarrierBytes; };
+  // staging part `part` = c * kBwdSm90DqStages + stage
+  constexpr int kDqParts = kBwdSm90Consumers * kBwdSm90DqStages;
+  const auto dq_full = [&](int part) { return bars + (1 + 2 * STAGES + 2 * kBwdSm90DsBuffers + part) * kMbarrierBytes; };
+  const auto dq_empty = [&](int part) {
+    return bars + (1 + 2 * STAGES + 2 * kBwdSm90DsBuffers + kDqParts + part) * kMbarrierBytes;
+  };
 
   // Query rows that see any of keys [n0, n0 + BLOCK_N) (as in flash_bwd_kernel)
   const int m_begin = max(0, n0 - pb.offset - pb.window_right);
@@ -682,13 +696,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const int m_block_begin = m_begin / BLOCK_M;
   const int m_blocks = m_end > m_begin ? (m_end + BLOCK_M - 1) / BLOCK_M - m_block_begin : 0;
   const int steps = group * m_blocks;  // (query head, query block) pairs, head-major
-  // Every key block of a head adds into the same dQ rows: starting each CTA at a different query
-  // block spreads the atomics over the accumulator instead of queueing them on the same lines.
-  // Ordered reductions walk the query blocks in ascending order instead, so that the CTA a rank
-  // waits for reaches each block before it (descending ranks: it started further along) or at
-  // the same step (ascending ranks: then the CTAs of a head settle one reduction apart).
-  const int m_rotation =
-      DQ_MODE != kBwdDqOrdered && m_blocks > 0 ? static_cast<int>(blockIdx.x % m_blocks) : 0;
+  // Every key block of a head adds into the same dQ rows: with atomics, starting each CTA at a
+  // different query block spreads them over the accumulator instead of queueing them on the
+  // same lines. The bulk modes walk the query blocks in ascending order instead: ordered, so that
+  // the CTA a rank waits for reaches each block before it (descending ranks: it started further
+  // along) or at the same step (ascending ranks: then the CTAs of a head settle one reduction
+  // apart); and either way the CTAs share their Q and dO loads and dQ tiles in L2 (on the H200 the
+  // ordered mode ran 13-19% faster at D = 128 than the rotated atomics, the rotated bulk mode 0-5%
+  // slower than them).
+  const int m_rotation = !kBulkDq && m_blocks > 0 ? static_cast<int>(blockIdx.x % m_blocks) : 0;
   const auto step_m0 = [&](int step) {
     int m = step % m_blocks + m_rotation;
     m = m >= m_blocks ? m - m_blocks : m;
@@ -710,6 +726,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       mbarrier_init(ds_full(i), kBwdSm90Consumers * kWarpgroupThreads);
       mbarrier_init(ds_empty(i), kBwdSm90Consumers * kWarpgroupThreads);
     }
+    for (int part = 0; part < kDqParts; ++part) {
+      mbarrier_init(dq_full(part), kWarpgroupThreads);
+      mbarrier_init(dq_empty(part), 1);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -718,9 +738,56 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const int lane = threadIdx.x % kWarpSize;
   if (wg == 0) {
     // ---- producer: warp 0 loads (lane 0 the TMA boxes, every lane its rows of lse and delta);
-    // the other warps only give their registers up
+    // (bulk dQ) lane 0 of warp 1 + c reduces consumer c's staged dQ parts into the tile
+    // accumulator; the other threads only give their registers up
     registers_decrease<kBwdSm90ProducerRegs>();
-    if (threadIdx.x >= kWarpSize || steps == 0) return;
+    const int warp = threadIdx.x / kWarpSize;
+    if (steps == 0) return;
+    if constexpr (kBulkDq) {
+      if (warp >= 1 && warp <= kBwdSm90Consumers && lane == 0) {
+        // The dQ writer of consumer c, which stages the dQ of each step in turn (step i's is its
+        // i-th). The consumer never waits for L2: only for the writer to have issued the
+        // previous part's reduction and seen it read out of shared memory.
+        const int c = warp - 1;
+        const int part_index = kDqOwnKeys ? 0 : c;
+        constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
+        // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
+        const int q_block0 =
+            p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
+        for (int i = 0; i < steps; ++i) {
+          const int m0 = step_m0(i);
+          const int tile =
+              b * static_cast<int>(p.acc_tile_sb) + step_head(i) * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
+          float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
+          int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
+          const int part = c * kBwdSm90DqStages + i % kBwdSm90DqStages;
+          mbarrier_wait(dq_full(part), (i / kBwdSm90DqStages) & 1);
+          if constexpr (DQ_MODE == kBwdDqOrdered) {
+            // rank among the key blocks that visit this query block (the range [first, last])
+            const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
+            const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
+                                 (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
+            const int rank = p.dq_descending ? last - key_block : key_block - first;
+            if (!semaphore_wait_equal(sem, kDqOwnKeys ? kBwdSm90Consumers * rank + c : rank)) __trap();
+            // the earlier reductions (released with the semaphore) come before ours
+            fence_proxy_async_global();
+          }
+          bulk_reduce_add_f32(dst, smem0 + Smem::kdQ + part * kPartBytes, kPartBytes);
+          bulk_commit();
+          bulk_wait_read<0>();
+          mbarrier_arrive(dq_empty(part));  // the consumer may stage into it again
+          if constexpr (DQ_MODE == kBwdDqOrdered) {
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            semaphore_increment(sem);
+          }
+        }
+        // the reductions read their parts before the CTA's shared memory goes
+        bulk_wait<0>();
+        return;
+      }
+    }
+    if (warp != 0) return;
     const int tma_b = p.cu_seqlens_q != nullptr ? 0 : b;  // varlen: the packed view's one batch entry
     if (lane == 0) {
       mbarrier_arrive_expect_tx(kv_full, 2 * KTile::kBytes);
@@ -795,13 +862,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     wgmma_commit();
   };
 
-  // (ordered dQ) whether a semaphore this thread waited for never came: a launch error at the end
-  bool semaphore_lost = false;
   // dQ of step `src`, computed (the GEMM waited for), to global memory as DQ_MODE says
   const auto emit_dq = [&](const float (&dq)[DQ::kAccumulators], int src) {
-    const int h = step_head(src);
-    const int m0 = step_m0(src);
     if constexpr (DQ_MODE == kBwdDqAtomic) {
+      const int h = step_head(src);
+      const int m0 = step_m0(src);
       // lanes t and t ^ 1 hold neighbouring column pairs: swap halves so that each adds four
       // consecutive columns at once (the even lane of n8 tiles 2 p, the odd lane of 2 p + 1)
       const bool odd = tq % 2;
@@ -825,49 +890,25 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
         }
       }
     } else if constexpr (kBulkDq) {
-      // Stage the part in accumulator order (float4 j of thread t at j * 128 + t), once the
-      // previous reduction has read the staging part, then one thread reduces it into the tile
-      // accumulator (at D = 64 both consumers into the one part).
-      float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + c * (kDqPartFloats / 4);
-      if (wg_thread == 0) bulk_wait_read<0>();
-      warpgroup_barrier(c);
+      // Stage the part in accumulator order (float4 j of thread t at j * 128 + t) and hand it
+      // to the writer (the caller waited for the part to be free: dq_part_free)
+      const int part_index = c * kBwdSm90DqStages + src % kBwdSm90DqStages;
+      float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + part_index * (kDqPartFloats / 4);
 #pragma unroll
       for (int j = 0; j < DQ::kAccumulators / 4; ++j)
         part[j * kWarpgroupThreads + wg_thread] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      // the stores reach the bulk copy's async proxy, and every thread's are in
+      // the stores reach the bulk copy's async proxy before the writer reads them
       fence_proxy_async();
-      warpgroup_barrier(c);
-      if (wg_thread == 0) {
-        const int part_index = kDqOwnKeys ? 0 : c;
-        // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
-        const int q_block0 =
-            p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
-        const int tile = b * static_cast<int>(p.acc_tile_sb) + h * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
-        float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
-        const u32 src_part = smem0 + Smem::kdQ + c * kDqPartFloats * static_cast<int>(sizeof(float));
-        constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
-        if constexpr (DQ_MODE == kBwdDqOrdered) {
-          // rank among the key blocks that visit this query block (the range [first, last])
-          const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
-          const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
-                               (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
-          int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
-          const int key_block_now = n0 / BLOCK_N;
-          const int rank = p.dq_descending ? last - key_block_now : key_block_now - first;
-          if (!semaphore_wait_equal(sem, kDqOwnKeys ? kBwdSm90Consumers * rank + c : rank)) semaphore_lost = true;
-          // the earlier reductions (released with the semaphore) come before ours
-          fence_proxy_async_global();
-          bulk_reduce_add_f32(dst, src_part, kPartBytes);
-          bulk_commit();
-          bulk_wait<0>();
-          fence_proxy_async_global();
-          semaphore_increment(sem);
-        } else {
-          bulk_reduce_add_f32(dst, src_part, kPartBytes);
-          bulk_commit();
-        }
-      }
+      mbarrier_arrive(dq_full(part_index));
     }
+  };
+
+  // (bulk) wait until the writer has seen the staging part of step `src` (this consumer's src-th
+  // part, in part src % 2) read out for step src - 2, a step of slack. Waited for at the top of
+  // a step, with the stage's wait: a spin between the GEMMs made ptxas serialise the wgmma.
+  const auto dq_part_free = [&](int src) {
+    if (kBulkDq && src >= 0)
+      mbarrier_wait(dq_empty(c * kBwdSm90DqStages + src % kBwdSm90DqStages), ((src / kBwdSm90DqStages) & 1) ^ 1);
   };
 
   for (int step = 0; step < steps; ++step) {
@@ -876,6 +917,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     const int m0 = step_m0(step);
     // this step's Q, dO (TMA) and lse, delta (cp.async) have landed
     mbarrier_wait(full(stage), (step / STAGES) & 1);
+    dq_part_free(kDqOwnKeys ? step : step - 1);
     const u32 cQ = smem0 + Smem::kQ + stage * QTile::kBytes;
     const u32 cdO = smem0 + Smem::kdO + stage * QTile::kBytes;
     const float* cLse = sLse + stage * BLOCK_M;
@@ -1014,16 +1056,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // all keys: the last step's dQ
   if (DQ_MODE != kBwdDqNone && !kDqOwnKeys && steps > 0) {
     float dq[DQ::kAccumulators];
+    dq_part_free(steps - 1);
     wgmma_fence();
     issue_dq(dq, steps - 1);
     wgmma_wait<0>();
     fence_registers(dq);
     emit_dq(dq, steps - 1);
   }
-
-  // (bulk) the last reductions read their staging part before the CTA's shared memory goes
-  if (kBulkDq && wg_thread == 0) bulk_wait<0>();
-  if (DQ_MODE == kBwdDqOrdered && warpgroup_any(c, semaphore_lost)) __trap();
 
   // dK (times the softmax scale) and dV of this consumer's 64 keys
 #pragma unroll

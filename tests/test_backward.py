@@ -399,10 +399,11 @@ def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
 
 
 def test_sm90_backward_picks_bulk_dq():
-    """On sm_90a deterministic=True reduces dQ by ordered bulk reductions in the main kernel plus
-    the tile convert, not flash_bwd_dq_kernel, except where BWD_ORDERED_ALIBI_FALLBACK sends
-    deterministic ALiBi to the earlier path; the default keeps the float4 atomics (measured
-    faster); every one of these, and the bulk default path, is listed for the build."""
+    """On sm_90a at BWD_ORDERED_HEAD_DIMS both the default and deterministic=True reduce dQ by
+    ordered bulk reductions in the main kernel plus the tile convert (measured fastest), except
+    where BWD_ORDERED_ALIBI_FALLBACK sends ALiBi to the atomic path (deterministic: then
+    flash_bwd_dq_kernel); other head dims keep the float4 atomics and flash_bwd_dq_kernel; every
+    one of these, and the other dQ mode, is listed for the build."""
     import importlib
 
     from cuattn import _params
@@ -414,18 +415,19 @@ def test_sm90_backward_picks_bulk_dq():
         for deterministic, alibi in ((False, False), (True, False), (False, True), (True, True)):
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
-            fallback = deterministic and alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
-            ordered = deterministic and d in attention_module.BWD_ORDERED_HEAD_DIMS
+            fallback = alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
+            ordered = d in attention_module.BWD_ORDERED_HEAD_DIMS
             assert tile.bulk_dq == (ordered and not fallback), (d, deterministic, alibi)
+            assert attention_module.bwd_ordered(tile, d, deterministic) == tile.bulk_dq
             _, main, last = attention_module.bwd_specs("bfloat16", d, tile, deterministic, alibi)
-            if fallback or (deterministic and not ordered):
+            if tile.bulk_dq:
+                mode = _params.constant("kBwdDqOrdered")
+                assert "bwd_convert_dq_tiles_kernel" in last.name
+            elif deterministic:
                 mode = _params.constant("kBwdDqNone")
                 assert "flash_bwd_dq_kernel" in last.name
-            elif not deterministic:
-                mode = _params.constant("kBwdDqAtomic")
             else:
-                mode = _params.constant("kBwdDqOrdered" if deterministic else "kBwdDqBulk")
-                assert "bwd_convert_dq_tiles_kernel" in last.name
+                mode = _params.constant("kBwdDqAtomic")
             assert main.name.endswith(f", {mode}, {'true' if alibi else 'false'}>"), main.name
             assert {main.name, last.name} <= listed
             atomic, bulk = (dataclasses.replace(tile, dq_mode=m) for m in ("atomic", "bulk"))
@@ -434,8 +436,9 @@ def test_sm90_backward_picks_bulk_dq():
             for other in (atomic,) if spills else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
-            # the staging tile: BLOCK_M x D fp32 more shared memory on the bulk path
-            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (tile.block_m * d * 4 if tile.bulk_dq else 0)
+            # the staging tiles: kBwdSm90DqStages x BLOCK_M x D fp32 more shared memory on the bulk path
+            stages = _params.constant("kBwdSm90DqStages")
+            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (stages * tile.block_m * d * 4 if tile.bulk_dq else 0)
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
 
