@@ -155,9 +155,9 @@ constexpr int kSemaphoreBackoffNs = 64;
 constexpr int kSemaphoreMaxSpins = 1 << 25;
 
 // Spin until the global semaphore reads `value` (acquire, GPU scope): true when it did, false
-// when it had not after kSemaphoreMaxSpins reads. The caller traps on false where its whole
-// warpgroup can (warpgroup_any, wgmma.cuh): a trap on the spinning thread's own divergent path
-// made ptxas serialise the sm_90a backward's wgmma and spill 2 KB.
+// when it had not after kSemaphoreMaxSpins reads; the caller traps. (A trap inside the spin
+// loop, on the consumers' divergent path, made ptxas serialise the sm_90a backward's wgmma and
+// spill 2 KB; its dQ writer lane traps on the result instead.)
 __device__ __forceinline__ bool semaphore_wait_equal(const int* sem, int value) {
   for (int spins = 0; spins < kSemaphoreMaxSpins; ++spins) {
     int seen;

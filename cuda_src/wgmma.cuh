@@ -348,23 +348,6 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else asm volatile("bar.sync 2, %0;\n" ::"n"(kWarpgroupThreads) : "memory");
 }
 
-// warpgroup_barrier that also tells every thread whether `flag` was set on any thread of the
-// warpgroup (bar.red.or).
-__device__ __forceinline__ bool warpgroup_any(int wg, bool flag) {
-  u32 any;
-  if (wg == 0)
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 1, %2, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(any)
-                 : "r"(static_cast<u32>(flag)), "n"(kWarpgroupThreads)
-                 : "memory");
-  else
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 2, %2, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(any)
-                 : "r"(static_cast<u32>(flag)), "n"(kWarpgroupThreads)
-                 : "memory");
-  return any != 0;
-}
-
 // Pin registers in place: nothing reads an accumulator before the wgmma_wait above it, and
 // nothing writes one that a running wgmma still reads.
 template <int N>
