@@ -1244,9 +1244,9 @@ BWD_ORDERED_ALIBI_FALLBACK = (128,)
 # they measured fastest on the H200. At D = 128 (warp-specialised kernel, dQ writer warps) they
 # run 1.08-1.31x the float4 atomics (the CTAs of a head walk the query blocks together, and their
 # Q, dO and dQ tiles meet in L2) and 1.08-1.27x the unordered bulk reductions, so the default is
-# bit-identical run to run there too; at D = 64, where both consumers reduce into one part in
-# turn, they run 0.71-0.81x the atomics from N = 4k up (and deterministic=True keeps
-# flash_bwd_dq_kernel, as fast). BENCHMARKS.md, "Hopper backward, warp-specialised".
+# bit-identical run to run there too; at D = 64, whose steps are half as long against the
+# semaphore chain's latency, they run 0.63-0.72x the atomics from N = 4k up (and
+# deterministic=True keeps flash_bwd_dq_kernel, as fast). BENCHMARKS.md, "Hopper backward, warp-specialised".
 BWD_ORDERED_HEAD_DIMS = (128,)
 
 

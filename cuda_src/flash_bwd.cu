@@ -491,27 +491,25 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //                                      dS^T leave the accumulators as the A fragments below
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the stage
 //   dS^T -> shared, dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
-// dQ and the two consumers. At D = 64 each computes its own 64 keys' share of all of dQ, from its
-// own dS^T rows (a warpgroup barrier). At D = 128 each computes half of D over all 128 keys and
-// needs the other's dS^T rows: there the dQ GEMM of step s runs in step s + 1, after that step's
-// dV and dK GEMMs are issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded
-// by two mbarriers each: ds_full (both consumers wrote their rows) and ds_empty (both consumers'
-// dQ GEMMs read it). The other consumer wrote its rows a step earlier, so the wait is seldom a
-// wait. Past the start there is no CTA-wide barrier: the consumers drift apart, and one's
-// exponentials run under the other's GEMMs.
+// dQ and the two consumers. dQ sums over all 128 keys, so it needs both consumers' dS^T rows: at
+// D = 128 each consumer computes half of D, at D = 64 consumer s % 2 computes all of D of step s
+// (the two take the steps in turn: one dQ tile a step, not two halves over keys, so half the dQ
+// traffic). The dQ GEMM of step s runs in step s + 1, after that step's dV and dK GEMMs are
+// issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded by two mbarriers
+// each: ds_full (both consumers wrote their rows) and ds_empty (the GEMMs that read it are done;
+// both consumers arrive). The other consumer wrote its rows a step earlier, so the wait is
+// seldom a wait. Past the start there is no CTA-wide barrier: the consumers drift apart, and
+// one's exponentials run under the other's GEMMs.
 //
 // DQ_MODE, how each step's dQ tile (64 queries x D, fp32) reaches global memory:
 //   kBwdDqNone     not at all (flash_bwd_dq_kernel computes dQ: the older deterministic path)
-//   kBwdDqAtomic   float4 atomicAdd per element quad into dq_accum [B, Sq, Hq, D]; at D = 64 both
-//                  consumers add their keys' share (twice the atomics)
+//   kBwdDqAtomic   float4 atomicAdd per element quad into dq_accum [B, Sq, Hq, D]
 //   kBwdDqBulk     each consumer stages its dQ part in shared memory (two parts in turn) and hands
-//                  it (dq_full) to a
-//                  dQ writer of its own, one lane of producer warp 1 + c, which issues one
-//                  cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of the tile
-//                  accumulator and frees the part (dq_empty) once it has been read: a few
-//                  instructions per tile instead of 2048 (D = 128) vector atomics, L2 sees whole
-//                  lines, and the consumer never waits for L2. At D = 64 both consumers reduce
-//                  their share into the same (single) part
+//                  it (dq_full) to a dQ writer of its own, one lane of producer warp 1 + c, which
+//                  issues one cp.reduce.async.bulk (.add.f32) into the tile's contiguous slot of
+//                  the tile accumulator and frees the part (dq_empty) once it has been read: a
+//                  few instructions per tile instead of 2048 (D = 128) vector atomics, L2 sees
+//                  whole lines, and the consumer never waits for L2
 //   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile part happen in a fixed order, so
 //                  dQ is bit-identical run to run (deterministic=True) at the cost of the wait
 //
@@ -533,17 +531,16 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // the order CTAs start. The key blocks that visit query block m form a range [first(m), last(m)]
 // (the mask is a band); a CTA's rank there is key_block - first(m) (ascending) or last(m) -
 // key_block (dq_descending: a bounded right window side, e.g. causal, where the highest key
-// block reaches a query block first because it starts at its diagonal). A part's reductions come
-// in turn order: rank at D = 128 (one consumer per part), 2 rank + c at D = 64 (both consumers
-// reduce into the one part, consumer 0 first). The issuing thread spins until the semaphore
-// equals its turn, reduces, waits for the writes to be performed and adds one. That thread is
-// the consumer's dQ writer, so the waits stall no GEMM unless the writer falls a whole step behind. Deadlock-free
-// without co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it
-// only ever waits on CTAs with smaller tickets (or its own consumer 0), which were running before
-// it and themselves only wait on smaller tickets.
+// block reaches a query block first because it starts at its diagonal); a CTA reduces into each
+// tile part once. The issuing thread spins until the semaphore equals its rank, reduces, waits
+// for the writes to be performed and adds one. That thread is the consumer's dQ writer, so the
+// waits stall no GEMM unless the writer falls a whole step behind. Deadlock-free without
+// co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it only
+// ever waits on CTAs with smaller tickets, which were running before it and themselves only
+// wait on smaller tickets.
 //
-// Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; 1 and 2 per consumer
-// (warpgroup_barrier, D = 64's dS^T rows). A consumer rewrites its dQ staging part only after its
+// Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; the rest are mbarriers.
+// A consumer rewrites its dQ staging part only after its
 // writer has seen the previous reduction read the part (bulk_wait_read, then dq_empty).
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
@@ -564,12 +561,14 @@ constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
 
-// dQ columns per consumer: all of D at D = 64 (own keys), half of D at D = 128 (all keys)
+// Who computes dQ (always over all BLOCK_N keys): at D = 64 the consumers take the steps in turn,
+// each the whole of D (an n32 half would start inside a swizzle panel); at D = 128 both, each
+// half of D.
 template <int HEAD_DIM>
-__host__ __device__ constexpr bool bwd_sm90_dq_own_keys() { return HEAD_DIM <= kSwizzlePanelCols; }
+__host__ __device__ constexpr bool bwd_sm90_dq_alternate() { return HEAD_DIM <= kSwizzlePanelCols; }
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_cols() {
-  return bwd_sm90_dq_own_keys<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Consumers;
+  return bwd_sm90_dq_alternate<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Consumers;
 }
 // parts of a bulk dQ tile (HEAD_DIM / kDqCols)
 template <int HEAD_DIM>
@@ -631,10 +630,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   constexpr int BLOCK_N = kBwdSm90BlockN;
   constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Consumers;
   constexpr int kPanels = HEAD_DIM / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
-  // dQ of one consumer: half of D over all keys, or (D = 64) all of D over its own keys
-  constexpr bool kDqOwnKeys = bwd_sm90_dq_own_keys<HEAD_DIM>();
+  // dQ over all keys: half of D by each consumer, or (D = 64) all of D by consumer step % 2
+  constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
-  constexpr int kDqKeys = kDqOwnKeys ? kKeysPerWarpgroup : BLOCK_N;
+  // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
+  constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
   using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
   using DQ = Wgmma<T, kDqCols>;   // dQ: 64 queries x kDqCols
@@ -734,7 +734,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / kWarpgroupThreads;
+  // (the warpgroup through a shuffle: ptxas then knows it is warp-uniform, and a branch on the
+  // consumer index, as D = 64's alternating dQ takes, is no divergent path that serialises wgmma)
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
   const int lane = threadIdx.x % kWarpSize;
   if (wg == 0) {
     // ---- producer: warp 0 loads (lane 0 the TMA boxes, every lane its rows of lse and delta);
@@ -745,30 +747,31 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     if (steps == 0) return;
     if constexpr (kBulkDq) {
       if (warp >= 1 && warp <= kBwdSm90Consumers && lane == 0) {
-        // The dQ writer of consumer c, which stages the dQ of each step in turn (step i's is its
-        // i-th). The consumer never waits for L2: only for the writer to have issued the
-        // previous part's reduction and seen it read out of shared memory.
+        // The dQ writer of consumer c, which stages the dQ of its steps in turn (every step, or
+        // every other one from step c: its e-th is step c0 + e * kDqStride). The consumer never
+        // waits for L2: only for the writer to have issued the previous part's reduction and
+        // seen it read out of shared memory.
         const int c = warp - 1;
-        const int part_index = kDqOwnKeys ? 0 : c;
+        const int part_index = kDqAlternate ? 0 : c;
         constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
         // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
         const int q_block0 =
             p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
-        for (int i = 0; i < steps; ++i) {
+        for (int e = 0, i = kDqAlternate ? c : 0; i < steps; ++e, i += kDqStride) {
           const int m0 = step_m0(i);
           const int tile =
               b * static_cast<int>(p.acc_tile_sb) + step_head(i) * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
           float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
           int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
-          const int part = c * kBwdSm90DqStages + i % kBwdSm90DqStages;
-          mbarrier_wait(dq_full(part), (i / kBwdSm90DqStages) & 1);
+          const int part = c * kBwdSm90DqStages + e % kBwdSm90DqStages;
+          mbarrier_wait(dq_full(part), (e / kBwdSm90DqStages) & 1);
           if constexpr (DQ_MODE == kBwdDqOrdered) {
             // rank among the key blocks that visit this query block (the range [first, last])
             const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
             const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
                                  (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
             const int rank = p.dq_descending ? last - key_block : key_block - first;
-            if (!semaphore_wait_equal(sem, kDqOwnKeys ? kBwdSm90Consumers * rank + c : rank)) __trap();
+            if (!semaphore_wait_equal(sem, rank)) __trap();
             // the earlier reductions (released with the semaphore) come before ours
             fence_proxy_async_global();
           }
@@ -836,7 +839,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const int wg_warp = wg_thread / kWarpSize;
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
   const int key0 = c * kKeysPerWarpgroup;  // this consumer's keys within the block
-  const int dq_key0 = kDqOwnKeys ? key0 : 0, dq_col0 = kDqOwnKeys ? 0 : c * kDqCols;
+  const int dq_col0 = kDqAlternate ? 0 : c * kDqCols;
   const u32 sdS = smem0 + Smem::kdS;
 
   float dK[KV::kAccumulators], dV[KV::kAccumulators];  // fp32: this consumer's 64 keys x D
@@ -844,20 +847,19 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   for (int i = 0; i < KV::kAccumulators; ++i) dK[i] = dV[i] = 0.f;
   if (steps > 0) mbarrier_wait(kv_full, 0);
 
-  // dQ = dS K of step `src` (its dS^T in buffer src % 2) over keys [dq_key0, dq_key0 + kDqKeys),
-  // issued as one commit group: dS read MN-major from dS^T, K MN-major ([key][d]). At D = 128
-  // it first waits for both consumers' rows of the buffer. Step 0 at D = 128 (src -1) has no
-  // previous step: its GEMM reads the K tile (never rewritten) as dS and its result is dropped.
-  // Issued unconditionally, the GEMM keeps its accumulators out of a branch, which made ptxas
-  // serialise the wgmma and spill 828 bytes.
+  // dQ = dS K of step `src` (its dS^T in buffer src % 2) over all BLOCK_N keys, issued as one
+  // commit group once both consumers' rows of the buffer are in: dS read MN-major from dS^T, K
+  // MN-major ([key][d]). At D = 128 step 0 (src -1) has no previous step: its GEMM reads the K
+  // tile (never rewritten) as dS and its result is dropped. Issued unconditionally, the GEMM
+  // keeps its accumulators out of a branch, which made ptxas serialise the wgmma and spill 828
+  // bytes; at D = 64 the issue and its accumulators sit whole inside the owner's branch.
   const auto issue_dq = [&](float (&dq)[DQ::kAccumulators], int src) {
     const int buf = (src + kBwdSm90DsBuffers) % kBwdSm90DsBuffers;
-    if (!kDqOwnKeys && src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
-    const u32 dS_keys = (src < 0 ? sK : sdS + buf * STile::kBytes) + dq_key0 * kSwizzleRowBytes;
-    const u32 k_keys = sK + dq_key0 * kSwizzleRowBytes;
+    if (src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
+    const u32 dS_keys = src < 0 ? sK : sdS + buf * STile::kBytes;
 #pragma unroll
-    for (int ks = 0; ks < kDqKeys / kWgmmaK; ++ks)
-      DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks), mnmajor_descriptor<KTile>(k_keys, dq_col0, ks),
+    for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
+      DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks), mnmajor_descriptor<KTile>(sK, dq_col0, ks),
                             ks > 0);
     wgmma_commit();
   };
@@ -891,8 +893,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       }
     } else if constexpr (kBulkDq) {
       // Stage the part in accumulator order (float4 j of thread t at j * 128 + t) and hand it
-      // to the writer (the caller waited for the part to be free: dq_part_free)
-      const int part_index = c * kBwdSm90DqStages + src % kBwdSm90DqStages;
+      // to the writer (the caller waited for the part to be free: dq_part_free); src is this
+      // consumer's (src / kDqStride)-th
+      const int part_index = c * kBwdSm90DqStages + (src / kDqStride) % kBwdSm90DqStages;
       float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + part_index * (kDqPartFloats / 4);
 #pragma unroll
       for (int j = 0; j < DQ::kAccumulators / 4; ++j)
@@ -903,12 +906,17 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     }
   };
 
-  // (bulk) wait until the writer has seen the staging part of step `src` (this consumer's src-th
-  // part, in part src % 2) read out for step src - 2, a step of slack. Waited for at the top of
-  // a step, with the stage's wait: a spin between the GEMMs made ptxas serialise the wgmma.
+  // Whether this consumer computes the dQ of step `src` (src >= 0).
+  const auto owns_dq = [&](int src) { return !kDqAlternate || src % kBwdSm90Consumers == c; };
+  // (bulk) wait until the writer has seen the staging part of step `src` (this consumer's e-th
+  // dQ, e = src / kDqStride, in part e % 2) read out for its dQ before last, a step or more of
+  // slack. Waited for at the top of a step, with the stage's wait: a spin between the GEMMs made
+  // ptxas serialise the wgmma.
   const auto dq_part_free = [&](int src) {
-    if (kBulkDq && src >= 0)
-      mbarrier_wait(dq_empty(c * kBwdSm90DqStages + src % kBwdSm90DqStages), ((src / kBwdSm90DqStages) & 1) ^ 1);
+    if (kBulkDq && src >= 0 && owns_dq(src)) {
+      const int e = src / kDqStride;
+      mbarrier_wait(dq_empty(c * kBwdSm90DqStages + e % kBwdSm90DqStages), ((e / kBwdSm90DqStages) & 1) ^ 1);
+    }
   };
 
   for (int step = 0; step < steps; ++step) {
@@ -917,7 +925,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     const int m0 = step_m0(step);
     // this step's Q, dO (TMA) and lse, delta (cp.async) have landed
     mbarrier_wait(full(stage), (step / STAGES) & 1);
-    dq_part_free(kDqOwnKeys ? step : step - 1);
+    dq_part_free(step - 1);
     const u32 cQ = smem0 + Smem::kQ + stage * QTile::kBytes;
     const u32 cdO = smem0 + Smem::kdO + stage * QTile::kBytes;
     const float* cLse = sLse + stage * BLOCK_M;
@@ -1014,12 +1022,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     wgmma_commit();
 
     if constexpr (DQ_MODE != kBwdDqNone) {
-      // dS^T to buffer step % 2: fragment register r of k step j holds rows +8 (r odd), columns
-      // +8 (r >= 2). At D = 128 the buffer's last reader (the dQ GEMMs of two steps back) must be
-      // done; at D = 64 this consumer's own GEMM of two steps back read its rows, and the
-      // warpgroup barrier of the last step came after that
+      // dS^T to buffer step % 2, once the buffer's readers (the dQ GEMM of two steps back) are
+      // done: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
       const int buf = step % kBwdSm90DsBuffers;
-      if constexpr (!kDqOwnKeys) mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
+      mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
       unsigned char* dS_tile = base + Smem::kdS + buf * STile::kBytes;
 #pragma unroll
       for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
@@ -1029,32 +1035,40 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
           const int col = 16 * j + 8 * (r / 2) + 2 * tq;
           *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
         }
-      // the rows are visible to wgmma, and (D = 128) announced to the other consumer
+      // the rows are visible to wgmma, and announced to the other consumer
       fence_proxy_async();
-      if constexpr (kDqOwnKeys) warpgroup_barrier(c);
-      else mbarrier_arrive(ds_full(buf));
+      mbarrier_arrive(ds_full(buf));
     }
-    // the dQ GEMM: this step's (own keys), or the previous step's (all keys, whose dS^T rows the
-    // other consumer wrote a step ago)
-    const int dq_src = kDqOwnKeys ? step : step - 1;
-    float dq[DQ::kAccumulators];
-    if constexpr (DQ_MODE != kBwdDqNone) issue_dq(dq, dq_src);
-    wgmma_wait<0>();
-    fence_registers(dq);
-    // the dV and dK GEMMs are done too: their A fragments are free from here on, and the stage
-    // goes back to the producer
-    fence_registers(pa);
-    fence_registers(dsa);
-    fence_registers(dV);
-    fence_registers(dK);
-    mbarrier_arrive(empty(stage));
-    if (DQ_MODE != kBwdDqNone && dq_src >= 0) {
-      if constexpr (!kDqOwnKeys) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
-      emit_dq(dq, dq_src);
+    // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
+    // both consumers' halves (D = 128) or the owner's whole (D = 64, every other step). Either
+    // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
+    // buffer once its reader's GEMM is (ds_empty counts both consumers).
+    const int dq_src = step - 1;
+    const auto step_done = [&] {
+      fence_registers(pa);
+      fence_registers(dsa);
+      fence_registers(dV);
+      fence_registers(dK);
+      mbarrier_arrive(empty(stage));
+    };
+    if (DQ_MODE == kBwdDqNone || (kDqAlternate && (dq_src < 0 || !owns_dq(dq_src)))) {
+      wgmma_wait<0>();
+      step_done();
+      if (DQ_MODE != kBwdDqNone && dq_src >= 0) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+    } else {
+      float dq[DQ::kAccumulators];
+      issue_dq(dq, dq_src);
+      wgmma_wait<0>();
+      fence_registers(dq);
+      step_done();
+      if (dq_src >= 0) {
+        mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+        emit_dq(dq, dq_src);
+      }
     }
   }
-  // all keys: the last step's dQ
-  if (DQ_MODE != kBwdDqNone && !kDqOwnKeys && steps > 0) {
+  // the last step's dQ
+  if (DQ_MODE != kBwdDqNone && steps > 0 && owns_dq(steps - 1)) {
     float dq[DQ::kAccumulators];
     dq_part_free(steps - 1);
     wgmma_fence();

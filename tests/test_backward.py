@@ -436,9 +436,11 @@ def test_sm90_backward_picks_bulk_dq():
             for other in (atomic,) if spills else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
-            # the staging tiles: kBwdSm90DqStages x BLOCK_M x D fp32 more shared memory on the bulk path
-            stages = _params.constant("kBwdSm90DqStages")
-            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (stages * tile.block_m * d * 4 if tile.bulk_dq else 0)
+            # the staging parts: kBwdSm90DqStages per consumer, BLOCK_M x (D at D = 64, D / 2 at 128)
+            # fp32 each, more shared memory on the bulk path
+            c = _params.constant
+            staging = c("kBwdSm90Consumers") * c("kBwdSm90DqStages") * tile.block_m * (d if d == 64 else d // 2) * 4
+            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (staging if tile.bulk_dq else 0)
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
 
