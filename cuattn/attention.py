@@ -1150,9 +1150,9 @@ class BwdTile:
     two wgmma consumer warpgroups, BLOCK_N = 128, two Q/dO stages; only block_m counts, the warp
     layout fields do not apply; views the TMA cannot read run the sm_80 row's mma.sync kernels).
     `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
-    per part, and deterministic=True orders those reductions with per-tile semaphores in the same
-    kernel; "atomic" is the earlier design, float4 atomics and, for deterministic=True,
-    flash_bwd_dq_kernel (kept selectable to compare and to fall back).
+    per part, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True, and
+    BWD_ORDERED_HEAD_DIMS); "atomic" is the earlier design, float4 atomics and, for
+    deterministic=True, flash_bwd_dq_kernel (kept selectable to compare and to fall back).
     """
 
     block_m: int
@@ -1236,17 +1236,16 @@ BWD_TILES = {
 
 
 # Head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 128 the consumers
-# sit at their 240 registers, and the staging and semaphore code add 16-88 bytes of spill
+# sit at their 240 registers, and the staging and semaphore code add 12-20 bytes of spill
 # (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the earlier
 # path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
 BWD_ORDERED_ALIBI_FALLBACK = (128,)
-# Head dims whose backward runs the ordered bulk reductions, deterministic=True or not: where
-# they measured fastest on the H200. At D = 128 (warp-specialised kernel, dQ writer warps) they
-# run 1.08-1.31x the float4 atomics (the CTAs of a head walk the query blocks together, and their
-# Q, dO and dQ tiles meet in L2) and 1.08-1.27x the unordered bulk reductions, so the default is
-# bit-identical run to run there too; at D = 64, whose steps are half as long against the
-# semaphore chain's latency, they run 0.63-0.72x the atomics from N = 4k up (and
-# deterministic=True keeps flash_bwd_dq_kernel, as fast). BENCHMARKS.md, "Hopper backward, warp-specialised".
+# Head dims whose backward orders its bulk dQ reductions even when deterministic=False. On the
+# H200 (warp-specialised kernel, dQ writer warps; BENCHMARKS.md, "Eleventh session") the bulk
+# reductions ran 1.02-1.24x the float4 atomics at D = 64 and 1.16-1.33x at D = 128. Ordered, they
+# cost D = 64 0-11% against unordered, so D = 64 orders them for deterministic=True only
+# (1.00-1.13x the default's time); at D = 128 ordered and unordered were within -7%..+4% of each
+# other, so D = 128 keeps the order always and its default is bit-identical run to run too.
 BWD_ORDERED_HEAD_DIMS = (128,)
 
 
@@ -1263,20 +1262,20 @@ def bwd_tile_dim(head_dim: int) -> int:
 
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False,
              head_dim_v: int | None = None) -> BwdTile:
-    """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``deterministic`` and
-    ``alibi`` pick the dQ path. A "bulk" tile runs its ordered bulk reductions where
-    BWD_ORDERED_HEAD_DIMS says, deterministic=True or not (the fastest path there), but float4
-    atomics otherwise (and flash_bwd_dq_kernel for deterministic=True), and the atomic path where
-    ALiBi's bulk variants would spill (BWD_ORDERED_ALIBI_FALLBACK). flash_bwd_sm90_kernel has no run-time head dim: a head dim padded
-    to one of its tiles runs the mma.sync kernels' tile of that head dim (the sm_80 column), and so
-    does a v head dim ``head_dim_v`` of its own (the tile is then that of the larger one)."""
+    """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``alibi`` picks the
+    dQ path. A "bulk" tile (flash_bwd_sm90_kernel's bulk dQ reductions, ordered as bwd_ordered
+    says) stays one except where ALiBi's bulk variants would spill (BWD_ORDERED_ALIBI_FALLBACK),
+    which take the atomic path (and flash_bwd_dq_kernel for deterministic=True).
+    flash_bwd_sm90_kernel has no run-time head dim: a head dim padded to one of its tiles runs the
+    mma.sync kernels' tile of that head dim (the sm_80 column), and so does a v head dim
+    ``head_dim_v`` of its own (the tile is then that of the larger one). ``deterministic`` does
+    not change the tile (bwd_ordered and bwd_specs read it)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
     tile = BWD_TILES[tile_dim][arch_family(arch)]
     if tile.wgmma and (tile_dim != head_dim or head_dim_v != head_dim):
         return BWD_TILES[tile_dim][SM80]
-    ordered = head_dim in BWD_ORDERED_HEAD_DIMS
-    if tile.bulk_dq and (not ordered or (alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK)):
+    if tile.bulk_dq and alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK:
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
 
@@ -1369,12 +1368,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     ``out`` and ``lse`` (natural log, ``(B, Hq, Sq)``) are the forward's; every option must match
     the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
-    and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` summed with atomics, whose
-    order varies between runs. ``deterministic=True`` gives bit-identical gradients run after
-    run: a second kernel sums dQ in a fixed order (no accumulator), or on sm_90a at D = 128 the
-    main kernel adds its dQ tiles in a fixed order (a tile accumulator of the same size and one
-    int32 semaphore per tile half), which is also the default there (the fastest path), so that
-    the default is bit-identical run to run too. The sinks' gradient is
+    and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` (on sm_90a at D = 64 and 128 the
+    same size in 64-row tiles) summed by atomics or bulk reductions, whose order varies between
+    runs. ``deterministic=True`` gives bit-identical gradients run after run: on sm_90a at D = 64
+    and 128 the main kernel adds its dQ tiles in a fixed order (one int32 semaphore per tile half
+    more), which at D = 128 is also the default (as fast), so that the default is bit-identical
+    there too; elsewhere a second kernel sums dQ in a fixed order (no accumulator). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
@@ -1481,11 +1480,11 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     XLA's output buffers), instead of new ones. ``plan``: a dict that a call without sinks over a
     contiguous lse fills with what :func:`_bwd_plan` needs ("bound", "outputs").
 
-    Default: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert.
-    Deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
+    Atomic dQ: preprocess (delta), main kernel with dQ atomics into a float32 accumulator, convert;
+    deterministic: preprocess, main kernel without dQ, then a kernel per query block that sums dQ
     in registers in a fixed order (no atomics: bit-identical run to run, about 1.4x the work).
-    Bulk dQ (sm_90a, BwdTile.bulk_dq): the main kernel reduces whole dQ tiles into a tile
-    accumulator, in a fixed order per tile when deterministic; then a tile convert.
+    Bulk dQ (sm_90a, BwdTile.bulk_dq, the default there): the main kernel reduces whole dQ tiles
+    into a tile accumulator, in a fixed order per tile where bwd_ordered says; then a tile convert.
     """
     import cupy
 

@@ -1,13 +1,16 @@
 """The backward's dQ paths side by side, and beside torch SDPA's cuDNN backend.
 
 python scripts/ab_backward.py LABEL IMPLS [SEQLENS]
-    IMPLS, comma-separated: cuattn (the default path), cuattn-det (deterministic=True),
-    cuattn-bulk / cuattn-bulkdet (the same with the bulk-dQ tile forced on sm_90a: ordered
-    reductions where BWD_ORDERED_HEAD_DIMS or deterministic says, unordered elsewhere), and any
-    backward implementation of `python -m cuattn bench` (torch-cudnn, torch-flash). The bench grid:
+    IMPLS, comma-separated: cuattn (the default path), cuattn-det (deterministic=True); with the
+    dQ mode forced on sm_90a: cuattn-atomic / cuattn-atomicdet (float4 atomics; deterministic:
+    flash_bwd_dq_kernel), cuattn-bulk / cuattn-bulkdet (bulk reductions, ordered where
+    BWD_ORDERED_HEAD_DIMS or deterministic says), cuattn-unordered (bulk reductions never
+    ordered); and any backward implementation of `python -m cuattn bench` (torch-cudnn,
+    torch-flash). The bench grid:
     bf16, B * N = 32k tokens, H * D = 2048, D = 64 and 128, full and causal; SEQLENS defaults to
     1024,4096,16384. One line per case, TFLOP/s at 2.5x the forward's FLOPs. Run it from two
-    checkouts with two labels to compare kernels (docs/bwd_ws_ab_h200.txt).
+    checkouts with two labels to compare kernels (docs/bwd_ws_ab_h200.txt), and one variant per
+    process for the fairest comparison (a second variant's arrays land elsewhere in memory).
 """
 
 import dataclasses
@@ -17,21 +20,32 @@ import sys
 import cupy
 
 import cuattn
+from cuattn import _calls
 from cuattn.bench import cases, timing
 
 attention_module = importlib.import_module("cuattn.attention")
 plain_bwd_tile = attention_module.bwd_tile
+plain_ordered = attention_module.BWD_ORDERED_HEAD_DIMS
 
 
-def bulk_bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
-    """bwd_tile with the bulk dQ forced on wgmma tiles (ALiBi keeps its own choice)."""
-    tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
-    return dataclasses.replace(tile, dq_mode="bulk") if tile.wgmma and not alibi else tile
+def forced_bwd_tile(mode: str):
+    """bwd_tile with the dQ mode forced on wgmma tiles (ALiBi keeps its own choice)."""
+    def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
+        tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
+        return dataclasses.replace(tile, dq_mode=mode) if tile.wgmma and not alibi else tile
+    return bwd_tile
 
 
 def time_cuattn(impl: str, shape) -> float:
     """ms per attention_backward call of one cuattn variant (IMPLS above)."""
-    attention_module.bwd_tile = bulk_bwd_tile if "bulk" in impl else plain_bwd_tile
+    forced = next((mode for mode in ("atomic", "bulk", "unordered") if mode in impl), None)
+    attention_module.bwd_tile = plain_bwd_tile if forced is None else forced_bwd_tile(
+        "bulk" if forced == "unordered" else forced)
+    # "unordered": the bulk tile without the ordered path at any head dim (deterministic=False)
+    attention_module.BWD_ORDERED_HEAD_DIMS = () if forced == "unordered" else plain_ordered
+    # a plan recorded by an earlier variant of the same signature would replay that variant's
+    # kernels: every variant starts from the full path
+    _calls.clear()
     try:
         q, k, v, dout = (cupy.random.standard_normal((shape.batch, shape.seqlen, shape.q_heads, shape.head_dim),
                                                      dtype=cupy.float32).astype(cupy.dtype("bfloat16"))
@@ -44,6 +58,8 @@ def time_cuattn(impl: str, shape) -> float:
         return timing.time_cuda(fn)
     finally:
         attention_module.bwd_tile = plain_bwd_tile
+        attention_module.BWD_ORDERED_HEAD_DIMS = plain_ordered
+        _calls.clear()
 
 
 def main():

@@ -10,7 +10,8 @@ python scripts/tune_bwd.py --dq-modes [--json PATH] [--head-dims 64,128] [--leng
 (sm_90a: flash_bwd_sm90_kernel's dQ paths one by one, bf16, causal and not, beside torch SDPA's
 cuDNN backward in the same run: "atomic" = float4 atomics, and flash_bwd_dq_kernel when
 deterministic; "bulk" = one bulk reduction per tile part, ordered by semaphores when
-deterministic. Each row: ms, TFLOP/s, and the ratio to cuDNN; --json writes the rows.)
+deterministic or at BWD_ORDERED_HEAD_DIMS. A star marks the path the dispatcher picks. Each row:
+ms, TFLOP/s, and the ratio to cuDNN; --json writes the rows.)
 """
 
 import argparse
@@ -21,7 +22,7 @@ import sys
 import cupy
 
 import cuattn
-from cuattn import _jit
+from cuattn import _calls, _jit
 from cuattn.bench import timing
 from cuattn import attention as _  # noqa: F401  (the module, for its tile table)
 
@@ -74,14 +75,21 @@ def dq_modes(head_dims, lengths, json_path):
                       f"{flops / cudnn_ms / 1e9:7.1f} TFLOP/s", flush=True)
             except RuntimeError as exc:
                 print(f"torch cudnn failed: {str(exc).splitlines()[0] if str(exc) else exc}")
-        default = attention_module.BWD_TILES[d][family]
+        plain_bwd_tile = attention_module.bwd_tile
         for mode, deterministic in itertools.product(attention_module.BWD_DQ_MODES, [False, True]):
-            attention_module.BWD_TILES[d][family] = dataclasses.replace(default, dq_mode=mode)
+            default = plain_bwd_tile(d, _jit.target_arch(), deterministic)
+            # bwd_tile itself forced to the mode (replacing the BWD_TILES row would not do: bwd_tile
+            # picks the atomic path for a bulk row outside BWD_ORDERED_HEAD_DIMS)
+            attention_module.bwd_tile = lambda *args, mode=mode, **kwargs: dataclasses.replace(
+                plain_bwd_tile(*args, **kwargs), dq_mode=mode)
+            # (a plan the previous mode recorded for this signature would replay that mode)
+            _calls.clear()
             try:
                 ms = timing.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                         deterministic=deterministic))
             finally:
-                attention_module.BWD_TILES[d][family] = default
+                attention_module.bwd_tile = plain_bwd_tile
+                _calls.clear()
             impl = f"cuattn-{mode}{'-deterministic' if deterministic else ''}"
             ratio = cudnn_ms / ms if cudnn_ms else None
             rows.append({**shape, "impl": impl, "ms": ms, "tflops": flops / ms / 1e9, "vs_cudnn": ratio})
@@ -118,11 +126,13 @@ def main(argv):
         default = attention_module.BWD_TILES[d][family]
         for tile, deterministic in itertools.product(CANDIDATES.get(d, [default]), modes):
             attention_module.BWD_TILES[d][family] = tile
+            _calls.clear()  # (a plan an earlier candidate recorded would replay that candidate)
             try:
                 ms = timing.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                         deterministic=deterministic))
             finally:
                 attention_module.BWD_TILES[d][family] = default
+                _calls.clear()
             star = "*" if tile == default else " "
             mode = "deterministic" if deterministic else "atomic"
             shape = (f"{tile.block_m}x{tile.block_n} wgmma" if tile.wgmma else

@@ -144,23 +144,29 @@ def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dq_mode", ["bulk", "atomic"])
-def test_sm90_dq_modes(rng, monkeypatch, dq_mode, head_dim, mask, deterministic):
-    """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode) under the 3x rule, with several
-    key blocks per query block and several query heads per kv head (so several CTAs reduce into
-    each dQ tile, in order when deterministic, and bit-identical run to run then)."""
+def test_sm90_dq_modes(rng, monkeypatch, request, dq_mode, head_dim, mask, deterministic):
+    """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode, forced through bwd_tile whatever
+    the dispatcher would pick: bulk is ordered when deterministic, atomic then leaves dQ to
+    flash_bwd_dq_kernel) under the 3x rule, with several key blocks per query block and several
+    query heads per kv head (so several CTAs reduce into each dQ tile, in order when
+    deterministic, and bit-identical run to run then). Plans are cleared before and after: a plan
+    keeps the kernels it was made with."""
     import importlib
 
     import cupy
 
-    from cuattn import _jit
+    from cuattn import _calls, _jit
 
     attention_module = importlib.import_module("cuattn.attention")
     arch = _jit.target_arch()
     if attention_module.arch_family(arch) != attention_module.SM90:
         pytest.skip(f"flash_bwd_sm90_kernel needs sm_90a, this GPU is {arch}")
-    default = attention_module.BWD_TILES[head_dim][attention_module.SM90]
-    monkeypatch.setitem(attention_module.BWD_TILES[head_dim], attention_module.SM90,
-                        dataclasses.replace(default, dq_mode=dq_mode))
+    plain_bwd_tile = attention_module.bwd_tile
+    monkeypatch.setattr(attention_module, "bwd_tile",
+                        lambda *args, **kwargs: dataclasses.replace(plain_bwd_tile(*args, **kwargs), dq_mode=dq_mode))
+    _calls.clear()
+    request.addfinalizer(_calls.clear)
+    assert attention_module.bwd_tile(head_dim, arch, deterministic).dq_mode == dq_mode
     run_backward(rng, BF16, 2, 300, 517, 8, 2, head_dim, deterministic=deterministic, **MASKS[mask])
     if deterministic:
         q, k, v, dout = (cupy.asarray(randn(rng, shape, BF16)) for shape in
@@ -399,11 +405,10 @@ def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
 
 
 def test_sm90_backward_picks_bulk_dq():
-    """On sm_90a at BWD_ORDERED_HEAD_DIMS both the default and deterministic=True reduce dQ by
-    ordered bulk reductions in the main kernel plus the tile convert (measured fastest), except
+    """On sm_90a the wgmma kernel reduces dQ by bulk reductions in the main kernel plus the tile
+    convert (measured fastest), ordered when deterministic or at BWD_ORDERED_HEAD_DIMS, except
     where BWD_ORDERED_ALIBI_FALLBACK sends ALiBi to the atomic path (deterministic: then
-    flash_bwd_dq_kernel); other head dims keep the float4 atomics and flash_bwd_dq_kernel; every
-    one of these, and the other dQ mode, is listed for the build."""
+    flash_bwd_dq_kernel); every one of these, and the other dQ mode, is listed for the build."""
     import importlib
 
     from cuattn import _params
@@ -416,12 +421,12 @@ def test_sm90_backward_picks_bulk_dq():
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
             fallback = alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
-            ordered = d in attention_module.BWD_ORDERED_HEAD_DIMS
-            assert tile.bulk_dq == (ordered and not fallback), (d, deterministic, alibi)
-            assert attention_module.bwd_ordered(tile, d, deterministic) == tile.bulk_dq
+            assert tile.bulk_dq == (not fallback), (d, deterministic, alibi)
+            ordered = tile.bulk_dq and (deterministic or d in attention_module.BWD_ORDERED_HEAD_DIMS)
+            assert attention_module.bwd_ordered(tile, d, deterministic) == ordered
             _, main, last = attention_module.bwd_specs("bfloat16", d, tile, deterministic, alibi)
             if tile.bulk_dq:
-                mode = _params.constant("kBwdDqOrdered")
+                mode = _params.constant("kBwdDqOrdered" if ordered else "kBwdDqBulk")
                 assert "bwd_convert_dq_tiles_kernel" in last.name
             elif deterministic:
                 mode = _params.constant("kBwdDqNone")
@@ -432,15 +437,14 @@ def test_sm90_backward_picks_bulk_dq():
             assert {main.name, last.name} <= listed
             atomic, bulk = (dataclasses.replace(tile, dq_mode=m) for m in ("atomic", "bulk"))
             # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says: not built)
-            spills = alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
-            for other in (atomic,) if spills else (atomic, bulk):
+            for other in (atomic,) if fallback else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
             # the staging parts: kBwdSm90DqStages per consumer, BLOCK_M x (D at D = 64, D / 2 at 128)
             # fp32 each, more shared memory on the bulk path
             c = _params.constant
             staging = c("kBwdSm90Consumers") * c("kBwdSm90DqStages") * tile.block_m * (d if d == 64 else d // 2) * 4
-            assert tile.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == (staging if tile.bulk_dq else 0)
+            assert bulk.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == staging
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
 
