@@ -511,7 +511,8 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //                  few instructions per tile instead of 2048 (D = 128) vector atomics, L2 sees
 //                  whole lines, and the consumer never waits for L2
 //   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile part happen in a fixed order, so
-//                  dQ is bit-identical run to run (deterministic=True) at the cost of the wait
+//                  dQ is bit-identical run to run (deterministic=True, and D = 128's default:
+//                  BWD_ORDERED_HEAD_DIMS in cuattn/attention.py)
 //
 // Tile accumulator (bulk modes): dq_accum [tiles, BLOCK_M * D] fp32, tile = b * acc_tile_sb +
 // h * acc_tile_sh + q_block0(b) + query block, where q_block0 is 0 dense and
@@ -540,8 +541,8 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // wait on smaller tickets.
 //
 // Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; the rest are mbarriers.
-// A consumer rewrites its dQ staging part only after its
-// writer has seen the previous reduction read the part (bulk_wait_read, then dq_empty).
+// A consumer rewrites a dQ staging part only after its writer has seen the part's previous
+// reduction read it (bulk_wait_read, then dq_empty).
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
 constexpr int kBwdSm90Threads = (kBwdSm90Consumers + 1) * kWarpgroupThreads;

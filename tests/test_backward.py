@@ -179,6 +179,52 @@ def test_sm90_dq_modes(rng, monkeypatch, request, dq_mode, head_dim, mask, deter
                 assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs between runs"
 
 
+
+def test_sm90_backward_maps_refuse_broadcast_views():
+    """flash_bwd_sm90_kernel reads q, k, v and dout through TMA maps (_bwd_maps): four of them for
+    ordinary views; none (the call then takes the mma.sync tile) for a view the TMA cannot read,
+    such as k broadcast over the batch (stride 0, which the kernels' layout check allows)."""
+    import importlib
+
+    attention_module = importlib.import_module("cuattn.attention")
+    tile = attention_module.bwd_tile(128, "sm_90a")
+    q, dout = (np.zeros((2, 96, 4, 128), np.float16) for _ in range(2))
+    k, v = (np.zeros((2, 80, 2, 128), np.float16) for _ in range(2))
+    maps = attention_module._bwd_maps(q, k, v, dout, tile)
+    assert [field for field, _, _ in maps] == ["q_map", "k_map", "v_map", "do_map"]
+    assert [role for _, role, _ in maps] == ["q", "k", "v", "dout"]
+    # boxes of BLOCK_M query rows and kBwdSm90BlockN key rows, one 128-byte panel wide
+    assert [layout.box for _, _, layout in maps] == [(64, tile.block_m, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1),
+                                                     (64, tile.block_m, 1, 1)]
+    broadcast_k = np.broadcast_to(k[:1], k.shape)
+    assert attention_module._bwd_maps(q, broadcast_k, v, dout, tile) == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_of_broadcast_views(rng, head_dim):
+    """k and v broadcast over the batch (stride 0): on sm_90a no TMA map takes them, so the call
+    runs the mma.sync backward; dq, dk, dv (one per batch entry of the views) under the 3x rule."""
+    import cupy
+
+    b, sq, sk, hq, hk = 2, 150, 203, 4, 2
+    q, dout = (randn(rng, (b, sq, hq, head_dim), BF16) for _ in range(2))
+    k1, v1 = (randn(rng, (1, sk, hk, head_dim), BF16) for _ in range(2))
+    k, v = (np.broadcast_to(x, (b, sk, hk, head_dim)) for x in (k1, v1))
+    qd, dod = cupy.asarray(q), cupy.asarray(dout)
+    kd, vd = (cupy.broadcast_to(cupy.asarray(x), (b, sk, hk, head_dim)) for x in (k1, v1))
+    assert kd.strides[0] == 0
+    out, lse = cuattn.attention(qd, kd, vd, return_lse=True, causal=True)
+    grads = cuattn.attention_backward(dod, qd, kd, vd, out, lse, causal=True)
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, causal=True)
+    refs = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True)
+    naive = reference.naive_attention_backward_lowp(dout, q, k, v, dtype=BF16, causal=True)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
+        got = got.get().astype(np.float64)
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), BF16, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
 LENGTHS = [(1, 1), (17, 17), (203, 113), (113, 203), (1023, 1023), (130, 257)]
 GQA = [(4, 4), (8, 2), (8, 1)]
 
