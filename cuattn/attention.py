@@ -1608,7 +1608,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
 
     # delta = rowsum(dout * out) for every (b, i, h) row (varlen: the packed rows as one batch)
     views = int(q.shape[0])
-    run(pre, (-(-(views * rows_q * num_heads) // _params.constant("kPreprocessWarps")), 1, 1))
+    run(pre, (-(-(views * rows_q * num_heads) // _preprocess_rows_per_cta(head_dim_v)), 1, 1))
     run(main, (-(-seqlen_k // tile.block_n), *_split_grid(batch * num_kv_heads)), maps)
     if tile.bulk_dq:
         run(last, (-(-seqlen_q // tile.block_m), *_split_grid(batch * num_heads)))
@@ -1617,6 +1617,16 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     else:
         run(last, (-(-int(dq_accum.size) // _params.constant("kConvertThreads")), 1, 1))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
+
+
+def _preprocess_rows_per_cta(head_dim_v: int) -> int:
+    """Rows of delta one CTA of bwd_preprocess_kernel computes: kPreprocessWarps warps of
+    kWarpSize / bwd_preprocess_lanes(Dv) rows each (flash_bwd.cu)."""
+    c = _params.constant
+    lanes = 1
+    while lanes < c("kWarpSize") and lanes * c("kPreprocessChunk") < head_dim_v:
+        lanes *= 2
+    return c("kPreprocessWarps") * (c("kWarpSize") // lanes)
 
 
 def _bwd_maps(q, k, v, dout, tile: BwdTile):

@@ -121,25 +121,51 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 #endif
 }
 
-// delta = rowsum(dout * out): one warp per (b, i, h) row of the view (varlen: the packed rows as
-// one batch entry, whose batch strides are 0).
-constexpr int kPreprocessWarps = 4;  // one warp per (b, i, h) row
+// delta = rowsum(dout * out) over the (b, i, h) rows of the view (varlen: the packed rows as one
+// batch entry, whose batch strides are 0). A row is read in 16-byte chunks (kPreprocessChunk
+// elements: every row is 16-byte aligned, Dv a multiple of 8) by bwd_preprocess_lanes(Dv) lanes
+// (the power of two that covers its chunks, at most a warp), so a warp takes 32 / lanes rows at
+// once (with one 2-byte element per lane and one row per warp it took 191 us at N = 4k, D = 128
+// on the H200, 151 us so; beside 6.9 ms of main kernel).
+constexpr int kPreprocessWarps = 4;
+constexpr int kPreprocessChunk = 8;  // elements of one 16-byte load
+
+__host__ __device__ constexpr int bwd_preprocess_lanes(int head_dim_v) {
+  int lanes = 1;
+  while (lanes < kWarpSize && lanes * kPreprocessChunk < head_dim_v) lanes *= 2;
+  return lanes;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessWarps * kWarpSize)
 bwd_preprocess_kernel(const BwdParams<T> p) {
+  static_assert(sizeof(T) * kPreprocessChunk == 16, "16-byte chunks");
+  const int lanes = bwd_preprocess_lanes(p.head_dim_v);
   const int views = p.cu_seqlens_q != nullptr ? 1 : p.batch;
-  const i64 row = static_cast<i64>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  if (row >= static_cast<i64>(views) * p.rows_q * p.num_heads) return;
-  const int h = static_cast<int>(row % p.num_heads);
-  const int i = static_cast<int>((row / p.num_heads) % p.rows_q);
-  const int b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
-  const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
-  const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
+  const i64 rows_per_cta = static_cast<i64>(kPreprocessWarps) * (kWarpSize / lanes);
+  const i64 row = blockIdx.x * rows_per_cta + static_cast<int>(threadIdx.x) / lanes;
+  const bool live = row < static_cast<i64>(views) * p.rows_q * p.num_heads;
   float acc = 0.f;
-  for (int d = lane; d < p.head_dim_v; d += kWarpSize) acc += DType<T>::to_float(out[d]) * DType<T>::to_float(dout[d]);
-  acc = warp_sum(acc);
-  if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
+  int h = 0, i = 0, b = 0;
+  if (live) {
+    h = static_cast<int>(row % p.num_heads);
+    i = static_cast<int>((row / p.num_heads) % p.rows_q);
+    b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
+    const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
+    const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
+    for (int col = (lane % lanes) * kPreprocessChunk; col < p.head_dim_v; col += lanes * kPreprocessChunk) {
+      const uint4 o = *reinterpret_cast<const uint4*>(out + col);
+      const uint4 d = *reinterpret_cast<const uint4*>(dout + col);
+      const T* oe = reinterpret_cast<const T*>(&o);
+      const T* de = reinterpret_cast<const T*>(&d);
+#pragma unroll
+      for (int e = 0; e < kPreprocessChunk; ++e) acc += DType<T>::to_float(oe[e]) * DType<T>::to_float(de[e]);
+    }
+  }
+  // the row's lanes are consecutive and their count a power of two: a butterfly within them
+  for (int offset = lanes / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if (live && lane % lanes == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
 }
 
 // The per-(b, head) geometry both recomputing kernels share: sequence offsets (varlen), lengths
