@@ -1181,13 +1181,13 @@ class BwdTile:
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """K, V [BLOCK_N, D + 8]; Q, dO [stages, BLOCK_M, D + 8]; P^T, dS^T [BLOCK_N, BLOCK_M + 8];
         lse, delta [stages, BLOCK_M] fp32. wgmma (BwdSm90Smem): unpadded swizzled K, V, two Q/dO
-        stages, dS^T, lse and delta, the bulk dQ staging tile [BLOCK_M, D] fp32 (bulk_dq), and the
-        alignment slack."""
+        stages, two dS^T buffers, lse and delta, the bulk dQ staging parts (bulk_dq), the
+        mbarriers, and the alignment slack."""
         if self.wgmma:
             # flash_bwd.cu's kBwdSm90BlockN keys, kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
             # buffers and kBwdSm90Barriers mbarriers; a consumer's kBwdSm90DqStages bulk dQ staging
-            # parts are BLOCK_M x (D at D = 64, D / 2 at 128) each; swizzled tiles start on kSwizzleAtomBytes
-            # boundaries, so that much slack rounds the base up
+            # parts are BLOCK_M x (D at D = 64, D / 2 at 128) each; swizzled tiles start on
+            # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
             c = _params.constant
             block_n, stages = c("kBwdSm90BlockN"), c("kBwdSm90Stages")
             consumers = c("kBwdSm90Consumers")
@@ -1209,8 +1209,8 @@ class BwdTile:
 
 # One row per tile head dim and arch family (a head dim runs the smallest tile at least it, given
 # at run time, as the forward's FWD_TILES). Hopper runs D = 64 and 128 on the wgmma kernel
-# (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer warpgroups; 1.3x the mma.sync kernel at
-# D = 64, 1.7-1.9x at D = 128). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
+# (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer
+# warpgroups; BENCHMARKS.md, "Eleventh session"). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
 # fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).

@@ -81,10 +81,9 @@ constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
 // with two consumers, 128 with three); setmaxnreg hands what the producer gives up to the
 // consumers, and an increase past that pool waits forever.
 __host__ __device__ constexpr int consumer_registers(int consumers, int producer_registers) {
-  return (kRegistersPerSm / (kWarpgroupThreads * (consumers + 1)) / kRegisterGranule * kRegisterGranule *
-              (consumers + 1) -
-          producer_registers) /
-         consumers / kRegisterGranule * kRegisterGranule;
+  const int warpgroups = consumers + 1;
+  const int at_launch = kRegistersPerSm / (kWarpgroupThreads * warpgroups) / kRegisterGranule * kRegisterGranule;
+  return (at_launch * warpgroups - producer_registers) / consumers / kRegisterGranule * kRegisterGranule;
 }
 
 // Hand registers between warpgroups (sm_90a): the producer gives its own up, the consumers take
