@@ -341,13 +341,6 @@ __device__ __forceinline__ void wgmma_wait() {
 // Ordinary shared-memory writes (st.shared, cp.async) become visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Barrier over the 128 threads of warpgroup `wg` (0 or 1) alone: named barriers 1 and 2 (0 is
-// __syncthreads). Immediate ids, so ptxas reserves three barriers, not all sixteen.
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  if (wg == 0) asm volatile("bar.sync 1, %0;\n" ::"n"(kWarpgroupThreads) : "memory");
-  else asm volatile("bar.sync 2, %0;\n" ::"n"(kWarpgroupThreads) : "memory");
-}
-
 // Pin registers in place: nothing reads an accumulator before the wgmma_wait above it, and
 // nothing writes one that a running wgmma still reads.
 template <int N>

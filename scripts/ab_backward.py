@@ -13,40 +13,19 @@ python scripts/ab_backward.py LABEL IMPLS [SEQLENS]
     process for the fairest comparison (a second variant's arrays land elsewhere in memory).
 """
 
-import dataclasses
-import importlib
+import contextlib
 import sys
 
 import cupy
 
 import cuattn
-from cuattn import _calls
 from cuattn.bench import cases, timing
-
-attention_module = importlib.import_module("cuattn.attention")
-plain_bwd_tile = attention_module.bwd_tile
-plain_ordered = attention_module.BWD_ORDERED_HEAD_DIMS
-
-
-def forced_bwd_tile(mode: str):
-    """bwd_tile with the dQ mode forced on wgmma tiles (ALiBi keeps its own choice)."""
-    def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
-        tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
-        return dataclasses.replace(tile, dq_mode=mode) if tile.wgmma and not alibi else tile
-    return bwd_tile
 
 
 def time_cuattn(impl: str, shape) -> float:
     """ms per attention_backward call of one cuattn variant (IMPLS above)."""
-    forced = next((mode for mode in ("atomic", "bulk", "unordered") if mode in impl), None)
-    attention_module.bwd_tile = plain_bwd_tile if forced is None else forced_bwd_tile(
-        "bulk" if forced == "unordered" else forced)
-    # "unordered": the bulk tile without the ordered path at any head dim (deterministic=False)
-    attention_module.BWD_ORDERED_HEAD_DIMS = () if forced == "unordered" else plain_ordered
-    # a plan recorded by an earlier variant of the same signature would replay that variant's
-    # kernels: every variant starts from the full path
-    _calls.clear()
-    try:
+    forced = next((mode for mode in cases.BWD_FORCED_DQ_MODES if mode in impl), None)
+    with contextlib.nullcontext() if forced is None else cases.forced_bwd_dq_mode(forced):
         q, k, v, dout = (cupy.random.standard_normal((shape.batch, shape.seqlen, shape.q_heads, shape.head_dim),
                                                      dtype=cupy.float32).astype(cupy.dtype("bfloat16"))
                          for _ in range(4))
@@ -56,10 +35,6 @@ def time_cuattn(impl: str, shape) -> float:
                                                deterministic=deterministic)
         fn()
         return timing.time_cuda(fn)
-    finally:
-        attention_module.bwd_tile = plain_bwd_tile
-        attention_module.BWD_ORDERED_HEAD_DIMS = plain_ordered
-        _calls.clear()
 
 
 def main():

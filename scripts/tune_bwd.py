@@ -15,7 +15,6 @@ ms, TFLOP/s, and the ratio to cuDNN; --json writes the rows.)
 """
 
 import argparse
-import dataclasses
 import itertools
 import sys
 
@@ -23,7 +22,7 @@ import cupy
 
 import cuattn
 from cuattn import _calls, _jit
-from cuattn.bench import timing
+from cuattn.bench import cases, timing
 from cuattn import attention as _  # noqa: F401  (the module, for its tile table)
 
 attention_module = sys.modules["cuattn.attention"]
@@ -75,21 +74,11 @@ def dq_modes(head_dims, lengths, json_path):
                       f"{flops / cudnn_ms / 1e9:7.1f} TFLOP/s", flush=True)
             except RuntimeError as exc:
                 print(f"torch cudnn failed: {str(exc).splitlines()[0] if str(exc) else exc}")
-        plain_bwd_tile = attention_module.bwd_tile
         for mode, deterministic in itertools.product(attention_module.BWD_DQ_MODES, [False, True]):
-            default = plain_bwd_tile(d, _jit.target_arch(), deterministic)
-            # bwd_tile itself forced to the mode (replacing the BWD_TILES row would not do: bwd_tile
-            # picks the atomic path for a bulk row outside BWD_ORDERED_HEAD_DIMS)
-            attention_module.bwd_tile = lambda *args, mode=mode, **kwargs: dataclasses.replace(
-                plain_bwd_tile(*args, **kwargs), dq_mode=mode)
-            # (a plan the previous mode recorded for this signature would replay that mode)
-            _calls.clear()
-            try:
+            default = attention_module.bwd_tile(d, _jit.target_arch(), deterministic)
+            with cases.forced_bwd_dq_mode(mode):
                 ms = timing.time_cuda(lambda: cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                         deterministic=deterministic))
-            finally:
-                attention_module.bwd_tile = plain_bwd_tile
-                _calls.clear()
             impl = f"cuattn-{mode}{'-deterministic' if deterministic else ''}"
             ratio = cudnn_ms / ms if cudnn_ms else None
             rows.append({**shape, "impl": impl, "ms": ms, "tflops": flops / ms / 1e9, "vs_cudnn": ratio})

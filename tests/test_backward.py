@@ -144,28 +144,28 @@ def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dq_mode", ["bulk", "atomic"])
-def test_sm90_dq_modes(rng, monkeypatch, request, dq_mode, head_dim, mask, deterministic):
-    """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode, forced through bwd_tile whatever
-    the dispatcher would pick: bulk is ordered when deterministic, atomic then leaves dQ to
-    flash_bwd_dq_kernel) under the 3x rule, with several key blocks per query block and several
+def test_sm90_dq_modes(rng, request, dq_mode, head_dim, mask, deterministic):
+    """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode, forced whatever the dispatcher
+    would pick: bulk is ordered when deterministic, atomic then leaves dQ to
+    flash_bwd_dq_kernel; cuattn.bench.cases.forced_bwd_dq_mode, which also clears the plans a
+    call remembers) under the 3x rule, with several key blocks per query block and several
     query heads per kv head (so several CTAs reduce into each dQ tile, in order when
-    deterministic, and bit-identical run to run then). Plans are cleared before and after: a plan
-    keeps the kernels it was made with."""
+    deterministic, and bit-identical run to run then)."""
+    import contextlib
     import importlib
 
     import cupy
 
-    from cuattn import _calls, _jit
+    from cuattn import _jit
+    from cuattn.bench.cases import forced_bwd_dq_mode
 
     attention_module = importlib.import_module("cuattn.attention")
     arch = _jit.target_arch()
     if attention_module.arch_family(arch) != attention_module.SM90:
         pytest.skip(f"flash_bwd_sm90_kernel needs sm_90a, this GPU is {arch}")
-    plain_bwd_tile = attention_module.bwd_tile
-    monkeypatch.setattr(attention_module, "bwd_tile",
-                        lambda *args, **kwargs: dataclasses.replace(plain_bwd_tile(*args, **kwargs), dq_mode=dq_mode))
-    _calls.clear()
-    request.addfinalizer(_calls.clear)
+    stack = contextlib.ExitStack()
+    request.addfinalizer(stack.close)
+    stack.enter_context(forced_bwd_dq_mode(dq_mode))
     assert attention_module.bwd_tile(head_dim, arch, deterministic).dq_mode == dq_mode
     run_backward(rng, BF16, 2, 300, 517, 8, 2, head_dim, deterministic=deterministic, **MASKS[mask])
     if deterministic:
@@ -179,6 +179,37 @@ def test_sm90_dq_modes(rng, monkeypatch, request, dq_mode, head_dim, mask, deter
                 assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs between runs"
 
 
+
+def test_forced_bwd_dq_mode_forces_and_restores():
+    """forced_bwd_dq_mode (the benchmarks' and test_sm90_dq_modes' way to pick a dQ path): inside
+    it every wgmma tile without ALiBi's own path takes the mode ("unordered" also drops
+    BWD_ORDERED_HEAD_DIMS), remembered plans are cleared on entry and exit, and everything is as
+    before afterwards; an unknown mode is refused."""
+    import importlib
+
+    from cuattn import _calls
+    from cuattn.bench.cases import forced_bwd_dq_mode
+
+    attention_module = importlib.import_module("cuattn.attention")
+    before = {(d, det, alibi): attention_module.bwd_tile(d, "sm_90a", det, alibi)
+              for d in (64, 96, 128) for det in (False, True) for alibi in (False, True)}
+    ordered = attention_module.BWD_ORDERED_HEAD_DIMS
+    for mode in ("atomic", "bulk", "unordered"):
+        _calls.remember(("a call",), object())
+        with forced_bwd_dq_mode(mode):
+            assert _calls._plans == {}
+            _calls.remember(("a call",), object())
+            for (d, det, alibi), tile in before.items():
+                forced = attention_module.bwd_tile(d, "sm_90a", det, alibi)
+                keeps = not tile.wgmma or alibi
+                assert forced == (tile if keeps else dataclasses.replace(tile, dq_mode="bulk" if mode == "unordered" else mode))
+            assert attention_module.BWD_ORDERED_HEAD_DIMS == (() if mode == "unordered" else ordered)
+        assert _calls._plans == {}
+        assert attention_module.BWD_ORDERED_HEAD_DIMS == ordered
+        assert all(attention_module.bwd_tile(d, "sm_90a", det, alibi) == tile for (d, det, alibi), tile in before.items())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        with forced_bwd_dq_mode("ordered"):
+            pass
 
 def test_sm90_backward_maps_refuse_broadcast_views():
     """flash_bwd_sm90_kernel reads q, k, v and dout through TMA maps (_bwd_maps): four of them for

@@ -27,6 +27,7 @@ float16 because its matmuls are cuBLAS half-precision GEMMs. A case that cannot 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -409,6 +410,43 @@ def _prepare_forward(case: Case, dtype: np.dtype) -> Prepared:
         return [Result(case.family, impl, s, dtype_name(dtype), ms, tflops, info)]
 
     return Prepared(case, fn, measure)
+
+
+# The dQ paths forced_bwd_dq_mode takes: BwdTile.dq_mode values, and "unordered" (bulk reductions
+# never ordered, not even at BWD_ORDERED_HEAD_DIMS; deterministic=True still orders them).
+BWD_FORCED_DQ_MODES = ("atomic", "bulk", "unordered")
+
+
+@contextlib.contextmanager
+def forced_bwd_dq_mode(mode: str):
+    """Within the block, attention_backward on sm_90a's wgmma tiles takes the dQ path ``mode``
+    (BWD_FORCED_DQ_MODES) whatever the dispatcher would pick (tiles where ALiBi keeps its own
+    path and mma.sync tiles are left alone). Remembered plans are cleared on entry and exit:
+    a plan keeps the kernels of the call that made it, so a second path forced for the same
+    shapes would otherwise replay the first one's."""
+    import importlib
+
+    from .. import _calls
+
+    if mode not in BWD_FORCED_DQ_MODES:
+        raise ValueError(f"mode must be one of {BWD_FORCED_DQ_MODES}, got {mode!r}")
+    attention_module = importlib.import_module("cuattn.attention")
+    plain_bwd_tile, plain_ordered = attention_module.bwd_tile, attention_module.BWD_ORDERED_HEAD_DIMS
+    dq_mode = "bulk" if mode == "unordered" else mode
+
+    def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
+        tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
+        return dataclasses.replace(tile, dq_mode=dq_mode) if tile.wgmma and not alibi else tile
+
+    attention_module.bwd_tile = bwd_tile
+    if mode == "unordered":
+        attention_module.BWD_ORDERED_HEAD_DIMS = ()
+    _calls.clear()
+    try:
+        yield
+    finally:
+        attention_module.bwd_tile, attention_module.BWD_ORDERED_HEAD_DIMS = plain_bwd_tile, plain_ordered
+        _calls.clear()
 
 
 def _prepare_backward(case: Case, dtype: np.dtype) -> Prepared:
