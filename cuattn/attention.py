@@ -182,7 +182,7 @@ class FwdSm90Tile:
         fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
                  + _params.constant("kMbarrierBytes") * barriers
                  + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
-        return fixed + o_tile if fixed + o_tile <= _params.constant("kFwdSm90MaxSmem") else fixed
+        return fixed + o_tile if fixed + o_tile <= _params.constant("kSm90MaxSmem") else fixed
 
 
 # The Hopper forward's tiles, keyed by the (D, Dv) they are instantiated for. A call runs the
@@ -1185,19 +1185,25 @@ class BwdTile:
         mbarriers, and the alignment slack."""
         if self.wgmma:
             # flash_bwd.cu's kBwdSm90BlockN keys, kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
-            # buffers and kBwdSm90Barriers mbarriers; a consumer's kBwdSm90DqStages bulk dQ staging
-            # parts are BLOCK_M x (D at D = 64, D / 2 at 128) each; swizzled tiles start on
+            # buffers and kBwdSm90Barriers mbarriers; rows padded to whole swizzle panels; the
+            # bulk dQ staging parts are BLOCK_M x bwd_dq_cols(D) each, kBwdSm90DqStages a
+            # consumer where they fit in kSm90MaxSmem, else one; swizzled tiles start on
             # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
             c = _params.constant
             block_n, stages = c("kBwdSm90BlockN"), c("kBwdSm90Stages")
-            consumers = c("kBwdSm90Consumers")
-            tiles = (2 * block_n + 2 * stages * self.block_m) * head_dim * itemsize
+            consumers, panel = c("kBwdSm90Consumers"), c("kSwizzlePanelCols")
+            tiles = (2 * block_n + 2 * stages * self.block_m) * (-(-head_dim // panel) * panel) * itemsize
             ds = c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
             stats = 2 * stages * self.block_m * 4
-            dq_cols = head_dim if head_dim <= c("kSwizzlePanelCols") else head_dim // consumers
-            staging = consumers * c("kBwdSm90DqStages") * self.block_m * dq_cols * 4 if self.bulk_dq else 0
-            barriers = c("kBwdSm90Barriers") * c("kMbarrierBytes")
-            return tiles + ds + stats + staging + barriers + c("kSwizzleAtomBytes")
+            overhead = c("kBwdSm90Barriers") * c("kMbarrierBytes") + c("kSwizzleAtomBytes")
+            fixed = tiles + ds + stats + overhead
+            if not self.bulk_dq:
+                return fixed
+            part = self.block_m * bwd_dq_cols(head_dim) * 4
+            dq_stages = c("kBwdSm90DqStages")
+            if fixed + consumers * dq_stages * part > c("kSm90MaxSmem"):
+                dq_stages = 1
+            return fixed + consumers * dq_stages * part
         pad = _params.constant("kPadElems")
         tiles = (2 * self.block_n + 2 * self.stages * self.block_m) * (head_dim + pad) * itemsize
         return tiles + 2 * self.block_n * (self.block_m + pad) * itemsize + 2 * self.stages * self.block_m * 4
@@ -1207,11 +1213,20 @@ class BwdTile:
         return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
 
+def bwd_dq_cols(tile_dim: int) -> int:
+    """Columns of the dQ tile one consumer of flash_bwd_sm90_kernel computes (flash_bwd.cu's
+    bwd_sm90_dq_cols): half of D where that half is whole swizzle panels (D = 128), else all of D
+    (D = 64 and 96, whose consumers take the steps in turn)."""
+    consumers, panel = _params.constant("kBwdSm90Consumers"), _params.constant("kSwizzlePanelCols")
+    return tile_dim // consumers if (tile_dim // consumers) % panel == 0 else tile_dim
+
+
 # One row per tile head dim and arch family (a head dim runs the smallest tile at least it, given
-# at run time, as the forward's FWD_TILES). Hopper runs D = 64 and 128 on the wgmma kernel
-# (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer
-# warpgroups; BENCHMARKS.md, "Eleventh session"). The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each shared-memory
-# fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
+# at run time, as the forward's FWD_TILES). Hopper runs the tiles D = 64, 96 and 128 on the wgmma
+# kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer
+# warpgroups; BENCHMARKS.md, "Eleventh session"), every head dim and Dv up to 128 among them
+# (padded ones read zeros past their own D). The mma.sync rows: warp tiles of 32 x 32 where the
+# tile allows (each shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
 # D = 160 (not measured yet) takes D = 256's layout with dK/dV split 4 ways along the keys (80
@@ -1227,7 +1242,7 @@ BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
     64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4),
          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
-    96: {SM80: _BWD_D96, SM90: _BWD_D96},
+    96: {SM80: _BWD_D96, SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 128, 32, 8),
           SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 128, 32, 8, wgmma=True)},
     160: {SM80: _BWD_D160, SM90: _BWD_D160},
@@ -1235,12 +1250,12 @@ BWD_TILES = {
 }
 
 
-# Head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 128 the consumers
-# sit at their 240 registers, and the staging and semaphore code add 12-20 bytes of spill
-# (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the earlier
-# path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
-BWD_ORDERED_ALIBI_FALLBACK = (128,)
-# Head dims whose backward orders its bulk dQ reductions even when deterministic=False. On the
+# Tile head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 96 and 128 the
+# consumers sit at their 240 registers, and the staging and semaphore code add 8-20 bytes of
+# spill (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the
+# earlier path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
+BWD_ORDERED_ALIBI_FALLBACK = (96, 128)
+# Tile head dims whose backward orders its bulk dQ reductions even when deterministic=False. On the
 # H200 (warp-specialised kernel, dQ writer warps; BENCHMARKS.md, "Eleventh session") the bulk
 # reductions ran 1.02-1.24x the float4 atomics at D = 64 and 1.16-1.33x at D = 128. Ordered, they
 # cost D = 64 0-11% against unordered, so D = 64 orders them for deterministic=True only
@@ -1249,10 +1264,10 @@ BWD_ORDERED_ALIBI_FALLBACK = (128,)
 BWD_ORDERED_HEAD_DIMS = (128,)
 
 
-def bwd_ordered(tile: "BwdTile", head_dim: int, deterministic: bool) -> bool:
+def bwd_ordered(tile: "BwdTile", tile_dim: int, deterministic: bool) -> bool:
     """Whether the backward's main kernel reduces dQ in a fixed order (kBwdDqOrdered): a bulk
-    tile, deterministic or at a head dim of BWD_ORDERED_HEAD_DIMS."""
-    return tile.bulk_dq and (deterministic or head_dim in BWD_ORDERED_HEAD_DIMS)
+    tile, deterministic or at a tile head dim of BWD_ORDERED_HEAD_DIMS."""
+    return tile.bulk_dq and (deterministic or tile_dim in BWD_ORDERED_HEAD_DIMS)
 
 
 def bwd_tile_dim(head_dim: int) -> int:
@@ -1265,17 +1280,14 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
     """The backward's tiles for ``head_dim`` (any supported one) on ``arch``; ``alibi`` picks the
     dQ path. A "bulk" tile (flash_bwd_sm90_kernel's bulk dQ reductions, ordered as bwd_ordered
     says) stays one except where ALiBi's bulk variants would spill (BWD_ORDERED_ALIBI_FALLBACK),
-    which take the atomic path (and flash_bwd_dq_kernel for deterministic=True).
-    flash_bwd_sm90_kernel has no run-time head dim: a head dim padded to one of its tiles runs the
-    mma.sync kernels' tile of that head dim (the sm_80 column), and so does a v head dim
-    ``head_dim_v`` of its own (the tile is then that of the larger one). ``deterministic`` does
-    not change the tile (bwd_ordered and bwd_specs read it)."""
+    which take the atomic path (and flash_bwd_dq_kernel for deterministic=True). The tile is that
+    of the larger of ``head_dim`` and a v head dim ``head_dim_v`` of its own; the kernels read
+    zeros past each array's own head dim and store only its columns. ``deterministic`` does not
+    change the tile (bwd_ordered and bwd_specs read it)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
     tile = BWD_TILES[tile_dim][arch_family(arch)]
-    if tile.wgmma and (tile_dim != head_dim or head_dim_v != head_dim):
-        return BWD_TILES[tile_dim][SM80]
-    if tile.bulk_dq and alibi and head_dim in BWD_ORDERED_ALIBI_FALLBACK:
+    if tile.bulk_dq and alibi and tile_dim in BWD_ORDERED_ALIBI_FALLBACK:
         return dataclasses.replace(tile, dq_mode="atomic")
     return tile
 
@@ -1284,8 +1296,9 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
 @functools.lru_cache(maxsize=None)
 def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
               alibi: bool = False) -> tuple[_jit.KernelSpec, ...]:
-    """(preprocess, main, convert or deterministic dQ) kernels of the backward; ``alibi``: the main
-    and dQ kernels' variants that fold ALiBi's bias into lse (their ALIBI flag)."""
+    """(preprocess, main, convert or deterministic dQ) kernels of the backward at tile head dim
+    ``head_dim``; ``alibi``: the main and dQ kernels' variants that fold ALiBi's bias into lse
+    (their ALIBI flag)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     t = tile
     itemsize = np.dtype(dtype).itemsize
@@ -1326,20 +1339,21 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
 
 
 def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """What the backward dispatcher can pick for every supported head dim (so the mma.sync tiles
-    that stand in for the wgmma kernel at padded head dims are listed too), and (wgmma tiles) the
-    other dq_mode too, which stays selectable for comparison and fallback."""
+    """What the backward dispatcher can pick for every supported head dim: (wgmma tiles) both
+    dq_modes, the other one selectable for comparison and fallback, and the mma.sync tile that
+    stands in for views the TMA cannot read."""
     specs = set()
     for dtype, d, det, alibi in itertools.product(_arrays.CUDA_TYPES, SUPPORTED_HEAD_DIMS, (False, True),
                                                   (False, True)):
         tile_dim = bwd_tile_dim(d)
         tile = bwd_tile(d, arch, det, alibi)
-        # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says; a padded head dim's
-        # mma.sync tile has one dQ path)
-        spills = alibi and d in BWD_ORDERED_ALIBI_FALLBACK
-        modes = BWD_DQ_MODES if tile.wgmma and not spills else (tile.dq_mode,)
-        for mode in modes:
-            specs.update(bwd_specs(dtype, tile_dim, dataclasses.replace(tile, dq_mode=mode), det, alibi))
+        # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says; an mma.sync tile has
+        # one dQ path)
+        spills = alibi and tile_dim in BWD_ORDERED_ALIBI_FALLBACK
+        tiles = [dataclasses.replace(tile, dq_mode=mode) for mode in BWD_DQ_MODES if not (spills and mode == "bulk")]
+        tiles = tiles + [BWD_TILES[tile_dim][SM80]] if tile.wgmma else [tile]
+        for each in tiles:
+            specs.update(bwd_specs(dtype, tile_dim, each, det, alibi))
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -1368,12 +1382,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     ``out`` and ``lse`` (natural log, ``(B, Hq, Sq)``) are the forward's; every option must match
     the forward call. ``dk`` and ``dv`` sum over the query heads of each kv head's group (GQA).
     No N x N buffer: the extra device memory is ``delta = rowsum(dout * out)`` ``(B, Hq, Sq)``
-    and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` (on sm_90a at D = 64 and 128 the
-    same size in 64-row tiles) summed by atomics or bulk reductions, whose order varies between
-    runs. ``deterministic=True`` gives bit-identical gradients run after run: on sm_90a at D = 64
-    and 128 the main kernel adds its dQ tiles in a fixed order (one int32 semaphore per tile half
-    more), which at D = 128 is also the default (as fast), so that the default is bit-identical
-    there too; elsewhere a second kernel sums dQ in a fixed order (no accumulator). The sinks' gradient is
+    and, by default, a float32 dQ accumulator ``(B, Sq, Hq, D)`` (on sm_90a up to D = 128 about
+    the same size in 64-row tiles of the tile head dim) summed by atomics or bulk reductions,
+    whose order varies between runs. ``deterministic=True`` gives bit-identical gradients run
+    after run: on sm_90a up to D = 128 the main kernel adds its dQ tiles in a fixed order (one
+    int32 semaphore per tile half more), which in the 128 tile is also the default (as fast), so
+    that the default is bit-identical there too; elsewhere a second kernel sums dQ in a fixed order (no accumulator). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
@@ -1504,9 +1518,10 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     alloc = zeros if varlen else ctx.empty
     tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None, head_dim_v)
     maps = _bwd_maps(q, k, v, dout, tile) if tile.wgmma else ()
+    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
     if tile.wgmma and not maps:
         # a view the TMA cannot read: the mma.sync kernels take it
-        tile = BWD_TILES[bwd_tile_dim(head_dim)][SM80]
+        tile = BWD_TILES[tile_dim][SM80]
 
     def gradient(index, like, make):
         if grads is None:
@@ -1527,12 +1542,11 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    pre, main, last = bwd_specs(np.dtype(q.dtype), bwd_tile_dim(max(head_dim, head_dim_v)), tile, deterministic,
-                                alibi[0] is not None)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), tile_dim, tile, deterministic, alibi[0] is not None)
     lse_contiguous, lse = lse.flags.c_contiguous, cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
-    # [tiles, BLOCK_M * D], each sequence's query blocks on their own tiles (flash_bwd.cu)
+    # [tiles, BLOCK_M * tile D], each sequence's query blocks on their own tiles (flash_bwd.cu)
     dq_accum = None if deterministic else zeros((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32)
     acc_tile_sb = acc_tile_sh = 0
     semaphores = ticket = None
@@ -1544,8 +1558,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sh = -(-seqlen_q // tile.block_m)
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
-        dq_accum = zeros((tiles, tile.block_m * head_dim), np.float32)
-        if bwd_ordered(tile, head_dim, deterministic):
+        dq_accum = zeros((tiles, tile.block_m * tile_dim), np.float32)
+        if bwd_ordered(tile, tile_dim, deterministic):
             # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
             semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
             ticket = zeros((1,), np.int32)

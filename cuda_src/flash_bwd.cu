@@ -13,7 +13,7 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
-//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for D = 64 and 128, warp-specialised
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for tiles D = 64, 96, 128, warp-specialised
 //                           (a TMA producer warp, two wgmma consumer warpgroups, setmaxnreg),
 //                           with dQ by float4 atomics, by one bulk reduction per tile, or
 //                           (deterministic) by bulk reductions in a fixed order; described above
@@ -36,14 +36,14 @@
 //   q, dq [B, Sq, Hq, D]   out, dout [B, Sq, Hq, Dv]   k, dk [B, Sk, Hk, D]   v, dv [B, Sk, Hk, Dv]
 //   lse, delta [B, Hq, Sq]
 //   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
-//                      kernel's bulk dQ: tiles of BLOCK_M x D, see BwdSm90Smem
+//                      kernel's bulk dQ: tiles of BLOCK_M x HEAD_DIM, see above flash_bwd_sm90_kernel
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
-// Head dims: the mma.sync kernels (main and deterministic dQ) are instantiated for a tile head dim
-// HEAD_DIM and take D = BwdParams::head_dim (q, k, dq, dk) and Dv = BwdParams::head_dim_v (v, out,
-// dout, dv), both multiples of 8 up to HEAD_DIM, as flash_fwd.cu does: columns D .. HEAD_DIM of Q
-// and K and Dv .. HEAD_DIM of V and dO are zero in shared memory, so they add nothing to S (Q K^T)
-// and dP (dO V^T) and give dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
-// flash_bwd_sm90_kernel runs D = Dv = its tile only.
+// Head dims: every main and dQ kernel is instantiated for a tile head dim HEAD_DIM and takes
+// D = BwdParams::head_dim (q, k, dq, dk) and Dv = BwdParams::head_dim_v (v, out, dout, dv), both
+// multiples of 8 up to HEAD_DIM, as flash_fwd.cu does: columns D .. HEAD_DIM of Q and K and
+// Dv .. HEAD_DIM of V and dO are zero in shared memory (the mma.sync kernels' loads write them,
+// the sm_90a kernel's TMA fills them), so they add nothing to S (Q K^T) and dP (dO V^T) and give
+// dQ, dK, dV columns that are not stored; dq_accum rows are D wide.
 #include "attention_tile.cuh"
 #include "block_range.cuh"
 #include "params.cuh"
@@ -518,7 +518,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the stage
 //   dS^T -> shared, dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
 // dQ and the two consumers. dQ sums over all 128 keys, so it needs both consumers' dS^T rows: at
-// D = 128 each consumer computes half of D, at D = 64 consumer s % 2 computes all of D of step s
+// D = 128 each consumer computes half of D, at D = 64 and 96 consumer s % 2 computes all of D of step s
 // (the two take the steps in turn: one dQ tile a step, not two halves over keys, so half the dQ
 // traffic). The dQ GEMM of step s runs in step s + 1, after that step's dV and dK GEMMs are
 // issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded by two mbarriers
@@ -545,7 +545,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
 // tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
 // Inside a tile, part p (p < kBwdSm90DqParts<D>: the consumer's D half at D = 128, all of D at
-// D = 64) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
+// D = 64 and 96) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
 // stores are conflict-free float4s of consecutive threads:
 //   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
 //   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
@@ -574,7 +574,7 @@ constexpr int kBwdSm90Consumers = 2;
 constexpr int kBwdSm90Threads = (kBwdSm90Consumers + 1) * kWarpgroupThreads;
 constexpr int kBwdSm90Stages = 2;     // Q/dO/lse/delta stages of the producer's ring
 constexpr int kBwdSm90DsBuffers = 2;  // dS^T buffers: a step's, and the one the delayed dQ GEMM reads
-constexpr int kBwdSm90DqStages = 2;   // bulk dQ staging parts per consumer: one staged, one being read
+constexpr int kBwdSm90DqStages = 2;   // bulk dQ staging parts per consumer at most: one staged, one being read
 constexpr int kBwdSm90ProducerRegs = 24;
 constexpr int kBwdSm90ConsumerRegs = consumer_registers(kBwdSm90Consumers, kBwdSm90ProducerRegs);
 // mbarriers: kv_full, full and empty per stage, ds_full and ds_empty per dS^T buffer, dq_full and
@@ -588,11 +588,13 @@ constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
 
-// Who computes dQ (always over all BLOCK_N keys): at D = 64 the consumers take the steps in turn,
-// each the whole of D (an n32 half would start inside a swizzle panel); at D = 128 both, each
-// half of D.
+// Who computes dQ (always over all BLOCK_N keys): at D = 128 both consumers, each half of D; at
+// D = 64 and 96 the consumers take the steps in turn, each the whole of D (a half of 32 or 48
+// columns would start inside a swizzle panel, where no MN-major descriptor of K starts).
 template <int HEAD_DIM>
-__host__ __device__ constexpr bool bwd_sm90_dq_alternate() { return HEAD_DIM <= kSwizzlePanelCols; }
+__host__ __device__ constexpr bool bwd_sm90_dq_alternate() {
+  return (HEAD_DIM / kBwdSm90Consumers) % kSwizzlePanelCols != 0;
+}
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_cols() {
   return bwd_sm90_dq_alternate<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Consumers;
@@ -614,13 +616,14 @@ __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
 }
 
 // Shared memory of flash_bwd_sm90_kernel, byte offsets from a 1024-byte-aligned base. Python
-// mirrors kBytes (cuattn/attention.py, BwdTile.smem_bytes).
+// mirrors kBytes (cuattn/attention.py, BwdTile.smem_bytes). Rows of D columns are padded to whole
+// 64-column panels (D = 96 takes two), which the TMA fills with zeros past the array's own D.
 template <int HEAD_DIM, int BLOCK_M, bool BULK_DQ>
 struct BwdSm90Smem {
   static constexpr int STAGES = kBwdSm90Stages;
-  using KTile = SwizzledTile<kBwdSm90BlockN, HEAD_DIM>;  // K, V   [BLOCK_N, D]
-  using QTile = SwizzledTile<BLOCK_M, HEAD_DIM>;         // Q, dO  [BLOCK_M, D] per stage
-  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;   // dS^T   [BLOCK_N, BLOCK_M] per buffer
+  using KTile = SwizzledTile<kBwdSm90BlockN, panel_cols(HEAD_DIM)>;  // K, V   [BLOCK_N, D]
+  using QTile = SwizzledTile<BLOCK_M, panel_cols(HEAD_DIM)>;         // Q, dO  [BLOCK_M, D] per stage
+  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;               // dS^T   [BLOCK_N, BLOCK_M] per buffer
   static constexpr int kK = 0;
   static constexpr int kV = kK + KTile::kBytes;
   static constexpr int kQ = kV + KTile::kBytes;
@@ -628,13 +631,19 @@ struct BwdSm90Smem {
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
   static constexpr int kLse = kdS + kBwdSm90DsBuffers * STile::kBytes;  // [STAGES, BLOCK_M] fp32, natural log
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
-  // bulk dQ staging: [consumers, kBwdSm90DqStages, BLOCK_M * kDqCols] fp32
+  // bulk dQ staging: [consumers, kDqStages, BLOCK_M * kDqCols] fp32; two parts a consumer where
+  // they fit (D = 96 has room for one: its consumers take the steps in turn, so one part still
+  // has a step of slack before it is restaged)
   static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);
-  static constexpr int kdQBytes =
-      BULK_DQ ? kBwdSm90Consumers * kBwdSm90DqStages * BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float) : 0;
-  static constexpr int kBarriers = kdQ + kdQBytes;  // [kBwdSm90Barriers] mbarriers
+  static constexpr int kDqPartBytes = BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
-  static constexpr int kBytes = kBarriers + kBwdSm90Barriers * kMbarrierBytes + kSwizzleAtomBytes;
+  static constexpr int kOverhead = kBwdSm90Barriers * kMbarrierBytes + kSwizzleAtomBytes;
+  static constexpr int kDqStages =
+      kdQ + kBwdSm90Consumers * kBwdSm90DqStages * kDqPartBytes + kOverhead <= kSm90MaxSmem ? kBwdSm90DqStages : 1;
+  static constexpr int kdQBytes = BULK_DQ ? kBwdSm90Consumers * kDqStages * kDqPartBytes : 0;
+  static constexpr int kBarriers = kdQ + kdQBytes;  // [kBwdSm90Barriers] mbarriers
+  static constexpr int kBytes = kBarriers + kOverhead;
+  static_assert(kBytes <= kSm90MaxSmem, "the tiles fit in shared memory");
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int DQ_MODE, bool ALIBI>
@@ -656,22 +665,25 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   constexpr int STAGES = Smem::STAGES;
   constexpr int BLOCK_N = kBwdSm90BlockN;
   constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Consumers;
-  constexpr int kPanels = HEAD_DIM / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
-  // dQ over all keys: half of D by each consumer, or (D = 64) all of D by consumer step % 2
+  constexpr int kPanels = panel_cols(HEAD_DIM) / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
+  // dQ over all keys: half of D by each consumer, or (D = 64, 96) all of D by consumer step % 2
   constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
   constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
-  using KV = Wgmma<T, HEAD_DIM>;  // dV, dK: 64 keys x D
-  using DQ = Wgmma<T, kDqCols>;   // dQ: 64 queries x kDqCols
+  using KV = WgmmaRow<T, HEAD_DIM>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32)
+  using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "dV, dK and dQ tiles of n64 or n128");
+  static_assert(HEAD_DIM % kWgmmaK == 0 && HEAD_DIM <= 128, "whole k16 steps; dK and dV of 128 columns at most");
+  static_assert(wgmma_row_panel_aligned(HEAD_DIM) && wgmma_row_panel_aligned(kDqCols),
+                "the MN-major GEMMs' pieces start at panels");
   static_assert(bwd_sm90_dq_parts<HEAD_DIM>() <= kBwdSm90DqPartsMax, "a semaphore per part");
   // one part of a bulk dQ tile: BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
   constexpr int kDqPartFloats = BLOCK_M * kDqCols;
   static_assert(kDqPartFloats == DQ::kAccumulators * kWarpgroupThreads, "a part is one warpgroup's accumulators");
+  constexpr int kDqStages = Smem::kDqStages;
   static_assert(kBwdSm90ConsumerRegs == 240, "two consumers at 240 registers");
 
   // (kv head, key block) of this CTA: the grid position, or (ordered dQ) the ticket's, so that
@@ -710,7 +722,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const auto empty = [&](int stage) { return bars + (1 + STAGES + stage) * kMbarrierBytes; };
   const auto ds_full = [&](int buf) { return bars + (1 + 2 * STAGES + buf) * kMbarrierBytes; };
   const auto ds_empty = [&](int buf) { return bars + (1 + 2 * STAGES + kBwdSm90DsBuffers + buf) * kMbarrierBytes; };
-  // staging part `part` = c * kBwdSm90DqStages + stage
+  // staging part `part` = c * kDqStages + stage (the barriers are laid out for kBwdSm90DqStages)
   constexpr int kDqParts = kBwdSm90Consumers * kBwdSm90DqStages;
   const auto dq_full = [&](int part) { return bars + (1 + 2 * STAGES + 2 * kBwdSm90DsBuffers + part) * kMbarrierBytes; };
   const auto dq_empty = [&](int part) {
@@ -788,8 +800,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
               b * static_cast<int>(p.acc_tile_sb) + step_head(i) * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
           float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
           int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
-          const int part = c * kBwdSm90DqStages + e % kBwdSm90DqStages;
-          mbarrier_wait(dq_full(part), (e / kBwdSm90DqStages) & 1);
+          const int part = c * kDqStages + e % kDqStages;
+          mbarrier_wait(dq_full(part), (e / kDqStages) & 1);
           if constexpr (DQ_MODE == kBwdDqOrdered) {
             // rank among the key blocks that visit this query block (the range [first, last])
             const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
@@ -877,15 +889,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // MN-major ([key][d]). At D = 128 step 0 (src -1) has no previous step: its GEMM reads the K
   // tile (never rewritten) as dS and its result is dropped. Issued unconditionally, the GEMM
   // keeps its accumulators out of a branch, which made ptxas serialise the wgmma and spill 828
-  // bytes; at D = 64 the issue and its accumulators sit whole inside the owner's branch.
+  // bytes; at D = 64 and 96 the issue and its accumulators sit whole inside the owner's branch.
   const auto issue_dq = [&](float (&dq)[DQ::kAccumulators], int src) {
     const int buf = (src + kBwdSm90DsBuffers) % kBwdSm90DsBuffers;
     if (src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
     const u32 dS_keys = src < 0 ? sK : sdS + buf * STile::kBytes;
 #pragma unroll
     for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
-      DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks), mnmajor_descriptor<KTile>(sK, dq_col0, ks),
-                            ks > 0);
+      DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks),
+                            [&](int col) { return mnmajor_descriptor<KTile>(sK, dq_col0 + col, ks); }, ks > 0);
     wgmma_commit();
   };
 
@@ -900,7 +912,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int query = m0 + wg_warp * 16 + g + 8 * r;
-        float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * HEAD_DIM + dq_col0 +
+        float* dst = dq_accum + b * p.acc_sb + ((pb.q_start + query) * p.num_heads + h) * p.head_dim + dq_col0 +
                      2 * (tq & ~1);
 #pragma unroll
         for (int j = 0; j < kDqCols / 8; j += 2) {
@@ -913,14 +925,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
           const float x = __shfl_xor_sync(0xffffffffu, give0, 1);
           const float y = __shfl_xor_sync(0xffffffffu, give1, 1);
           const float4 quad = odd ? make_float4(x, y, mine0, mine1) : make_float4(mine0, mine1, x, y);
-          if (query < pb.seqlen_q) atomic_add_quad(dst + 8 * (j + odd), quad);
+          if (query < pb.seqlen_q && dq_col0 + 8 * (j + odd) < p.head_dim) atomic_add_quad(dst + 8 * (j + odd), quad);
         }
       }
     } else if constexpr (kBulkDq) {
       // Stage the part in accumulator order (float4 j of thread t at j * 128 + t) and hand it
       // to the writer (the caller waited for the part to be free: dq_part_free); src is this
       // consumer's (src / kDqStride)-th
-      const int part_index = c * kBwdSm90DqStages + (src / kDqStride) % kBwdSm90DqStages;
+      const int part_index = c * kDqStages + (src / kDqStride) % kDqStages;
       float4* part = reinterpret_cast<float4*>(base + Smem::kdQ) + part_index * (kDqPartFloats / 4);
 #pragma unroll
       for (int j = 0; j < DQ::kAccumulators / 4; ++j)
@@ -934,13 +946,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // Whether this consumer computes the dQ of step `src` (src >= 0).
   const auto owns_dq = [&](int src) { return !kDqAlternate || src % kBwdSm90Consumers == c; };
   // (bulk) wait until the writer has seen the staging part of step `src` (this consumer's e-th
-  // dQ, e = src / kDqStride, in part e % 2) read out for its dQ before last, a step or more of
-  // slack. Waited for at the top of a step, with the stage's wait: a spin between the GEMMs made
-  // ptxas serialise the wgmma.
+  // dQ, e = src / kDqStride, in part e % kDqStages) read out for its dQ before last (two parts)
+  // or last (one part, whose consumer owns every other step), a step or more of slack. Waited
+  // for at the top of a step, with the stage's wait: a spin between the GEMMs made ptxas
+  // serialise the wgmma.
   const auto dq_part_free = [&](int src) {
     if (kBulkDq && src >= 0 && owns_dq(src)) {
       const int e = src / kDqStride;
-      mbarrier_wait(dq_empty(c * kBwdSm90DqStages + e % kBwdSm90DqStages), ((e / kBwdSm90DqStages) & 1) ^ 1);
+      mbarrier_wait(dq_empty(c * kDqStages + e % kDqStages), ((e / kDqStages) & 1) ^ 1);
     }
   };
 
@@ -1040,10 +1053,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     wgmma_fence(dV, dK, pa, dsa);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dV, pa[j], mnmajor_descriptor<QTile>(cdO, 0, j), 1);
+      KV::template rs<1>(dV, pa[j], [&](int col) { return mnmajor_descriptor<QTile>(cdO, col, j); }, 1);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dK, dsa[j], mnmajor_descriptor<QTile>(cQ, 0, j), 1);
+      KV::template rs<1>(dK, dsa[j], [&](int col) { return mnmajor_descriptor<QTile>(cQ, col, j); }, 1);
     wgmma_commit();
 
     if constexpr (DQ_MODE != kBwdDqNone) {
@@ -1065,7 +1078,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       mbarrier_arrive(ds_full(buf));
     }
     // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
-    // both consumers' halves (D = 128) or the owner's whole (D = 64, every other step). Either
+    // both consumers' halves (D = 128) or the owner's whole (D = 64 and 96, every other step). Either
     // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
     // buffer once its reader's GEMM is (ds_empty counts both consumers).
     const int dq_src = step - 1;
@@ -1103,7 +1116,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     emit_dq(dq, steps - 1);
   }
 
-  // dK (times the softmax scale) and dV of this consumer's 64 keys
+  // dK (times the softmax scale) and dV of this consumer's 64 keys, their D and Dv columns
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;
@@ -1112,8 +1125,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + 2 * tq;
 #pragma unroll
     for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      *reinterpret_cast<u32*>(dk_row + 8 * j) = DT::pack(dK[4 * j + 2 * r] * p.softmax_scale, dK[4 * j + 2 * r + 1] * p.softmax_scale);
-      *reinterpret_cast<u32*>(dv_row + 8 * j) = DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
+      if (8 * j < p.head_dim)
+        *reinterpret_cast<u32*>(dk_row + 8 * j) =
+            DT::pack(dK[4 * j + 2 * r] * p.softmax_scale, dK[4 * j + 2 * r + 1] * p.softmax_scale);
+      if (8 * j < p.head_dim_v)
+        *reinterpret_cast<u32*>(dv_row + 8 * j) = DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
     }
   }
 }
@@ -1311,13 +1327,14 @@ bwd_convert_dq_kernel(const BwdParams<T> p) {
 // dq = scale * the sm_90a kernel's bulk tile accumulator (layout above flash_bwd_sm90_kernel), in
 // q's dtype: one CTA per (query block, sequence, query head), each thread two neighbouring
 // columns of a row per pass (a float2 of the tile, a 4-byte store of dq). Rows past the
-// sequence's end are left alone (varlen: the host zeroes dq).
+// sequence's end are left alone (varlen: the host zeroes dq), and so are a padded tile's columns
+// past D (tiles are HEAD_DIM wide).
 constexpr int kConvertTileThreads = 256;
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
 bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
-  constexpr int kPairsPerRow = HEAD_DIM / 2;
+  const int pairs_per_row = p.head_dim / 2;
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
   const int b = static_cast<int>(bh / p.num_heads);
@@ -1329,9 +1346,9 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   const i64 q_block0 = p.cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
   const float* tile = p.dq_accum + (b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
   const int rows = min(BLOCK_M, seq.seqlen_q - m0);
-  for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
-    const int row = idx / kPairsPerRow;
-    const int col = (idx % kPairsPerRow) * 2;
+  for (int idx = threadIdx.x; idx < rows * pairs_per_row; idx += kConvertTileThreads) {
+    const int row = idx / pairs_per_row;
+    const int col = (idx % pairs_per_row) * 2;
     const int part = col / kDqCols, c = col % kDqCols;
     const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
     const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);

@@ -102,8 +102,6 @@ namespace cuattn {
 // D = 256 tile ran 2-3% slower, so the dense variants keep 240).
 constexpr int kFwdSm90ProducerRegs = 24;
 constexpr int kFwdSm90PagedProducerRegs = 48;
-// Dynamic shared memory one CTA may have on sm_90 (227 KB).
-constexpr int kFwdSm90MaxSmem = 232448;
 // Barrier ids: 0 is __syncthreads; the pingpong turn of consumer c is kFwdSm90TurnBarrier + c,
 // consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
@@ -152,7 +150,7 @@ struct FwdSm90Smem {
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (16-bit D = 256, say) in Q's, which is then released after
   // the stores.
-  static constexpr bool kOwnO = kFixed + OTile::kBytes <= kFwdSm90MaxSmem;
+  static constexpr bool kOwnO = kFixed + OTile::kBytes <= kSm90MaxSmem;
   static_assert(kOwnO || OTile::kBytes <= QTile::kBytes, "O staged in Q's tile fits there");
   static constexpr int kQ = 0;
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
@@ -162,7 +160,7 @@ struct FwdSm90Smem {
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
-  static_assert(kBytes <= kFwdSm90MaxSmem, "tiles fit in shared memory");
+  static_assert(kBytes <= kSm90MaxSmem, "tiles fit in shared memory");
 };
 
 // One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.

@@ -72,6 +72,8 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
       : "memory");
 }
 
+// Dynamic shared memory one CTA may have on sm_90 (227 KB): both Hopper kernels size their stages by it.
+constexpr int kSm90MaxSmem = 232448;
 constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out
 constexpr int kRegisterGranule = 8;      // setmaxnreg counts are multiples of 8
 

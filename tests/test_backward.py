@@ -79,10 +79,10 @@ def test_backward_with_sinks(rng, head_dim, mask, deterministic):
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_backward_with_alibi(rng, head_dim, mask, deterministic, per_sequence):
     """dq, dk, dv under the 3x rule with ALiBi (every backward kernel: mma.sync, the Hopper one
-    at 64 and 128, the deterministic dQ one); the slopes get no gradient."""
+    at 64, 96 and 128, the deterministic dQ one); the slopes get no gradient."""
     import cupy
 
     b, sq, sk, hq, hk = 2, 113, 203, 4, 2
@@ -119,7 +119,7 @@ def test_backward_dtype_head_dim_mask(rng, dtype, head_dim, mask, deterministic)
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (100, 3), "softcap": 20.0}],
                          ids=["full", "causal", "window-softcap"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
     """(On sm_90a, full masks order the dQ reductions by ascending key block, bounded right window
     sides by descending ones: both orders are here.)"""
@@ -142,7 +142,7 @@ def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("dq_mode", ["bulk", "atomic"])
 def test_sm90_dq_modes(rng, request, dq_mode, head_dim, mask, deterministic):
     """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode, forced whatever the dispatcher
@@ -294,7 +294,7 @@ def test_backward_strided_views_match_contiguous(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 40, 104])
+@pytest.mark.parametrize("d", [64, 40, 80, 104])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, causal, d):
@@ -303,8 +303,8 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
     import cupy
 
     # a sequence with no queries, one with no keys (its queries' dq is 0), one longer than a tile;
-    # d = 40 and 104 run padded in the 64 and 128 tiles (on sm_90a the mma.sync kernels stand in
-    # for the wgmma one there)
+    # d = 40, 80 and 104 run padded in the 64, 96 and 128 tiles (on sm_90a the wgmma kernel's
+    # TMA reads zeros past their D)
     lens_q, lens_k = [1, 17, 113, 0, 203, 7], [5, 17, 300, 9, 203, 0]
     hq, hk = 4, 2
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -493,7 +493,10 @@ def test_sm90_backward_picks_bulk_dq():
     attention_module = importlib.import_module("cuattn.attention")
     arch = "sm_90a"
     listed = {spec.name for spec in attention_module.kernel_variants(arch)}
-    for d in (64, 128):
+    # bulk dQ staging parts a consumer: two where they fit beside the tiles (D = 96's rows take two
+    # panels and its consumers a whole D each: one part)
+    staging_parts = {64: 2, 96: 1, 128: 2}
+    for d in (64, 96, 128):
         for deterministic, alibi in ((False, False), (True, False), (False, True), (True, True)):
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
@@ -517,11 +520,13 @@ def test_sm90_backward_picks_bulk_dq():
             for other in (atomic,) if fallback else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
-            # the staging parts: kBwdSm90DqStages per consumer, BLOCK_M x (D at D = 64, D / 2 at 128)
-            # fp32 each, more shared memory on the bulk path
-            c = _params.constant
-            staging = c("kBwdSm90Consumers") * c("kBwdSm90DqStages") * tile.block_m * (d if d == 64 else d // 2) * 4
+            # the staging parts: BLOCK_M x (D at D = 64 and 96, D / 2 at 128) fp32 each, more
+            # shared memory on the bulk path
+            cols = d // 2 if d == 128 else d
+            assert attention_module.bwd_dq_cols(d) == cols
+            staging = _params.constant("kBwdSm90Consumers") * staging_parts[d] * tile.block_m * cols * 4
             assert bulk.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == staging
+            assert bulk.smem_bytes(d, 2) <= _params.constant("kSm90MaxSmem")
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
 

@@ -393,14 +393,16 @@ def test_backward_refuses_a_dout_of_qs_shape_when_dv_differs(rng, d, dv):
         cuattn.attention_backward(np.zeros(q.shape, np.float32), q, k, v, out, lse)
 
 
-@pytest.mark.parametrize("d, dv, tile", [(192, 128, 256), (128, 64, 128), (64, 128, 128), (40, 24, 64)],
-                         ids=["d192-dv128", "d128-dv64", "d64-dv128", "d40-dv24"])
+@pytest.mark.parametrize("d, dv, tile", [(192, 128, 256), (128, 64, 128), (64, 128, 128), (40, 24, 64), (80, 72, 96)],
+                         ids=["d192-dv128", "d128-dv64", "d64-dv128", "d40-dv24", "d80-dv72"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_backward_tile_is_the_larger_head_dims_on_mma_sync(d, dv, tile, arch):
-    """flash_bwd_sm90_kernel has no run-time head dims: Dv != D runs the mma.sync kernels."""
+def test_backward_tile_is_the_larger_head_dims(d, dv, tile, arch):
+    """Dv != D runs the tile of the larger head dim: on sm_90a up to 128 the wgmma kernel's (it
+    reads zeros past each array's own head dim), else the mma.sync kernels'."""
     chosen = attention_module.bwd_tile(d, arch, head_dim_v=dv)
-    assert not chosen.wgmma
-    assert chosen == attention_module.BWD_TILES[tile][attention_module.SM80]
+    family = attention_module.arch_family(arch)
+    assert chosen == attention_module.BWD_TILES[tile][family]
+    assert chosen.wgmma == (family == attention_module.SM90 and tile <= 128)
 
 
 @pytest.mark.gpu

@@ -93,13 +93,16 @@ def test_each_head_dim_runs_the_smallest_tile_that_holds_it(d):
         assert tile >= d and tile in tiles and not [t for t in tiles if d <= t < tile]
 
 
-@pytest.mark.parametrize("d", [40, 56, 104, 120])
-def test_padded_head_dims_on_hopper_take_the_mma_sync_backward(d):
-    """flash_bwd_sm90_kernel has no run-time head dim: a head dim padded to one of its tiles runs
-    the mma.sync kernels' tile; its own head dims keep the wgmma kernel."""
-    assert not attention_module.bwd_tile(d, "sm_90a").wgmma
-    tile_dim = attention_module.bwd_tile_dim(d)
-    assert attention_module.bwd_tile(tile_dim, "sm_90a").wgmma
+@pytest.mark.parametrize("d, tile_dim", [(40, 64), (56, 64), (72, 96), (80, 96), (88, 96), (104, 128), (120, 128)])
+def test_padded_head_dims_on_hopper_take_the_wgmma_backward(d, tile_dim):
+    """flash_bwd_sm90_kernel takes its head dims at run time: a head dim padded to one of its
+    tiles (64, 96, 128) runs there, reading zeros past its own D; past 128 and at 32 and less
+    the mma.sync kernels run."""
+    assert attention_module.bwd_tile_dim(d) == tile_dim
+    assert attention_module.bwd_tile(d, "sm_90a") == attention_module.BWD_TILES[tile_dim][attention_module.SM90]
+    assert attention_module.bwd_tile(d, "sm_90a").wgmma
+    for other in (16, 32, 136, 160, 192, 256):
+        assert not attention_module.bwd_tile(other, "sm_90a").wgmma
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -145,7 +145,7 @@ def test_a_forced_hopper_tile_the_call_cannot_take_is_refused(monkeypatch, arch,
 
 
 def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
-    limit = _params.constant("kFwdSm90MaxSmem")
+    limit = _params.constant("kSm90MaxSmem")
     for (head_dim, head_dim_v), tile in attention_module.FWD_SM90_TILES.items():
         assert tile.smem_bytes(head_dim, head_dim_v, 2) <= limit, (head_dim, head_dim_v, tile)
     for head_dim, tile in attention_module.FWD_SM90_FP8_TILES.items():
