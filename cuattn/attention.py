@@ -1221,11 +1221,13 @@ def bwd_dq_cols(tile_dim: int) -> int:
     return tile_dim // consumers if (tile_dim // consumers) % panel == 0 else tile_dim
 
 
-# One row per tile head dim and arch family (a head dim runs the smallest tile at least it, given
-# at run time, as the forward's FWD_TILES). Hopper runs the tiles D = 64, 96 and 128 on the wgmma
-# kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA producer and two wgmma consumer
-# warpgroups; BENCHMARKS.md, "Eleventh session"), every head dim and Dv up to 128 among them
-# (padded ones read zeros past their own D). The mma.sync rows: warp tiles of 32 x 32 where the
+# One row per tile head dim, one entry per arch family that has it (a head dim runs its family's
+# smallest tile at least it, given at run time, as the forward's FWD_TILES). Hopper runs the tiles
+# D = 64, 80, 96 and 128 on the wgmma kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA
+# producer and two wgmma consumer warpgroups; BENCHMARKS.md, "Eleventh session" and "Twelfth
+# session"), every head dim and Dv up to 128 among them (padded ones read zeros past their own
+# D); its 80 tile's deterministic dQ kernel (the atomic path's, kept for comparison) takes 16-key
+# steps, which do not spill there. The mma.sync rows: warp tiles of 32 x 32 where the
 # tile allows (each shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
 # warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
@@ -1242,6 +1244,7 @@ BWD_TILES = {
     32: {SM80: _BWD_D32, SM90: _BWD_D32},
     64: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 2, 1, 64, 32, 4),
          SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
+    80: {SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 16, 4, wgmma=True)},
     96: {SM80: _BWD_D96, SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 128, 32, 8),
           SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 128, 32, 8, wgmma=True)},
@@ -1270,9 +1273,11 @@ def bwd_ordered(tile: "BwdTile", tile_dim: int, deterministic: bool) -> bool:
     return tile.bulk_dq and (deterministic or tile_dim in BWD_ORDERED_HEAD_DIMS)
 
 
-def bwd_tile_dim(head_dim: int) -> int:
-    """The tile head dim the backward kernels are instantiated with for ``head_dim``."""
-    return _arrays.tile_head_dim(head_dim, BWD_TILES)
+def bwd_tile_dim(head_dim: int, arch: str) -> int:
+    """The tile head dim the backward kernels are instantiated with for ``head_dim`` on ``arch``
+    (the smallest of its family's rows of BWD_TILES holding it)."""
+    family = arch_family(arch)
+    return _arrays.tile_head_dim(head_dim, [d for d, row in BWD_TILES.items() if family in row])
 
 
 def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool = False,
@@ -1285,7 +1290,7 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
     zeros past each array's own head dim and store only its columns. ``deterministic`` does not
     change the tile (bwd_ordered and bwd_specs read it)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
+    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v), arch)
     tile = BWD_TILES[tile_dim][arch_family(arch)]
     if tile.bulk_dq and alibi and tile_dim in BWD_ORDERED_ALIBI_FALLBACK:
         return dataclasses.replace(tile, dq_mode="atomic")
@@ -1345,15 +1350,17 @@ def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     specs = set()
     for dtype, d, det, alibi in itertools.product(_arrays.CUDA_TYPES, SUPPORTED_HEAD_DIMS, (False, True),
                                                   (False, True)):
-        tile_dim = bwd_tile_dim(d)
+        tile_dim = bwd_tile_dim(d, arch)
         tile = bwd_tile(d, arch, det, alibi)
         # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says; an mma.sync tile has
         # one dQ path)
         spills = alibi and tile_dim in BWD_ORDERED_ALIBI_FALLBACK
         tiles = [dataclasses.replace(tile, dq_mode=mode) for mode in BWD_DQ_MODES if not (spills and mode == "bulk")]
-        tiles = tiles + [BWD_TILES[tile_dim][SM80]] if tile.wgmma else [tile]
-        for each in tiles:
+        for each in tiles if tile.wgmma else [tile]:
             specs.update(bwd_specs(dtype, tile_dim, each, det, alibi))
+        if tile.wgmma:
+            sm80_dim = bwd_tile_dim(d, SM80)
+            specs.update(bwd_specs(dtype, sm80_dim, BWD_TILES[sm80_dim][SM80], det, alibi))
     return sorted(specs, key=lambda spec: spec.name)
 
 
@@ -1516,11 +1523,13 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     # varlen: rows past cu_seqlens[-1] (or past max_seqlen) belong to no CTA; they must read 0.
     # (The atomic path's convert kernel writes every element of dq, so only dk, dv need it there.)
     alloc = zeros if varlen else ctx.empty
-    tile = bwd_tile(head_dim, _jit.target_arch(), deterministic, alibi[0] is not None, head_dim_v)
+    arch = _jit.target_arch()
+    tile = bwd_tile(head_dim, arch, deterministic, alibi[0] is not None, head_dim_v)
     maps = _bwd_maps(q, k, v, dout, tile) if tile.wgmma else ()
-    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v))
+    tile_dim = bwd_tile_dim(max(head_dim, head_dim_v), arch)
     if tile.wgmma and not maps:
-        # a view the TMA cannot read: the mma.sync kernels take it
+        # a view the TMA cannot read: the mma.sync kernels take it, in their own tile
+        tile_dim = bwd_tile_dim(max(head_dim, head_dim_v), SM80)
         tile = BWD_TILES[tile_dim][SM80]
 
     def gradient(index, like, make):

@@ -13,7 +13,7 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
-//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for tiles D = 64, 96, 128, warp-specialised
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for tiles D = 64-128, warp-specialised
 //                           (a TMA producer warp, two wgmma consumer warpgroups, setmaxnreg),
 //                           with dQ by float4 atomics, by one bulk reduction per tile, or
 //                           (deterministic) by bulk reductions in a fixed order; described above
@@ -518,7 +518,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the stage
 //   dS^T -> shared, dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
 // dQ and the two consumers. dQ sums over all 128 keys, so it needs both consumers' dS^T rows: at
-// D = 128 each consumer computes half of D, at D = 64 and 96 consumer s % 2 computes all of D of step s
+// D = 128 each consumer computes half of D, at D = 64-96 consumer s % 2 computes all of D of step s
 // (the two take the steps in turn: one dQ tile a step, not two halves over keys, so half the dQ
 // traffic). The dQ GEMM of step s runs in step s + 1, after that step's dV and dK GEMMs are
 // issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded by two mbarriers
@@ -545,7 +545,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
 // tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
 // Inside a tile, part p (p < kBwdSm90DqParts<D>: the consumer's D half at D = 128, all of D at
-// D = 64 and 96) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
+// D = 64-96) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
 // stores are conflict-free float4s of consecutive threads:
 //   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
 //   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
@@ -589,8 +589,8 @@ constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
 
 // Who computes dQ (always over all BLOCK_N keys): at D = 128 both consumers, each half of D; at
-// D = 64 and 96 the consumers take the steps in turn, each the whole of D (a half of 32 or 48
-// columns would start inside a swizzle panel, where no MN-major descriptor of K starts).
+// D = 64, 80 and 96 the consumers take the steps in turn, each the whole of D (a half of 32, 40
+// or 48 columns would start inside a swizzle panel, where no MN-major descriptor of K starts).
 template <int HEAD_DIM>
 __host__ __device__ constexpr bool bwd_sm90_dq_alternate() {
   return (HEAD_DIM / kBwdSm90Consumers) % kSwizzlePanelCols != 0;
@@ -632,8 +632,8 @@ struct BwdSm90Smem {
   static constexpr int kLse = kdS + kBwdSm90DsBuffers * STile::kBytes;  // [STAGES, BLOCK_M] fp32, natural log
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
   // bulk dQ staging: [consumers, kDqStages, BLOCK_M * kDqCols] fp32; two parts a consumer where
-  // they fit (D = 96 has room for one: its consumers take the steps in turn, so one part still
-  // has a step of slack before it is restaged)
+  // they fit (D = 80 and 96 have room for one: their consumers take the steps in turn, so one
+  // part still has a step of slack before it is restaged)
   static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);
   static constexpr int kDqPartBytes = BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float);
   // the dynamic allocation's base is only 16-byte aligned: one atom of slack to round it up
@@ -666,13 +666,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   constexpr int BLOCK_N = kBwdSm90BlockN;
   constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Consumers;
   constexpr int kPanels = panel_cols(HEAD_DIM) / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
-  // dQ over all keys: half of D by each consumer, or (D = 64, 96) all of D by consumer step % 2
+  // dQ over all keys: half of D by each consumer, or (D = 64-96) all of D by consumer step % 2
   constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
   constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
-  using KV = WgmmaRow<T, HEAD_DIM>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32)
+  using KV = WgmmaRow<T, HEAD_DIM>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32, 80 as one n80)
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
@@ -889,7 +889,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // MN-major ([key][d]). At D = 128 step 0 (src -1) has no previous step: its GEMM reads the K
   // tile (never rewritten) as dS and its result is dropped. Issued unconditionally, the GEMM
   // keeps its accumulators out of a branch, which made ptxas serialise the wgmma and spill 828
-  // bytes; at D = 64 and 96 the issue and its accumulators sit whole inside the owner's branch.
+  // bytes; at D = 64-96 the issue and its accumulators sit whole inside the owner's branch.
   const auto issue_dq = [&](float (&dq)[DQ::kAccumulators], int src) {
     const int buf = (src + kBwdSm90DsBuffers) % kBwdSm90DsBuffers;
     if (src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
@@ -1078,7 +1078,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       mbarrier_arrive(ds_full(buf));
     }
     // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
-    // both consumers' halves (D = 128) or the owner's whole (D = 64 and 96, every other step). Either
+    // both consumers' halves (D = 128) or the owner's whole (D = 64-96, every other step). Either
     // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
     // buffer once its reader's GEMM is (ds_empty counts both consumers).
     const int dq_src = step - 1;

@@ -29,20 +29,24 @@ attention_module = importlib.import_module("cuattn.attention")
 
 @contextlib.contextmanager
 def forced_mma_sync():
-    """The mma.sync backward tile of the call's head dims, whatever the dispatcher would pick (the
-    remembered plans cleared on entry and exit, as forced_bwd_dq_mode does)."""
-    plain = attention_module.bwd_tile
+    """The mma.sync backward tile of the call's head dims (the sm_80 family's), whatever the
+    dispatcher would pick (the remembered plans cleared on entry and exit, as forced_bwd_dq_mode
+    does)."""
+    plain = attention_module.bwd_tile, attention_module.bwd_tile_dim
+    sm80 = attention_module.SM80
+
+    def bwd_tile_dim(head_dim, arch):
+        return plain[1](head_dim, sm80)
 
     def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
-        tile_dim = attention_module.bwd_tile_dim(max(head_dim, head_dim_v or head_dim))
-        return attention_module.BWD_TILES[tile_dim][attention_module.SM80]
+        return plain[0](head_dim, sm80, deterministic, alibi, head_dim_v)
 
     _calls.clear()
-    attention_module.bwd_tile = bwd_tile
+    attention_module.bwd_tile, attention_module.bwd_tile_dim = bwd_tile, bwd_tile_dim
     try:
         yield
     finally:
-        attention_module.bwd_tile = plain
+        attention_module.bwd_tile, attention_module.bwd_tile_dim = plain
         _calls.clear()
 
 

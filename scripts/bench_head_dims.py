@@ -21,6 +21,7 @@ import sys
 import cupy
 
 import cuattn
+from cuattn import _jit
 from cuattn.bench import timing
 from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
 
@@ -55,7 +56,7 @@ def measure(d: int, dv: int, n: int, causal: bool, log: _KernelNames) -> dict:
     hopper = attention_module.fwd_sm90_tile_dims(d, dv) if "flash_fwd_sm90_kernel" in forward_kernel else None
     return dict(head_dim=d, head_dim_v=dv, heads=h, batch=b, seqlen=n, causal=causal,
                 fwd_tile_head_dim=hopper[0] if hopper else attention_module.fwd_tile_dim(max(d, dv)),
-                bwd_tile_head_dim=attention_module.bwd_tile_dim(max(d, dv)),
+                bwd_tile_head_dim=attention_module.bwd_tile_dim(max(d, dv), _jit.target_arch()),
                 forward_kernel=forward_kernel, fwd_ms=fwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
                 bwd_ms=bwd_ms, bwd_tflops=timing.BACKWARD_FLOP_RATIO * flops / bwd_ms / 1e9)
 

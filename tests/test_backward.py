@@ -79,10 +79,10 @@ def test_backward_with_sinks(rng, head_dim, mask, deterministic):
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["Hq", "B-Hq"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 def test_backward_with_alibi(rng, head_dim, mask, deterministic, per_sequence):
     """dq, dk, dv under the 3x rule with ALiBi (every backward kernel: mma.sync, the Hopper one
-    at 64, 96 and 128, the deterministic dQ one); the slopes get no gradient."""
+    at 64, 80, 96 and 128, the deterministic dQ one); the slopes get no gradient."""
     import cupy
 
     b, sq, sk, hq, hk = 2, 113, 203, 4, 2
@@ -142,7 +142,7 @@ def test_deterministic_backward_is_bit_identical(rng, head_dim, options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("dq_mode", ["bulk", "atomic"])
 def test_sm90_dq_modes(rng, request, dq_mode, head_dim, mask, deterministic):
     """Both dQ paths of flash_bwd_sm90_kernel (BwdTile.dq_mode, forced whatever the dispatcher
@@ -192,7 +192,7 @@ def test_forced_bwd_dq_mode_forces_and_restores():
 
     attention_module = importlib.import_module("cuattn.attention")
     before = {(d, det, alibi): attention_module.bwd_tile(d, "sm_90a", det, alibi)
-              for d in (64, 96, 128) for det in (False, True) for alibi in (False, True)}
+              for d in (64, 80, 96, 128) for det in (False, True) for alibi in (False, True)}
     ordered = attention_module.BWD_ORDERED_HEAD_DIMS
     for mode in ("atomic", "bulk", "unordered"):
         _calls.remember(("a call",), object())
@@ -303,8 +303,8 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
     import cupy
 
     # a sequence with no queries, one with no keys (its queries' dq is 0), one longer than a tile;
-    # d = 40, 80 and 104 run padded in the 64, 96 and 128 tiles (on sm_90a the wgmma kernel's
-    # TMA reads zeros past their D)
+    # d = 40 and 104 run padded in the 64 and 128 tiles (on sm_90a the wgmma kernel's TMA reads
+    # zeros past their D), 80 in the 96 tile elsewhere
     lens_q, lens_k = [1, 17, 113, 0, 203, 7], [5, 17, 300, 9, 203, 0]
     hq, hk = 4, 2
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -443,7 +443,7 @@ def test_backward_tiles_fit_their_arch(arch):
 
     attention_module = importlib.import_module("cuattn.attention")
     for d in attention_module.SUPPORTED_HEAD_DIMS:
-        default, tile_dim = attention_module.bwd_tile(d, arch), attention_module.bwd_tile_dim(d)
+        default, tile_dim = attention_module.bwd_tile(d, arch), attention_module.bwd_tile_dim(d, arch)
         # both dQ paths of the wgmma kernel (the bulk one stages a dQ tile in shared memory)
         for mode in attention_module.BWD_DQ_MODES:
             tile = dataclasses.replace(default, dq_mode=mode)
@@ -459,9 +459,11 @@ def test_backward_tiles_cover_the_forward_head_dims():
     attention_module = importlib.import_module("cuattn.attention")
 
     for d in attention_module.SUPPORTED_HEAD_DIMS:
-        assert attention_module.bwd_tile_dim(d) >= d
         for arch in SMEM_PER_BLOCK:
-            attention_module.bwd_tile(d, arch)
+            tile_dim = attention_module.bwd_tile_dim(d, arch)
+            assert tile_dim >= d
+            assert attention_module.bwd_tile(d, arch) == attention_module.BWD_TILES[tile_dim][
+                attention_module.arch_family(arch)]
 
 
 @pytest.mark.parametrize("arch", list(SMEM_PER_BLOCK))
@@ -493,10 +495,10 @@ def test_sm90_backward_picks_bulk_dq():
     attention_module = importlib.import_module("cuattn.attention")
     arch = "sm_90a"
     listed = {spec.name for spec in attention_module.kernel_variants(arch)}
-    # bulk dQ staging parts a consumer: two where they fit beside the tiles (D = 96's rows take two
-    # panels and its consumers a whole D each: one part)
-    staging_parts = {64: 2, 96: 1, 128: 2}
-    for d in (64, 96, 128):
+    # bulk dQ staging parts a consumer: two where they fit beside the tiles (D = 80 and 96's rows
+    # take two panels and their consumers a whole D each: one part)
+    staging_parts = {64: 2, 80: 1, 96: 1, 128: 2}
+    for d in (64, 80, 96, 128):
         for deterministic, alibi in ((False, False), (True, False), (False, True), (True, True)):
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
@@ -520,7 +522,7 @@ def test_sm90_backward_picks_bulk_dq():
             for other in (atomic,) if fallback else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
-            # the staging parts: BLOCK_M x (D at D = 64 and 96, D / 2 at 128) fp32 each, more
+            # the staging parts: BLOCK_M x (D at D = 64, 80 and 96, D / 2 at 128) fp32 each, more
             # shared memory on the bulk path
             cols = d // 2 if d == 128 else d
             assert attention_module.bwd_dq_cols(d) == cols

@@ -86,19 +86,25 @@ def test_the_cpu_path_takes_padded_head_dims(rng, d):
 
 @pytest.mark.parametrize("d", [8, 32, 40, 72, 80, 88, 96, 104, 152, 160, 168, 192, 224, 256])
 def test_each_head_dim_runs_the_smallest_tile_that_holds_it(d):
+    # (the backward's rows differ per arch family: Hopper has an 80 tile of its own)
+    backward = [([t for t, row in attention_module.BWD_TILES.items() if attention_module.arch_family(arch) in row],
+                 lambda d, arch=arch: attention_module.bwd_tile_dim(d, arch)) for arch in ("sm_80", "sm_90a")]
     for tiles, pick in ((attention_module.FWD_TILES, attention_module.fwd_tile_dim),
-                        (attention_module.BWD_TILES, attention_module.bwd_tile_dim),
+                        *backward,
                         (decode_module.DECODE_TILES, decode_module.decode_tile_dim)):
         tile = pick(d)
         assert tile >= d and tile in tiles and not [t for t in tiles if d <= t < tile]
 
 
-@pytest.mark.parametrize("d, tile_dim", [(40, 64), (56, 64), (72, 96), (80, 96), (88, 96), (104, 128), (120, 128)])
-def test_padded_head_dims_on_hopper_take_the_wgmma_backward(d, tile_dim):
+@pytest.mark.parametrize("d, tile_dim, sm80_dim", [(40, 64, 64), (56, 64, 64), (72, 80, 96), (80, 80, 96),
+                                                    (88, 96, 96), (104, 128, 128), (120, 128, 128)])
+def test_padded_head_dims_on_hopper_take_the_wgmma_backward(d, tile_dim, sm80_dim):
     """flash_bwd_sm90_kernel takes its head dims at run time: a head dim padded to one of its
-    tiles (64, 96, 128) runs there, reading zeros past its own D; past 128 and at 32 and less
-    the mma.sync kernels run."""
-    assert attention_module.bwd_tile_dim(d) == tile_dim
+    tiles (64, 80, 96, 128) runs there, reading zeros past its own D; past 128 and at 32 and less
+    the mma.sync kernels run. The 80 tile is Hopper's alone: elsewhere 80 runs in 96."""
+    assert attention_module.bwd_tile_dim(d, "sm_90a") == tile_dim
+    assert attention_module.bwd_tile_dim(d, "sm_80") == sm80_dim
+    assert attention_module.bwd_tile(d, "sm_80") == attention_module.BWD_TILES[sm80_dim][attention_module.SM80]
     assert attention_module.bwd_tile(d, "sm_90a") == attention_module.BWD_TILES[tile_dim][attention_module.SM90]
     assert attention_module.bwd_tile(d, "sm_90a").wgmma
     for other in (16, 32, 136, 160, 192, 256):
@@ -123,7 +129,7 @@ def test_every_kernel_a_head_dim_can_pick_is_listed(arch):
             for deterministic in (False, True):
                 for alibi in (False, True):
                     tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
-                    specs = attention_module.bwd_specs(dtype, attention_module.bwd_tile_dim(d), tile, deterministic,
+                    specs = attention_module.bwd_specs(dtype, attention_module.bwd_tile_dim(d, arch), tile, deterministic,
                                                        alibi)
                     assert {spec.name for spec in specs} <= listed, (d, deterministic, alibi)
             decode_dim = decode_module.decode_tile_dim(d)
