@@ -1147,8 +1147,9 @@ class BwdTile:
     flash_bwd_dq_kernel (deterministic dQ): `dq_block_m` queries per CTA, `dq_block_n` keys per
     step, `dq_warps` warps of 16 query rows each.
     `wgmma`: the main kernel is flash_bwd_sm90_kernel instead (sm_90a; a TMA producer warpgroup and
-    two wgmma consumer warpgroups, BLOCK_N = 128, two Q/dO stages; only block_m counts, the warp
-    layout fields do not apply; views the TMA cannot read run the sm_80 row's mma.sync kernels).
+    two wgmma consumer warpgroups, BLOCK_N = 128, or 64 for a wide tile (bwd_sm90_block_n), two
+    Q/dO stages; only block_m and block_n count, the warp layout fields do not apply; views the TMA
+    cannot read run the sm_80 row's mma.sync kernels).
     `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
     per part, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True, and
     BWD_ORDERED_HEAD_DIMS); "atomic" is the earlier design, float4 atomics and, for
@@ -1184,13 +1185,13 @@ class BwdTile:
         stages, two dS^T buffers, lse and delta, the bulk dQ staging parts (bulk_dq), the
         mbarriers, and the alignment slack."""
         if self.wgmma:
-            # flash_bwd.cu's kBwdSm90BlockN keys, kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
+            # BLOCK_N keys (flash_bwd.cu's bwd_sm90_block_n), kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
             # buffers and kBwdSm90Barriers mbarriers; rows padded to whole swizzle panels; the
             # bulk dQ staging parts are BLOCK_M x bwd_dq_cols(D) each, kBwdSm90DqStages a
             # consumer where they fit in kSm90MaxSmem, else one; swizzled tiles start on
             # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
             c = _params.constant
-            block_n, stages = c("kBwdSm90BlockN"), c("kBwdSm90Stages")
+            block_n, stages = self.block_n, c("kBwdSm90Stages")
             consumers, panel = c("kBwdSm90Consumers"), c("kSwizzlePanelCols")
             tiles = (2 * block_n + 2 * stages * self.block_m) * (-(-head_dim // panel) * panel) * itemsize
             ds = c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
@@ -1213,6 +1214,24 @@ class BwdTile:
         return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
 
+def bwd_dq_modes(tile: "BwdTile", tile_dim: int) -> tuple[str, ...]:
+    """The dq_modes a backward tile has: an mma.sync tile its own; flash_bwd_sm90_kernel both,
+    but in a wide tile (D above kBwdSm90MaxKvCols, flash_bwd.cu) float4 atomics alone: its dQ
+    tiles do not fit in shared memory beside K, V and the Q/dO stages."""
+    if not tile.wgmma:
+        return (tile.dq_mode,)
+    return ("atomic",) if tile_dim > _params.constant("kBwdSm90MaxKvCols") else BWD_DQ_MODES
+
+
+def bwd_dq_head_dim(head_dim: int, arch: str) -> int:
+    """The tile head dim of the deterministic dQ kernel (flash_bwd_dq_kernel) for a backward of
+    head dims up to ``head_dim`` on ``arch``: the main kernel's, but under a wide wgmma tile the
+    mma.sync kernels' own (D = 160 keeps its 160 tile there, not the wide one's 256)."""
+    tile_dim = bwd_tile_dim(head_dim, arch)
+    wide = BWD_TILES[tile_dim][arch_family(arch)].wgmma and tile_dim > _params.constant("kBwdSm90MaxKvCols")
+    return bwd_tile_dim(head_dim, SM80) if wide else tile_dim
+
+
 def bwd_dq_cols(tile_dim: int) -> int:
     """Columns of the dQ tile one consumer of flash_bwd_sm90_kernel computes (flash_bwd.cu's
     bwd_sm90_dq_cols): half of D where that half is whole swizzle panels (D = 128), else all of D
@@ -1223,13 +1242,14 @@ def bwd_dq_cols(tile_dim: int) -> int:
 
 # One row per tile head dim, one entry per arch family that has it (a head dim runs its family's
 # smallest tile at least it, given at run time, as the forward's FWD_TILES). Hopper runs the tiles
-# D = 64, 80, 96 and 128 on the wgmma kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys, a TMA
-# producer and two wgmma consumer warpgroups; BENCHMARKS.md, "Eleventh session" and "Twelfth
-# session"), every head dim and Dv up to 128 among them (padded ones read zeros past their own
-# D); its 80 tile's deterministic dQ kernel (the atomic path's, kept for comparison) takes 16-key
-# steps, which do not spill there. The mma.sync rows: warp tiles of 32 x 32 where the
-# tile allows (each shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers across the 8
-# warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
+# D = 64, 80, 96, 128 and 256 on the wgmma kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys,
+# a TMA producer and two wgmma consumer warpgroups; the wide 256 tile 64 keys, each consumer half
+# of D, float4 atomics for dQ; BENCHMARKS.md, "Eleventh session" and "Twelfth session"), every
+# head dim and Dv above 32 among them (padded ones read zeros past their own D); its 80 tile's
+# deterministic dQ kernel (the atomic path's, kept for comparison) takes 16-key steps, which do
+# not spill there. The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each
+# shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers
+# across the 8 warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
 # holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
 # D = 160 (not measured yet) takes D = 256's layout with dK/dV split 4 ways along the keys (80
 # columns a warp: a 2-way split would leave 40, not whole n16 steps) and two Q/dO stages, which
@@ -1248,8 +1268,8 @@ BWD_TILES = {
     96: {SM80: _BWD_D96, SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True)},
     128: {SM80: BwdTile(64, 128, 8, 4, 4, 2, 1, 1, 128, 32, 8),
           SM90: BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 128, 32, 8, wgmma=True)},
-    160: {SM80: _BWD_D160, SM90: _BWD_D160},
-    256: {SM80: _BWD_D256, SM90: _BWD_D256},
+    160: {SM80: _BWD_D160},
+    256: {SM80: _BWD_D256, SM90: BwdTile(64, 64, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="atomic")},
 }
 
 
@@ -1300,10 +1320,11 @@ def bwd_tile(head_dim: int, arch: str, deterministic: bool = False, alibi: bool 
 
 @functools.lru_cache(maxsize=None)
 def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
-              alibi: bool = False) -> tuple[_jit.KernelSpec, ...]:
+              alibi: bool = False, dq_head_dim: int | None = None) -> tuple[_jit.KernelSpec, ...]:
     """(preprocess, main, convert or deterministic dQ) kernels of the backward at tile head dim
     ``head_dim``; ``alibi``: the main and dQ kernels' variants that fold ALiBi's bias into lse
-    (their ALIBI flag)."""
+    (their ALIBI flag); ``dq_head_dim``: the tile head dim of the deterministic dQ kernel
+    (flash_bwd_dq_kernel) where it differs (bwd_dq_head_dim)."""
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     t = tile
     itemsize = np.dtype(dtype).itemsize
@@ -1329,9 +1350,9 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
     elif deterministic:
         last = _jit.KernelSpec(
             "flash_bwd.cu",
-            f"cuattn::flash_bwd_dq_kernel<{ctype}, {head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
+            f"cuattn::flash_bwd_dq_kernel<{ctype}, {dq_head_dim or head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
             f"{with_alibi}>",
-            threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(head_dim, itemsize))
+            threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(dq_head_dim or head_dim, itemsize))
     else:
         last = _jit.KernelSpec("flash_bwd.cu", f"cuattn::bwd_convert_dq_kernel<{ctype}>",
                                threads=_params.constant("kConvertThreads"))
@@ -1355,9 +1376,10 @@ def bwd_kernel_variants(arch: str) -> list[_jit.KernelSpec]:
         # (ALiBi's bulk variants spill where BWD_ORDERED_ALIBI_FALLBACK says; an mma.sync tile has
         # one dQ path)
         spills = alibi and tile_dim in BWD_ORDERED_ALIBI_FALLBACK
-        tiles = [dataclasses.replace(tile, dq_mode=mode) for mode in BWD_DQ_MODES if not (spills and mode == "bulk")]
+        tiles = [dataclasses.replace(tile, dq_mode=mode) for mode in bwd_dq_modes(tile, tile_dim)
+                 if not (spills and mode == "bulk")]
         for each in tiles if tile.wgmma else [tile]:
-            specs.update(bwd_specs(dtype, tile_dim, each, det, alibi))
+            specs.update(bwd_specs(dtype, tile_dim, each, det, alibi, bwd_dq_head_dim(d, arch)))
         if tile.wgmma:
             sm80_dim = bwd_tile_dim(d, SM80)
             specs.update(bwd_specs(dtype, sm80_dim, BWD_TILES[sm80_dim][SM80], det, alibi))
@@ -1551,7 +1573,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    pre, main, last = bwd_specs(np.dtype(q.dtype), tile_dim, tile, deterministic, alibi[0] is not None)
+    pre, main, last = bwd_specs(np.dtype(q.dtype), tile_dim, tile, deterministic, alibi[0] is not None,
+                                bwd_dq_head_dim(max(head_dim, head_dim_v), SM80 if not tile.wgmma else arch))
     lse_contiguous, lse = lse.flags.c_contiguous, cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
@@ -1657,10 +1680,10 @@ def _bwd_maps(q, k, v, dout, tile: BwdTile):
     128-byte panel], k and v in boxes of [kBwdSm90BlockN rows, one panel], all 4-D (D, S, H, B)
     of the [B, S, H, D] views; () when one of them cannot be read that way (a byte stride that is
     not a multiple of 16)."""
-    panel_bytes, block_n = _params.constant("kSwizzleRowBytes"), _params.constant("kBwdSm90BlockN")
+    panel_bytes = _params.constant("kSwizzleRowBytes")
     maps = []
-    for field, role, x, rows in (("q_map", "q", q, tile.block_m), ("k_map", "k", k, block_n),
-                                 ("v_map", "v", v, block_n), ("do_map", "dout", dout, tile.block_m)):
+    for field, role, x, rows in (("q_map", "q", q, tile.block_m), ("k_map", "k", k, tile.block_n),
+                                 ("v_map", "v", v, tile.block_n), ("do_map", "dout", dout, tile.block_m)):
         b, s, h, d = map(int, x.shape)
         sb, ss, sh, sd = _arrays.element_strides(x)
         layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel_bytes // x.dtype.itemsize, rows, 1, 1))

@@ -571,6 +571,15 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // reduction read it (bulk_wait_read, then dq_empty).
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
+// Wide tiles (D above this) split dK and dV by columns: 64 keys x D of both would not fit a
+// consumer's registers. Both consumers then compute the whole block's S^T and dP^T over 64 keys
+// (BLOCK_N = 64, the same scores twice), and consumer c keeps columns [c D / 2, (c + 1) D / 2)
+// of dK, dV and dQ. Their dQ tiles do not fit beside the tiles in shared memory: float4 atomics.
+constexpr int kBwdSm90MaxKvCols = 128;
+template <int HEAD_DIM>
+__host__ __device__ constexpr bool bwd_sm90_wide() { return HEAD_DIM > kBwdSm90MaxKvCols; }
+template <int HEAD_DIM>
+__host__ __device__ constexpr int bwd_sm90_block_n() { return bwd_sm90_wide<HEAD_DIM>() ? kWgmmaM : kBwdSm90BlockN; }
 constexpr int kBwdSm90Threads = (kBwdSm90Consumers + 1) * kWarpgroupThreads;
 constexpr int kBwdSm90Stages = 2;     // Q/dO/lse/delta stages of the producer's ring
 constexpr int kBwdSm90DsBuffers = 2;  // dS^T buffers: a step's, and the one the delayed dQ GEMM reads
@@ -621,9 +630,10 @@ __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
 template <int HEAD_DIM, int BLOCK_M, bool BULK_DQ>
 struct BwdSm90Smem {
   static constexpr int STAGES = kBwdSm90Stages;
-  using KTile = SwizzledTile<kBwdSm90BlockN, panel_cols(HEAD_DIM)>;  // K, V   [BLOCK_N, D]
-  using QTile = SwizzledTile<BLOCK_M, panel_cols(HEAD_DIM)>;         // Q, dO  [BLOCK_M, D] per stage
-  using STile = SwizzledTile<kBwdSm90BlockN, BLOCK_M>;               // dS^T   [BLOCK_N, BLOCK_M] per buffer
+  static constexpr int BLOCK_N = bwd_sm90_block_n<HEAD_DIM>();
+  using KTile = SwizzledTile<BLOCK_N, panel_cols(HEAD_DIM)>;  // K, V   [BLOCK_N, D]
+  using QTile = SwizzledTile<BLOCK_M, panel_cols(HEAD_DIM)>;  // Q, dO  [BLOCK_M, D] per stage
+  using STile = SwizzledTile<BLOCK_N, BLOCK_M>;               // dS^T   [BLOCK_N, BLOCK_M] per buffer
   static constexpr int kK = 0;
   static constexpr int kV = kK + KTile::kBytes;
   static constexpr int kQ = kV + KTile::kBytes;
@@ -663,8 +673,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   using QTile = typename Smem::QTile;
   using STile = typename Smem::STile;
   constexpr int STAGES = Smem::STAGES;
-  constexpr int BLOCK_N = kBwdSm90BlockN;
-  constexpr int kKeysPerWarpgroup = BLOCK_N / kBwdSm90Consumers;
+  constexpr int BLOCK_N = Smem::BLOCK_N;
+  // a wide tile's consumers both take all BLOCK_N keys, and split dK and dV by columns
+  constexpr bool kWide = bwd_sm90_wide<HEAD_DIM>();
+  constexpr int kKeysPerWarpgroup = kWide ? BLOCK_N : BLOCK_N / kBwdSm90Consumers;
+  constexpr int kKvCols = kWide ? HEAD_DIM / kBwdSm90Consumers : HEAD_DIM;
   constexpr int kPanels = panel_cols(HEAD_DIM) / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
   // dQ over all keys: half of D by each consumer, or (D = 64-96) all of D by consumer step % 2
   constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
@@ -672,13 +685,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
   constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
   using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
-  using KV = WgmmaRow<T, HEAD_DIM>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32, 80 as one n80)
+  using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32, 80 as one n80), or D / 2
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
-  static_assert(HEAD_DIM % kWgmmaK == 0 && HEAD_DIM <= 128, "whole k16 steps; dK and dV of 128 columns at most");
-  static_assert(wgmma_row_panel_aligned(HEAD_DIM) && wgmma_row_panel_aligned(kDqCols),
+  static_assert(HEAD_DIM % kWgmmaK == 0 && kKvCols <= kBwdSm90MaxKvCols, "whole k16 steps; dK, dV of 128 columns at most");
+  static_assert(wgmma_row_panel_aligned(kKvCols) && wgmma_row_panel_aligned(kDqCols),
                 "the MN-major GEMMs' pieces start at panels");
+  static_assert(!kWide || (kKvCols % kSwizzlePanelCols == 0 && !kBulkDq), "a wide tile: panel halves, atomic dQ");
   static_assert(bwd_sm90_dq_parts<HEAD_DIM>() <= kBwdSm90DqPartsMax, "a semaphore per part");
   // one part of a bulk dQ tile: BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
   constexpr int kDqPartFloats = BLOCK_M * kDqCols;
@@ -875,7 +889,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const int wg_thread = threadIdx.x % kWarpgroupThreads;
   const int wg_warp = wg_thread / kWarpSize;
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
-  const int key0 = c * kKeysPerWarpgroup;  // this consumer's keys within the block
+  const int key0 = kWide ? 0 : c * kKeysPerWarpgroup;  // this consumer's keys within the block
+  const int kv_col0 = kWide ? c * kKvCols : 0;           // and its columns of dK and dV
   const int dq_col0 = kDqAlternate ? 0 : c * kDqCols;
   const u32 sdS = smem0 + Smem::kdS;
 
@@ -1053,10 +1068,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     wgmma_fence(dV, dK, pa, dsa);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dV, pa[j], [&](int col) { return mnmajor_descriptor<QTile>(cdO, col, j); }, 1);
+      KV::template rs<1>(dV, pa[j], [&](int col) { return mnmajor_descriptor<QTile>(cdO, kv_col0 + col, j); }, 1);
 #pragma unroll
     for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dK, dsa[j], [&](int col) { return mnmajor_descriptor<QTile>(cQ, col, j); }, 1);
+      KV::template rs<1>(dK, dsa[j], [&](int col) { return mnmajor_descriptor<QTile>(cQ, kv_col0 + col, j); }, 1);
     wgmma_commit();
 
     if constexpr (DQ_MODE != kBwdDqNone) {
@@ -1065,14 +1080,19 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       const int buf = step % kBwdSm90DsBuffers;
       mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
       unsigned char* dS_tile = base + Smem::kdS + buf * STile::kBytes;
+      // (a wide tile's consumers hold the same rows: consumer c writes the rows of its warps
+      // 2 c and 2 c + 1)
+      constexpr int kWritingWarps = kWarpgroupThreads / kWarpSize / kBwdSm90Consumers;
+      if (!kWide || wg_warp / kWritingWarps == c) {
 #pragma unroll
-      for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+        for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = key0 + wg_warp * 16 + g + 8 * (r % 2);
-          const int col = 16 * j + 8 * (r / 2) + 2 * tq;
-          *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
-        }
+          for (int r = 0; r < 4; ++r) {
+            const int row = key0 + wg_warp * 16 + g + 8 * (r % 2);
+            const int col = 16 * j + 8 * (r / 2) + 2 * tq;
+            *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
+          }
+      }
       // the rows are visible to wgmma, and announced to the other consumer
       fence_proxy_async();
       mbarrier_arrive(ds_full(buf));
@@ -1094,11 +1114,18 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
       step_done();
       if (DQ_MODE != kBwdDqNone && dq_src >= 0) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
     } else {
+      if constexpr (kWide) {
+        // a wide tile's dK and dV take 128 registers: the dV and dK GEMMs finish, freeing their
+        // fragments, before dQ's accumulators are taken (else ptxas serialises the wgmma)
+        wgmma_wait<0>();
+        step_done();
+        wgmma_fence();
+      }
       float dq[DQ::kAccumulators];
       issue_dq(dq, dq_src);
       wgmma_wait<0>();
       fence_registers(dq);
-      step_done();
+      if constexpr (!kWide) step_done();
       if (dq_src >= 0) {
         mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
         emit_dq(dq, dq_src);
@@ -1116,19 +1143,20 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     emit_dq(dq, steps - 1);
   }
 
-  // dK (times the softmax scale) and dV of this consumer's 64 keys, their D and Dv columns
+  // dK (times the softmax scale) and dV of this consumer's 64 keys and kKvCols columns, those
+  // below D and Dv
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;
     if (key >= pb.seqlen_k) continue;
-    T* dk_row = dk + b * p.dk_sb + (pb.k_start + key) * p.dk_ss + hk * p.dk_sh + 2 * tq;
-    T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + 2 * tq;
+    T* dk_row = dk + b * p.dk_sb + (pb.k_start + key) * p.dk_ss + hk * p.dk_sh + kv_col0 + 2 * tq;
+    T* dv_row = dv + b * p.dv_sb + (pb.k_start + key) * p.dv_ss + hk * p.dv_sh + kv_col0 + 2 * tq;
 #pragma unroll
-    for (int j = 0; j < HEAD_DIM / 8; ++j) {
-      if (8 * j < p.head_dim)
+    for (int j = 0; j < kKvCols / 8; ++j) {
+      if (kv_col0 + 8 * j < p.head_dim)
         *reinterpret_cast<u32*>(dk_row + 8 * j) =
             DT::pack(dK[4 * j + 2 * r] * p.softmax_scale, dK[4 * j + 2 * r + 1] * p.softmax_scale);
-      if (8 * j < p.head_dim_v)
+      if (kv_col0 + 8 * j < p.head_dim_v)
         *reinterpret_cast<u32*>(dv_row + 8 * j) = DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
     }
   }

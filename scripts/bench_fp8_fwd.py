@@ -11,8 +11,9 @@ Speed: one line per (head dim, N, mask): ms and TFLOP/s of
     bf16       cuattn.attention on bf16 q, k, v (flash_fwd_sm90_kernel)
     sdpa       torch.nn.functional.scaled_dot_product_attention, bf16 (when torch imports)
     32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark.
---tune: first time FP8 tile candidates (stages, overlap, pingpong, consumers) at N = 8192 for the
-FWD_SM90_FP8_TILES table (every candidate compiles without spills: `python -m cuattn build`).
+--tune: first time FP8 tile candidates (stages, overlap, pingpong, consumers) at each length for
+the FWD_SM90_FP8_TILES table (every candidate compiles without spills: `python -m cuattn build`),
+the remembered plans cleared around each (a plan replays the kernel it was made with).
 Accuracy: RMSE against the float64 reference of the unquantised inputs (FlashAttention-3's
 outliers: N(0, 1) plus N(0, 10^2) on 0.1 % of the elements) for plain FP8 (per-tensor scales),
 block quantisation (q per 64 rows, k per 128 keys, v per head), block + incoherent processing
@@ -20,6 +21,7 @@ block quantisation (q per 64 rows, k per 128 keys, v per head), block + incohere
 """
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -28,7 +30,7 @@ import numpy as np
 
 import cuattn
 import cuattn.fp8
-from cuattn import reference
+from cuattn import _calls, reference
 from cuattn.bench import timing
 from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
 
@@ -96,31 +98,32 @@ def accuracy(head_dims, rows):
                   + "  ".join(f"{mode} {err:.2e}" for mode, err in errors.items()), flush=True)
 
 
-def tune(head_dims, rows):
+def tune(head_dims, lengths, rows):
     tile = attention_module.FwdSm90Tile
     candidates = {
         # three consumer warpgroups (192 query rows) spill with the overlap at 128 keys, not without
-        128: [tile(128, 2, stages, overlap, pingpong) for stages in (2, 3, 4) for overlap in (True, False)
-              for pingpong in (True, False)] + [tile(128, 3, stages, False, False) for stages in (2, 3)],
+        128: [tile(128, 2, stages, True, pingpong) for stages in (2, 3, 4) for pingpong in (True, False)]
+        + [tile(128, 3, stages, False, False) for stages in (2, 3, 4)],
         256: [tile(128, 2, 2, False, pingpong) for pingpong in (True, False)],
     }
-    n = 8192
-    for d in head_dims:
+    for d, n in itertools.product(head_dims, lengths):
         b, h = max(1, TOTAL_TOKENS // n), HIDDEN // d
         q8, k8, v8, qs, ks, vs = cuattn.fp8.quantize_qkv(
             *(cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3)), granularity="head")
         default = attention_module.FWD_SM90_FP8_TILES[d]
         for candidate in candidates.get(d, []):
             attention_module.FWD_SM90_FP8_TILES[d] = candidate
+            _calls.clear()
             for causal in (False, True):
                 ms = timing.time_cuda(lambda: cuattn.attention(q8, k8, v8, causal=causal, q_scale=qs, k_scale=ks,
                                                                v_scale=vs))
                 tflops = timing.attention_flops(b, h, n, n, d, causal) / ms / 1e9
                 rows.append(dict(kind="tune", head_dim=d, seqlen=n, causal=causal, tile=str(candidate), ms=ms,
                                  tflops=tflops))
-                print(f"tune D={d:3d} {'causal' if causal else 'full  '} {candidate}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s",
+                print(f"tune D={d:3d} N={n} {'causal' if causal else 'full  '} {candidate}: {ms:7.3f} ms {tflops:6.1f} TFLOP/s",
                       flush=True)
         attention_module.FWD_SM90_FP8_TILES[d] = default
+        _calls.clear()
 
 
 def main(argv):
@@ -133,7 +136,7 @@ def main(argv):
     head_dims = [int(x) for x in args.head_dims.split(",")]
     rows = []
     if args.tune:
-        tune(head_dims, rows)
+        tune(head_dims, [int(x) for x in args.lengths.split(",")], rows)
     accuracy(head_dims, rows)
     speed([int(x) for x in args.lengths.split(",")], head_dims, rows)
     if args.json:

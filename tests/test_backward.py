@@ -207,6 +207,11 @@ def test_forced_bwd_dq_mode_forces_and_restores():
         assert _calls._plans == {}
         assert attention_module.BWD_ORDERED_HEAD_DIMS == ordered
         assert all(attention_module.bwd_tile(d, "sm_90a", det, alibi) == tile for (d, det, alibi), tile in before.items())
+    # the wide tile has float4 atomics alone: forcing bulk leaves it be
+    wide = attention_module.bwd_tile(256, "sm_90a")
+    assert attention_module.bwd_dq_modes(wide, 256) == ("atomic",) and wide.dq_mode == "atomic"
+    with forced_bwd_dq_mode("bulk"):
+        assert attention_module.bwd_tile(256, "sm_90a") == wide
     with pytest.raises(ValueError, match="mode must be one of"):
         with forced_bwd_dq_mode("ordered"):
             pass
@@ -444,8 +449,8 @@ def test_backward_tiles_fit_their_arch(arch):
     attention_module = importlib.import_module("cuattn.attention")
     for d in attention_module.SUPPORTED_HEAD_DIMS:
         default, tile_dim = attention_module.bwd_tile(d, arch), attention_module.bwd_tile_dim(d, arch)
-        # both dQ paths of the wgmma kernel (the bulk one stages a dQ tile in shared memory)
-        for mode in attention_module.BWD_DQ_MODES:
+        # every dQ path of the tile (the wgmma kernel's bulk one stages a dQ tile in shared memory)
+        for mode in attention_module.bwd_dq_modes(default, tile_dim):
             tile = dataclasses.replace(default, dq_mode=mode)
             # fp16 and bf16 both take 2 bytes; the kernels' shared memory is sized by the tile head dim
             assert tile.smem_bytes(tile_dim, 2) <= SMEM_PER_BLOCK[arch], (d, tile)

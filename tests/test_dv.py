@@ -397,12 +397,12 @@ def test_backward_refuses_a_dout_of_qs_shape_when_dv_differs(rng, d, dv):
                          ids=["d192-dv128", "d128-dv64", "d64-dv128", "d40-dv24", "d88-dv72"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_backward_tile_is_the_larger_head_dims(d, dv, tile, arch):
-    """Dv != D runs the tile of the larger head dim: on sm_90a up to 128 the wgmma kernel's (it
-    reads zeros past each array's own head dim), else the mma.sync kernels'."""
+    """Dv != D runs the tile of the larger head dim: on sm_90a the wgmma kernel's (it reads zeros
+    past each array's own head dim), else the mma.sync kernels'."""
     chosen = attention_module.bwd_tile(d, arch, head_dim_v=dv)
     family = attention_module.arch_family(arch)
     assert chosen == attention_module.BWD_TILES[tile][family]
-    assert chosen.wgmma == (family == attention_module.SM90 and tile <= 128)
+    assert chosen.wgmma == (family == attention_module.SM90)
 
 
 @pytest.mark.gpu

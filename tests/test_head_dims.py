@@ -100,15 +100,28 @@ def test_each_head_dim_runs_the_smallest_tile_that_holds_it(d):
                                                     (88, 96, 96), (104, 128, 128), (120, 128, 128)])
 def test_padded_head_dims_on_hopper_take_the_wgmma_backward(d, tile_dim, sm80_dim):
     """flash_bwd_sm90_kernel takes its head dims at run time: a head dim padded to one of its
-    tiles (64, 80, 96, 128) runs there, reading zeros past its own D; past 128 and at 32 and less
-    the mma.sync kernels run. The 80 tile is Hopper's alone: elsewhere 80 runs in 96."""
+    tiles (64, 80, 96, 128, 256) runs there, reading zeros past its own D; at 32 and less the
+    mma.sync kernels run. The 80 tile is Hopper's alone: elsewhere 80 runs in 96."""
     assert attention_module.bwd_tile_dim(d, "sm_90a") == tile_dim
     assert attention_module.bwd_tile_dim(d, "sm_80") == sm80_dim
     assert attention_module.bwd_tile(d, "sm_80") == attention_module.BWD_TILES[sm80_dim][attention_module.SM80]
     assert attention_module.bwd_tile(d, "sm_90a") == attention_module.BWD_TILES[tile_dim][attention_module.SM90]
     assert attention_module.bwd_tile(d, "sm_90a").wgmma
-    for other in (16, 32, 136, 160, 192, 256):
+    for other in (8, 16, 32):
         assert not attention_module.bwd_tile(other, "sm_90a").wgmma
+    # above 128 the wide 256 tile (half of D a consumer); elsewhere the mma.sync 160 and 256 tiles
+    for other, sm80_dim in ((136, 160), (160, 160), (192, 256), (256, 256)):
+        assert attention_module.bwd_tile_dim(other, "sm_90a") == 256
+        assert attention_module.bwd_tile(other, "sm_90a") == attention_module.BWD_TILES[256][attention_module.SM90]
+        assert attention_module.bwd_tile(other, "sm_90a").wgmma and attention_module.bwd_tile(other, "sm_90a").block_n == 64
+        assert attention_module.bwd_tile_dim(other, "sm_80") == sm80_dim
+        # deterministic=True leaves dQ to flash_bwd_dq_kernel in the mma.sync kernels' tile
+        assert attention_module.bwd_dq_head_dim(other, "sm_90a") == sm80_dim
+        tile = attention_module.bwd_tile(other, "sm_90a", deterministic=True)
+        _, _, last = attention_module.bwd_specs("bfloat16", 256, tile, True, False,
+                                                attention_module.bwd_dq_head_dim(other, "sm_90a"))
+        assert last.name.startswith(f"cuattn::flash_bwd_dq_kernel<__nv_bfloat16, {sm80_dim},"), last.name
+    assert attention_module.bwd_dq_head_dim(d, "sm_90a") == tile_dim
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -130,7 +143,7 @@ def test_every_kernel_a_head_dim_can_pick_is_listed(arch):
                 for alibi in (False, True):
                     tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
                     specs = attention_module.bwd_specs(dtype, attention_module.bwd_tile_dim(d, arch), tile, deterministic,
-                                                       alibi)
+                                                       alibi, attention_module.bwd_dq_head_dim(d, arch))
                     assert {spec.name for spec in specs} <= listed, (d, deterministic, alibi)
             decode_dim = decode_module.decode_tile_dim(d)
             for paged_cache in (False, True):

@@ -421,9 +421,9 @@ BWD_FORCED_DQ_MODES = ("atomic", "bulk", "unordered")
 def forced_bwd_dq_mode(mode: str):
     """Within the block, attention_backward on sm_90a's wgmma tiles takes the dQ path ``mode``
     (BWD_FORCED_DQ_MODES) whatever the dispatcher would pick (tiles where ALiBi keeps its own
-    path and mma.sync tiles are left alone). Remembered plans are cleared on entry and exit:
-    a plan keeps the kernels of the call that made it, so a second path forced for the same
-    shapes would otherwise replay the first one's."""
+    path, tiles without that path (bwd_dq_modes) and mma.sync tiles are left alone). Remembered
+    plans are cleared on entry and exit: a plan keeps the kernels of the call that made it, so a
+    second path forced for the same shapes would otherwise replay the first one's."""
     import importlib
 
     from .. import _calls
@@ -436,7 +436,9 @@ def forced_bwd_dq_mode(mode: str):
 
     def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
         tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
-        return dataclasses.replace(tile, dq_mode=dq_mode) if tile.wgmma and not alibi else tile
+        tile_dim = attention_module.bwd_tile_dim(max(head_dim, head_dim_v or head_dim), arch)
+        takes = tile.wgmma and not alibi and dq_mode in attention_module.bwd_dq_modes(tile, tile_dim)
+        return dataclasses.replace(tile, dq_mode=dq_mode) if takes else tile
 
     attention_module.bwd_tile = bwd_tile
     if mode == "unordered":
