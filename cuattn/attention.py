@@ -1194,7 +1194,9 @@ class BwdTile:
             block_n, stages = self.block_n, c("kBwdSm90Stages")
             consumers, panel = c("kBwdSm90Consumers"), c("kSwizzlePanelCols")
             tiles = (2 * block_n + 2 * stages * self.block_m) * (-(-head_dim // panel) * panel) * itemsize
-            ds = c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
+            # (a wide tile, D above kBwdSm90MaxKvCols, keeps P^T beside each dS^T buffer)
+            ds_tiles = 2 if head_dim > c("kBwdSm90MaxKvCols") else 1
+            ds = ds_tiles * c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
             stats = 2 * stages * self.block_m * 4
             overhead = c("kBwdSm90Barriers") * c("kMbarrierBytes") + c("kSwizzleAtomBytes")
             fixed = tiles + ds + stats + overhead
@@ -1244,7 +1246,7 @@ def bwd_dq_cols(tile_dim: int) -> int:
 # smallest tile at least it, given at run time, as the forward's FWD_TILES). Hopper runs the tiles
 # D = 64, 80, 96, 128 and 256 on the wgmma kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys,
 # a TMA producer and two wgmma consumer warpgroups; the wide 256 tile 64 keys, each consumer half
-# of D, float4 atomics for dQ; BENCHMARKS.md, "Eleventh session" and "Twelfth session"), every
+# the queries of S^T and half of D of dK, dV and dQ, float4 atomics for dQ; BENCHMARKS.md, "Eleventh session" and "Twelfth session"), every
 # head dim and Dv above 32 among them (padded ones read zeros past their own D); its 80 tile's
 # deterministic dQ kernel (the atomic path's, kept for comparison) takes 16-key steps, which do
 # not spill there. The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each

@@ -498,7 +498,8 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // Three warpgroups per CTA. Warpgroup 0, the producer, gives its registers up (setmaxnreg) and
 // one warp of it loads; warpgroups 1 and 2, the consumers, take the registers and compute. A CTA
 // owns BLOCK_N = 128 keys and walks BLOCK_M = 64 queries per step; consumer c owns keys
-// [64 c, 64 c + 64) of the block for S^T, dP^T, dV and dK.
+// [64 c, 64 c + 64) of the block for S^T, dP^T, dV and dK. (Wide tiles, D above 128, split the
+// work the other way: see kBwdSm90MaxKvCols.)
 //
 // Loads (the producer warp; rows as 4-D (D, S, H, B) TMA views, varlen (D, total, H, 1), boxes of
 // one 128-byte panel of columns):
@@ -572,9 +573,11 @@ flash_bwd_kernel(const BwdParams<T> p) {
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
 // Wide tiles (D above this) split dK and dV by columns: 64 keys x D of both would not fit a
-// consumer's registers. Both consumers then compute the whole block's S^T and dP^T over 64 keys
-// (BLOCK_N = 64, the same scores twice), and consumer c keeps columns [c D / 2, (c + 1) D / 2)
-// of dK, dV and dQ. Their dQ tiles do not fit beside the tiles in shared memory: float4 atomics.
+// consumer's registers. The CTA then takes 64 keys (BLOCK_N = 64) and consumer c computes S^T and
+// dP^T for query columns [32 c, 32 c + 32) of each step, writes its half of P^T and dS^T to
+// shared memory, and once both halves are in (ds_full) keeps columns [c D / 2, (c + 1) D / 2) of
+// dV += P^T dO, dK += dS^T Q and dQ = dS K, with P^T and dS^T read from shared memory. No GEMM is
+// done twice. The dQ tiles do not fit beside the tiles in shared memory: float4 atomics.
 constexpr int kBwdSm90MaxKvCols = 128;
 template <int HEAD_DIM>
 __host__ __device__ constexpr bool bwd_sm90_wide() { return HEAD_DIM > kBwdSm90MaxKvCols; }
@@ -639,7 +642,9 @@ struct BwdSm90Smem {
   static constexpr int kQ = kV + KTile::kBytes;
   static constexpr int kdO = kQ + STAGES * QTile::kBytes;
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
-  static constexpr int kLse = kdS + kBwdSm90DsBuffers * STile::kBytes;  // [STAGES, BLOCK_M] fp32, natural log
+  // wide tiles: P^T [BLOCK_N, BLOCK_M] per dS^T buffer, beside it
+  static constexpr int kP = kdS + kBwdSm90DsBuffers * STile::kBytes;
+  static constexpr int kLse = kP + (bwd_sm90_wide<HEAD_DIM>() ? kBwdSm90DsBuffers * STile::kBytes : 0);  // [STAGES, BLOCK_M] fp32
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
   // bulk dQ staging: [consumers, kDqStages, BLOCK_M * kDqCols] fp32; two parts a consumer where
   // they fit (D = 80 and 96 have room for one: their consumers take the steps in turn, so one
@@ -678,13 +683,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   constexpr bool kWide = bwd_sm90_wide<HEAD_DIM>();
   constexpr int kKeysPerWarpgroup = kWide ? BLOCK_N : BLOCK_N / kBwdSm90Consumers;
   constexpr int kKvCols = kWide ? HEAD_DIM / kBwdSm90Consumers : HEAD_DIM;
+  // query columns of S^T and dP^T this consumer computes: all of the step's, or (wide) its half
+  constexpr int kQueries = kWide ? BLOCK_M / kBwdSm90Consumers : BLOCK_M;
   constexpr int kPanels = panel_cols(HEAD_DIM) / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
   // dQ over all keys: half of D by each consumer, or (D = 64-96) all of D by consumer step % 2
   constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
   constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
-  using SdP = Wgmma<T, BLOCK_M>;  // S^T, dP^T: 64 keys x BLOCK_M queries
+  using SdP = Wgmma<T, kQueries>;  // S^T, dP^T: 64 keys x kQueries queries
   using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32, 80 as one n80), or D / 2
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
@@ -889,7 +896,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   const int wg_thread = threadIdx.x % kWarpgroupThreads;
   const int wg_warp = wg_thread / kWarpSize;
   const int g = lane / kQuadSize, tq = lane % kQuadSize;
-  const int key0 = kWide ? 0 : c * kKeysPerWarpgroup;  // this consumer's keys within the block
+  const int key0 = kWide ? 0 : c * kKeysPerWarpgroup;  // this consumer's keys within the block,
+  const int q0 = kWide ? c * kQueries : 0;               // its query columns of S^T and dP^T,
   const int kv_col0 = kWide ? c * kKvCols : 0;           // and its columns of dK and dV
   const int dq_col0 = kDqAlternate ? 0 : c * kDqCols;
   const u32 sdS = smem0 + Smem::kdS;
@@ -984,26 +992,26 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     const float* cLse = sLse + stage * BLOCK_M;
     const float* cDelta = sDelta + stage * BLOCK_M;
 
-    // S^T = K Q^T and dP^T = V dO^T on this consumer's 64 keys x BLOCK_M queries, as two
+    // S^T = K Q^T and dP^T = V dO^T on this consumer's 64 keys x kQueries queries, as two
     // groups: the exponentials of P^T run while dP^T is still in the tensor cores
     float s[SdP::kAccumulators], dp[SdP::kAccumulators];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
-      SdP::template ss<0, 0>(s, kmajor_descriptor<KTile>(sK, key0, ks), kmajor_descriptor<QTile>(cQ, 0, ks), ks > 0);
+      SdP::template ss<0, 0>(s, kmajor_descriptor<KTile>(sK, key0, ks), kmajor_descriptor<QTile>(cQ, q0, ks), ks > 0);
     wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / kWgmmaK; ++ks)
-      SdP::template ss<0, 0>(dp, kmajor_descriptor<KTile>(sV, key0, ks), kmajor_descriptor<QTile>(cdO, 0, ks), ks > 0);
+      SdP::template ss<0, 0>(dp, kmajor_descriptor<KTile>(sV, key0, ks), kmajor_descriptor<QTile>(cdO, q0, ks), ks > 0);
     wgmma_commit();
     // this lane's query columns' lse2 while the GEMMs run (after the wait, the shared loads
     // would sit on the critical path)
-    float lse2[BLOCK_M / 8][2];
+    float lse2[kQueries / 8][2];
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j)
+    for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float l = cLse[8 * j + 2 * tq + e];
+        const float l = cLse[q0 + 8 * j + 2 * tq + e];
         lse2[j][e] = l == -infinity() ? infinity() : l * kLog2e;  // empty rows: P = 0, never NaN
       }
     wgmma_wait<1>();
@@ -1015,75 +1023,122 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     // take the parameter's address and put the whole struct in local memory
     const float* alibi_slopes = p.alibi_slopes;
     const i64 alibi_sb = p.alibi_sb;
-    // lse2 of element e of query group j (query m0 + 8 j + 2 tq + e % 2, key key_row + 8 (e / 2)),
+    // lse2 of element e of query group j (query m0 + q0 + 8 j + 2 tq + e % 2, key key_row + 8 (e / 2)),
     // ALiBi's bias included; the slope is read where it is used (an L1 hit) instead of held in a
     // register across the GEMM waits
     const auto element_lse2 = [&](int j, int e) {
       return pb.alibi_lse2<ALIBI>(lse2[j][e % 2], bwd_alibi2<ALIBI>(alibi_slopes, alibi_sb, b, h),
-                                  m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2));
+                                  m0 + q0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2));
     };
     const bool softcap = pb.softcap_out > 0.f;
     with_tile_flags(pb.tile_needs_mask(m0, BLOCK_M, n0, BLOCK_N), softcap, [&](auto mask, auto cap) {
 #pragma unroll
-      for (int j = 0; j < BLOCK_M / 8; ++j)
+      for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float prob = pb.template probability<decltype(cap)::value>(s[4 * j + e], element_lse2(j, e));
-          if (decltype(mask)::value && !pb.visible(m0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2))) prob = 0.f;
+          if (decltype(mask)::value && !pb.visible(m0 + q0 + 8 * j + 2 * tq + e % 2, key_row + 8 * (e / 2)))
+            prob = 0.f;
           s[4 * j + e] = prob;
         }
     });
 
     // dS^T = P^T (dP^T - delta) (delta read before the wait, as lse2)
-    float row_delta[BLOCK_M / 8][2];
+    float row_delta[kQueries / 8][2];
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / 8; ++j)
+    for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) row_delta[j][e] = cDelta[8 * j + 2 * tq + e];
+      for (int e = 0; e < 2; ++e) row_delta[j][e] = cDelta[q0 + 8 * j + 2 * tq + e];
     wgmma_wait<0>();
     fence_registers(dp);
-    u32 dsa[BLOCK_M / kWgmmaK][4];
+    u32 dsa[kQueries / kWgmmaK][4];
     // one copy of the loop per softcap case (7-13% faster on the H200 than a test per element)
     with_tile_flags(false, softcap, [&](auto, auto cap) {
 #pragma unroll
-      for (int j = 0; j < BLOCK_M / 8; ++j)
+      for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           dp[4 * j + e] = pb.template score_grad<decltype(cap)::value>(s[4 * j + e], dp[4 * j + e], row_delta[j][e % 2],
                                                                        element_lse2(j, e));
     });
     // P^T and dS^T packed into the A fragments of the two GEMMs below (k step j = queries
-    // 16 j .. 16 j + 15), only now: packed P^T held across the dS loop cost 16 registers where
+    // q0 + 16 j .. + 15), only now: packed P^T held across the dS loop cost 16 registers where
     // the consumers have none to spare
-    u32 pa[BLOCK_M / kWgmmaK][4];
+    u32 pa[kQueries / kWgmmaK][4];
 #pragma unroll
-    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+    for (int j = 0; j < kQueries / kWgmmaK; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         pa[j][r] = DT::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
         dsa[j][r] = DT::pack(dp[8 * j + 2 * r], dp[8 * j + 2 * r + 1]);
       }
 
-    // dV += P^T dO and dK += dS^T Q: 64 keys x D over this block's queries
-    wgmma_fence(dV, dK, pa, dsa);
-#pragma unroll
-    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dV, pa[j], [&](int col) { return mnmajor_descriptor<QTile>(cdO, kv_col0 + col, j); }, 1);
-#pragma unroll
-    for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
-      KV::template rs<1>(dK, dsa[j], [&](int col) { return mnmajor_descriptor<QTile>(cQ, kv_col0 + col, j); }, 1);
-    wgmma_commit();
-
-    if constexpr (DQ_MODE != kBwdDqNone) {
-      // dS^T to buffer step % 2, once the buffer's readers (the dQ GEMM of two steps back) are
-      // done: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
+    if constexpr (kWide) {
+      // P^T and dS^T halves to buffer step % 2 (once the GEMMs that read it two steps back are
+      // done), then, once the other consumer's halves are in, this consumer's columns of
+      // dV += P^T dO, dK += dS^T Q and dQ = dS K, all three from shared memory
       const int buf = step % kBwdSm90DsBuffers;
-      mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
+      const int phase = (step / kBwdSm90DsBuffers) & 1;
+      mbarrier_wait(ds_empty(buf), phase ^ 1);
+      unsigned char* p_tile = base + Smem::kP + buf * STile::kBytes;
       unsigned char* dS_tile = base + Smem::kdS + buf * STile::kBytes;
-      // (a wide tile's consumers hold the same rows: consumer c writes the rows of its warps
-      // 2 c and 2 c + 1)
-      constexpr int kWritingWarps = kWarpgroupThreads / kWarpSize / kBwdSm90Consumers;
-      if (!kWide || wg_warp / kWritingWarps == c) {
+#pragma unroll
+      for (int j = 0; j < kQueries / kWgmmaK; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = wg_warp * 16 + g + 8 * (r % 2);
+          const int col = q0 + 16 * j + 8 * (r / 2) + 2 * tq;
+          *reinterpret_cast<u32*>(p_tile + STile::offset(row, col)) = pa[j][r];
+          *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
+        }
+      fence_proxy_async();
+      mbarrier_arrive(ds_full(buf));
+      mbarrier_wait(ds_full(buf), phase);
+      const u32 sP = smem0 + Smem::kP + buf * STile::kBytes, sdS_buf = sdS + buf * STile::kBytes;
+      wgmma_fence(dV, dK);
+#pragma unroll
+      for (int k = 0; k < BLOCK_M / kWgmmaK; ++k)
+        KV::template ss<0, 1>(dV, kmajor_descriptor<STile>(sP, 0, k),
+                              [&](int col) { return mnmajor_descriptor<QTile>(cdO, kv_col0 + col, k); }, 1);
+#pragma unroll
+      for (int k = 0; k < BLOCK_M / kWgmmaK; ++k)
+        KV::template ss<0, 1>(dK, kmajor_descriptor<STile>(sdS_buf, 0, k),
+                              [&](int col) { return mnmajor_descriptor<QTile>(cQ, kv_col0 + col, k); }, 1);
+      wgmma_commit();
+      if constexpr (DQ_MODE != kBwdDqNone) {
+        float dq[DQ::kAccumulators];
+        issue_dq(dq, step);
+        wgmma_wait<0>();
+        fence_registers(dq);
+        fence_registers(dV);
+        fence_registers(dK);
+        mbarrier_arrive(empty(stage));
+        mbarrier_arrive(ds_empty(buf));
+        emit_dq(dq, step);
+      } else {
+        wgmma_wait<0>();
+        fence_registers(dV);
+        fence_registers(dK);
+        mbarrier_arrive(empty(stage));
+        mbarrier_arrive(ds_empty(buf));
+      }
+    } else {
+      // dV += P^T dO and dK += dS^T Q: 64 keys x D over this block's queries
+      wgmma_fence(dV, dK, pa, dsa);
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+        KV::template rs<1>(dV, pa[j], [&](int col) { return mnmajor_descriptor<QTile>(cdO, kv_col0 + col, j); }, 1);
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
+        KV::template rs<1>(dK, dsa[j], [&](int col) { return mnmajor_descriptor<QTile>(cQ, kv_col0 + col, j); }, 1);
+      wgmma_commit();
+
+      if constexpr (DQ_MODE != kBwdDqNone) {
+        // dS^T to buffer step % 2, once the buffer's readers (the dQ GEMM of two steps back) are
+        // done: fragment register r of k step j holds rows +8 (r odd), columns +8 (r >= 2)
+        const int buf = step % kBwdSm90DsBuffers;
+        mbarrier_wait(ds_empty(buf), ((step / kBwdSm90DsBuffers) & 1) ^ 1);
+        unsigned char* dS_tile = base + Smem::kdS + buf * STile::kBytes;
 #pragma unroll
         for (int j = 0; j < BLOCK_M / kWgmmaK; ++j)
 #pragma unroll
@@ -1092,48 +1147,41 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
             const int col = 16 * j + 8 * (r / 2) + 2 * tq;
             *reinterpret_cast<u32*>(dS_tile + STile::offset(row, col)) = dsa[j][r];
           }
+        // the rows are visible to wgmma, and announced to the other consumer
+        fence_proxy_async();
+        mbarrier_arrive(ds_full(buf));
       }
-      // the rows are visible to wgmma, and announced to the other consumer
-      fence_proxy_async();
-      mbarrier_arrive(ds_full(buf));
-    }
-    // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
-    // both consumers' halves (D = 128) or the owner's whole (D = 64-96, every other step). Either
-    // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
-    // buffer once its reader's GEMM is (ds_empty counts both consumers).
-    const int dq_src = step - 1;
-    const auto step_done = [&] {
-      fence_registers(pa);
-      fence_registers(dsa);
-      fence_registers(dV);
-      fence_registers(dK);
-      mbarrier_arrive(empty(stage));
-    };
-    if (DQ_MODE == kBwdDqNone || (kDqAlternate && (dq_src < 0 || !owns_dq(dq_src)))) {
-      wgmma_wait<0>();
-      step_done();
-      if (DQ_MODE != kBwdDqNone && dq_src >= 0) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
-    } else {
-      if constexpr (kWide) {
-        // a wide tile's dK and dV take 128 registers: the dV and dK GEMMs finish, freeing their
-        // fragments, before dQ's accumulators are taken (else ptxas serialises the wgmma)
+      // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
+      // both consumers' halves (D = 128) or the owner's whole (D = 64-96, every other step). Either
+      // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
+      // buffer once its reader's GEMM is (ds_empty counts both consumers).
+      const int dq_src = step - 1;
+      const auto step_done = [&] {
+        fence_registers(pa);
+        fence_registers(dsa);
+        fence_registers(dV);
+        fence_registers(dK);
+        mbarrier_arrive(empty(stage));
+      };
+      if (DQ_MODE == kBwdDqNone || (kDqAlternate && (dq_src < 0 || !owns_dq(dq_src)))) {
         wgmma_wait<0>();
         step_done();
-        wgmma_fence();
-      }
-      float dq[DQ::kAccumulators];
-      issue_dq(dq, dq_src);
-      wgmma_wait<0>();
-      fence_registers(dq);
-      if constexpr (!kWide) step_done();
-      if (dq_src >= 0) {
-        mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
-        emit_dq(dq, dq_src);
+        if (DQ_MODE != kBwdDqNone && dq_src >= 0) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+      } else {
+        float dq[DQ::kAccumulators];
+        issue_dq(dq, dq_src);
+        wgmma_wait<0>();
+        fence_registers(dq);
+        step_done();
+        if (dq_src >= 0) {
+          mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+          emit_dq(dq, dq_src);
+        }
       }
     }
   }
-  // the last step's dQ
-  if (DQ_MODE != kBwdDqNone && steps > 0 && owns_dq(steps - 1)) {
+  // the last step's dQ (a wide tile's is done in its step)
+  if (!kWide && DQ_MODE != kBwdDqNone && steps > 0 && owns_dq(steps - 1)) {
     float dq[DQ::kAccumulators];
     dq_part_free(steps - 1);
     wgmma_fence();
