@@ -1246,13 +1246,13 @@ def bwd_dq_cols(tile_dim: int) -> int:
 # smallest tile at least it, given at run time, as the forward's FWD_TILES). Hopper runs the tiles
 # D = 64, 80, 96, 128 and 256 on the wgmma kernel (flash_bwd_sm90_kernel: 64 queries x 128 keys,
 # a TMA producer and two wgmma consumer warpgroups; the wide 256 tile 64 keys, each consumer half
-# the queries of S^T and half of D of dK, dV and dQ, float4 atomics for dQ; BENCHMARKS.md, "Eleventh session" and "Twelfth session"), every
-# head dim and Dv above 32 among them (padded ones read zeros past their own D); its 80 tile's
-# deterministic dQ kernel (the atomic path's, kept for comparison) takes 16-key steps, which do
-# not spill there. The mma.sync rows: warp tiles of 32 x 32 where the tile allows (each
-# shared-memory fragment feeds several mma); dK and dV of BLOCK_N keys x D live in registers
-# across the 8 warps, which is what bounds BLOCK_N (64 at D = 256); sm_80's 163 KB of shared memory per CTA
-# holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
+# the queries of S^T and half of D of dK, dV and dQ, float4 atomics for dQ; BENCHMARKS.md,
+# "Eleventh session" and "Twelfth session"), every head dim and Dv above 32 among them (padded
+# ones read zeros past their own D); its 80 tile's deterministic dQ kernel (the atomic path's,
+# kept for comparison) takes 16-key steps, which do not spill there. The mma.sync rows: warp
+# tiles of 32 x 32 where the tile allows (each shared-memory fragment feeds several mma); dK and
+# dV of BLOCK_N keys x D live in registers across the 8 warps, which is what bounds BLOCK_N (64
+# at D = 256); sm_80's 163 KB of shared memory per CTA holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
 # D = 160 (not measured yet) takes D = 256's layout with dK/dV split 4 ways along the keys (80
 # columns a warp: a 2-way split would leave 40, not whole n16 steps) and two Q/dO stages, which
 # its smaller rows leave room for; D = 80 runs padded in the 96 tile (no 8-warp layout splits
@@ -1352,7 +1352,8 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
     elif deterministic:
         last = _jit.KernelSpec(
             "flash_bwd.cu",
-            f"cuattn::flash_bwd_dq_kernel<{ctype}, {dq_head_dim or head_dim}, {t.dq_block_m}, {t.dq_block_n}, {t.dq_warps}, "
+            f"cuattn::flash_bwd_dq_kernel<{ctype}, {dq_head_dim or head_dim}, {t.dq_block_m}, {t.dq_block_n}, "
+            f"{t.dq_warps}, "
             f"{with_alibi}>",
             threads=t.dq_warps * 32, smem_bytes=t.dq_smem_bytes(dq_head_dim or head_dim, itemsize))
     else:
@@ -1418,7 +1419,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     whose order varies between runs. ``deterministic=True`` gives bit-identical gradients run
     after run: on sm_90a up to D = 128 the main kernel adds its dQ tiles in a fixed order (one
     int32 semaphore per tile half more), which in the 128 tile is also the default (as fast), so
-    that the default is bit-identical there too; elsewhere a second kernel sums dQ in a fixed order (no accumulator). The sinks' gradient is
+    that the default is bit-identical there too; elsewhere a second kernel sums dQ in a fixed
+    order (no accumulator). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """

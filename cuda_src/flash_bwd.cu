@@ -644,7 +644,8 @@ struct BwdSm90Smem {
   static constexpr int kdS = kdO + STAGES * QTile::kBytes;
   // wide tiles: P^T [BLOCK_N, BLOCK_M] per dS^T buffer, beside it
   static constexpr int kP = kdS + kBwdSm90DsBuffers * STile::kBytes;
-  static constexpr int kLse = kP + (bwd_sm90_wide<HEAD_DIM>() ? kBwdSm90DsBuffers * STile::kBytes : 0);  // [STAGES, BLOCK_M] fp32
+  // lse [STAGES, BLOCK_M] fp32, natural log
+  static constexpr int kLse = kP + (bwd_sm90_wide<HEAD_DIM>() ? kBwdSm90DsBuffers * STile::kBytes : 0);
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
   // bulk dQ staging: [consumers, kDqStages, BLOCK_M * kDqCols] fp32; two parts a consumer where
   // they fit (D = 80 and 96 have room for one: their consumers take the steps in turn, so one
@@ -696,7 +697,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
-  static_assert(HEAD_DIM % kWgmmaK == 0 && kKvCols <= kBwdSm90MaxKvCols, "whole k16 steps; dK, dV of 128 columns at most");
+  static_assert(HEAD_DIM % kWgmmaK == 0 && kKvCols <= kBwdSm90MaxKvCols,
+                "whole k16 steps; dK, dV of 128 columns at most");
   static_assert(wgmma_row_panel_aligned(kKvCols) && wgmma_row_panel_aligned(kDqCols),
                 "the MN-major GEMMs' pieces start at panels");
   static_assert(!kWide || (kKvCols % kSwizzlePanelCols == 0 && !kBulkDq), "a wide tile: panel halves, atomic dQ");

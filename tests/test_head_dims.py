@@ -113,7 +113,8 @@ def test_padded_head_dims_on_hopper_take_the_wgmma_backward(d, tile_dim, sm80_di
     for other, sm80_dim in ((136, 160), (160, 160), (192, 256), (256, 256)):
         assert attention_module.bwd_tile_dim(other, "sm_90a") == 256
         assert attention_module.bwd_tile(other, "sm_90a") == attention_module.BWD_TILES[256][attention_module.SM90]
-        assert attention_module.bwd_tile(other, "sm_90a").wgmma and attention_module.bwd_tile(other, "sm_90a").block_n == 64
+        wide = attention_module.bwd_tile(other, "sm_90a")
+        assert wide.wgmma and wide.block_n == 64
         assert attention_module.bwd_tile_dim(other, "sm_80") == sm80_dim
         # deterministic=True leaves dQ to flash_bwd_dq_kernel in the mma.sync kernels' tile
         assert attention_module.bwd_dq_head_dim(other, "sm_90a") == sm80_dim
