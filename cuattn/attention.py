@@ -1194,8 +1194,8 @@ class BwdTile:
             block_n, stages = self.block_n, c("kBwdSm90Stages")
             consumers, panel = c("kBwdSm90Consumers"), c("kSwizzlePanelCols")
             tiles = (2 * block_n + 2 * stages * self.block_m) * (-(-head_dim // panel) * panel) * itemsize
-            # (a wide tile, D above kBwdSm90MaxKvCols, keeps P^T beside each dS^T buffer)
-            ds_tiles = 2 if head_dim > c("kBwdSm90MaxKvCols") else 1
+            # (a wide tile keeps P^T beside each dS^T buffer)
+            ds_tiles = 2 if bwd_wide(self, head_dim) else 1
             ds = ds_tiles * c("kBwdSm90DsBuffers") * block_n * self.block_m * itemsize
             stats = 2 * stages * self.block_m * 4
             overhead = c("kBwdSm90Barriers") * c("kMbarrierBytes") + c("kSwizzleAtomBytes")
@@ -1216,13 +1216,19 @@ class BwdTile:
         return (2 * self.dq_block_m + 4 * self.dq_block_n) * (head_dim + _params.constant("kPadElems")) * itemsize
 
 
+def bwd_wide(tile: "BwdTile", tile_dim: int) -> bool:
+    """Whether ``tile`` at ``tile_dim`` is flash_bwd_sm90_kernel's wide tile (flash_bwd.cu's
+    bwd_sm90_wide: D above kBwdSm90MaxKvCols, 64 keys a CTA, dK, dV and dQ split by columns)."""
+    return tile.wgmma and tile_dim > _params.constant("kBwdSm90MaxKvCols")
+
+
 def bwd_dq_modes(tile: "BwdTile", tile_dim: int) -> tuple[str, ...]:
     """The dq_modes a backward tile has: an mma.sync tile its own; flash_bwd_sm90_kernel both,
-    but in a wide tile (D above kBwdSm90MaxKvCols, flash_bwd.cu) float4 atomics alone: its dQ
-    tiles do not fit in shared memory beside K, V and the Q/dO stages."""
+    but in a wide tile float4 atomics alone: its dQ tiles do not fit in shared memory beside K,
+    V and the Q/dO stages."""
     if not tile.wgmma:
         return (tile.dq_mode,)
-    return ("atomic",) if tile_dim > _params.constant("kBwdSm90MaxKvCols") else BWD_DQ_MODES
+    return ("atomic",) if bwd_wide(tile, tile_dim) else BWD_DQ_MODES
 
 
 def bwd_dq_head_dim(head_dim: int, arch: str) -> int:
@@ -1230,7 +1236,7 @@ def bwd_dq_head_dim(head_dim: int, arch: str) -> int:
     head dims up to ``head_dim`` on ``arch``: the main kernel's, but under a wide wgmma tile the
     mma.sync kernels' own (D = 160 keeps its 160 tile there, not the wide one's 256)."""
     tile_dim = bwd_tile_dim(head_dim, arch)
-    wide = BWD_TILES[tile_dim][arch_family(arch)].wgmma and tile_dim > _params.constant("kBwdSm90MaxKvCols")
+    wide = bwd_wide(BWD_TILES[tile_dim][arch_family(arch)], tile_dim)
     return bwd_tile_dim(head_dim, SM80) if wide else tile_dim
 
 
@@ -1252,7 +1258,8 @@ def bwd_dq_cols(tile_dim: int) -> int:
 # kept for comparison) takes 16-key steps, which do not spill there. The mma.sync rows: warp
 # tiles of 32 x 32 where the tile allows (each shared-memory fragment feeds several mma); dK and
 # dV of BLOCK_N keys x D live in registers across the 8 warps, which is what bounds BLOCK_N (64
-# at D = 256); sm_80's 163 KB of shared memory per CTA holds one Q/dO stage at D = 128. scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
+# at D = 256); sm_80's 163 KB of shared memory per CTA holds one Q/dO stage at D = 128.
+# scripts/tune_bwd.py measured the candidates (BENCHMARKS.md).
 # D = 160 (not measured yet) takes D = 256's layout with dK/dV split 4 ways along the keys (80
 # columns a warp: a 2-way split would leave 40, not whole n16 steps) and two Q/dO stages, which
 # its smaller rows leave room for; D = 80 runs padded in the 96 tile (no 8-warp layout splits
@@ -1577,8 +1584,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         # no key: every row's lse is its sink and out is 0, so delta and dsinks are 0 too
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, cupy.float32))
     _masks.check_total_length(seqlen_q, seqlen_k)
-    pre, main, last = bwd_specs(np.dtype(q.dtype), tile_dim, tile, deterministic, alibi[0] is not None,
-                                bwd_dq_head_dim(max(head_dim, head_dim_v), SM80 if not tile.wgmma else arch))
+    dq_dim = bwd_dq_head_dim(max(head_dim, head_dim_v), arch) if tile.wgmma else tile_dim
+    pre, main, last = bwd_specs(np.dtype(q.dtype), tile_dim, tile, deterministic, alibi[0] is not None, dq_dim)
     lse_contiguous, lse = lse.flags.c_contiguous, cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
@@ -1681,7 +1688,7 @@ def _preprocess_rows_per_cta(head_dim_v: int) -> int:
 
 def _bwd_maps(q, k, v, dout, tile: BwdTile):
     """The TMA views flash_bwd_sm90_kernel loads through: q and dout in boxes of [BLOCK_M rows, one
-    128-byte panel], k and v in boxes of [kBwdSm90BlockN rows, one panel], all 4-D (D, S, H, B)
+    128-byte panel], k and v in boxes of [tile.block_n rows, one panel], all 4-D (D, S, H, B)
     of the [B, S, H, D] views; () when one of them cannot be read that way (a byte stride that is
     not a multiple of 16)."""
     panel_bytes = _params.constant("kSwizzleRowBytes")

@@ -9,9 +9,10 @@ python scripts/ab_backward.py LABEL IMPLS [SEQLENS [HEAD_DIMS]]
     place of the wgmma one); and any backward implementation of `python -m cuattn bench`
     (torch-cudnn, torch-flash). The bench grid:
     bf16, B * N = 32k tokens, H * D = 2048, full and causal; SEQLENS defaults to 1024,4096,16384
-    and HEAD_DIMS to the bench's (64,128). One line per case, TFLOP/s at 2.5x the forward's FLOPs. Run it from two
-    checkouts with two labels to compare kernels (docs/bwd_ws_ab_h200.txt), and one variant per
-    process for the fairest comparison (a second variant's arrays land elsewhere in memory).
+    and HEAD_DIMS to the bench's (64,128). One line per case, TFLOP/s at 2.5x the forward's
+    FLOPs. Run it from two checkouts with two labels to compare kernels (docs/bwd_ws_ab_h200.txt),
+    and one variant per process for the fairest comparison (a second variant's arrays land
+    elsewhere in memory).
 """
 
 import contextlib
