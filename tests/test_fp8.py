@@ -715,3 +715,27 @@ def test_fp8_v_transpose_kernel_matches_numpy(seqlen_k):
     v = whole[:, :, 1::2]  # every other head: a head stride of 256 bytes
     got = attention_module._fp8_v_transposed_on_device(cupy.asarray(whole)[:, :, 1::2], None).get()
     np.testing.assert_array_equal(got, attention_module.fp8_v_transposed(v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_k", [1, 37, 128, 300])
+def test_fp8_forward_reads_v_views(head_dim, seqlen_k):
+    """v a view (every other head) of a NaN-poisoned buffer a key block longer than Sk: the call
+    reads only the view's rows (none of the poisoned heads, zeros past Sk) and gives the output of
+    a contiguous copy bit for bit, within the reference's budget."""
+    _require_sm90()
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    (q8, k8, v8), scales, real = fp8_inputs(rng, 2, 70, seqlen_k, 4, 2, head_dim, "head")
+    block_n = attention_module.FWD_SM90_FP8_TILES[head_dim].block_n
+    whole = np.full((2, seqlen_k + block_n, 4, head_dim), NAN_BYTES[0], np.uint8)
+    whole[:, :seqlen_k, 1::2] = v8.view(np.uint8)
+    v_view = cupy.asarray(whole)[:, :seqlen_k, 1::2]
+    q, k = (cupy.asarray(x.view(np.uint8)) for x in (q8, k8))
+    scale_args = {f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)}
+    got = cuattn.attention(q, k, v_view, **scale_args).get()
+    np.testing.assert_array_equal(got, cuattn.attention(q, k, cupy.ascontiguousarray(v_view), **scale_args).get())
+    ref = reference.attention(*real)
+    got = got.astype(np.float64)
+    assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, False, BF16, ref)
