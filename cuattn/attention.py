@@ -749,11 +749,13 @@ def _fp8_v_transposed_on_device(v, stream):
     import cupy
 
     b, sk, hk, d = map(int, v.shape)
-    group = _params.constant("kFp8KeyGroup")
-    padded_len = -(-sk // group) * group
+    span = _params.constant("kFp8TransposeKeys")
+    padded_len = -(-sk // span) * span
     v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
-    # a thread per (group of keys, 4 head-dim bytes) of each (batch, kv head) pair
-    threads = (padded_len // group) * (d // _params.constant("kFp8TransposeBytes"))
+    # a thread per (span of keys, 4 head-dim bytes) of each (batch, kv head) pair, a warp per
+    # kFp8SpansPerWarp spans x kFp8ChunksPerWarp chunks (D = 128, 256: whole warps of chunks)
+    warp_spans = _params.constant("kFp8SpansPerWarp")
+    threads = -(-padded_len // (span * warp_spans)) * warp_spans * (d // _params.constant("kFp8TransposeBytes"))
     if threads and b * hk:
         sb, ss, sh, _ = _arrays.element_strides(v)
         spec = fp8_transpose_spec()
@@ -765,12 +767,13 @@ def _fp8_v_transposed_on_device(v, stream):
 
 def fp8_v_transposed(v, xp=np):
     """V^T for the FP8 kernel: e4m3 bytes ``v`` (B, Sk, Hk, D) -> (B, Hk, D, Sk_pad), Sk padded with
-    zeros to a multiple of 16 (rows of whole 16-byte units, as the TMA needs), the keys of each
-    group of 16 in the order of :func:`fp8_key_order`. One copy of V (B Sk Hk D bytes read and
-    written): the 8-bit wgmma reads B K-major only, so O += P V needs the keys contiguous."""
+    zeros to a multiple of kFp8TransposeKeys = 32 (whole 32-byte sectors per thread of the pass;
+    the TMA needs 16), the keys of each group of 16 in the order of :func:`fp8_key_order`. One copy
+    of V (B Sk Hk D bytes read and written): the 8-bit wgmma reads B K-major only, so O += P V needs
+    the keys contiguous."""
     b, sk, hk, d = map(int, v.shape)
-    group = 16
-    padded_len = -(-sk // group) * group
+    group, span = 16, _params.constant("kFp8TransposeKeys")
+    padded_len = -(-sk // span) * span
     if padded_len != sk:
         padded = xp.zeros((b, padded_len, hk, d), v.dtype)
         padded[:, :sk] = v

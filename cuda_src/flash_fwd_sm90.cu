@@ -76,11 +76,13 @@
 //           [rows, 128]); D = 128 or 256.
 //   V       8-bit wgmma operands are K-major only, so B of O += P V must be V^T with the keys
 //           contiguous. fp8_v_transpose_kernel (below) writes it once per call, v_map reading
-//           [B, Hk, D, Sk_pad] (Sk padded to 16 with zeros, keys of each 16 in the order pi of
+//           [B, Hk, D, Sk_pad] (Sk padded to 32 with zeros, keys of each 16 in the order pi of
 //           AttentionTile::to_e4m3_fragments); a stage holds V^T [D, BLOCK_N] (one 128-key box
 //           of D rows), read K-major. Cost: one extra read and write of V (B Sk Hk D bytes
-//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, some 40 us at H200
-//           bandwidth, against 1-2 ms of attention at N = 4k-8k), and a V^T buffer of V's size.
+//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, 50 us on the H200 at 2.7
+//           TB/s, against 1-5 ms of attention at N = 4k-16k), and a V^T buffer of V's size.
+//           Moving the transpose into this kernel's producer warps was measured and not kept
+//           (BENCHMARKS.md, thirteenth session).
 //   P       the fp32 probabilities are rounded to e4m3 in registers (to_e4m3_fragments), as
 //           FlashAttention-3 does; the row sums l stay in fp32 from the unrounded values.
 //   scales  q_descale x k_descale (per tensor, head, or q block of 64 rows) multiply the score
@@ -805,51 +807,64 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 }
 
 // ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,
-// padded] (contiguous, padded = Sk rounded up to 16), the keys of each group of 16 in the order
-// pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds key 8 h + 2 t + e, keys
-// past Sk read 0. Thread i of (batch, kv head) pair blockIdx.z * gridDim.y + blockIdx.y takes 4
-// head-dim bytes of one group of 16 keys: 16 4-byte loads (a warp reads 128 contiguous bytes of a
-// key row per load), a byte transpose in registers, and 4 16-byte stores (16 keys of one V^T row
-// each). Indices within a pair are 32-bit (a pair holds at most a few million (group, chunk)
-// pairs; 64-bit divisions per coordinate made the pass 11% slower). The pass runs at about a third
-// of the memory bandwidth: its stores are 16-byte pieces of rows `padded` bytes apart. The
+// padded] (contiguous, padded = Sk rounded up to kFp8TransposeKeys), the keys of each group of
+// kFp8KeyGroup in the order pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds
+// key 8 h + 2 t + e, keys past Sk read 0. A thread takes 4 head-dim bytes (a chunk) of one span of
+// kFp8TransposeKeys keys (two groups): 32 4-byte loads, a byte transpose in registers, and per
+// head-dim row a 32-byte piece of V^T (a whole sector). A warp is kFp8SpansPerWarp consecutive
+// spans x 8 chunks, so each of its stores covers 128 contiguous bytes of 8 V^T rows (one request
+// per row) and each load 32 contiguous bytes of 4 key rows. (One span of one group a thread, a
+// warp along the chunks, wrote 16-byte pieces of 32 rows a store and ran at a third of the memory
+// bandwidth.) CTA blockIdx.x of (batch, kv head) pair blockIdx.z * gridDim.y + blockIdx.y; indices
+// within a pair are 32-bit (64-bit divisions per coordinate made the pass 11% slower). The
 // reference is attention.fp8_v_transposed.
 constexpr int kFp8TransposeThreads = 256;
-constexpr int kFp8KeyGroup = 16;  // keys per permutation group (and the padding of Sk)
-constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread
+constexpr int kFp8KeyGroup = 16;       // keys per permutation group
+constexpr int kFp8TransposeKeys = 32;  // keys per thread (a span), and the padding of Sk
+constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread (a chunk)
+constexpr int kFp8SpansPerWarp = 4;    // a warp's spans: 128 keys, one 128-byte line of a V^T row
+constexpr int kFp8ChunksPerWarp = kWarpSize / kFp8SpansPerWarp;
 
 __global__ void __launch_bounds__(kFp8TransposeThreads)
 fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_stride, i64 v_row_stride,
                        i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
-  const int chunks = head_dim / kFp8TransposeBytes;
-  const int groups = padded / kFp8KeyGroup;
-  const int i = blockIdx.x * kFp8TransposeThreads + threadIdx.x;  // (group, chunk) of the pair
+  constexpr int kWords = kFp8TransposeKeys / kFp8TransposeBytes;  // 4-byte words of one V^T row's piece
+  constexpr int kWarps = kFp8TransposeThreads / kWarpSize;
+  const int chunks = head_dim / kFp8TransposeBytes;  // a multiple of kFp8ChunksPerWarp (host)
+  const int spans = padded / kFp8TransposeKeys;
+  // warp w of the pair: span block w / chunk blocks, chunk block w % chunk blocks
+  const int chunk_blocks = chunks / kFp8ChunksPerWarp;
+  const int warp = blockIdx.x * kWarps + static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int span = warp / chunk_blocks * kFp8SpansPerWarp + lane / kFp8ChunksPerWarp;
+  const int chunk = warp % chunk_blocks * kFp8ChunksPerWarp + lane % kFp8ChunksPerWarp;
   const int pair = blockIdx.z * gridDim.y + blockIdx.y;
-  if (i >= groups * chunks || pair >= batch * num_kv_heads) return;
-  const int chunk = i % chunks, group = i / chunks;
+  if (span >= spans || pair >= batch * num_kv_heads) return;
   const int h = pair % num_kv_heads, b = pair / num_kv_heads;
   const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * kFp8TransposeBytes;
-  u32 w[kFp8KeyGroup];  // w[p]: 4 head-dim bytes of the key at position p
+  u32 w[kFp8TransposeKeys];  // w[p]: 4 head-dim bytes of the key at position p of the span
 #pragma unroll
-  for (int p = 0; p < kFp8KeyGroup; ++p) {
-    const int t = p / 4, hi = p % 4 / 2, e = p % 2;
-    const int key = group * kFp8KeyGroup + 8 * hi + 2 * t + e;
+  for (int p = 0; p < kFp8TransposeKeys; ++p) {
+    const int q = p % kFp8KeyGroup, t = q / 4, hi = q % 4 / 2, e = q % 2;
+    const int key = span * kFp8TransposeKeys + p / kFp8KeyGroup * kFp8KeyGroup + 8 * hi + 2 * t + e;
     w[p] = key < seqlen_k ? *reinterpret_cast<const u32*>(src + key * v_row_stride) : 0u;
   }
   unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * kFp8TransposeBytes) * padded +
-                       group * kFp8KeyGroup;
+                       span * kFp8TransposeKeys;
 #pragma unroll
   for (int c = 0; c < kFp8TransposeBytes; ++c) {
     // byte c of w[4 j] .. w[4 j + 3] -> word j of head-dim row chunk * 4 + c
     const u32 select = c | ((c + 4) << 4);
-    u32 words[4];
+    u32 words[kWords];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kWords; ++j) {
       const u32 lo = __byte_perm(w[4 * j], w[4 * j + 1], select);
       const u32 hi = __byte_perm(w[4 * j + 2], w[4 * j + 3], select);
       words[j] = __byte_perm(lo, hi, 0x5410);
     }
-    *reinterpret_cast<uint4*>(dst + static_cast<i64>(c) * padded) = make_uint4(words[0], words[1], words[2], words[3]);
+    uint4* row = reinterpret_cast<uint4*>(dst + static_cast<i64>(c) * padded);
+    row[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    row[1] = make_uint4(words[4], words[5], words[6], words[7]);
   }
 }
 

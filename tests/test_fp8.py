@@ -480,11 +480,12 @@ def test_quantize_qkv_scales_and_incoherent_rotation(rng):
 
 def test_fp8_v_transposed_orders_keys_as_the_p_fragments():
     """V^T position 4 t + i of each 16 keys holds key 2 t + i % 2 + 8 (i // 2) (the keys lane t of a
-    quad holds in the accumulator, in the order of the 8-bit A fragment), padded with zeros."""
+    quad holds in the accumulator, in the order of the 8-bit A fragment), padded with zeros to a
+    multiple of 32 keys (the pass's span)."""
     v = np.arange(2 * 37 * 3 * 16, dtype=np.int64).reshape(2, 37, 3, 16).astype(np.uint8)
     vt = attention_module.fp8_v_transposed(v)
-    assert vt.shape == (2, 3, 16, 48)
-    for position in range(48):
+    assert vt.shape == (2, 3, 16, 64)
+    for position in range(64):
         t, i = position % 16 // 4, position % 4
         key = position // 16 * 16 + 2 * t + i % 2 + 8 * (i // 2)
         expected = v[:, key] if key < 37 else np.zeros_like(v[:, 0])
@@ -705,7 +706,7 @@ def test_fp8_forward_device_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_k", [37, 128, 1])
+@pytest.mark.parametrize("seqlen_k", [37, 128, 1, 80])
 def test_fp8_v_transpose_kernel_matches_numpy(seqlen_k):
     """fp8_v_transpose_kernel against fp8_v_transposed, bit for bit, on a strided view of V."""
     _require_sm90()
