@@ -753,9 +753,12 @@ def _fp8_v_transposed_on_device(v, stream):
     padded_len = -(-sk // span) * span
     v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
     # a thread per (span of keys, 4 head-dim bytes) of each (batch, kv head) pair, a warp per
-    # kFp8SpansPerWarp spans x kFp8ChunksPerWarp chunks (D = 128, 256: whole warps of chunks)
+    # kFp8SpansPerWarp spans x kFp8ChunksPerWarp chunks: whole warps of chunks, which the FP8 head
+    # dims (FP8_HEAD_DIMS, checked before) give
+    chunk_bytes = _params.constant("kFp8TransposeBytes")
+    assert d % (chunk_bytes * _params.constant("kFp8ChunksPerWarp")) == 0, f"head dim {d} is not whole warps of chunks"
     warp_spans = _params.constant("kFp8SpansPerWarp")
-    threads = -(-padded_len // (span * warp_spans)) * warp_spans * (d // _params.constant("kFp8TransposeBytes"))
+    threads = -(-padded_len // (span * warp_spans)) * warp_spans * (d // chunk_bytes)
     if threads and b * hk:
         sb, ss, sh, _ = _arrays.element_strides(v)
         spec = fp8_transpose_spec()
@@ -772,7 +775,7 @@ def fp8_v_transposed(v, xp=np):
     of V (B Sk Hk D bytes read and written): the 8-bit wgmma reads B K-major only, so O += P V needs
     the keys contiguous."""
     b, sk, hk, d = map(int, v.shape)
-    group, span = 16, _params.constant("kFp8TransposeKeys")
+    group, span = _params.constant("kFp8KeyGroup"), _params.constant("kFp8TransposeKeys")
     padded_len = -(-sk // span) * span
     if padded_len != sk:
         padded = xp.zeros((b, padded_len, hk, d), v.dtype)
