@@ -455,17 +455,6 @@ class KvScale:
 NO_SCALE = KvScale()
 
 
-def positive_scale(name: str, scale) -> float:
-    """A host float descale ``scale`` as the kernels take it, float32 (their parameter field), so
-    the reference path dequantises with the same value as the device; it must be positive and
-    finite there."""
-    with np.errstate(over="ignore", under="ignore"):
-        value = float(np.float32(scale))
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
-    return value
-
-
 def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, ref_name: str, ref) -> KvScale:
     """``k_scale`` / ``v_scale``: None (1), a positive finite float, or a float32 array of shape
     ``()``, ``(1,)`` or ``(Hk,)`` on ``ref``'s device (any float dtype on the host); only with an
@@ -475,7 +464,10 @@ def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, 
     if not e4m3:
         raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds {dtype_name(ref.dtype)}")
     if not is_array(scale) and isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
-        return KvScale(positive_scale(name, scale))
+        value = float(scale)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        return KvScale(value)
     if not is_array(scale):
         raise TypeError(f"{name} must be a float or a float32 array of shape (), (1,) or (Hk,) = "
                         f"({num_kv_heads},), got {type(scale).__name__}")
