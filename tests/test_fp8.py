@@ -94,7 +94,8 @@ def test_decode_over_e4m3_cache_is_the_reference_of_its_real_values(per_head):
     k_scale = np.array([0.02, 0.05], np.float32) if per_head else np.float32(0.03)
     v_scale = np.array([0.1, 0.01], np.float32) if per_head else 0.07
     k8, k_real = quantized_cache(rng, (2, 40, 2, 32), np.broadcast_to(k_scale, (2,)))
-    v8, v_real = quantized_cache(rng, (2, 40, 2, 32), np.broadcast_to(np.float32(v_scale), (2,)))
+    # a Python float descale is taken as it is (float64 on the host path), an array as its values
+    v8, v_real = quantized_cache(rng, (2, 40, 2, 32), np.broadcast_to(np.asarray(v_scale), (2,)))
     lens = np.array([40, 9], np.int32)
     out, lse = cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale, return_lse=True)
     ref, ref_lse = reference.decode(q, k_real, v_real, lens, return_lse=True)
