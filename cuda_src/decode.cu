@@ -286,6 +286,8 @@ __device__ __forceinline__ void decode_body(
   constexpr int kRows = Smem::kRows;
   constexpr int kKSteps = HEAD_DIM / 16;
   static_assert(!kFp8 || HEAD_DIM % 32 == 0, "e4m3 fragments cover 32 head dims per load");
+  static_assert(!kFp8 || (IsSame<QkType, __half>::value && IsSame<PvType, __half>::value),
+                "e4m3 operands widen to fp16 (e4m3x4_to_half2x2)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
@@ -362,16 +364,17 @@ __device__ __forceinline__ void decode_body(
       ldmatrix_x4(frag, sQ + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
       return;
     }
-    // e4m3 K: a lane's 4 key bytes of a k16 step are head dims 4 tq .. 4 tq + 3, and bytes 0, 2
-    // (then 1, 3) widen to one operand register, so the step's k order is d = 4 tq, 4 tq + 2 for
-    // k = 2 tq, 2 tq + 1 and d = 4 tq + 1, 4 tq + 3 for k = 8 + 2 tq, 9 + 2 tq: Q takes the same
+    // e4m3 K: a lane's 4 key bytes of a k16 step are head dims 4 tq .. 4 tq + 3, and bytes 0, 1
+    // (then 2, 3) widen to one operand register, so the step's k order is d = 4 tq, 4 tq + 1 for
+    // k = 2 tq, 2 tq + 1 and d = 4 tq + 2, 4 tq + 3 for k = 8 + 2 tq, 9 + 2 tq: Q takes the same,
+    // which is its own pairs of head dims as they lie in memory
     const T* row = sQ + (mt * 16 + lane / 4) * kStride + ks * 16 + 4 * (lane % 4);
     const uint2 top = *reinterpret_cast<const uint2*>(row);                 // d 4 tq .. 4 tq + 3 of row g
     const uint2 bottom = *reinterpret_cast<const uint2*>(row + 8 * kStride);  // of row g + 8
-    frag[0] = __byte_perm(top.x, top.y, 0x5410);        // (d, d + 2): the low halves
-    frag[1] = __byte_perm(bottom.x, bottom.y, 0x5410);
-    frag[2] = __byte_perm(top.x, top.y, 0x7632);        // (d + 1, d + 3): the high halves
-    frag[3] = __byte_perm(bottom.x, bottom.y, 0x7632);
+    frag[0] = top.x;     // (d, d + 1)
+    frag[1] = bottom.x;
+    frag[2] = top.y;     // (d + 2, d + 3)
+    frag[3] = bottom.y;
   };
   if (kQInRegisters) {
 #pragma unroll
@@ -425,11 +428,8 @@ __device__ __forceinline__ void decode_body(
         if (ks % 2 == 0) {
           ldmatrix_x4(packed, sK + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + ks * 16 + (lane / 16) * 16);
         }
-        const u32 keys_low = packed[2 * (ks % 2)], keys_high = packed[2 * (ks % 2) + 1];
-        b[0] = e4m3x2_to<QkType>(keys_low);
-        b[1] = e4m3x2_to<QkType>(keys_low >> 8);
-        b[2] = e4m3x2_to<QkType>(keys_high);
-        b[3] = e4m3x2_to<QkType>(keys_high >> 8);
+        e4m3x4_to_half2x2(packed[2 * (ks % 2)], b[0], b[1]);      // key g
+        e4m3x4_to_half2x2(packed[2 * (ks % 2) + 1], b[2], b[3]);  // key g + 8
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -469,17 +469,20 @@ __device__ __forceinline__ void decode_body(
     } else {
       // the same four matrices as for K, transposed: r[0] holds keys 2 tq, 2 tq + 1 of the byte
       // pair (2 g, 2 g + 1) of d 0-15, r[1] keys 8 + 2 tq, 9 + 2 tq; r[2], r[3] of d 16-31. Bytes
-      // 0, 2 are one head dim's two keys, bytes 1, 3 the next's: four n8 tiles (output_column)
+      // 0, 2 are one head dim's two keys, bytes 1, 3 the next's: one permute puts each head
+      // dim's pair in a half, which widens to the operand of one of four n8 tiles (output_column)
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 32; ++j) {
         u32 r[4];
         ldmatrix_x4_trans(r, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + j * 32 + (lane / 16) * 16);
+        u32 even[4], odd[4];  // fp16 pairs of head dims 2 g (then 2 g + 1) of each register's keys
+#pragma unroll
+        for (int x = 0; x < 4; ++x) e4m3x4_to_half2x2(__byte_perm(r[x], 0, kPairEvenOdd), even[x], odd[x]);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const u32 low = r[2 * (u / 2)] >> (8 * (u % 2)), high = r[2 * (u / 2) + 1] >> (8 * (u % 2));
-          const u32 b0 = e4m3x2_to<PvType>(low), b1 = e4m3x2_to<PvType>(high);
+          const u32(&half)[4] = u % 2 == 0 ? even : odd;
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) PvMm::run(tile.o[mt][4 * j + u], p[mt][0], b0, b1);
+          for (int mt = 0; mt < MT; ++mt) PvMm::run(tile.o[mt][4 * j + u], p[mt][0], half[2 * (u / 2)], half[2 * (u / 2) + 1]);
         }
       }
     }

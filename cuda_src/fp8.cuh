@@ -77,6 +77,29 @@ __device__ __forceinline__ u32 e4m3x2_to<__nv_bfloat16>(u32 w) {
   return *reinterpret_cast<u32*>(&h);
 }
 
+// Four e4m3 bytes of `w` as two packed fp16 pairs (an mma operand register each): bytes 0 and 1
+// into `lo`, bytes 2 and 3 into `hi`, the lower byte in the low half. sm_89 and later convert a
+// 16-bit half in one instruction that reads either half of the register in place, so four bytes
+// cost two instructions and no byte permute; earlier GPUs first spread each pair to bytes 0 and 2
+// for the bit path.
+__device__ __forceinline__ void e4m3x4_to_half2x2(u32 w, u32& lo, u32& hi) {
+#if __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n"
+      " cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+#else
+  constexpr u32 kSpreadLow = 0x4140u;   // bytes 0, 1 to bytes 0, 2 (zeros between)
+  constexpr u32 kSpreadHigh = 0x4342u;  // bytes 2, 3 to bytes 0, 2
+  lo = e4m3x2_to<__half>(__byte_perm(w, 0, kSpreadLow));
+  hi = e4m3x2_to<__half>(__byte_perm(w, 0, kSpreadHigh));
+#endif
+}
+
+// Byte permutes of four bytes w = (b0, b1, b2, b3): kPairEvenOdd makes (b0, b2, b1, b3), the
+// even bytes in the low half and the odd ones in the high half.
+constexpr u32 kPairEvenOdd = 0x3120u;
+
 // A bf16 pair as an fp16 pair, for the fp16 GEMMs of an e4m3 cache under a bf16 query. Exact
 // for every bf16 value in fp16's normal range (bf16's 8 significant bits fit in fp16's 11);
 // finite values beyond +-65504 saturate there, NaN and inf pass through, and magnitudes below
