@@ -1,11 +1,11 @@
 // fp8.cuh: the float8 e4m3 (e4m3fn: no infinities, max 448) storage type of quantised KV caches
-// and of the FP8 Hopper forward's q, k, v; its conversion to the fp16/bf16 operands of mma.sync,
+// and of the FP8 Hopper forward's q, k, v; its conversion to the fp16 operands of mma.sync,
 // the quantiser of the cache writes, and the packing of fp32 probabilities into e4m3 operands.
 //
 // A cache element is one byte; its real value is stored x scale (a descale factor per tensor or
-// per kv head, applied by the kernels outside the GEMMs). Decode reads two bytes of a row at a
-// time and widens them to one packed T2 register (an mma operand), so the cache is never
-// expanded in memory. Every e4m3 value, subnormals included, is exact in fp16 and in bf16.
+// per kv head, applied by the kernels outside the GEMMs). Decode reads four bytes of a row at a
+// time and widens them to two packed fp16 registers (mma operands), so the cache is never
+// expanded in memory. Every e4m3 value, subnormals included, is exact in fp16.
 #pragma once
 
 #include "common.cuh"
@@ -31,49 +31,21 @@ constexpr int kE4m3Bias = 7;
 constexpr int kF32MantissaBits = 23;
 constexpr int kF32Bias = 127;
 
-// Two e4m3 values, bytes 0 and 2 of `w` (bytes 1 and 3 are ignored), as a packed T2 pair (byte 0
-// in the low half). The bit path places each byte's exponent and mantissa at the bottom of the
-// 16-bit type's exponent and mantissa fields, which divides the value by a power of two set by
-// the two exponent biases alone (subnormals land on subnormals, so it holds for them too); one
-// packed multiply restores it exactly. An e4m3 NaN (S.1111.111) reads as +-480 on the bit path.
+// Two e4m3 values, bytes 0 and 2 of `w` (bytes 1 and 3 are ignored), as a packed fp16 pair (byte
+// 0 in the low half), without the hardware conversion of sm_89: each byte's exponent and mantissa
+// go to the bottom of fp16's exponent and mantissa fields, which divides the value by 2^(15 - 7)
+// (the two exponent biases; subnormals land on subnormals, so it holds for them too), and one
+// packed multiply by 256 restores it exactly. An e4m3 NaN (S.1111.111) reads as +-480 here.
 constexpr u32 kE4m3PairSigns = 0x00800080u;      // the sign bits of bytes 0 and 2
 constexpr u32 kE4m3PairMagnitudes = 0x007f007fu;  // exponent and mantissa bits of bytes 0 and 2
 constexpr int kHalfSignShift = 8;                 // bit 7 of a byte to bit 15 of its half
+constexpr int kHalfMantissaBits = 10;
+constexpr float kHalfRestore = 256.f;             // 2^(15 - 7)
 
-template <int MANTISSA_BITS>
-__device__ __forceinline__ u32 e4m3x2_bits(u32 w) {
-  return ((w & kE4m3PairSigns) << kHalfSignShift) | ((w & kE4m3PairMagnitudes) << (MANTISSA_BITS - kE4m3MantissaBits));
-}
-
-template <typename T>
-__device__ __forceinline__ u32 e4m3x2_to(u32 w);
-
-template <>
-__device__ __forceinline__ u32 e4m3x2_to<__half>(u32 w) {
-#if __CUDA_ARCH__ >= 890
-  // sm_89 and later convert in hardware, from the two bytes side by side
-  const u32 pair = __byte_perm(w, 0, 0x0020);
-  u32 out;
-  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(out) : "r"(pair));
-  return out;
-#else
-  // fp16: 5 exponent bits (bias 15), 10 mantissa bits; 2^(15 - 7) = 256 restores the value
-  constexpr int kHalfMantissaBits = 10;
-  constexpr float kRestore = 256.f;
-  const u32 bits = e4m3x2_bits<kHalfMantissaBits>(w);
-  __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&bits), __floats2half2_rn(kRestore, kRestore));
-  return *reinterpret_cast<u32*>(&h);
-#endif
-}
-
-template <>
-__device__ __forceinline__ u32 e4m3x2_to<__nv_bfloat16>(u32 w) {
-  // bf16: 8 exponent bits (bias 127), 7 mantissa bits; 2^(127 - 7) = 2^120 restores the value
-  // (bf16 multiplies keep subnormals). No hardware conversion to bf16 before sm_100.
-  constexpr int kBf16MantissaBits = 7;
-  const u32 bits = e4m3x2_bits<kBf16MantissaBits>(w);
-  const float restore = __uint_as_float(static_cast<u32>(kF32Bias + kF32Bias - kE4m3Bias) << kF32MantissaBits);
-  __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __floats2bfloat162_rn(restore, restore));
+__device__ __forceinline__ u32 e4m3x2_to_half2_bits(u32 w) {
+  const u32 bits = ((w & kE4m3PairSigns) << kHalfSignShift) |
+                   ((w & kE4m3PairMagnitudes) << (kHalfMantissaBits - kE4m3MantissaBits));
+  __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&bits), __floats2half2_rn(kHalfRestore, kHalfRestore));
   return *reinterpret_cast<u32*>(&h);
 }
 
@@ -91,8 +63,8 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(u32 w, u32& lo, u32& hi) {
 #else
   constexpr u32 kSpreadLow = 0x4140u;   // bytes 0, 1 to bytes 0, 2 (zeros between)
   constexpr u32 kSpreadHigh = 0x4342u;  // bytes 2, 3 to bytes 0, 2
-  lo = e4m3x2_to<__half>(__byte_perm(w, 0, kSpreadLow));
-  hi = e4m3x2_to<__half>(__byte_perm(w, 0, kSpreadHigh));
+  lo = e4m3x2_to_half2_bits(__byte_perm(w, 0, kSpreadLow));
+  hi = e4m3x2_to_half2_bits(__byte_perm(w, 0, kSpreadHigh));
 #endif
 }
 
