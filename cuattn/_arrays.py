@@ -455,6 +455,20 @@ class KvScale:
 NO_SCALE = KvScale()
 
 
+def scalar_scale(name: str, scale, shapes: str) -> float | None:
+    """A descale given as a number (an e4m3 cache's k_scale / v_scale, the FP8 forward's q, k and
+    v scales): its value, checked positive and finite; None when ``scale`` is an array. ``shapes``
+    lists the array shapes the caller takes, for the error on anything else."""
+    if is_array(scale):
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
+    value = float(scale)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+    return value
+
+
 def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, ref_name: str, ref) -> KvScale:
     """``k_scale`` / ``v_scale``: None (1), a positive finite float, or a float32 array of shape
     ``()``, ``(1,)`` or ``(Hk,)`` on ``ref``'s device (any float dtype on the host); only with an
@@ -463,14 +477,9 @@ def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, 
         return NO_SCALE
     if not e4m3:
         raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds {dtype_name(ref.dtype)}")
-    if not is_array(scale) and isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
-        value = float(scale)
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+    value = scalar_scale(name, scale, f"(), (1,) or (Hk,) = ({num_kv_heads},)")
+    if value is not None:
         return KvScale(value)
-    if not is_array(scale):
-        raise TypeError(f"{name} must be a float or a float32 array of shape (), (1,) or (Hk,) = "
-                        f"({num_kv_heads},), got {type(scale).__name__}")
     shape = tuple(int(n) for n in scale.shape)
     if shape not in ((), (1,), (num_kv_heads,)):
         raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({num_kv_heads},) (per tensor or per kv head), "

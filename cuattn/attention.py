@@ -689,12 +689,8 @@ def _check_fp8_scale(name: str, scale, x, x_name: str, block_rows: int, blocks: 
                                                      if blocks else "")
     if scale is None:
         raise ValueError(f"{name} is required with float8_e4m3fn {x_name} (real value = stored x {name})")
-    if not _arrays.is_array(scale):
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
-        value = float(scale)
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+    value = _arrays.scalar_scale(name, scale, shapes)
+    if value is not None:
         return Fp8Scale(factor=value, value=value)
     shape = tuple(int(n) for n in scale.shape)
     if shape not in ((), (1,), (heads,)) and not (blocks and shape == block_shape):
