@@ -186,6 +186,44 @@ def test_every_e4m3_byte_is_widened_exactly(dtype, head_dim):
     np.testing.assert_array_equal(out.get().astype(np.float64), expected)
 
 
+# e4m3x4_to_half2x2 (fp8.cuh) alone: the decode kernels run the hardware converts on sm_89 and
+# later and the bit path before; compute_80 PTX, JIT-compiled by the driver for this GPU, runs the
+# bit path on any GPU the tests have.
+WIDEN_SOURCE = r"""
+#include "fp8.cuh"
+extern "C" __global__ void widen(const unsigned* words, unsigned* lo, unsigned* hi, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) cuattn::e4m3x4_to_half2x2(words[i], lo[i], hi[i]);
+}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["hardware", "bit-path"])
+def test_four_e4m3_bytes_widen_to_two_fp16_pairs(path):
+    """Every (byte 0, byte 1) pair with random bytes 2, 3 (NaN codes left out: the bit path reads
+    them as 480): lo holds bytes 0, 1 and hi bytes 2, 3 as fp16, the lower byte in the low half."""
+    cupy = _cupy()
+    arch = _jit.target_arch() if path == "hardware" else "compute_80"
+    if path == "hardware" and int(arch.removeprefix("sm_").rstrip("a")) < 89:
+        pytest.skip(f"the hardware convert needs sm_89 or later; this GPU is {arch}")
+    include = _jit.cuda_include_dir()
+    options = (f"-arch={arch}", "-std=c++17", f"-I{_jit.source_dir()}", *([f"-I{include}"] if include else []))
+    kernel = cupy.RawModule(code=WIDEN_SOURCE, options=options, backend="nvrtc").get_function("widen")
+    rng = np.random.default_rng()
+    low = np.arange(256 * 256, dtype=np.uint32)
+    high = rng.integers(0, 256 * 256, low.size, dtype=np.uint32)
+    words = low | (high << 16)
+    as_bytes = words.view(np.uint8).reshape(-1, 4)
+    finite = ~np.isin(as_bytes, NAN_BYTES).any(axis=1)
+    half_bits = as_bytes.view(E4M3).astype(np.float16).view(np.uint16).astype(np.uint32)  # [n, 4]
+    want_lo, want_hi = half_bits[:, 0] | (half_bits[:, 1] << 16), half_bits[:, 2] | (half_bits[:, 3] << 16)
+    lo, hi = (cupy.full(words.shape, 0xFFFFFFFF, cupy.uint32) for _ in range(2))  # poisoned
+    kernel(((words.size + 255) // 256,), (256,), (cupy.asarray(words), lo, hi, np.int32(words.size)))
+    np.testing.assert_array_equal(lo.get()[finite], want_lo[finite])
+    np.testing.assert_array_equal(hi.get()[finite], want_hi[finite])
+
+
 def run_fp8_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, per_head, paged_block=None, **options):
     cupy = _cupy()
     k_scale = (rng.uniform(0.005, 0.02, hk) if per_head else np.full(hk, 0.01)).astype(np.float32)
