@@ -126,9 +126,10 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 // elements: every row is 16-byte aligned, Dv a multiple of 8) by bwd_preprocess_lanes(Dv) lanes
 // (the power of two that covers its chunks, at most a warp), so a warp takes 32 / lanes rows at
 // once (with one 2-byte element per lane and one row per warp it took 191 us at N = 4k, D = 128
-// on the H200, 151 us so; beside 6.9 ms of main kernel).
+// on the H200, 151 us so, 139 us with 32-bit divisions; beside 6.9 ms of main kernel).
 constexpr int kPreprocessWarps = 4;
 constexpr int kPreprocessChunk = 8;  // elements of one 16-byte load
+constexpr i64 kU32Max = 0xffffffffll;
 
 __host__ __device__ constexpr int bwd_preprocess_lanes(int head_dim_v) {
   int lanes = 1;
@@ -149,9 +150,18 @@ bwd_preprocess_kernel(const BwdParams<T> p) {
   float acc = 0.f;
   int h = 0, i = 0, b = 0;
   if (live) {
-    h = static_cast<int>(row % p.num_heads);
-    i = static_cast<int>((row / p.num_heads) % p.rows_q);
-    b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
+    // (b, i, h) of the row: 32-bit divisions where the rows fit (64-bit ones are emulated, a
+    // hundred instructions each, against a thread's two 16-byte loads)
+    if (static_cast<i64>(views) * p.rows_q * p.num_heads <= kU32Max) {
+      const u32 r = static_cast<u32>(row), heads = p.num_heads, rows_q = p.rows_q;
+      h = static_cast<int>(r % heads);
+      i = static_cast<int>(r / heads % rows_q);
+      b = static_cast<int>(r / heads / rows_q);
+    } else {
+      h = static_cast<int>(row % p.num_heads);
+      i = static_cast<int>((row / p.num_heads) % p.rows_q);
+      b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
+    }
     const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
     const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
     for (int col = (lane % lanes) * kPreprocessChunk; col < p.head_dim_v; col += lanes * kPreprocessChunk) {
@@ -1412,7 +1422,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
 bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
-  const int pairs_per_row = p.head_dim / 2;
+  constexpr int kPairsPerRow = HEAD_DIM / 2;
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
   const int b = static_cast<int>(bh / p.num_heads);
@@ -1424,9 +1434,12 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   const i64 q_block0 = p.cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
   const float* tile = p.dq_accum + (b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
   const int rows = min(BLOCK_M, seq.seqlen_q - m0);
-  for (int idx = threadIdx.x; idx < rows * pairs_per_row; idx += kConvertTileThreads) {
-    const int row = idx / pairs_per_row;
-    const int col = (idx % pairs_per_row) * 2;
+  // column pairs of the tile's rows, a compile-time count (so the index splits without a division
+  // at run time); the pairs past the call's D are skipped
+  for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
+    const int row = idx / kPairsPerRow;
+    const int col = (idx % kPairsPerRow) * 2;
+    if (col >= p.head_dim) continue;
     const int part = col / kDqCols, c = col % kDqCols;
     const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
     const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);
