@@ -334,10 +334,11 @@ class StepPlan:
         return step
 
     def workspace(self, nbytes: int) -> int:
-        """The plan's own split workspace of ``nbytes``; returns its address."""
+        """The plan's own split workspace of ``nbytes``, zeroed (its head holds the split
+        launches' arrival counters, which every launch leaves at zero); returns its address."""
         import cupy
 
-        buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
+        buf = cupy.zeros(max(nbytes, 1) // 4 + 1, cupy.float32)
         self._buffers.append(buf)
         return buf.data.ptr
 

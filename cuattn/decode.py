@@ -2,8 +2,9 @@
 
 ``decode`` is bandwidth-bound: every step reads the whole cache once. One CTA per (sequence,
 kv head) would leave most of an H200 idle for a single long sequence, so the keys are split
-across CTAs (split-KV); each split writes a float32 partial output and lse, and a combine
-kernel merges them exactly (``cuda_src/decode.cu``). The query heads that share a kv head are
+across CTAs (split-KV); each split writes a float32 partial output and lse, and the last CTA of
+a (sequence, kv head) to finish merges them exactly, counting arrivals in the workspace's head
+(``cuda_src/decode.cu``; a combine kernel of its own where the counters do not apply). The query heads that share a kv head are
 packed into one tile (GQA packing), so each cache byte is read once per step, not once per
 query head. Choosing the split count needs only shapes and the SM count, never the device's
 ``cache_seqlens``: a decode step has no device-to-host copy and can be captured in a CUDA graph.
@@ -480,16 +481,34 @@ def _host_result(result, q, return_lse):
 _workspaces: dict[tuple[int, int], object] = {}
 # Workspaces outgrown by a larger call: a graph captured before still writes into them.
 _retired_workspaces: list = []
+# (device, stream) whose workspace's arrival counters were zeroed only inside a stream capture
+# (a graph node): the next call outside a capture zeroes them on the stream first.
+_unzeroed_arrivals: set = set()
+
+# A split launch's workspace: SPLIT_ARRIVAL_SLOTS uint32 arrival counters (DecodeParams::
+# split_arrivals, one per CTA group, zero between launches: the last arrival resets its own),
+# then the partial outputs and lse. The head is the same for every call, so a stream's workspace
+# keeps zeroed counters whatever shape used it before; a launch of more CTA groups than slots
+# merges with combine_kernel instead.
+SPLIT_ARRIVAL_SLOTS = 4096
+SPLIT_ARRIVAL_BYTES = 4 * SPLIT_ARRIVAL_SLOTS
+# Whether split launches merge in their last CTA (True) or by combine_kernel (tests compare the
+# two). Plans keep the launches they were made with: clear them (_calls.clear()) after a change.
+FUSE_SPLIT_COMBINE = True
 
 
 def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
-    """A grow-only float32 buffer per (device, stream) for split partials; returns its address.
+    """A grow-only buffer per (device, stream) for split launches (SPLIT_ARRIVAL_BYTES of arrival
+    counters, then partials); returns its address.
 
     Reusing it keeps allocations off the decode path, so a step captured in a CUDA graph keeps
     pointing at live memory when it is replayed. It is held for the process's life (one per
     stream that ever decoded with splits), so it never goes back to a pool; one that a larger
     call outgrows is kept too (a graph captured before still points at it), and the new one is
-    at least twice its size, so what is kept stays under the largest buffer's size.
+    at least twice its size, so what is kept stays under the largest buffer's size. A new
+    buffer's counters are zeroed on the stream, ahead of the launch that follows; allocated
+    under a stream capture, that memset is a node of the graph, and the stream's next call
+    outside a capture zeroes them again before its own launch.
     """
     import cupy
 
@@ -500,8 +519,13 @@ def workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
             _retired_workspaces.append(buf)
             nbytes = max(nbytes, 2 * buf.nbytes)
         with cupy.cuda.Device(device_id):
-            buf = cupy.empty(max(nbytes, 1) // 4 + 1, cupy.float32)
+            buf = cupy.empty(max(nbytes, SPLIT_ARRIVAL_BYTES) // 4 + 1, cupy.float32)
         _workspaces[key] = buf
+        _unzeroed_arrivals.add(key)
+    if key in _unzeroed_arrivals:
+        cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, SPLIT_ARRIVAL_BYTES, stream_ptr)
+        if not cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+            _unzeroed_arrivals.discard(key)
     return buf.data.ptr
 
 
@@ -517,8 +541,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
                   stream, split_length: int | None = None, step=None, sinks=None, alibi=(None, 0), e4m3: bool = False,
                   k_scale: _arrays.KvScale = _arrays.NO_SCALE,
                   v_scale: _arrays.KvScale = _arrays.NO_SCALE) -> tuple[list, int]:
-    """Launch (paged_)decode_kernel and, with several splits, combine_kernel into ``out`` [B, Sq_new, Hq, Dv]
-    and ``lse`` [B, Hq, Sq_new] (or None); q and k have head dim D, v (and so out) Dv.
+    """Launch (paged_)decode_kernel into ``out`` [B, Sq_new, Hq, Dv] and ``lse`` [B, Hq, Sq_new] (or
+    None); q and k have head dim D, v (and so out) Dv. With several splits the kernel's last CTA
+    of each group merges them (SPLIT_ARRIVAL_SLOTS), or combine_kernel does where that does not apply.
 
     ``paged`` is None for a contiguous cache, else ``(block_table, block_size, num_blocks)``; ``max_seqlen``
     is the capacity the kernel clamps lengths to (S_max, or max_blocks * block_size);
@@ -543,8 +568,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     row_chunks = math.ceil(rows / (16 * mt))
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
     ctas = batch * num_kv_heads * row_chunks
-    if (has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
-            and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count()):
+    wide = (has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
+            and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count())
+    if wide:
         # more CTAs than one wave of the default variant: the wide one's wider wave ends the tail
         spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
     if num_splits is None:
@@ -561,13 +587,17 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     part_elems = num_splits * batch * sq_new * num_heads * head_dim_v
     lse_elems = num_splits * batch * num_heads * sq_new
     stream = _jit.stream_ptr(stream)
-    workspace = (part_elems + lse_elems) * 4 if num_splits > 1 else 0
-    part_out = part_lse = None
+    workspace = SPLIT_ARRIVAL_BYTES + (part_elems + lse_elems) * 4 if num_splits > 1 else 0
+    arrivals = part_out = part_lse = None
+    # (the wide variants have no fused combine: it spills under their register cap)
+    fused = FUSE_SPLIT_COMBINE and not wide and ctas <= SPLIT_ARRIVAL_SLOTS
     if workspace:
-        # partials live in the stream's workspace (or the step plan's own): [splits, B, Sq_new, Hq, Dv]
-        # then [splits, B, Hq, Sq_new]
-        part_out = step.workspace(workspace) if step is not None else workspace_address(workspace, stream,
-                                                                                      _jit.current_device())
+        # the stream's workspace (or the step plan's own, zeroed): arrival counters [B, Hk * row
+        # chunks], then partials [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new]
+        base = step.workspace(workspace) if step is not None else workspace_address(workspace, stream,
+                                                                                  _jit.current_device())
+        arrivals = base if fused else None
+        part_out = base + SPLIT_ARRIVAL_BYTES
         part_lse = part_out + part_elems * 4
     qs, ks, vs, os_ = (_arrays.element_strides(x) for x in (q, k, v, out))
     lse_strides = (lse.strides[0] // 4, lse.strides[1] // 4) if lse is not None else (0, 0)
@@ -578,7 +608,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     mul, shift = fast_divisor(max(block_size, 1))
     params = _params.pack(
         "DecodeParams", q=q, k=k, v=v, lens=lens, block_table=table, out=out, lse=lse, part_out=part_out,
-        part_lse=part_lse, sinks=sinks, alibi_slopes=alibi[0], alibi_sb=alibi[1], k_scale=k_scale.array, v_scale=v_scale.array, k_descale=k_scale.factor,
+        part_lse=part_lse, split_arrivals=arrivals, sinks=sinks, alibi_slopes=alibi[0], alibi_sb=alibi[1], k_scale=k_scale.array, v_scale=v_scale.array, k_descale=k_scale.factor,
         v_descale=v_scale.factor, k_scale_stride=k_scale.stride, v_scale_stride=v_scale.stride, q_sb=qs[0], q_ss=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2],
         v_sb=vs[0], v_ss=vs[1], v_sh=vs[2], o_sb=os_[0], o_ss=os_[1], o_sh=os_[2],
         lse_sb=lse_strides[0], lse_sh=lse_strides[1], table_stride=table_stride, block_size=block_size,
@@ -592,12 +622,16 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         launch.run(stream)
     else:
         step.add(launch)
-    parts_role, parts_lse_role = "workspace+0", f"workspace+{part_elems * 4}"
-    bound = [_calls.Bound(launch, {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table",
-                                   "out": "out", "lse": "lse", "part_out": parts_role, "part_lse": parts_lse_role,
-                                   "sinks": "sinks", "alibi_slopes": "alibi_slopes", "k_scale": "k_scale",
-                                   "v_scale": "v_scale"})]
-    if num_splits > 1:
+    parts_role = f"workspace+{SPLIT_ARRIVAL_BYTES}"
+    parts_lse_role = f"workspace+{SPLIT_ARRIVAL_BYTES + part_elems * 4}"
+    fields = {"q": "q", "k": "k", "v": "v", "lens": "lens", "block_table": "table", "out": "out", "lse": "lse",
+              "sinks": "sinks", "alibi_slopes": "alibi_slopes", "k_scale": "k_scale", "v_scale": "v_scale"}
+    if workspace:
+        fields.update(part_out=parts_role, part_lse=parts_lse_role)
+        if fused:
+            fields["split_arrivals"] = "workspace+0"
+    bound = [_calls.Bound(launch, fields)]
+    if num_splits > 1 and not fused:
         # the partials are outputs: Dv wide
         dims = (num_splits, batch, sq_new, num_heads, head_dim_v)
         token_elems = num_heads * head_dim_v  # one new token's partial outputs

@@ -6,9 +6,11 @@
 //                   16 keys each of every 64-key block streamed through a multi-stage cp.async
 //                   ring, then merge their softmax states through shared memory. With one split
 //                   the CTA writes the final output; with several, a float32 partial output and
-//                   lse per split.
-//   combine_kernel  merges per-split (or any) partial states exactly: merge_states and the
-//                   split-KV combine.
+//                   lse per split, and (given split_arrivals) the last of a group's split CTAs to
+//                   finish merges them into the output: the split-KV combine without a launch of
+//                   its own, whose start and drain cost a step 2.5-3.6 us on the H200.
+//   combine_kernel  merges per-split (or any) partial states exactly: merge_states, and the
+//                   split-KV combine where decode_kernel does not fuse it.
 //
 // Layouts (element strides in DecodeParams and CombineParams, params.cuh; last axis contiguous):
 //   q              [B, Sq_new, Hq, D]         out  [B, Sq_new, Hq, Dv]  lse [B, Hq, Sq_new] fp32
@@ -43,6 +45,12 @@ constexpr int kKeysPerWarp = 16;                                 // one k16 slic
 constexpr int kDecodeBlockN = kDecodeWarps * kKeysPerWarp;      // keys per pipeline stage
 // Q fragments stay in registers when they take at most this many (one m16 tile at D <= 128).
 constexpr int kMaxQFragmentRegisters = 32;
+// Partial-output columns the fused combine merges per thread (one 16-byte load per split).
+constexpr int kCombineVec = 4;
+static_assert(kCombineVec == 4, "the fused combine reads its columns as one float4");
+// Parts read per unrolled step (combine_kernel, the fused combine); combine_kernel's weights take
+// shared memory rounded up to whole steps.
+constexpr int kCombineUnroll = 8;
 
 // How the 128 threads copy one stage: each keeps one 16-byte column of a run of kRun consecutive
 // rows (so a paged cache is looked up once per run, not once per row). The runs tile the 64-row
@@ -257,6 +265,61 @@ __device__ __forceinline__ int output_column(int dt, int tq, int c) {
   constexpr int kTilesPerGroup = 4;
   const int j = dt / kTilesPerGroup, u = dt % kTilesPerGroup;
   return 32 * j + 16 * (u / 2) + 2 * (2 * tq + c) + u % 2;
+}
+
+// The split-KV combine of one CTA's rows of packed queries, run by the last of a group's split CTAs
+// to finish (finish_split): rows [row_base, row_base + rows_here) of the group's tile, row r being
+// token r / group of head r % group (pointers at the group's first head).
+//   parts  at (split 0, b, 0, h0) of [splits, B, Sq_new, Hq, Dv]   part_lse at (split 0, b, h0, 0) of [splits, B, Hq, Sq_new]
+//   out    at (b, 0, h0) of [B, Sq_new, Hq, Dv]                      lse at (b, h0, 0) of [B, Hq, Sq_new], or null
+// Each thread merges kCombineVec columns of one row on its own, an online softmax over the
+// splits (each normalised split a state with m = its lse in log2 units and l = 1), reading
+// kCombineUnroll splits' lse and columns at once: one round trip to L2 for up to that many
+// splits, and no barrier. A split with lse = -inf saw no key and weighs 0, whatever it holds.
+template <typename T>
+__device__ __forceinline__ void combine_splits(int rows_here, int row_base, int group, int num_splits, int head_dim_v,
+                                               const float* sinks, const float* parts, i64 part_row_stride,
+                                               i64 part_head_stride, i64 part_split_stride, const float* part_lse,
+                                               i64 part_lse_head_stride, i64 part_lse_split_stride, T* out,
+                                               i64 o_row_stride, i64 o_head_stride, float* lse, i64 lse_head_stride) {
+  const int vecs_per_row = head_dim_v / kCombineVec;
+  for (int idx = threadIdx.x; idx < rows_here * vecs_per_row; idx += kDecodeThreads) {
+    const int row = idx / vecs_per_row, d = idx % vecs_per_row * kCombineVec;
+    const int r = row_base + row, token = r / group, head = r % group;
+    const float* lse_row = part_lse + head * part_lse_head_stride + token;
+    const float* src = parts + token * part_row_stride + head * part_head_stride + d;
+    SoftmaxState merged;
+    merged.init();
+    float acc[kCombineVec] = {};
+    for (int p0 = 0; p0 < num_splits; p0 += kCombineUnroll) {
+      float part_lse_at[kCombineUnroll];
+      float4 x[kCombineUnroll];
+#pragma unroll
+      for (int i = 0; i < kCombineUnroll; ++i) {
+        // read through L2: other SMs wrote them
+        const int p = min(p0 + i, num_splits - 1);
+        part_lse_at[i] = p0 + i < num_splits ? __ldcg(lse_row + p * part_lse_split_stride) : -infinity();
+        x[i] = __ldcg(reinterpret_cast<const float4*>(src + p * part_split_stride));
+      }
+#pragma unroll
+      for (int i = 0; i < kCombineUnroll; ++i) {
+        if (part_lse_at[i] == -infinity()) continue;
+        float scale_self, scale_part;
+        merged.merge(SoftmaxState{part_lse_at[i] * kLog2e, 1.f}, scale_self, scale_part);
+        acc[0] = acc[0] * scale_self + x[i].x * scale_part;
+        acc[1] = acc[1] * scale_self + x[i].y * scale_part;
+        acc[2] = acc[2] * scale_self + x[i].z * scale_part;
+        acc[3] = acc[3] * scale_self + x[i].w * scale_part;
+      }
+    }
+    // an attention sink joins the denominator once per row (it carries no value)
+    const float sink_factor = sinks != nullptr ? merged.add_sink(sinks[head] * kLog2e) : 1.f;
+    const float scale = merged.inv_sum() * sink_factor;
+    T* dst = out + token * o_row_stride + head * o_head_stride + d;
+#pragma unroll
+    for (int c = 0; c < kCombineVec; ++c) dst[c] = DType<T>::from_float(acc[c] * scale);
+    if (lse != nullptr && d == 0) lse[head * lse_head_stride + token] = merged.lse();
+  }
 }
 
 // ALIBI: add ALiBi's bias (a.alibi_slopes is set); a template flag so that the kernels without it
@@ -550,6 +613,42 @@ __device__ __forceinline__ float kv_descale(float host, const float* device, int
   return device != nullptr ? host * device[hk * stride] : host;
 }
 
+// The fused split-KV combine, after decode_body wrote this CTA's partials. Every thread's
+// partials are made visible GPU-wide (fence), the CTA meets, then it arrives once on its group's
+// counter (grid y and z: kv head and row chunk, sequence); the arrival that completes the count
+// (atomicInc wraps the counter back to 0, ready for the next launch) elects the CTA that merges
+// every split's partials of its rows. Everything is read from the parameter struct here, so the
+// main loop keeps no register for it.
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
+__device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
+  if (p.num_splits == 1 || p.split_arrivals == nullptr) return;
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  u32* is_last = reinterpret_cast<u32*>(smem_raw + Smem::kQ);  // the merge buffers are free again
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 last_arrival = static_cast<u32>(p.num_splits - 1);
+    *is_last = atomicInc(p.split_arrivals + blockIdx.z * gridDim.y + blockIdx.y, last_arrival) == last_arrival;
+  }
+  __syncthreads();
+  if (*is_last == 0) return;
+  __threadfence();
+  const int b = blockIdx.z;
+  const int hk = blockIdx.y / p.row_chunks, chunk = blockIdx.y % p.row_chunks;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int h0 = hk * group;
+  const int row_base = chunk * Smem::kRows;
+  const i64 sq_heads = static_cast<i64>(p.sq_new) * p.num_heads;  // one sequence's rows of partials
+  combine_splits<T>(min(Smem::kRows, group * p.sq_new - row_base), row_base, group, p.num_splits, p.head_dim_v,
+                    p.sinks != nullptr ? p.sinks + h0 : nullptr,
+                    p.part_out + (b * sq_heads + h0) * p.head_dim_v, static_cast<i64>(p.num_heads) * p.head_dim_v,
+                    p.head_dim_v, p.batch * sq_heads * p.head_dim_v,
+                    p.part_lse + (b * sq_heads + static_cast<i64>(h0) * p.sq_new), p.sq_new, p.batch * sq_heads,
+                    p.out + b * p.o_sb + h0 * p.o_sh, p.o_ss, p.o_sh,
+                    p.lse != nullptr ? p.lse + b * p.lse_sb + h0 * p.lse_sh : nullptr, p.lse_sh);
+}
+
 // grid: x = split, y = kv head * row chunks + chunk, z = sequence. MIN_CTAS: the CTAs an SM must
 // hold at once (launch bounds): 0, no bound (the compiler's own register count; a bound of 1 let
 // it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
@@ -592,6 +691,9 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
       p.head_dim_v,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
+  // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
+  // their splits with combine_kernel
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES>(p);
 }
 
 // The same over a paged cache; grid as decode_kernel.
@@ -637,6 +739,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
       p.head_dim_v,
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
+  // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
+  // their splits with combine_kernel
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES>(p);
 }
 
 // Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any
@@ -645,8 +750,6 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
 // shared memory (dynamic, [P] floats); then every thread owns a column d and sums the weighted
 // parts, several loads in flight. A part with lse = -inf weighs 0, whatever its output holds.
 constexpr int kCombineThreads = 128;
-// Parts summed per unrolled step; the weights' shared memory is rounded up to whole steps.
-constexpr int kCombineUnroll = 8;
 template <typename Tin, typename Tout>
 __global__ void __launch_bounds__(kCombineThreads)
 combine_kernel(const __grid_constant__ CombineParams<Tin, Tout> params) {

@@ -198,6 +198,9 @@ struct DecodeParams {
   float* lse;              // [B, Hq, Sq_new], or null
   float* part_out;         // [splits, B, Sq_new, Hq, Dv] (splits > 1)
   float* part_lse;         // [splits, B, Hq, Sq_new] (splits > 1)
+  // [B, Hk * row_chunks] arrivals per CTA group (splits > 1), zero between launches: the group's
+  // last CTA to finish merges the splits (decode.cu's fused combine). Null: combine_kernel merges.
+  u32* split_arrivals;
   const float* sinks;      // [Hq] attention-sink logits, or null (the combine adds them when splits > 1)
   float k_descale;         // a host descale (1 for 2-byte caches), times k_scale[hk] when that is given
   float v_descale;

@@ -1,8 +1,9 @@
 """FlashDecoding and merge_states on the GPU against the float64 reference (and torch SDPA).
 
 Fresh random inputs every run, ragged cache lengths (0 and 1 included), every split count
-path (one split writes the output directly; several go through the combine kernel), GQA
-packing ratios, strided caches, and a decode step captured in a CUDA graph and replayed.
+path (one split writes the output directly; several merge in the last split's CTA, or in the
+combine kernel where that is off), GQA packing ratios, strided caches, and a decode step
+captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -227,6 +228,116 @@ def test_a_graph_keeps_its_workspace_when_a_larger_call_outgrows_it(rng):
         stream.synchronize()
     ref = reference.decode(q.get(), k.get(), v.get(), lens.get())
     assert np.abs(out.get().astype(np.float64) - ref).max() < 3e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# the split combine fused into the decode kernel
+
+
+def _split_call(rng, kind, sq_new, sinks, num_splits):
+    """A split decode call of ``kind`` over fresh inputs (lengths 0, 1 and ragged: empty splits)."""
+    cupy = _cupy()
+    b, hq, hk, d, s_max, block = 4, 8, 2, 64, 640, 16
+    lens = np.array([640, 1, 0, 517], np.int32)
+    q = cupy.asarray(randn(rng, (b, sq_new, hq, d), BF16))
+    k, v = (cupy.asarray(randn(rng, (b, s_max, hk, d), BF16)) for _ in range(2))
+    options = dict(num_splits=num_splits, return_lse=True)
+    if sinks:
+        options["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+    if kind == "e4m3":
+        ks, vs = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
+        k8, v8 = cuattn.quantize_fp8(k, ks), cuattn.quantize_fp8(v, vs)
+        return lambda: cuattn.decode(q, k8, v8, cupy.asarray(lens), k_scale=ks, v_scale=vs, **options)
+    if kind == "paged":
+        pages = b * s_max // block
+        order = cupy.asarray(rng.permutation(pages).astype(np.int32))
+        k_pages, v_pages = (cupy.empty((pages, block, hk, d), BF16) for _ in range(2))
+        k_pages[order] = k.reshape(pages, block, hk, d)
+        v_pages[order] = v.reshape(pages, block, hk, d)
+        return lambda: cuattn.paged_attention(q, (k_pages, v_pages), order.reshape(b, -1), cupy.asarray(lens), **options)
+    return lambda: cuattn.decode(q, k, v, cupy.asarray(lens), **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 7, 128])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("sq_new", [1, 5])
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "e4m3"])
+def test_fused_split_combine_equals_the_combine_kernel(rng, monkeypatch, kind, sq_new, sinks, num_splits):
+    """The last split's CTA merges as combine_kernel does (an online softmax over the splits
+    instead of weights computed first: equal up to float32 rounding), empty splits and sinks
+    included."""
+    from cuattn import _calls
+
+    decode_module = importlib.import_module("cuattn.decode")
+    call = _split_call(rng, kind, sq_new, sinks, num_splits)
+    _calls.clear()
+    fused_out, fused_lse = (x.get() for x in call())
+    monkeypatch.setattr(decode_module, "FUSE_SPLIT_COMBINE", False)
+    _calls.clear()
+    out, lse = (x.get() for x in call())
+    _calls.clear()
+    assert np.isfinite(fused_out.astype(np.float32)).all(), f"seed {rng.seed}"
+    # one rounding of the 16-bit output apart at most
+    np.testing.assert_allclose(fused_out.astype(np.float32), out.astype(np.float32), rtol=2.0**-7, atol=1e-6,
+                               err_msg=f"seed {rng.seed}")
+    np.testing.assert_allclose(fused_lse, lse, rtol=1e-6, atol=1e-6, err_msg=f"seed {rng.seed}")
+
+
+def _arrival_counters(stream):
+    cupy = _cupy()
+    decode_module = importlib.import_module("cuattn.decode")
+    buf = decode_module._workspaces[(cupy.cuda.runtime.getDevice(), stream.ptr)]
+    return buf[:decode_module.SPLIT_ARRIVAL_SLOTS].view(cupy.uint32)
+
+
+@pytest.mark.gpu
+def test_split_launches_leave_their_arrival_counters_at_zero(rng):
+    """Each fused launch's last arrival resets its group's counter, whatever the split count
+    (the counter wraps at num_splits - 1) and the shape, so the next call on the stream starts
+    from zero; the results stay exact meanwhile."""
+    cupy = _cupy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for b, hq, hk, s_max, splits in [(3, 8, 2, 900, 3), (1, 32, 8, 4096, 128), (5, 4, 4, 300, 2), (3, 8, 2, 900, 5)]:
+            lens = rng.integers(0, s_max + 1, b).astype(np.int32)
+            q = randn(rng, (b, 1, hq, 64), BF16)
+            k, v = make_cache(rng, BF16, b, s_max, hk, 64, lens)
+            out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
+                                     num_splits=splits, return_lse=True)
+            check_decode(rng, BF16, q, k, v, lens, out.get(), lse.get())
+            assert not _arrival_counters(stream).any(), f"counters left set after {splits} splits"
+
+
+@pytest.mark.gpu
+def test_a_workspace_first_allocated_under_capture_zeroes_its_counters_in_the_graph_and_again_outside(rng):
+    """A stream whose first split call is captured gets its workspace inside the capture: the
+    counters' memset is a node of the graph (ahead of the decode), and the stream's next call
+    outside a capture zeroes them again before its launch. Garbage written over the counters
+    before each run stands in for the allocation's unzeroed memory."""
+    cupy = _cupy()
+    b, s_max, hq, hk, d = 2, 2048, 16, 4, 128
+    q = cupy.asarray(randn(rng, (b, 1, hq, d), BF16))
+    k, v = (cupy.asarray(randn(rng, (b, s_max, hk, d), BF16)) for _ in range(2))
+    lens = cupy.asarray(np.array([2000, 700], np.int32))
+    cuattn.decode(q, k, v, lens, num_splits=6)  # compile and load on another stream
+    cupy.cuda.Device().synchronize()
+    ref = reference.decode(q.get(), k.get(), v.get(), lens.get())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        out = cuattn.decode(q, k, v, lens, num_splits=6)
+        graph = stream.end_capture()
+        for run in ("graph", "eager"):
+            _arrival_counters(stream)[...] = 3  # not zero, and below the wrap: a launch would miscount
+            if run == "graph":
+                graph.launch(stream)
+                got = out
+            else:
+                got = cuattn.decode(q, k, v, lens, num_splits=6)
+            stream.synchronize()
+            assert np.abs(got.get().astype(np.float64) - ref).max() < 3e-2, run
+            assert not _arrival_counters(stream).any(), run
 
 
 # ---------------------------------------------------------------------------------------------
