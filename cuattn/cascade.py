@@ -476,6 +476,10 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
             split_length=min(int(max_seq_len or capacity), capacity), step=deferred, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs)
         scratch.add("partials", (deferred.nbytes,), np.uint8)
+        # the split arrivals (the workspace's head) in a zeroed output of their own: the scratch is
+        # not zeroed, and each launch leaves its counters at zero again
+        suffix = [_calls.Bound(b.launch, {field: "arrivals" if field == "split_arrivals" else role
+                                          for field, role in b.fields.items()}) for b in suffix]
         bound += _rebind(suffix, {"out": scratch.role("states", state_bytes),
                                   "lse": scratch.role("states_lse", lse_bytes), "alibi_slopes": None},
                          scratch.regions["partials"][0])
@@ -487,7 +491,8 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
                                           "out": "out", **({"lse_out": "lse"} if return_lse else {})}))
 
     outputs = {"out": (state_shape, False), **({"lse": (state_lse_shape, True)} if return_lse else {}),
-               "scratch": ((scratch.nbytes // 4,), True)}
+               "scratch": ((scratch.nbytes // 4,), True),
+               "arrivals": ((_decode.SPLIT_ARRIVAL_SLOTS,), True, True)}
 
     def finish(results, arrays):
         return (results["out"], results["lse"]) if return_lse else results["out"]

@@ -5,6 +5,8 @@ CPU (float64) and on the GPU (the 2x rule), with options, an e4m3 suffix cache, 
 
 from __future__ import annotations
 
+import importlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -290,6 +292,9 @@ def test_cascade_second_call_takes_the_plan(rng, monkeypatch, framework, sq_new,
             assert suffix.spec.name.startswith("cuattn::paged_decode_kernel")
             if lens[0] == 3000:
                 assert suffix.grid[0] > 1, "the long suffix splits its keys"
+            # its arrival counters come from a zeroed output (the scratch is not zeroed)
+            decode_module = importlib.import_module("cuattn.decode")
+            assert ("arrivals", (decode_module.SPLIT_ARRIVAL_SLOTS,), True, True) in plan.outputs
 
             def refuse(**named):
                 raise AssertionError("a planned call took the full path")
