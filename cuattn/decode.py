@@ -88,6 +88,15 @@ DECODE_TILES = {
 # is faster (B = 8, L = 8k 44.9 against 49.4 us), BENCHMARKS.md ("Tenth session").
 E4M3_WIDE_DECODE_TILES = {128: DecodeTile(max_mt=1, stages=2)}
 E4M3_WIDE_MIN_CTAS = 4
+# The paged e4m3 cache's variants for the same case: its kernel spills under the 128-register cap,
+# so instead of more CTAs an SM it takes fewer, a fourth ring stage leaving two CTAs an SM where
+# the default has three: 512 CTAs (B = 64, GQA 32/8) then run as two full waves instead of one
+# and a third. Picked only while they need at most E4M3_WIDE_PAGED_MAX_WAVES waves: on the H200
+# (GQA 32/8, D = 128, L = 2k) 400 and 512 CTAs 80.2 -> 77.3 and 97.6 -> 81.1 us, but 640, 800 and
+# 1024 CTAs 14%, 11% and 1% slower (three CTAs an SM stream faster once both need several
+# waves); BENCHMARKS.md, "Fifteenth session".
+E4M3_WIDE_PAGED_DECODE_TILES = {128: DecodeTile(max_mt=1, stages=4)}
+E4M3_WIDE_PAGED_MAX_WAVES = 2
 # The target they are built and picked for: on sm_80 the 128-register cap spills 8 bytes.
 E4M3_WIDE_DECODE_ARCH = "sm_90a"
 # every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache), for q and k (D)
@@ -114,10 +123,27 @@ ALIBI_DECODE_MT = 1
 
 
 def has_wide_variant(head_dim: int, mt: int, paged: bool, e4m3: bool, alibi: bool) -> bool:
-    """Whether a decode of this tile head dim, m16 tiles, cache kind and bias has a wide variant
-    (E4M3_WIDE_DECODE_TILES: contiguous e4m3 caches without ALiBi)."""
-    tile = E4M3_WIDE_DECODE_TILES.get(head_dim)
-    return e4m3 and not alibi and not paged and tile is not None and mt <= tile.max_mt
+    """Whether a decode of this tile head dim, m16 tiles, cache kind and bias has a wide variant,
+    the one for more CTAs than a wave of the default (E4M3_WIDE_DECODE_TILES for contiguous e4m3
+    caches, E4M3_WIDE_PAGED_DECODE_TILES for paged ones, without ALiBi)."""
+    tile = (E4M3_WIDE_PAGED_DECODE_TILES if paged else E4M3_WIDE_DECODE_TILES).get(head_dim)
+    return e4m3 and not alibi and tile is not None and mt <= tile.max_mt
+
+
+def use_wide_variant(ctas: int, default_per_sm: int, wide_per_sm, sms: int, paged: bool) -> bool:
+    """Whether a launch of ``ctas`` CTAs takes the wide variant over the default (of
+    ``default_per_sm`` CTAs an SM): where the default needs more than one wave, and over pages
+    where the wide one (``wide_per_sm()`` CTAs an SM, asked only then) needs at most
+    E4M3_WIDE_PAGED_MAX_WAVES."""
+    if ctas <= default_per_sm * sms:
+        return False
+    return not paged or ctas <= E4M3_WIDE_PAGED_MAX_WAVES * wide_per_sm() * sms
+
+
+def wide_min_ctas(paged: bool) -> int:
+    """The launch bound (CTAs an SM) of the wide variants: contiguous ones are capped for
+    E4M3_WIDE_MIN_CTAS, paged ones have none (0)."""
+    return 0 if paged else E4M3_WIDE_MIN_CTAS
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,13 +151,17 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
                 wide: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
-    variant of more CTAs an SM (E4M3_WIDE_DECODE_TILES)."""
+    variant for more CTAs than a wave of the default (has_wide_variant)."""
     if wide and not has_wide_variant(head_dim, mt, paged, e4m3, alibi):
-        raise ValueError(f"the wide decode variants take contiguous e4m3 caches without ALiBi at tile head dims "
-                         f"{sorted(E4M3_WIDE_DECODE_TILES)} and one m16 tile; got head_dim {head_dim}, mt {mt}, "
-                         f"paged {paged}, e4m3 {e4m3}, alibi {alibi}")
-    tile = E4M3_WIDE_DECODE_TILES[head_dim] if wide else DECODE_TILES[head_dim]
-    min_ctas = E4M3_WIDE_MIN_CTAS if wide else 0
+        raise ValueError(f"the wide decode variants take e4m3 caches without ALiBi at tile head dims "
+                         f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
+                         f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
+                         f"alibi {alibi}")
+    if wide:
+        tile = (E4M3_WIDE_PAGED_DECODE_TILES if paged else E4M3_WIDE_DECODE_TILES)[head_dim]
+    else:
+        tile = DECODE_TILES[head_dim]
+    min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
@@ -162,9 +192,10 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
-        for d, tile in E4M3_WIDE_DECODE_TILES.items() if arch == E4M3_WIDE_DECODE_ARCH else ():
-            for mt in range(1, tile.max_mt + 1):
-                specs.append(decode_spec(dtype, d, mt, paged=False, e4m3=True, wide=True))
+        for paged, tiles in ((False, E4M3_WIDE_DECODE_TILES), (True, E4M3_WIDE_PAGED_DECODE_TILES)):
+            for d, tile in tiles.items() if arch == E4M3_WIDE_DECODE_ARCH else ():
+                for mt in range(1, tile.max_mt + 1):
+                    specs.append(decode_spec(dtype, d, mt, paged=paged, e4m3=True, wide=True))
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]
     specs.append(combine_spec(np.float32, np.float32))
     return specs
@@ -568,11 +599,13 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     row_chunks = math.ceil(rows / (16 * mt))
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
     ctas = batch * num_kv_heads * row_chunks
-    wide = (has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
-            and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH and ctas > ctas_per_sm(spec) * _jit.multiprocessor_count())
-    if wide:
-        # more CTAs than one wave of the default variant: the wide one's wider wave ends the tail
-        spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
+    wide = False
+    if has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi) and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH:
+        # more CTAs than one wave of the default variant: the wide one's waves end the tail sooner
+        wide_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
+        wide = use_wide_variant(ctas, ctas_per_sm(spec), lambda: ctas_per_sm(wide_spec), _jit.multiprocessor_count(),
+                                paged is not None)
+        spec = wide_spec if wide else spec
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
                                        _jit.multiprocessor_count(),
@@ -589,8 +622,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     stream = _jit.stream_ptr(stream)
     workspace = SPLIT_ARRIVAL_BYTES + (part_elems + lse_elems) * 4 if num_splits > 1 else 0
     arrivals = part_out = part_lse = None
-    # (the wide variants have no fused combine: it spills under their register cap)
-    fused = FUSE_SPLIT_COMBINE and not wide and ctas <= SPLIT_ARRIVAL_SLOTS
+    # (the capped wide variants have no fused combine: it spills under their register cap)
+    fused = FUSE_SPLIT_COMBINE and not (wide and wide_min_ctas(paged is not None)) and ctas <= SPLIT_ARRIVAL_SLOTS
     if workspace:
         # the stream's workspace (or the step plan's own, zeroed): arrival counters [B, Hk * row
         # chunks], then partials [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new]

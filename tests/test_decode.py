@@ -522,11 +522,24 @@ def test_alibi_decode_variants_are_listed():
         for d in decode_module.TILE_HEAD_DIMS:
             for paged in (False, True):
                 assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed
-                if d in decode_module.E4M3_WIDE_DECODE_TILES and not paged:
-                    # built for sm_90a alone (they spill on sm_80)
+                wide_tiles = decode_module.E4M3_WIDE_PAGED_DECODE_TILES if paged else decode_module.E4M3_WIDE_DECODE_TILES
+                if d in wide_tiles:
+                    # built for sm_90a alone (the capped ones spill on sm_80)
                     wide = decode_module.decode_spec(dtype, d, 1, paged, True, wide=True).name
                     assert wide not in listed
                     assert wide in {spec.name for spec in decode_module.kernel_variants("sm_90a")}
+
+
+@pytest.mark.parametrize("ctas, paged, expected", [
+    (396, True, False), (400, True, True), (512, True, True), (528, True, True), (529, True, False),
+    (640, True, False), (1024, True, False), (400, False, True), (1024, False, True), (396, False, False)])
+def test_wide_variant_rule(ctas, paged, expected):
+    """The wide variant runs where the default (3 CTAs an SM on 132 SMs here) needs more than one
+    wave; over pages (2 CTAs an SM) only while it needs at most two waves itself (measured on the
+    H200: 400 and 512 CTAs faster, 640 and more slower)."""
+    decode_module = importlib.import_module("cuattn.decode")
+    wide_per_sm = 2 if paged else 4
+    assert decode_module.use_wide_variant(ctas, 3, lambda: wide_per_sm, 132, paged) == expected
 
 
 def test_wide_decode_variants_take_e4m3_caches_alone():
@@ -536,8 +549,14 @@ def test_wide_decode_variants_take_e4m3_caches_alone():
     spec = decode_module.decode_spec("bfloat16", 128, 1, False, True, wide=True)
     assert spec.name.endswith(f", {decode_module.E4M3_WIDE_MIN_CTAS}>")
     assert decode_module.decode_spec("bfloat16", 128, 1, False, True).name.endswith(", 0>")
+    # the paged one: no launch bound, a deeper ring than the default's
+    paged = decode_module.decode_spec("bfloat16", 128, 1, True, True, wide=True)
+    stages = decode_module.E4M3_WIDE_PAGED_DECODE_TILES[128].stages
+    assert stages > decode_module.DECODE_TILES[128].stages
+    assert paged.name.startswith("cuattn::paged_decode_kernel") and paged.name.endswith(f", 1, {stages}, false, 0>")
     for args in (dict(e4m3=False), dict(e4m3=True, alibi=True), dict(e4m3=True, mt=2), dict(e4m3=True, head_dim=64),
-                 dict(e4m3=True, paged=True)):
+                 dict(e4m3=True, paged=True, alibi=True), dict(e4m3=False, paged=True)):
         call = {"dtype": "bfloat16", "head_dim": 128, "mt": 1, "paged": False, **args}
-        with pytest.raises(ValueError, match="the wide decode variants take contiguous e4m3 caches without ALiBi"):
+        with pytest.raises(ValueError, match=r"the wide decode variants take e4m3 caches without ALiBi at tile head "
+                                             r"dims \[128\] \(contiguous\) and \[128\] \(paged\)"):
             decode_module.decode_spec(**call, wide=True)

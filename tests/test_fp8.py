@@ -284,30 +284,37 @@ def test_paged_attention_e4m3_pages(rng, head_dim, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged_block", [None, 16], ids=["contiguous", "paged"])
 def test_large_batches_over_e4m3_run_the_wide_variant(rng, monkeypatch, paged_block):
-    """More (sequence, kv head) CTAs than one wave of the default e4m3 variant run the wide one
-    over a contiguous cache (E4M3_WIDE_DECODE_TILES: four CTAs an SM), the default one over pages;
-    both match the reference."""
+    """More (sequence, kv head) CTAs than one wave of the default e4m3 variant run the wide one:
+    over a contiguous cache E4M3_WIDE_DECODE_TILES' (four CTAs an SM), over pages
+    E4M3_WIDE_PAGED_DECODE_TILES' (a deeper ring, two CTAs an SM); both match the reference."""
     import importlib
 
+    from cuattn import _calls
+
     decode_module = importlib.import_module("cuattn.decode")
-    picked = []
-    spec_of = decode_module.decode_spec
+    launched = []
+    prepare = _jit.prepare
 
-    def recording(*args, **kwargs):
-        spec = spec_of(*args, **kwargs)
-        picked.append(kwargs.get("wide", False))
-        return spec
+    def recording(spec, *args, **kwargs):
+        launched.append(spec.name)
+        return prepare(spec, *args, **kwargs)
 
-    monkeypatch.setattr(decode_module, "decode_spec", recording)
+    monkeypatch.setattr(_jit, "prepare", recording)
+    _calls.clear()  # a plan of an earlier test would launch without preparing
     batch, hq, hk, s_max = 56, 32, 8, 320
-    default = spec_of(BF16, 128, 1, paged_block is not None, True)
-    one_wave = decode_module.ctas_per_sm(default) * _cupy().cuda.Device().attributes["MultiProcessorCount"]
+    paged = paged_block is not None
+    default = decode_module.decode_spec(BF16, 128, 1, paged, True)
+    wide = decode_module.decode_spec(BF16, 128, 1, paged, True, wide=True)
+    sms = _cupy().cuda.Device().attributes["MultiProcessorCount"]
+    one_wave = decode_module.ctas_per_sm(default) * sms
     lens = rng.integers(1, s_max + 1, batch)
     lens[0] = s_max
     run_fp8_decode(rng, BF16, batch, 1, hq, hk, 128, s_max, list(lens), True, paged_block=paged_block,
                    num_splits=None)
     on_sm90 = _jit.target_arch() == decode_module.E4M3_WIDE_DECODE_ARCH
-    assert picked[-1] == (paged_block is None and on_sm90 and batch * hk > one_wave)
+    expected = on_sm90 and decode_module.use_wide_variant(batch * hk, decode_module.ctas_per_sm(default),
+                                                          lambda: decode_module.ctas_per_sm(wide), sms, paged)
+    assert (wide if expected else default).name in launched, launched
     assert batch * hk > one_wave or one_wave >= 448, "the case should need more than one wave on this GPU"
 
 
