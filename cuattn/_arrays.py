@@ -457,15 +457,18 @@ NO_SCALE = KvScale()
 
 def scalar_scale(name: str, scale, shapes: str) -> float | None:
     """A descale given as a number (an e4m3 cache's k_scale / v_scale, the FP8 forward's q, k and
-    v scales): its value, checked positive and finite; None when ``scale`` is an array. ``shapes``
-    lists the array shapes the caller takes, for the error on anything else."""
+    v scales): its value rounded to float32, the type the kernels take it in, so that the CPU path
+    computes with the same number; checked positive and finite there. None when ``scale`` is an
+    array. ``shapes`` lists the array shapes the caller takes, for the error on anything else."""
     if is_array(scale):
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
-    value = float(scale)
+    with np.errstate(over="ignore", under="ignore"):
+        value = float(np.float32(scale))
     if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite float, got {scale!r}")
+        raise ValueError(f"{name} must be a positive float, finite and nonzero in float32 (the kernels' type), "
+                         f"got {scale!r}")
     return value
 
 

@@ -6,11 +6,12 @@ dequantised cache, and the quantising writes bit for bit against NumPy.
 
 from __future__ import annotations
 
+import re
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
-
-import sys
 
 import cuattn
 import cuattn.fp8
@@ -142,8 +143,10 @@ def test_fp8_argument_errors():
     with pytest.raises(ValueError, match=r"k_scale.shape must be \(\), \(1,\) or \(Hk,\) = \(2,\) \(per tensor or "
                                          r"per kv head\), got \(4,\)"):
         cuattn.decode(q, k8, k8, lens, k_scale=np.ones(4, np.float32))
-    with pytest.raises(ValueError, match=r"v_scale must be a positive finite float, got -1.0"):
-        cuattn.decode(q, k8, k8, lens, v_scale=-1.0)
+    for bad in (-1.0, 1e-50, 1e39):  # negative; zero and infinite in float32
+        with pytest.raises(ValueError, match=rf"v_scale must be a positive float, finite and nonzero in float32 "
+                                             rf"\(the kernels' type\), got {re.escape(repr(bad))}"):
+            cuattn.decode(q, k8, k8, lens, v_scale=bad)
     with pytest.raises(TypeError, match=r"k_scale must be a float or a float32 array"):
         cuattn.decode(q, k8, k8, lens, k_scale="1")
     with pytest.raises(ValueError, match=r"k_scale applies to float8_e4m3fn caches only; this cache holds float16"):
@@ -270,6 +273,19 @@ def test_decode_e4m3_cache(rng, dtype, head_dim, num_splits, per_head):
 def test_decode_e4m3_gqa_speculative_and_options(rng, sq_new, gqa):
     run_fp8_decode(rng, BF16, 2, sq_new, gqa[0], gqa[1], 128, 1029, [1029, 17], True, softcap=30.0,
                    window=(300, 0))
+
+
+def test_a_float_descale_is_the_float32_the_kernels_take_on_the_cpu_too(rng):
+    """A descale given as a Python float reaches the kernels as float32; the CPU path rounds it the
+    same way, so both compute with one number: 0.1 gives what float32(0.1) gives, bit for bit."""
+    q = randn(rng, (1, 1, 4, 32), BF16)
+    k8 = cuattn.quantize_fp8(randn(rng, (1, 8, 2, 32)), 0.01)
+    lens = np.array([8], np.int32)
+    rounded = float(np.float32(0.1))
+    assert rounded != 0.1
+    assert _arrays.scalar_scale("k_scale", 0.1, "()") == rounded
+    out = cuattn.decode(q, k8, k8, lens, k_scale=0.1, v_scale=0.1)
+    np.testing.assert_array_equal(out, cuattn.decode(q, k8, k8, lens, k_scale=rounded, v_scale=rounded))
 
 
 @pytest.mark.gpu
@@ -496,9 +512,9 @@ def test_fp8_attention_float_scales_and_uint8_storage(rng):
     q8, k8, v8 = (cuattn.quantize_fp8(x, 0.01) for x in (q, k, v))
     out = cuattn.attention(q8.view(np.uint8), k8, v8, q_scale=0.01, k_scale=np.float32(0.01), v_scale=0.01,
                            out_dtype=np.float16)
-    # k's descale is the float32 nearest 0.01, taken as it is
-    expected = reference.attention(*(x.astype(np.float64) * sc for x, sc in
-                                     ((q8, 0.01), (k8, float(np.float32(0.01))), (v8, 0.01))))
+    # every descale is the float32 nearest 0.01, given as a float or as an array (the kernels' type)
+    descale = float(np.float32(0.01))
+    expected = reference.attention(*(x.astype(np.float64) * descale for x in (q8, k8, v8)))
     np.testing.assert_array_equal(out, expected.astype(np.float16))
 
 
@@ -571,7 +587,7 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.attention(q8, k8, k8, **{**ok, "v_scale": np.ones((1, 2, 1), np.float32)})
     with pytest.raises(ValueError, match=r"k_scale.shape must be .* or \(B, H, ceil\(S / 128\)\) = \(1, 2, 1\), got \(3,\)"):
         cuattn.attention(q8, k8, k8, **{**ok, "k_scale": np.ones(3, np.float32)})
-    with pytest.raises(ValueError, match="q_scale must be a positive finite float, got -1.0"):
+    with pytest.raises(ValueError, match=r"q_scale must be a positive float, finite and nonzero in float32 \(the kernels' type\), got -1.0"):
         cuattn.attention(q8, k8, k8, **{**ok, "q_scale": -1.0})
     with pytest.raises(TypeError, match="out_dtype must be float16 or bfloat16 .*got 'float32'"):
         cuattn.attention(q8, k8, k8, **ok, out_dtype="float32")
