@@ -4,9 +4,9 @@
 kv head) would leave most of an H200 idle for a single long sequence, so the keys are split
 across CTAs (split-KV); each split writes a float32 partial output and lse, and the last CTA of
 a (sequence, kv head) to finish merges them exactly, counting arrivals in the workspace's head
-(``cuda_src/decode.cu``; a combine kernel of its own where the counters do not apply). The query heads that share a kv head are
-packed into one tile (GQA packing), so each cache byte is read once per step, not once per
-query head. Choosing the split count needs only shapes and the SM count, never the device's
+(``cuda_src/decode.cu``; a combine kernel of its own where the counters do not apply). The
+query heads that share a kv head are packed into one tile (GQA packing), so each cache byte is
+read once per step, not once per query head. Choosing the split count needs only shapes and the SM count, never the device's
 ``cache_seqlens``: a decode step has no device-to-host copy and can be captured in a CUDA graph.
 
 Layouts (any strides on the leading axes; the last axis is contiguous):
