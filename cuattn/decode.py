@@ -6,8 +6,9 @@ across CTAs (split-KV); each split writes a float32 partial output and lse, and 
 a (sequence, kv head) to finish merges them exactly, counting arrivals in the workspace's head
 (``cuda_src/decode.cu``; a combine kernel of its own where the counters do not apply). The
 query heads that share a kv head are packed into one tile (GQA packing), so each cache byte is
-read once per step, not once per query head. Choosing the split count needs only shapes and the SM count, never the device's
-``cache_seqlens``: a decode step has no device-to-host copy and can be captured in a CUDA graph.
+read once per step, not once per query head. Choosing the split count needs only shapes and the
+SM count, never the device's ``cache_seqlens``: a decode step has no device-to-host copy and can
+be captured in a CUDA graph.
 
 Layouts (any strides on the leading axes; the last axis is contiguous):
 
@@ -122,11 +123,16 @@ MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 ALIBI_DECODE_MT = 1
 
 
+def wide_tiles(paged: bool) -> dict:
+    """The wide variants' tiles by tile head dim: E4M3_WIDE_PAGED_DECODE_TILES over pages,
+    E4M3_WIDE_DECODE_TILES over a contiguous cache."""
+    return E4M3_WIDE_PAGED_DECODE_TILES if paged else E4M3_WIDE_DECODE_TILES
+
+
 def has_wide_variant(head_dim: int, mt: int, paged: bool, e4m3: bool, alibi: bool) -> bool:
     """Whether a decode of this tile head dim, m16 tiles, cache kind and bias has a wide variant,
-    the one for more CTAs than a wave of the default (E4M3_WIDE_DECODE_TILES for contiguous e4m3
-    caches, E4M3_WIDE_PAGED_DECODE_TILES for paged ones, without ALiBi)."""
-    tile = (E4M3_WIDE_PAGED_DECODE_TILES if paged else E4M3_WIDE_DECODE_TILES).get(head_dim)
+    the one for more CTAs than a wave of the default (wide_tiles: e4m3 caches without ALiBi)."""
+    tile = wide_tiles(paged).get(head_dim)
     return e4m3 and not alibi and tile is not None and mt <= tile.max_mt
 
 
@@ -157,10 +163,7 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
                          f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
                          f"alibi {alibi}")
-    if wide:
-        tile = (E4M3_WIDE_PAGED_DECODE_TILES if paged else E4M3_WIDE_DECODE_TILES)[head_dim]
-    else:
-        tile = DECODE_TILES[head_dim]
+    tile = wide_tiles(paged)[head_dim] if wide else DECODE_TILES[head_dim]
     min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
@@ -192,8 +195,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
-        for paged, tiles in ((False, E4M3_WIDE_DECODE_TILES), (True, E4M3_WIDE_PAGED_DECODE_TILES)):
-            for d, tile in tiles.items() if arch == E4M3_WIDE_DECODE_ARCH else ():
+        for paged in (False, True):
+            for d, tile in wide_tiles(paged).items() if arch == E4M3_WIDE_DECODE_ARCH else ():
                 for mt in range(1, tile.max_mt + 1):
                     specs.append(decode_spec(dtype, d, mt, paged=paged, e4m3=True, wide=True))
         specs += [combine_spec(np.float32, dtype), combine_spec(dtype, dtype)]

@@ -522,8 +522,7 @@ def test_alibi_decode_variants_are_listed():
         for d in decode_module.TILE_HEAD_DIMS:
             for paged in (False, True):
                 assert decode_module.decode_spec(dtype, d, decode_module.ALIBI_DECODE_MT, paged, True).name in listed
-                wide_tiles = decode_module.E4M3_WIDE_PAGED_DECODE_TILES if paged else decode_module.E4M3_WIDE_DECODE_TILES
-                if d in wide_tiles:
+                if d in decode_module.wide_tiles(paged):
                     # built for sm_90a alone (the capped ones spill on sm_80)
                     wide = decode_module.decode_spec(dtype, d, 1, paged, True, wide=True).name
                     assert wide not in listed
