@@ -215,14 +215,16 @@ FWD_SM90_PAGED_TILES = {
 # Tiles for long key ranges, (from how many keys, tile): three consumer warpgroups (192 query
 # rows a tile, FlashAttention-3's D = 64 shape) without either overlap: 160 registers a
 # consumer against the two-warpgroup tile's 240 (too few for a second block's P), but a third
-# softmax under the others' GEMMs. `scripts/tune_fwd.py --sm90 --head-dims 64,80,96` on the H200
-# (bf16, full / causal): D = 64 427 / 359 TFLOP/s at 4k keys and 460 / 437 at 16k against 393 /
-# 363 and 419 / 408; D = 80 and 96 +6% at 16k but 2-4% slower at 4k; every one of them 10-20%
-# slower at 1k (fewer, larger tiles).
+# softmax under the others' GEMMs, and the softmax that skips the row max on most blocks
+# (AttentionTile::softmax_to_fragments, which needs the GEMMs done). On the H200 (bf16, full /
+# causal, BENCHMARKS.md "Sixteenth session"): D = 64 465 / 389 TFLOP/s at 4k keys and 491 / 468
+# at 16k; D = 80 439 / 388 and D = 96 530 / 446 at 4k against the two-warpgroup tile's 418 / 370
+# and 505 / 438; at 1k the two-warpgroup tiles stay ahead (causal by 11-16%). D = 80 takes
+# 112-key blocks and three stages: at 128 keys (3-7% faster) its consumers spill.
 FWD_SM90_LONG_TILES = {
     (64, 64): (4096, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
-    (80, 80): (16384, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
-    (96, 96): (16384, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (80, 80): (4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
+    (96, 96): (4096, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
 }
 
 
@@ -262,9 +264,10 @@ def fwd_sm90_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None
 # row of V^T per D row). D = 128 runs three consumer warpgroups (192 query rows a tile) without
 # either overlap: at 160 registers a consumer the overlap spills, and without it the third
 # warpgroup's softmax runs under the others' GEMMs (`scripts/bench_fp8_fwd.py --tune`, H200:
-# 847 / 757 TFLOP/s at N = 8192 full / causal against 786 / 718 for the 16-bit kernels' tile).
-# D = 256 takes no intra-warpgroup overlap: beside the 128 accumulator registers of O, a second
-# 128-key block's P spills (36 bytes without ping-pong).
+# 847 / 757 TFLOP/s at N = 8192 full / causal against 786 / 718 for the 16-bit kernels' tile;
+# since the softmax skips the row max on most blocks, 963 / 852). D = 256 takes no
+# intra-warpgroup overlap: beside the 128 accumulator registers of O, a second 128-key block's P
+# spills (36 bytes without ping-pong).
 FWD_SM90_FP8_TILES = {
     128: FwdSm90Tile(128, 3, 3, overlap=False, pingpong=False),
     256: FwdSm90Tile(128, 2, 2, overlap=False),

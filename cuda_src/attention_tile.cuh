@@ -9,6 +9,7 @@
 //   softmax_update    move the row max (lazily), rescale the output, exp2 into probabilities
 //   to_fragments      probabilities as fp16/bf16 A fragments for O += P V
 //   to_e4m3_fragments probabilities as e4m3 A fragments of an 8-bit wgmma (the FP8 Hopper forward)
+//   softmax_to_fragments  the two steps at once, the row max found only when the sums ask for it
 // flash_fwd.cu (rows split over warps) and decode.cu (keys split over warps) call them
 // between their own GEMMs.
 #pragma once
@@ -260,16 +261,25 @@ struct AttentionTile {
   // scores are dead while V streams in.
   template <typename P = T>
   __device__ __forceinline__ void to_fragments(u32 (&p)[MT][NT / 2][4]) const {
+    fragments_of<P>(p, [&](int mt, int nt, int e) { return s[mt][nt][e]; });
+  }
+
+  // The same packing of value(mt, nt, e) in place of the score s[mt][nt][e]. value is called
+  // once per score, in the order the fragments take them.
+  template <typename P, class Value>
+  __device__ __forceinline__ static void fragments_of(u32 (&p)[MT][NT / 2][4], Value value) {
     using DTy = DType<P>;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < NT / 2; ++ks) {
-        p[mt][ks][0] = DTy::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        p[mt][ks][1] = DTy::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        p[mt][ks][2] = DTy::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        p[mt][ks][3] = DTy::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-      }
+      for (int ks = 0; ks < NT / 2; ++ks)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float x0 = value(mt, 2 * ks + j, 0), x1 = value(mt, 2 * ks + j, 1);
+          const float x2 = value(mt, 2 * ks + j, 2), x3 = value(mt, 2 * ks + j, 3);
+          p[mt][ks][2 * j] = DTy::pack(x0, x1);
+          p[mt][ks][2 * j + 1] = DTy::pack(x2, x3);
+        }
   }
 
   // The probabilities as e4m3 A fragments of a k32 wgmma (wgmma.cuh), one per 32 keys. The
@@ -286,16 +296,100 @@ struct AttentionTile {
   // (A template so that tiles of fewer than 32 keys, which never call it, still declare it.)
   template <int KSTEPS>
   __device__ __forceinline__ void to_e4m3_fragments(u32 (&p)[KSTEPS][4]) const {
+    e4m3_fragments_of(p, [&](int, int nt, int e) { return s[0][nt][e]; });
+  }
+
+  // The same packing of value(0, nt, e) in place of the score s[0][nt][e], called once per score.
+  template <int KSTEPS, class Value>
+  __device__ __forceinline__ static void e4m3_fragments_of(u32 (&p)[KSTEPS][4], Value value) {
     static_assert(MT == 1 && KSTEPS * 4 == NT, "one m16 tile per warp, k32 steps covering the block");
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float(&lo)[4] = s[0][4 * ks + 2 * half];
-        const float(&hi)[4] = s[0][4 * ks + 2 * half + 1];
-        p[ks][2 * half] = pack_e4m3x4(lo[0], lo[1], hi[0], hi[1]);      // row g
-        p[ks][2 * half + 1] = pack_e4m3x4(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
+        const int lo = 4 * ks + 2 * half, hi = lo + 1;
+        const float lo0 = value(0, lo, 0), lo1 = value(0, lo, 1), lo2 = value(0, lo, 2), lo3 = value(0, lo, 3);
+        const float hi0 = value(0, hi, 0), hi1 = value(0, hi, 1), hi2 = value(0, hi, 2), hi3 = value(0, hi, 3);
+        p[ks][2 * half] = pack_e4m3x4(lo0, lo1, hi0, hi1);      // row g
+        p[ks][2 * half + 1] = pack_e4m3x4(lo2, lo3, hi2, hi3);  // row g + 8
       }
+  }
+
+  // ---- The online softmax straight into P's fragments (softmax_update + to_fragments), with
+  // the row max found only where it must move.
+  //
+  // softmax_update finds each row's block max before any exponential: a max per score, then the
+  // quad's shuffles, a dependent chain ahead of the first exp2. Here the block is exponentiated
+  // against the rows' current references first and packed into P as it goes. A lane's partial
+  // sum of a row bounds every probability it summed (they are >= 0), so when no lane's sum
+  // exceeds 2^kLazyRescaleLog2 every probability is within the lazy rescale's bound, the bound
+  // softmax_update keeps, and the block is done. Otherwise (some row's max grew) this returns
+  // false, the scores having died as P was packed: the caller computes them again and calls with
+  // `exact`, which moves every row's max to the block's (not lazily), rescales the output and l,
+  // and exponentiates. A warp with a row that has seen no key yet (its reference is a stand-in)
+  // takes the exact path at once. After the first block the max rarely grows that much, so most
+  // blocks skip the max altogether. Calling with `exact` again on the same scores changes
+  // nothing (the max is where it moved). Only for callers that may write P's fragments now (no
+  // GEMM reads them) and rescale the output now (no GEMM adds into it).
+  //
+  // pack(ref, sums): the fragments of exp2(scale * x - ref[mt][r]) for every score x of row r,
+  // each row's sum of them into sums[mt][r] (probs_of gives the values and the sums). The caller
+  // adds the sums of the call that returned true to l (add_row_sums).
+  template <class Pack>
+  __device__ __forceinline__ bool softmax_to_fragments(float scale, const float (&bias)[MT][2], Pack pack,
+                                                       bool exact, float (&sums)[MT][2]) {
+    constexpr float kBound = static_cast<float>(1 << static_cast<int>(kLazyRescaleLog2));
+    float ref[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) exact |= state[mt][r].m == -infinity();
+    if (__any_sync(0xffffffffu, exact)) {
+      float factor[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
+      rescale_output(factor);
+      references(scale, bias, ref);
+      pack(ref, sums);
+      return true;
+    }
+    references(scale, bias, ref);
+    pack(ref, sums);
+    bool over = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) over |= sums[mt][r] > kBound;
+    return !__any_sync(0xffffffffu, over);
+  }
+
+  __device__ __forceinline__ void add_row_sums(const float (&sums)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) state[mt][r].l += sums[mt][r];
+  }
+
+  // Each row's reference for the exponentials: m, less the row's ALiBi offset (exponentiate's)
+  __device__ __forceinline__ void references(float scale, const float (&bias)[MT][2], float (&ref)[MT][2]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ref[mt][r] = fmaf(-bias[mt][r], scale, state[mt][r].reference());
+  }
+
+  // The value function of fragments_of / e4m3_fragments_of for softmax_to_fragments' pack: the
+  // probability exp2(scale * x - ref) of score (mt, nt, e), summed into its row's sums.
+  __device__ __forceinline__ auto probs_of(float scale, const float (&ref)[MT][2], float (&sums)[MT][2]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) sums[mt][0] = sums[mt][1] = 0.f;
+    return [&, scale](int mt, int nt, int e) {
+      const float x = exp2f(fmaf(s[mt][nt][e], scale, -ref[mt][e / 2]));
+      sums[mt][e / 2] += x;
+      return x;
+    };
   }
 };
 

@@ -95,6 +95,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// x, through a move the compiler cannot see through: what is computed from the result stays
+// where it is written (the compiler cannot hoist it out of a loop in which x is invariant).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));

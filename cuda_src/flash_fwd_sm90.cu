@@ -42,8 +42,12 @@
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
 // code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
-// Key blocks are visited from last to first, so the masked blocks at the causal edge come first;
-// only blocks that cross a mask boundary evaluate the mask.
+// Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
+// tiles without OVERLAP start at the block holding the tile's diagonal instead, go down to the
+// first, then right of it up to the last (FwdSm90Work::key_block; the same under a causal mask):
+// attention, and ALiBi's bias by construction, is largest near the diagonal, so the row max is
+// found early, and a block whose scores rise past the running max is computed twice there
+// (AttentionTile::softmax_to_fragments). Only blocks that cross a mask boundary evaluate the mask.
 //
 // Tile schedule: the producer picks each tile and hands its index to the consumers through a
 // ring of kFwdSm90TileRing slots in shared memory, each guarded by a "tile full" mbarrier (one
@@ -105,9 +109,9 @@ namespace cuattn {
 constexpr int kFwdSm90ProducerRegs = 24;
 constexpr int kFwdSm90PagedProducerRegs = 48;
 // Barrier ids: 0 is __syncthreads; the pingpong turn of consumer c is kFwdSm90TurnBarrier + c,
-// consumer c's own epilogue barrier kFwdSm90EpilogueBarrier + c.
+// consumer c's own barrier (its epilogue, its softmax's vote) kFwdSm90ConsumerBarrier + c.
 constexpr int kFwdSm90TurnBarrier = 1;
-constexpr int kFwdSm90EpilogueBarrier = 5;
+constexpr int kFwdSm90ConsumerBarrier = 5;
 // the producer warpgroup's own barrier (paged keys, which all four of its warps load)
 constexpr int kFwdSm90ProducerBarrier = 3;
 // Keys per k scale of a block-quantised e4m3 k: the FP8 kernels' key block (BLOCK_N); q's blocks
@@ -171,7 +175,7 @@ template <int BLOCK_M, int BLOCK_N, typename Params, bool PAGED>
 struct FwdSm90Work {
   int b, h, m0;
   SequenceRange seq;
-  int n_first, n_last;  // key blocks [n_first, n_last), visited from last to first
+  int n_first, n_last;  // key blocks [n_first, n_last)
 
   // Tile `tile` of the schedule's order (the file's opening comment): static, (batch, head)-major;
   // dynamic, L2 sections of p.tile_section (batch, head) pairs, each query block by query block
@@ -201,6 +205,18 @@ struct FwdSm90Work {
         seq(PAGED ? SequenceRange::paged(p, b)
                   : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
+  }
+  // The key block visited i-th. DIAG_FIRST (the tiles without the intra-warpgroup overlap, whose
+  // softmax computes a block's scores twice when they rise past the running max): the block
+  // holding the diagonal of the tile's last row (clamped into the visible ones) down to n_first,
+  // then the ones after it up to n_last - 1. Otherwise last to first (the overlapped tiles' lazy
+  // max only rescales then, and the order's registers made D = 256's spill). Under a causal mask
+  // both are last to first.
+  template <bool DIAG_FIRST>
+  __device__ __forceinline__ int key_block(int i) const {
+    if constexpr (!DIAG_FIRST) return n_last - 1 - i;
+    const int diag = max(min(max(m0 + BLOCK_M - 1 + seq.offset, 0) / BLOCK_N, n_last - 1), n_first);
+    return i <= diag - n_first ? diag - i : n_first + i;
   }
   // varlen: a sequence shorter than the longest has tiles past its end
   __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
@@ -346,8 +362,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 
   if (wg == 0) {
     // ---- producer: thread 0 (the leader) streams each tile's Q, then K and V block by block
-    // (last first): it takes and publishes the tiles, arms every barrier and issues the loads of
-    // dense keys. Paged keys come one of two ways:
+    // (in key_block's order): it takes and publishes the tiles, arms every barrier and issues the
+    // loads of dense keys. Paged keys come one of two ways:
     //   TMA boxes of pages: each of the block's chunks (pages) has a thread of its own, round
     //     robin over the four warps, so a block's page lookups run in parallel and its TMAs issue
     //     from four schedulers. Both mattered: one lookup after another, and then one warp
@@ -502,7 +518,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       ++tiles;
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
-        const int row = static_cast<int>(w.seq.k_start) + (w.n_last - 1 - i) * BLOCK_N;
+        const int row = static_cast<int>(w.seq.k_start) + w.template key_block<!OVERLAP>(i) * BLOCK_N;
         if constexpr (PAGED) {
           if (copy_pages) {
             // K's copies; the previous block's V announced once it has landed (below); V's copies;
@@ -635,6 +651,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     const auto stage_of = [&](int i) { return (loads + i) % STAGES; };
     const auto parity_of = [&](int i) { return ((loads + i) / STAGES) & 1; };
     const auto issue_s = [&](int stage) {
+      // the first k step overwrites the accumulators: their old values are dead here
+      forget_registers(s_acc);
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
         S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
@@ -652,12 +670,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       }
       wgmma_commit();
     };
-    // mask and softmax of block i's scores (key block n_last - 1 - i); returns whether the
-    // output must be rescaled by `factor` (the caller does it once no GEMM adds into it)
-    const auto softmax = [&](int i, float (&factor)[1][2]) {
-      const int n0 = (w.n_last - 1 - i) * BLOCK_N;
+    // block i's scores (key block key_block<!OVERLAP>(i)) ready for the softmax: a block-quantised
+    // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
+    // folds away)
+    const auto prepare_scores = [&](int i, float (&row_bias)[1][2]) {
+      const int n = w.template key_block<!OVERLAP>(i);
+      const int n0 = n * BLOCK_N;
       if (kFp8 && k_block_scale != nullptr) {
-        const float k_descale = k_block_scale[(w.n_last - 1 - i) * p.k_scale_block_stride];
+        const float k_descale = k_block_scale[n * p.k_scale_block_stride];
 #pragma unroll
         for (int e = 0; e < S::kAccumulators; ++e) s_acc[e] *= k_descale;
       }
@@ -666,9 +686,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       } else {
         tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
       }
-      // each row's ALiBi offset (add_alibi); 0 without ALiBi, where it folds away
-      float row_bias[1][2] = {};
+      row_bias[0][0] = row_bias[0][1] = 0.f;
       if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
+    };
+    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP):
+    // probabilities into the scores' registers; returns whether the output must be rescaled by
+    // `factor` (the caller does it once no GEMM adds into it) before to_fragments
+    const auto softmax = [&](int i, float (&factor)[1][2]) {
+      float row_bias[1][2];
+      prepare_scores(i, row_bias);
       const bool moved = tile.move_max(softmax_scale, factor, row_bias);
       tile.exponentiate(softmax_scale, row_bias);
       return moved;
@@ -681,6 +707,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         tile.to_fragments(frag);
       }
     };
+    // the softmax of block i when no GEMM runs (no OVERLAP): straight into P's fragments, the row
+    // max found only where the sums ask for it (AttentionTile::softmax_to_fragments: false when
+    // the scores must be computed again for its exact path)
+    const auto softmax_to_fragments = [&](int i, bool exact, float(&row_sums)[1][2]) {
+      float row_bias[1][2];
+      prepare_scores(i, row_bias);
+      const auto pack = [&](const float(&ref)[1][2], float(&sums)[1][2]) {
+        const auto probs = tile.probs_of(softmax_scale, ref, sums);
+        if constexpr (kFp8) {
+          Tile::e4m3_fragments_of(pa, probs);
+        } else {
+          Tile::template fragments_of<TOut>(reinterpret_cast<u32(&)[1][kPSteps][4]>(pa), probs);
+        }
+      };
+      return tile.softmax_to_fragments(softmax_scale, row_bias, pack, exact, row_sums);
+    };
     // the last S GEMM of the tile has finished: Q may be refilled with the next tile's (unless
     // the epilogue still stages O there)
     const auto release_q = [&] {
@@ -689,8 +731,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 
     mbarrier_wait(q_full, tiles & 1);
     if (blocks > 0) {
-      float factor[1][2];
       if (OVERLAP) {
+        float factor[1][2];
         // block 0: S alone
         mbarrier_wait(k_full(stage_of(0)), parity_of(0));
         take_turn();
@@ -737,16 +779,27 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       } else {
         for (int i = 0; i < blocks; ++i) {
           mbarrier_wait(k_full(stage_of(i)), parity_of(i));
-          take_turn();
-          wgmma_fence();
-          issue_s(stage_of(i));
-          pass_turn(false);
-          wgmma_wait<0>();
-          fence_registers(s_acc);
+          // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
+          // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
+          for (bool exact = false;; exact = true) {
+            if (!exact) take_turn();
+            wgmma_fence();
+            issue_s(stage_of(i));
+            if (!exact) pass_turn(false);
+            wgmma_wait<0>();
+            fence_registers(s_acc);
+            // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant in
+            // this loop) ahead of the GEMM, where every block paid for them
+            float row_sums[1][2];
+            const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
+            if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
+              tile.add_row_sums(row_sums);
+              break;
+            }
+          }
+          // Q and the stage's K are released after the softmax, which may read them again
           mbarrier_arrive(k_empty(stage_of(i)));
           if (i == blocks - 1) release_q();
-          if (softmax(i, factor)) tile.rescale_output(factor);
-          to_fragments();
           mbarrier_wait(v_full(stage_of(i)), parity_of(i));
           take_turn();
           wgmma_fence(o_acc, pa);
@@ -772,7 +825,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // ---- epilogue: normalise, stage this warpgroup's 64 rows in its rows of the O tile, then
     // 16-byte stores of whole rows. The barrier first: the warpgroup's stores of the previous
     // tile still read those rows.
-    named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
+    named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     const int g = lane / 4, t = lane % 4;
     const i64 lse_base = w.b * p.lse_batch_stride + w.h * p.lse_head_stride + w.seq.q_start;
 #pragma unroll
@@ -789,7 +842,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       }
       if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
     }
-    named_barrier_sync(kFwdSm90EpilogueBarrier + c, kWarpgroupThreads);
+    named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     // whole 16-byte chunks of the tile's rows; those past the call's Dv are padding
     constexpr int kChunksPerRow = HEAD_DIM_V * sizeof(TOut) / kCopyBytes;
     const int chunks = p.head_dim_v * static_cast<int>(sizeof(TOut)) / kCopyBytes;

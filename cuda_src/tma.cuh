@@ -114,6 +114,17 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether `pred` holds in any of the `threads` threads that meet at named barrier `id` (a barrier
+// with an OR reduction: each waits for all and gets the same answer).
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool pred) {
+  u32 any;
+  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred p, %2, %3, p;\n"
+               " selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(any)
+               : "r"(static_cast<u32>(pred)), "r"(id), "r"(threads)
+               : "memory");
+  return any != 0;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Bulk reductions from shared to global memory, and the global semaphores that order them.

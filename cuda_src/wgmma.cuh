@@ -356,6 +356,14 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[S][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[s][i])::"memory");
 }
 
+// The registers' values are dead (the next wgmma overwrites them without reading): nothing
+// holds them across the code in between.
+template <int N>
+__device__ __forceinline__ void forget_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "=f"(r[i]));
+}
+
 // Registers written by ordinary instructions are about to feed wgmma: `operands` are the
 // accumulators and A fragments the next wgmma read. Their writes are pinned before the fence
 // first: the fence names no registers, so the compiler could otherwise sink an ordinary write of

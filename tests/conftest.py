@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_dtypes
@@ -54,6 +55,25 @@ def rng():
 
 def randn(rng, shape, dtype=np.float32, scale=1.0):
     return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def rising_scores(rng, b, sq, sk, hq, hk, d, rise, dtype=np.float32):
+    """q, k, v whose scores grow toward the first keys, where the kernels visit key blocks last
+    first: every 128-key block's scores (scale 1 / sqrt(d)) sit about ``rise`` log2 units above the
+    block visited before it, around a normal spread. A rise past kLazyRescaleLog2 (8) moves every
+    row's max on every block; one of 5.5 moves none of them lazily (probabilities up to 2^5.5), but
+    lifts the sum of a lane's 32 probabilities of a row past 2^8 (their mean is about 11), which
+    the bounded softmax (AttentionTile::softmax_to_fragments) takes its exact path for."""
+    step = rise * math.log(2) * math.sqrt(d) / (128 * 4.0)  # a key's score rise over q's 4 along axis 0
+    q = randn(rng, (b, sq, hq, d)) * 0.5
+    k = randn(rng, (b, sk, hk, d)) * 0.5
+    q[..., 0] = 4.0
+    k[..., 0] = step * (sk - np.arange(sk))[None, :, None]
+    return q.astype(dtype), k.astype(dtype), randn(rng, (b, sk, hk, d), dtype)
+
+
+# rising_scores' rises: one the lazy max never moves for, one past it
+RISES = {"sums-past-the-bound": 5.5, "max-past-the-slack": 12.0}
 
 
 def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> float:

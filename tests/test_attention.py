@@ -15,7 +15,7 @@ import pytest
 
 import cuattn
 from cuattn import _calls, _jit, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, randn
+from conftest import DTYPE_IDS, DTYPES, RISES, error_budget, randn, rising_scores
 
 pytestmark = pytest.mark.gpu
 
@@ -66,12 +66,11 @@ def _cupy():
     return cupy
 
 
-def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, **options):
-    """Run cuattn.attention on CuPy arrays and check out and lse against the references."""
+def run_and_check(rng, dtype, b, sq, sk, hq, hk, d, *, factor=2.0, inputs=None, **options):
+    """Run cuattn.attention on CuPy arrays and check out and lse against the references; q, k, v
+    random normal, or ``inputs`` (arrays of ``dtype`` of those shapes)."""
     cupy = _cupy()
-    q = randn(rng, (b, sq, hq, d), dtype)
-    k = randn(rng, (b, sk, hk, d), dtype)
-    v = randn(rng, (b, sk, hk, d), dtype)
+    q, k, v = inputs or (randn(rng, (b, s, h, d), dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
     out = cupy.full((b, sq, hq, d), np.nan, dtype=dtype)  # poison: every element must be written
     device_options = {**options, **{name: cupy.asarray(options[name]) for name in ("sinks", "alibi_slopes")
                                      if name in options}}
@@ -420,6 +419,23 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
     _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
+
+
+@pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
+@pytest.mark.parametrize("tiles", ["default", "long"])
+def test_rising_scores_move_the_row_max(rng, monkeypatch, fwd_kernel, tiles, rise):
+    """Scores that rise block after block in the kernels' visiting order: the lazy rescale's and the
+    bounded softmax's exact paths on every block, on the default tiles (intra-warpgroup overlap:
+    the lazy max) and the long-key tiles (no overlap: the bounded softmax), against the reference."""
+    if tiles == "long":
+        if fwd_kernel != "sm90":
+            pytest.skip("flash_fwd_sm90_kernel's long-key tiles")
+        monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
+                            {dims: (0, tile) for dims, (_, tile) in attention_module.FWD_SM90_LONG_TILES.items()})
+    for d in (64, 96):
+        for dtype, causal in ((DTYPES[0], False), (DTYPES[1], True)):
+            shape = (2, 200, 700, 4, 2, d)
+            run_and_check(rng, dtype, *shape, causal=causal, inputs=rising_scores(rng, *shape, rise, dtype))
 
 
 # Hopper variants that ptxas's default -O3 compiled into wrong outputs on the H200 (CUDA 13.0;

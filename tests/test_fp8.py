@@ -16,7 +16,7 @@ import pytest
 import cuattn
 import cuattn.fp8
 from cuattn import _arrays, _jit, _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, RISES, error_budget, randn, rising_scores
 from test_decode import check_decode
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -691,6 +691,29 @@ def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape)
         assert err <= fp8_budget(real, got, causal, out_dtype, ref), (out_dtype, err)
         # P's rounding does not reach lse; the scores' accumulation error does, by at most its
         # bound (lse is a smooth maximum of the scores): the 16-bit forward's tolerance plus that
+        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+@pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
+def test_fp8_forward_rising_scores(head_dim, rise):
+    """Scores that rise block after block in the order the kernel visits keys: its softmax's exact
+    path (the row max moved, the scores computed again) on every block (conftest.rising_scores)."""
+    _require_sm90()
+    cupy = _cupy()
+    rng = np.random.default_rng()
+    q, k, v = rising_scores(rng, 2, 200, 700, 4, 2, head_dim, rise)
+    q8, k8, v8, *scales = cuattn.fp8.quantize_qkv(q, k, v, granularity="head")
+    real = [reference.dequantize_fp8(x, sc, 1) for x, sc in zip((q8, k8, v8), scales)]  # per-head scales
+    for causal in (False, True):
+        ref, ref_lse = reference.attention(*real, causal=causal, return_lse=True)
+        out, lse = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), causal=causal,
+                                    **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)},
+                                    return_lse=True)
+        got = out.get().astype(np.float64)
+        assert np.isfinite(got).all()
+        assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, causal, BF16, ref)
         np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
 
 
