@@ -144,13 +144,16 @@ class FwdSm90Tile:
     """flash_fwd_sm90_kernel (sm_90a, persistent: one CTA per SM walks the tiles): a producer
     warpgroup and `consumers` warpgroups of 64 query rows each, K and V in `stages` TMA stages
     of `block_n` keys; `overlap` issues block j's S GEMM with block j-1's PV GEMM, `pingpong`
-    lets the consumers take turns."""
+    lets the consumers take turns; `bounded`: the softmax exponentiates against the running row
+    max and finds a block's max only where the sums say it grew (AttentionTile::
+    softmax_to_fragments), visiting the key blocks from the diagonal outward."""
 
     block_n: int
     consumers: int
     stages: int
     overlap: bool = True
     pingpong: bool = True
+    bounded: bool = True
 
     @property
     def block_m(self) -> int:
@@ -193,16 +196,20 @@ class FwdSm90Tile:
 # wide head dims take 80-key blocks: more keys spill with the intra-warpgroup overlap. D = 256
 # takes the intra-warpgroup overlap without ping-pong: its output accumulator alone is 128
 # registers a thread, a second block's P sits beside it, and with ping-pong as well it spills.
-# `scripts/tune_fwd.py --sm90` measured the candidates on the H200 (BENCHMARKS.md).
+# Only D = 64 takes the bounded softmax beside the overlap (2-3% faster at 1k keys without a
+# mask, the same causal): from D = 80 on it measured 1-12% slower there than the lazy max (its
+# vote waits for the PV GEMM and holds K's stage the while), and at 192 and 256 it spills.
+# `scripts/tune_fwd.py --sm90` and `scripts/ab_forward.py` measured the candidates on the H200
+# (BENCHMARKS.md).
 FWD_SM90_TILES = {
     (64, 64): FwdSm90Tile(128, 2, 4),
-    (80, 80): FwdSm90Tile(128, 2, 2),
-    (96, 96): FwdSm90Tile(128, 2, 2),
-    (128, 128): FwdSm90Tile(128, 2, 2),
-    (160, 160): FwdSm90Tile(80, 2, 2, pingpong=False),
-    (192, 128): FwdSm90Tile(128, 2, 2),
-    (192, 192): FwdSm90Tile(80, 2, 2),
-    (256, 256): FwdSm90Tile(80, 2, 2, pingpong=False),
+    (80, 80): FwdSm90Tile(128, 2, 2, bounded=False),
+    (96, 96): FwdSm90Tile(128, 2, 2, bounded=False),
+    (128, 128): FwdSm90Tile(128, 2, 2, bounded=False),
+    (160, 160): FwdSm90Tile(80, 2, 2, pingpong=False, bounded=False),
+    (192, 128): FwdSm90Tile(128, 2, 2, bounded=False),
+    (192, 192): FwdSm90Tile(80, 2, 2, bounded=False),
+    (256, 256): FwdSm90Tile(80, 2, 2, pingpong=False, bounded=False),
 }
 # The PAGED variant's tile where the dense one does not fit its registers: the paged producer is
 # the whole warpgroup and keeps more registers (kFwdSm90PagedProducerRegs), leaving the consumers
@@ -216,11 +223,13 @@ FWD_SM90_PAGED_TILES = {
 # rows a tile, FlashAttention-3's D = 64 shape) without either overlap: 160 registers a
 # consumer against the two-warpgroup tile's 240 (too few for a second block's P), but a third
 # softmax under the others' GEMMs, and the softmax that skips the row max on most blocks
-# (AttentionTile::softmax_to_fragments, which needs the GEMMs done). On the H200 (bf16, full /
-# causal, BENCHMARKS.md "Sixteenth session"): D = 64 465 / 389 TFLOP/s at 4k keys and 491 / 468
-# at 16k; D = 80 439 / 388 and D = 96 530 / 446 at 4k against the two-warpgroup tile's 418 / 370
-# and 505 / 438; at 1k the two-warpgroup tiles stay ahead (causal by 11-16%). D = 80 takes
-# 112-key blocks and three stages: at 128 keys (3-7% faster) its consumers spill.
+# (`bounded`, which needs the GEMMs done). On the H200 (bf16, full / causal, BENCHMARKS.md
+# "Sixteenth session"): D = 64 465 / 389 TFLOP/s at 4k keys and 491 / 468 at 16k; D = 80 439 /
+# 388 and D = 96 530 / 446 at 4k against the two-warpgroup tile's 418 / 370 and 505 / 438; at 1k
+# the two-warpgroup tiles stay ahead (causal by 11-16%). D = 80 takes 112-key blocks and three
+# stages: at 128 keys (3-7% faster) its consumers spill. The intra-warpgroup overlap fits beside
+# 96-key blocks at D = 64, 80 and 96 (112 at D = 64): 6-25% slower at D = 64 and 96, and at
+# D = 80 within the runs' spread, slower with ALiBi ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
     (64, 64): (4096, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): (4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
@@ -352,7 +361,7 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
-    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, alibi, paged))
+    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded, alibi, paged))
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "

@@ -232,21 +232,29 @@ struct AttentionTile {
 
   // Scores to unnormalised probabilities exp2(scale * (x + bias) - m), summed into l.
   __device__ __forceinline__ void exponentiate(float scale, const float (&bias)[MT][2]) {
+    float sums[MT][2];
+    exponentiate(scale, bias, sums);
+    add_row_sums(sums);
+  }
+
+  // The same, each row's sum of the block into sums[mt][r] (this lane's part) rather than l.
+  __device__ __forceinline__ void exponentiate(float scale, const float (&bias)[MT][2], float (&sums)[MT][2]) {
+    float ref[MT][2];
+    references(scale, bias, ref);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float ref = fmaf(-bias[mt][r], scale, state[mt][r].reference());
         float block_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          const float p0 = exp2f(fmaf(s[mt][nt][2 * r], scale, -ref));
-          const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], scale, -ref));
+          const float p0 = exp2f(fmaf(s[mt][nt][2 * r], scale, -ref[mt][r]));
+          const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], scale, -ref[mt][r]));
           s[mt][nt][2 * r] = p0;
           s[mt][nt][2 * r + 1] = p1;
           block_sum += p0 + p1;
         }
-        state[mt][r].l += block_sum;
+        sums[mt][r] = block_sum;
       }
   }
 
@@ -338,7 +346,6 @@ struct AttentionTile {
   template <class Pack>
   __device__ __forceinline__ bool softmax_to_fragments(float scale, const float (&bias)[MT][2], Pack pack,
                                                        bool exact, float (&sums)[MT][2]) {
-    constexpr float kBound = static_cast<float>(1 << static_cast<int>(kLazyRescaleLog2));
     float ref[MT][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -346,10 +353,7 @@ struct AttentionTile {
       for (int r = 0; r < 2; ++r) exact |= state[mt][r].m == -infinity();
     if (__any_sync(0xffffffffu, exact)) {
       float factor[MT][2];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
+      move_max_now(scale, factor, bias);
       rescale_output(factor);
       references(scale, bias, ref);
       pack(ref, sums);
@@ -357,12 +361,39 @@ struct AttentionTile {
     }
     references(scale, bias, ref);
     pack(ref, sums);
+    return !__any_sync(0xffffffffu, !sums_within_bound(sums));
+  }
+
+  // Whether a row of the warp has seen no visible key yet (its reference is a stand-in, so its
+  // sums bound nothing): the bounded softmax then takes its exact path at once.
+  __device__ __forceinline__ bool any_row_empty() const {
+    bool empty = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) empty |= state[mt][r].m == -infinity();
+    return __any_sync(0xffffffffu, empty);
+  }
+
+  // The exact path's max: every row's max moves to the block's (not lazily, so the block's
+  // probabilities are at most 1); factor[mt][r] rescales the running output (l is rescaled here).
+  __device__ __forceinline__ void move_max_now(float scale, float (&factor)[MT][2], const float (&bias)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
+  }
+
+  // Whether this lane's partial row sums of a block keep each of its probabilities within the
+  // lazy rescale's bound 2^kLazyRescaleLog2 (a sum of non-negative terms bounds each term).
+  __device__ __forceinline__ static bool sums_within_bound(const float (&sums)[MT][2]) {
+    constexpr float kBound = static_cast<float>(1 << static_cast<int>(kLazyRescaleLog2));
     bool over = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) over |= sums[mt][r] > kBound;
-    return !__any_sync(0xffffffffu, over);
+    return !over;
   }
 
   __device__ __forceinline__ void add_row_sums(const float (&sums)[MT][2]) {

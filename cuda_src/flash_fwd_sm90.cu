@@ -39,12 +39,20 @@
 //     the softmax of block j runs while PV still computes; the output's rescale waits for it.
 //   PINGPONG (between warpgroups): named barriers take turns issuing GEMMs, so one warpgroup's
 //     softmax runs under the other's GEMMs.
+// BOUNDED: the softmax exponentiates each block against the rows' running max as it stands and
+//   finds the block's max only where the sums show it grew past the lazy rescale's bound
+//   (AttentionTile::softmax_to_fragments). Without OVERLAP it packs P as it goes and the
+//   warpgroup votes before the PV GEMM; with OVERLAP the probabilities wait in the scores'
+//   registers until the previous PV GEMM has read P's, and the warpgroup votes then. Either way a
+//   vote for the exact path computes the block's S again (K and Q are released after the vote).
+//   Off for the tiles whose registers do not hold it (D = 192 and 256 with OVERLAP): the lazy max
+//   of softmax_update, found before the exponentials.
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
 // code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
 // Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
-// tiles without OVERLAP start at the block holding the tile's diagonal instead, go down to the
-// first, then right of it up to the last (FwdSm90Work::key_block; the same under a causal mask):
+// BOUNDED tiles start at the block holding the tile's diagonal instead, go down to the first,
+// then right of it up to the last (FwdSm90Work::key_block; the same under a causal mask):
 // attention, and ALiBi's bias by construction, is largest near the diagonal, so the row max is
 // found early, and a block whose scores rise past the running max is computed twice there
 // (AttentionTile::softmax_to_fragments). Only blocks that cross a mask boundary evaluate the mask.
@@ -206,11 +214,10 @@ struct FwdSm90Work {
                   : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
   }
-  // The key block visited i-th. DIAG_FIRST (the tiles without the intra-warpgroup overlap, whose
-  // softmax computes a block's scores twice when they rise past the running max): the block
-  // holding the diagonal of the tile's last row (clamped into the visible ones) down to n_first,
-  // then the ones after it up to n_last - 1. Otherwise last to first (the overlapped tiles' lazy
-  // max only rescales then, and the order's registers made D = 256's spill). Under a causal mask
+  // The key block visited i-th. DIAG_FIRST (the BOUNDED tiles, whose softmax computes a block's
+  // scores twice when they rise past the running max): the block holding the diagonal of the
+  // tile's last row (clamped into the visible ones) down to n_first, then the ones after it up to
+  // n_last - 1. Otherwise last to first (the lazy max only rescales then). Under a causal mask
   // both are last to first.
   template <bool DIAG_FIRST>
   __device__ __forceinline__ int key_block(int i) const {
@@ -269,7 +276,7 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 }
 
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
-          bool OVERLAP, bool PINGPONG, bool ALIBI, bool PAGED>
+          bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
@@ -518,7 +525,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       ++tiles;
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
-        const int row = static_cast<int>(w.seq.k_start) + w.template key_block<!OVERLAP>(i) * BLOCK_N;
+        const int row = static_cast<int>(w.seq.k_start) + w.template key_block<BOUNDED>(i) * BLOCK_N;
         if constexpr (PAGED) {
           if (copy_pages) {
             // K's copies; the previous block's V announced once it has landed (below); V's copies;
@@ -670,11 +677,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       }
       wgmma_commit();
     };
-    // block i's scores (key block key_block<!OVERLAP>(i)) ready for the softmax: a block-quantised
+    // block i's scores (key block key_block<BOUNDED>(i)) ready for the softmax: a block-quantised
     // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
     // folds away)
     const auto prepare_scores = [&](int i, float (&row_bias)[1][2]) {
-      const int n = w.template key_block<!OVERLAP>(i);
+      const int n = w.template key_block<BOUNDED>(i);
       const int n0 = n * BLOCK_N;
       if (kFp8 && k_block_scale != nullptr) {
         const float k_descale = k_block_scale[n * p.k_scale_block_stride];
@@ -689,15 +696,28 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       row_bias[0][0] = row_bias[0][1] = 0.f;
       if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
     };
-    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP):
-    // probabilities into the scores' registers; returns whether the output must be rescaled by
-    // `factor` (the caller does it once no GEMM adds into it) before to_fragments
+    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), or without
+    // BOUNDED: probabilities into the scores' registers; returns whether the output must be
+    // rescaled by `factor` (the caller does it once no GEMM adds into it) before to_fragments
     const auto softmax = [&](int i, float (&factor)[1][2]) {
       float row_bias[1][2];
       prepare_scores(i, row_bias);
       const bool moved = tile.move_max(softmax_scale, factor, row_bias);
       tile.exponentiate(softmax_scale, row_bias);
       return moved;
+    };
+    // OVERLAP with BOUNDED: block i's probabilities against the rows' running max as it stands,
+    // into the scores' registers while the previous PV GEMM reads P's, each row's sums into
+    // row_sums (not yet l). Returns whether this warp's sums keep the probabilities within the
+    // lazy bound (AttentionTile::softmax_to_fragments' test); a warp with a row that has seen no
+    // key moves its max at once (`moved`: rescale the output by `factor` once PV is done).
+    const auto softmax_bounded = [&](int i, float (&factor)[1][2], float (&row_sums)[1][2], bool& moved) {
+      float row_bias[1][2];
+      prepare_scores(i, row_bias);
+      moved = tile.any_row_empty();
+      if (moved) tile.move_max_now(softmax_scale, factor, row_bias);
+      tile.exponentiate(softmax_scale, row_bias, row_sums);
+      return moved || Tile::sums_within_bound(row_sums);
     };
     const auto to_fragments = [&] {
       if constexpr (kFp8) {
@@ -707,9 +727,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         tile.to_fragments(frag);
       }
     };
-    // the softmax of block i when no GEMM runs (no OVERLAP): straight into P's fragments, the row
-    // max found only where the sums ask for it (AttentionTile::softmax_to_fragments: false when
-    // the scores must be computed again for its exact path)
+    // the softmax of block i when no GEMM runs (no OVERLAP, BOUNDED): straight into P's
+    // fragments, the row max found only where the sums ask for it
+    // (AttentionTile::softmax_to_fragments: false when the scores must be computed again for its
+    // exact path)
     const auto softmax_to_fragments = [&](int i, bool exact, float(&row_sums)[1][2]) {
       float row_bias[1][2];
       prepare_scores(i, row_bias);
@@ -727,6 +748,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // the epilogue still stages O there)
     const auto release_q = [&] {
       if (Smem::kOwnO) mbarrier_arrive(q_empty);
+    };
+    // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
+    const auto recompute_s = [&](int i) {
+      wgmma_fence();
+      issue_s(stage_of(i));
+      wgmma_wait<0>();
+      fence_registers(s_acc);
     };
 
     mbarrier_wait(q_full, tiles & 1);
@@ -756,14 +784,35 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           pass_turn(false);
           wgmma_wait<1>();
           fence_registers(s_acc);
-          mbarrier_arrive(k_empty(stage_of(i)));
-          if (i == blocks - 1) release_q();
-          const bool moved = softmax(i, factor);
+          // K and Q stay until the bounded softmax knows it will not compute S again
+          const auto release_k = [&] {
+            mbarrier_arrive(k_empty(stage_of(i)));
+            if (i == blocks - 1) release_q();
+          };
+          if (!BOUNDED) release_k();
+          float row_sums[1][2];
+          bool moved;
+          const bool within = BOUNDED ? softmax_bounded(i, factor, row_sums, moved) : (moved = softmax(i, factor));
           wgmma_wait<0>();
           fence_registers(o_acc);
           fence_registers(pa);
           mbarrier_arrive(v_empty(stage_of(i - 1)));
           if (moved) tile.rescale_output(factor);
+          if constexpr (BOUNDED) {
+            // a row's max grew past the bound somewhere in the warpgroup, which issues its GEMMs
+            // together: all four warps compute block i again and move every row's max to it.
+            // i opaque: the mask's per-column tests of the first pass are not kept live for this one
+            if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
+              recompute_s(i);
+              float row_bias[1][2];
+              prepare_scores(opaque(i), row_bias);
+              tile.move_max_now(softmax_scale, factor, row_bias);
+              tile.rescale_output(factor);
+              tile.exponentiate(softmax_scale, row_bias, row_sums);
+            }
+            tile.add_row_sums(row_sums);
+            release_k();
+          }
           to_fragments();
         }
         // the last block's PV
@@ -779,23 +828,36 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       } else {
         for (int i = 0; i < blocks; ++i) {
           mbarrier_wait(k_full(stage_of(i)), parity_of(i));
-          // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
-          // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
-          for (bool exact = false;; exact = true) {
-            if (!exact) take_turn();
+          if constexpr (BOUNDED) {
+            // block i's S, a second time (outside the turns) where a warp's softmax asks for its
+            // exact path: the warpgroup issues its GEMMs together, so all four warps vote, and all
+            // go again
+            for (bool exact = false;; exact = true) {
+              if (!exact) take_turn();
+              wgmma_fence();
+              issue_s(stage_of(i));
+              if (!exact) pass_turn(false);
+              wgmma_wait<0>();
+              fence_registers(s_acc);
+              // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant
+              // in this loop) ahead of the GEMM, where every block paid for them
+              float row_sums[1][2];
+              const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
+              if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
+                tile.add_row_sums(row_sums);
+                break;
+              }
+            }
+          } else {
+            take_turn();
             wgmma_fence();
             issue_s(stage_of(i));
-            if (!exact) pass_turn(false);
+            pass_turn(false);
             wgmma_wait<0>();
             fence_registers(s_acc);
-            // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant in
-            // this loop) ahead of the GEMM, where every block paid for them
-            float row_sums[1][2];
-            const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
-            if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
-              tile.add_row_sums(row_sums);
-              break;
-            }
+            float factor[1][2];
+            if (softmax(i, factor)) tile.rescale_output(factor);
+            to_fragments();
           }
           // Q and the stage's K are released after the softmax, which may read them again
           mbarrier_arrive(k_empty(stage_of(i)));

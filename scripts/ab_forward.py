@@ -7,12 +7,17 @@ python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile B
     normal inputs, full and causal. One line per case, TFLOP/s. --alibi adds ALiBi slopes
     2^(-8 h / H) (the cases from 4k keys); --long-tiles-from-0 runs the three-warpgroup tiles of
     FWD_SM90_LONG_TILES at every length; --d80-tile puts D = 80's long tile at that block and
-    stage count. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
+    stage count; --unbounded runs every tile of FWD_SM90_TILES with the max-first softmax
+    (FwdSm90Tile.bounded off); --tile D:BLOCK_N/CONSUMERS/STAGES/OVERLAP/PINGPONG/BOUNDED (flags
+    0 or 1, repeatable) runs head dim D in that tile at every length; --only RE keeps the cases
+    whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
     labels, interleaved, to compare kernels.
 """
 
 import argparse
+import dataclasses
 import importlib
+import re
 
 import cupy
 import ml_dtypes
@@ -30,7 +35,7 @@ HEADS_X_DIM = 2048
 CASES = [("fp8", 128, 4096), ("fp8", 128, 8192), ("fp8", 128, 16384), ("fp8", 256, 8192), ("fp8", 256, 16384),
          ("bf16", 64, 4096), ("bf16", 64, 16384), ("bf16", 80, 16384), ("bf16", 96, 16384),
          ("bf16", 128, 4096), ("bf16", 64, 1024), ("bf16", 80, 1024), ("bf16", 80, 4096), ("bf16", 96, 1024),
-         ("bf16", 96, 4096)]
+         ("bf16", 96, 4096), ("bf16", 128, 1024), ("bf16", 128, 16384), ("bf16", 160, 4096)]
 ALIBI_MIN_KEYS = 4096
 
 
@@ -38,7 +43,7 @@ def alibi_slopes(heads: int):
     return cupy.asarray((2.0 ** (-8.0 * cupy.arange(1, heads + 1) / heads)).astype(cupy.float32))
 
 
-def run(label: str, kind: str, d: int, n: int, alibi: bool) -> None:
+def run(label: str, kind: str, d: int, n: int, alibi: bool, only: str | None) -> None:
     b, h = max(1, TOKENS // n), HEADS_X_DIM // d
     q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3))
     options = {"alibi_slopes": alibi_slopes(h)} if alibi else {}
@@ -49,6 +54,10 @@ def run(label: str, kind: str, d: int, n: int, alibi: bool) -> None:
     else:
         args = tuple(x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
     for causal in (False, True):
+        line = f"{label} {kind} D={d} N={n} {'alibi ' if alibi else ''}{'causal' if causal else 'full  '}"
+        if only and not re.search(only, line):
+            continue
+
         def call():
             return cuattn.attention(*args, causal=causal, **options)
 
@@ -56,8 +65,7 @@ def run(label: str, kind: str, d: int, n: int, alibi: bool) -> None:
         cupy.cuda.runtime.deviceSynchronize()
         ms = timing.time_cuda(call)
         tflops = timing.attention_flops(b, h, n, n, d, causal) / ms / 1e9
-        print(f"{label} {kind} D={d} N={n} {'alibi ' if alibi else ''}{'causal' if causal else 'full  '} "
-              f"{ms:.3f} ms {tflops:.1f} TFLOP/s", flush=True)
+        print(f"{line} {ms:.3f} ms {tflops:.1f} TFLOP/s", flush=True)
 
 
 def main() -> None:
@@ -66,6 +74,9 @@ def main() -> None:
     parser.add_argument("--alibi", action="store_true")
     parser.add_argument("--long-tiles-from-0", action="store_true")
     parser.add_argument("--d80-tile", metavar="BLOCK_N/STAGES")
+    parser.add_argument("--unbounded", action="store_true")
+    parser.add_argument("--only", metavar="RE")
+    parser.add_argument("--tile", action="append", default=[], metavar="D:N/C/S/OV/PP/BD")
     args = parser.parse_args()
     long_tiles = dict(attention_module.FWD_SM90_LONG_TILES)
     if args.long_tiles_from_0:
@@ -75,10 +86,21 @@ def main() -> None:
         keys, _ = long_tiles[80, 80]
         long_tiles[80, 80] = (keys, attention_module.FwdSm90Tile(block_n, 3, stages, overlap=False, pingpong=False))
     attention_module.FWD_SM90_LONG_TILES = long_tiles
+    if args.unbounded:
+        attention_module.FWD_SM90_TILES = {
+            dims: dataclasses.replace(tile, bounded=False) for dims, tile in attention_module.FWD_SM90_TILES.items()}
+    for spec in args.tile:
+        d, fields = spec.split(":")
+        block_n, consumers, stages, overlap, pingpong, bounded = (int(x) for x in fields.split("/"))
+        dims = (int(d), int(d))
+        attention_module.FWD_SM90_TILES = {**attention_module.FWD_SM90_TILES, dims: attention_module.FwdSm90Tile(
+            block_n, consumers, stages, overlap=bool(overlap), pingpong=bool(pingpong), bounded=bool(bounded))}
+        attention_module.FWD_SM90_LONG_TILES = {
+            pair: entry for pair, entry in attention_module.FWD_SM90_LONG_TILES.items() if pair != dims}
     _calls.clear()
     for kind, d, n in CASES:
         if not args.alibi or n >= ALIBI_MIN_KEYS:
-            run(args.label, kind, d, n, args.alibi)
+            run(args.label, kind, d, n, args.alibi, args.only)
 
 
 if __name__ == "__main__":

@@ -415,7 +415,8 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    assert chosen and f", {tile.block_n}, {tile.consumers}, {tile.stages}, false, false," in chosen[-1], chosen
+    flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
+    assert chosen and f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags}," in chosen[-1], chosen
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
     _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
@@ -425,14 +426,18 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
 @pytest.mark.parametrize("tiles", ["default", "long"])
 def test_rising_scores_move_the_row_max(rng, monkeypatch, fwd_kernel, tiles, rise):
     """Scores that rise block after block in the kernels' visiting order: the lazy rescale's and the
-    bounded softmax's exact paths on every block, on the default tiles (intra-warpgroup overlap:
-    the lazy max) and the long-key tiles (no overlap: the bounded softmax), against the reference."""
+    bounded softmax's exact paths on every block, on the default tiles (the intra-warpgroup
+    overlap: the bounded softmax votes after the PV GEMM and computes S again, or the lazy max
+    where a tile is not `bounded`) and the long-key tiles (no overlap: the bounded softmax before
+    the PV GEMM), against the reference."""
+    dims = sorted(d for d, dv in attention_module.FWD_SM90_TILES if d == dv)
     if tiles == "long":
         if fwd_kernel != "sm90":
             pytest.skip("flash_fwd_sm90_kernel's long-key tiles")
         monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
-                            {dims: (0, tile) for dims, (_, tile) in attention_module.FWD_SM90_LONG_TILES.items()})
-    for d in (64, 96):
+                            {pair: (0, tile) for pair, (_, tile) in attention_module.FWD_SM90_LONG_TILES.items()})
+        dims = sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES)
+    for d in dims:
         for dtype, causal in ((DTYPES[0], False), (DTYPES[1], True)):
             shape = (2, 200, 700, 4, 2, d)
             run_and_check(rng, dtype, *shape, causal=causal, inputs=rising_scores(rng, *shape, rise, dtype))
