@@ -9,8 +9,8 @@ python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile B
     FWD_SM90_LONG_TILES at every length; --d80-tile puts D = 80's long tile at that block and
     stage count; --unbounded runs every tile of FWD_SM90_TILES with the max-first softmax
     (FwdSm90Tile.bounded off); --tile D:BLOCK_N/CONSUMERS/STAGES/OVERLAP/PINGPONG/BOUNDED (flags
-    0 or 1, repeatable) runs head dim D in that tile at every length; --only RE keeps the cases
-    whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
+    0 or 1, repeatable) runs head dim D in that tile at every length; --schedule sets
+    FWD_SM90_SCHEDULE; --only RE keeps the cases whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
     labels, interleaved, to compare kernels.
 """
 
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--unbounded", action="store_true")
     parser.add_argument("--only", metavar="RE")
     parser.add_argument("--tile", action="append", default=[], metavar="D:N/C/S/OV/PP/BD")
+    parser.add_argument("--schedule", choices=("auto", "static", "dynamic"))
     args = parser.parse_args()
     long_tiles = dict(attention_module.FWD_SM90_LONG_TILES)
     if args.long_tiles_from_0:
@@ -97,6 +98,8 @@ def main() -> None:
             block_n, consumers, stages, overlap=bool(overlap), pingpong=bool(pingpong), bounded=bool(bounded))}
         attention_module.FWD_SM90_LONG_TILES = {
             pair: entry for pair, entry in attention_module.FWD_SM90_LONG_TILES.items() if pair != dims}
+    if args.schedule:
+        attention_module.FWD_SM90_SCHEDULE = args.schedule
     _calls.clear()
     for kind, d, n in CASES:
         if not args.alibi or n >= ALIBI_MIN_KEYS:

@@ -678,20 +678,26 @@ def test_fp8_forward_matches_the_reference(head_dim, causal, granularity, shape)
     rng = np.random.default_rng()
     b, sq, sk, hq, hk = shape
     (q8, k8, v8), scales, real = fp8_inputs(rng, b, sq, sk, hq, hk, head_dim, granularity)
-    ref, ref_lse = reference.attention(*real, causal=causal, return_lse=True)
     for out_dtype in (BF16, np.float16):
-        poisoned = cupy.full(q8.shape, np.nan, out_dtype)
-        out, lse = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), causal=causal,
-                                    q_scale=cupy.asarray(scales[0]), k_scale=cupy.asarray(scales[1]),
-                                    v_scale=cupy.asarray(scales[2]), out_dtype=out_dtype, out=poisoned,
-                                    return_lse=True)
-        got = out.get().astype(np.float64)
-        assert np.isfinite(got).all()
-        err = float(np.abs(got - ref).max())
-        assert err <= fp8_budget(real, got, causal, out_dtype, ref), (out_dtype, err)
-        # P's rounding does not reach lse; the scores' accumulation error does, by at most its
-        # bound (lse is a smooth maximum of the scores): the 16-bit forward's tolerance plus that
-        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
+        _check_fp8_forward((q8, k8, v8), scales, real, causal, out_dtype,
+                           out=cupy.full(q8.shape, np.nan, out_dtype))
+
+
+def _check_fp8_forward(qkv8, scales, real, causal, out_dtype=BF16, out=None):
+    """cuattn.attention on e4m3 q, k, v (``qkv8``) with their q, k, v ``scales`` against the float64
+    reference of their ``real`` values: the output within fp8_budget, lse within the scores' error."""
+    cupy = _cupy()
+    ref, ref_lse = reference.attention(*real, causal=causal, return_lse=True)
+    out, lse = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in qkv8), causal=causal,
+                                **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)},
+                                out_dtype=out_dtype, out=out, return_lse=True)
+    got = out.get().astype(np.float64)
+    assert np.isfinite(got).all()
+    err = float(np.abs(got - ref).max())
+    assert err <= fp8_budget(real, got, causal, out_dtype, ref), (out_dtype, err)
+    # P's rounding does not reach lse; the scores' accumulation error does, by at most its bound
+    # (lse is a smooth maximum of the scores): the 16-bit forward's tolerance plus that
+    np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
 
 
 @pytest.mark.gpu
@@ -701,20 +707,12 @@ def test_fp8_forward_rising_scores(head_dim, rise):
     """Scores that rise block after block in the order the kernel visits keys: its softmax's exact
     path (the row max moved, the scores computed again) on every block (conftest.rising_scores)."""
     _require_sm90()
-    cupy = _cupy()
     rng = np.random.default_rng()
     q, k, v = rising_scores(rng, 2, 200, 700, 4, 2, head_dim, rise)
     q8, k8, v8, *scales = cuattn.fp8.quantize_qkv(q, k, v, granularity="head")
     real = [reference.dequantize_fp8(x, sc, 1) for x, sc in zip((q8, k8, v8), scales)]  # per-head scales
     for causal in (False, True):
-        ref, ref_lse = reference.attention(*real, causal=causal, return_lse=True)
-        out, lse = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), causal=causal,
-                                    **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)},
-                                    return_lse=True)
-        got = out.get().astype(np.float64)
-        assert np.isfinite(got).all()
-        assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, causal, BF16, ref)
-        np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-3, atol=2e-3 + fp8_score_error(real[0], real[1]))
+        _check_fp8_forward((q8, k8, v8), scales, real, causal)
 
 
 @pytest.mark.gpu
