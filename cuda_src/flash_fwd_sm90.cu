@@ -45,8 +45,10 @@
 //   warpgroup votes before the PV GEMM; with OVERLAP the probabilities wait in the scores'
 //   registers until the previous PV GEMM has read P's, and the warpgroup votes then. Either way a
 //   vote for the exact path computes the block's S again (K and Q are released after the vote).
-//   Off for the tiles whose registers do not hold it (D = 192 and 256 with OVERLAP): the lazy max
-//   of softmax_update, found before the exponentials.
+//   Off, the lazy max of softmax_update found before the exponentials, where it does not pay
+//   (with OVERLAP the max-first softmax is already hidden under the PV GEMM: only D = 64's
+//   overlapped tile takes BOUNDED) or does not fit (D = 192 and 256 with OVERLAP spill); the
+//   tile tables of cuattn/attention.py choose.
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
 // code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
