@@ -1,17 +1,20 @@
-"""The forward's kernels side by side, one checkout at a time (docs/bounded_softmax_h200.txt).
+"""The forward's kernels side by side, one checkout at a time (docs/bounded_softmax_h200.txt,
+docs/overlap_bounded_h200.txt).
 
 python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile BLOCK_N/STAGES]
+        [--unbounded] [--tile D:BLOCK_N/CONSUMERS/STAGES/OVERLAP/PINGPONG/BOUNDED ...]
+        [--schedule auto|static|dynamic] [--only RE]
     Times cuattn.attention (CUDA-event medians) on a fixed list of cases: e4m3 q, k, v with
     per-head scales (cuattn.fp8.quantize_qkv; the call, its V^T pass included, bf16 output) at
-    D = 128 and 256, and bf16 at D = 64, 80, 96, 128; B * N = 32k tokens, H * D = 2048, random
-    normal inputs, full and causal. One line per case, TFLOP/s. --alibi adds ALiBi slopes
+    D = 128 and 256, and bf16 at D = 64, 80, 96, 128, 160; B * N = 32k tokens, H * D = 2048,
+    random normal inputs, full and causal. One line per case, TFLOP/s. --alibi adds ALiBi slopes
     2^(-8 h / H) (the cases from 4k keys); --long-tiles-from-0 runs the three-warpgroup tiles of
     FWD_SM90_LONG_TILES at every length; --d80-tile puts D = 80's long tile at that block and
     stage count; --unbounded runs every tile of FWD_SM90_TILES with the max-first softmax
-    (FwdSm90Tile.bounded off); --tile D:BLOCK_N/CONSUMERS/STAGES/OVERLAP/PINGPONG/BOUNDED (flags
-    0 or 1, repeatable) runs head dim D in that tile at every length; --schedule sets
-    FWD_SM90_SCHEDULE; --only RE keeps the cases whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
-    labels, interleaved, to compare kernels.
+    (FwdSm90Tile.bounded off); --tile (flags 0 or 1, repeatable) runs head dim D in that tile at
+    every length; --schedule sets FWD_SM90_SCHEDULE; --only RE keeps the cases whose line
+    matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
+    labels, interleaved, to compare kernels, or with two sets of options in one.
 """
 
 import argparse
