@@ -155,6 +155,11 @@ class FwdSm90Tile:
     pingpong: bool = True
     bounded: bool = True
 
+    def __post_init__(self):
+        if not (self.overlap or self.bounded):
+            raise ValueError(f"FwdSm90Tile: bounded=False needs overlap=True (without the overlap the softmax is "
+                             f"the bounded one), got {self}")
+
     @property
     def block_m(self) -> int:
         return _params.constant("kWgmmaM") * self.consumers

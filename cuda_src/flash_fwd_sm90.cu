@@ -45,10 +45,10 @@
 //   warpgroup votes before the PV GEMM; with OVERLAP the probabilities wait in the scores'
 //   registers until the previous PV GEMM has read P's, and the warpgroup votes then. Either way a
 //   vote for the exact path computes the block's S again (K and Q are released after the vote).
-//   Off, the lazy max of softmax_update found before the exponentials, where it does not pay
-//   (with OVERLAP the max-first softmax is already hidden under the PV GEMM: only D = 64's
-//   overlapped tile takes BOUNDED) or does not fit (D = 192 and 256 with OVERLAP spill); the
-//   tile tables of cuattn/attention.py choose.
+//   Always on without OVERLAP. With OVERLAP it can be off, the lazy max of softmax_update found
+//   before the exponentials, where it does not pay (the max-first softmax is already hidden under
+//   the PV GEMM: only D = 64's overlapped tile takes BOUNDED) or does not fit (D = 192 and 256
+//   spill); the tile tables of cuattn/attention.py choose.
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
 // code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
@@ -306,6 +306,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(!kFp8 || BLOCK_N % kBoxCols == 0, "V^T boxes of whole 128-key rows");
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
+  static_assert(OVERLAP || BOUNDED, "without the overlap the softmax is the bounded one");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
   static_assert(!(ALIBI && PAGED), "paged_attention_varlen takes no ALiBi");
   // The registers the consumers take (consumer_registers, tma.cuh): 240 with two consumers, 160
@@ -698,9 +699,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       row_bias[0][0] = row_bias[0][1] = 0.f;
       if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
     };
-    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), or without
-    // BOUNDED: probabilities into the scores' registers; returns whether the output must be
-    // rescaled by `factor` (the caller does it once no GEMM adds into it) before to_fragments
+    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), the lazy max
+    // (no BOUNDED, and block 0): probabilities into the scores' registers; returns whether the
+    // output must be rescaled by `factor` (the caller does it once no GEMM adds into it) before
+    // to_fragments
     const auto softmax = [&](int i, float (&factor)[1][2]) {
       float row_bias[1][2];
       prepare_scores(i, row_bias);
@@ -729,7 +731,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         tile.to_fragments(frag);
       }
     };
-    // the softmax of block i when no GEMM runs (no OVERLAP, BOUNDED): straight into P's
+    // the softmax of block i when no GEMM runs (no OVERLAP, always BOUNDED): straight into P's
     // fragments, the row max found only where the sums ask for it
     // (AttentionTile::softmax_to_fragments: false when the scores must be computed again for its
     // exact path)
@@ -830,36 +832,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       } else {
         for (int i = 0; i < blocks; ++i) {
           mbarrier_wait(k_full(stage_of(i)), parity_of(i));
-          if constexpr (BOUNDED) {
-            // block i's S, a second time (outside the turns) where a warp's softmax asks for its
-            // exact path: the warpgroup issues its GEMMs together, so all four warps vote, and all
-            // go again
-            for (bool exact = false;; exact = true) {
-              if (!exact) take_turn();
-              wgmma_fence();
-              issue_s(stage_of(i));
-              if (!exact) pass_turn(false);
-              wgmma_wait<0>();
-              fence_registers(s_acc);
-              // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant
-              // in this loop) ahead of the GEMM, where every block paid for them
-              float row_sums[1][2];
-              const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
-              if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
-                tile.add_row_sums(row_sums);
-                break;
-              }
-            }
-          } else {
-            take_turn();
+          // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
+          // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
+          for (bool exact = false;; exact = true) {
+            if (!exact) take_turn();
             wgmma_fence();
             issue_s(stage_of(i));
-            pass_turn(false);
+            if (!exact) pass_turn(false);
             wgmma_wait<0>();
             fence_registers(s_acc);
-            float factor[1][2];
-            if (softmax(i, factor)) tile.rescale_output(factor);
-            to_fragments();
+            // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant in
+            // this loop) ahead of the GEMM, where every block paid for them
+            float row_sums[1][2];
+            const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
+            if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
+              tile.add_row_sums(row_sums);
+              break;
+            }
           }
           // Q and the stage's K are released after the softmax, which may read them again
           mbarrier_arrive(k_empty(stage_of(i)));

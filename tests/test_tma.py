@@ -98,6 +98,11 @@ def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
     assert {pointer for pointer, _ in maps.values()} == {"q", "k", "v"}
 
 
+def test_tiles_without_the_overlap_take_the_bounded_softmax():
+    with pytest.raises(ValueError, match=r"bounded=False needs overlap=True .*overlap=False"):
+        attention_module.FwdSm90Tile(128, 3, 3, overlap=False, bounded=False)
+
+
 def test_long_key_ranges_take_their_tile_from_their_length():
     for dims, (keys, tile) in attention_module.FWD_SM90_LONG_TILES.items():
         assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys - 1) == attention_module.FWD_SM90_TILES[dims]
