@@ -17,7 +17,8 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, device, arch, cache directory, cached kernels")
     build = commands.add_parser(
-        "build", help="compile every kernel variant (no GPU needed); exit 1 on a compile error or a spill"
+        "build",
+        help="compile every kernel variant (no GPU needed); exit 1 on a compile error, a spill or serialised wgmma",
     )
     build.add_argument("--arch", default=",".join(_tools.DEFAULT_ARCHS),
                        help="comma-separated targets, e.g. sm_80,sm_90a (default: %(default)s)")

@@ -72,6 +72,9 @@ class Resources:
     spill_store_bytes: int
     spill_load_bytes: int
     static_smem_bytes: int
+    # ptxas said it serialised the kernel's wgmma instructions (C7514, C7520, ...: a wgmma issued
+    # or waited for in a branch, say), which cost the Hopper forward a fifth of its speed
+    wgmma_serialized: bool = False
 
     @property
     def spills(self) -> bool:
@@ -281,6 +284,9 @@ _FRAME_RE = re.compile(
 )
 _REGS_RE = re.compile(r"Used (\d+) registers")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
+# ptxas's notes that it serialised a function's wgmma (C75xx, one code per reason: C7514 and C7520
+# were seen here)
+_SERIALIZED_RE = re.compile(r"\(C75\d\d\) Potential Performance Loss: wgmma[^\n]*?function '([^'\n]+)'")
 
 
 def parse_resources(log: str, lowered_name: str) -> Resources | None:
@@ -300,6 +306,7 @@ def parse_resources(log: str, lowered_name: str) -> Resources | None:
             spill_store_bytes=int(frame.group(2)) if frame else 0,
             spill_load_bytes=int(frame.group(3)) if frame else 0,
             static_smem_bytes=int(smem.group(1)) if smem else 0,
+            wgmma_serialized=lowered_name in _SERIALIZED_RE.findall(log),
         )
     return None
 
@@ -324,9 +331,11 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
     if use_cache and cubin_path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         logger.debug("loaded %s for %s from %s", spec.name, arch, cubin_path)
+        # (the serialised-wgmma flag from the cached log: entries written before it existed lack it)
+        resources = {**meta["resources"],
+                     "wgmma_serialized": meta["lowered_name"] in _SERIALIZED_RE.findall(meta["log"])}
         return CompiledKernel(
-            spec, arch, cubin_path, meta["lowered_name"], Resources(**meta["resources"]),
-            meta["log"], 0.0, True,
+            spec, arch, cubin_path, meta["lowered_name"], Resources(**resources), meta["log"], 0.0, True,
         )
 
     nvrtc = _nvrtc()

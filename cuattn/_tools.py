@@ -38,10 +38,12 @@ class BuildRow:
     ctas_per_sm: int
     seconds: float
     error: str = ""
+    wgmma_serialized: bool = False  # ptxas serialised the kernel's wgmma (C7514, C7520, ...)
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.spill_store_bytes == 0 and self.spill_load_bytes == 0
+        return (not self.error and self.spill_store_bytes == 0 and self.spill_load_bytes == 0
+                and not self.wgmma_serialized)
 
 
 def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
@@ -90,6 +92,7 @@ def build(arch=DEFAULT_ARCHS, kernels=None, *, use_cache: bool = True) -> list[B
                 res.stack_bytes, res.spill_store_bytes, res.spill_load_bytes,
                 _ctas_per_sm(spec, res, target), compiled.seconds,
                 "" if res.registers else "ptxas printed no resource report (registers, spills unknown)",
+                res.wgmma_serialized,
             ))
     return rows
 
@@ -102,7 +105,7 @@ def format_build_table(rows: list[BuildRow]) -> str:
             lines.append(f"{r.kernel:<70} {r.arch:<7} COMPILE ERROR")
             continue
         spill = f"{r.spill_store_bytes}/{r.spill_load_bytes}"
-        flag = "" if r.ok else "  <- spills"
+        flag = "  <- wgmma serialized (ptxas C75xx)" if r.wgmma_serialized else "" if r.ok else "  <- spills"
         lines.append(
             f"{r.kernel:<70} {r.arch:<7} {r.registers:>4} {r.smem_bytes + r.static_smem_bytes:>7} "
             f"{r.stack_bytes:>5} {spill:>9} {r.ctas_per_sm:>6} {r.seconds:>5.2f}{flag}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -43,7 +44,8 @@ def sources(tmp_path, monkeypatch):
 def test_every_variant_compiles_without_spills(arch, cache):
     rows = cuattn.build(arch)
     assert len(rows) == len(_tools.kernel_variants(arch))
-    bad = [(r.kernel, r.error or f"{r.spill_store_bytes}/{r.spill_load_bytes} bytes spilled") for r in rows if not r.ok]
+    bad = [(r.kernel, r.error or ("wgmma serialized (C75xx)" if r.wgmma_serialized else
+                                  f"{r.spill_store_bytes}/{r.spill_load_bytes} bytes spilled")) for r in rows if not r.ok]
     assert not bad, bad
     for row in rows:
         assert 0 < row.registers <= 255
@@ -127,6 +129,44 @@ def test_parse_resources_reads_ptxas_report():
     assert res == _jit.Resources(96, 8, 4, 12, 2048) and res.spills
     assert _jit.parse_resources(log, "_Z3bari").registers == 10
     assert _jit.parse_resources(log, "_Z3bazi") is None
+
+
+def test_parse_resources_reads_serialized_wgmma():
+    """ptxas's notes that it serialised a kernel's wgmma (C7520, C7514, ...) mark that kernel alone, and
+    fail its build row."""
+    log = (
+        "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+        "to program dependence on compiler-inserted WG.AR in divergent path in the function '_Z3fooi'\n"
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+        "to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the "
+        "pipeline stage in the function '_Z3bazi'\n"
+        "ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+        "ptxas info    : Compiling entry function '_Z3bari' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers\n"
+    )
+    assert _jit.parse_resources(log, "_Z3fooi").wgmma_serialized
+    assert not _jit.parse_resources(log, "_Z3bari").wgmma_serialized
+    assert _jit.parse_resources(log + "ptxas info    : Compiling entry function '_Z3bazi' for 'sm_90a'\n"
+                                "ptxas info    : Used 100 registers\n", "_Z3bazi").wgmma_serialized
+    row = _tools.BuildRow("foo", "sm_90a", 168, 0, 0, 0, 0, 0, 1, 0.0, wgmma_serialized=True)
+    assert not row.ok and "wgmma serialized" in _tools.format_build_table([row])
+
+
+def test_a_cached_kernel_reads_serialized_wgmma_from_its_log(cache):
+    """A cache entry keeps ptxas's log: the flag comes from it on load, also for entries written
+    before the flag existed."""
+    spec = _tools.kernel_variants("sm_80")[0]
+    compiled = _jit.compile_kernel(spec, "sm_80")
+    assert not compiled.resources.wgmma_serialized
+    meta_path = compiled.cubin_path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    meta["resources"].pop("wgmma_serialized", None)
+    meta["log"] += ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are "
+                    f"serialized due to a reason in the function '{compiled.lowered_name}'\n")
+    meta_path.write_text(json.dumps(meta))
+    loaded = _jit.compile_kernel(spec, "sm_80")
+    assert loaded.cached and loaded.resources.wgmma_serialized
 
 
 def test_a_missing_resource_report_keeps_the_cubin_and_says_so(cache, monkeypatch, caplog):
