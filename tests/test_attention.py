@@ -404,6 +404,26 @@ def test_sm90_schedules(rng, monkeypatch, fwd_kernel, schedule, case):
     _check_varlen(rng, lens_q, lens_k, c["hq"], c["hk"], c["d"], c["causal"])
 
 
+# CTAs of the persistent grid for test_few_ctas_walk_many_tiles: each takes dozens of tiles, so
+# the Q tile's barriers and the tile ring go round many times
+FEW_CTAS = 5
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_few_ctas_walk_many_tiles(rng, monkeypatch, fwd_kernel, schedule, d):
+    """A persistent grid of FEW_CTAS CTAs: every CTA loads Q, and stages O in its tile (D = 256)
+    or one of its own, dozens of times, with tiles of one key block and of many, causal and not,
+    empty varlen tiles skipped in between."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the persistent grid of flash_fwd_sm90_kernel")
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", schedule)
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: FEW_CTAS)
+    run_and_check(rng, DTYPES[0], 3, 700, 333, 8, 2, d)
+    run_and_check(rng, DTYPES[1], 2, 650, 650, 6, 3, d, causal=True)
+    _check_varlen(rng, [500, 1, 0, 260, 129], [500, 7, 9, 130, 700], 4, 2, d, True)
+
+
 @pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES))
 def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     """The three-warpgroup tiles long key ranges take (FWD_SM90_LONG_TILES), forced from 0 keys:

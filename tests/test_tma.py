@@ -171,22 +171,26 @@ def test_encoding_through_the_driver_is_cached_per_address():
         found.encode(x.data.ptr + 8)
 
 
+def _every_hopper_forward_tile():
+    """(D, Dv, bytes of an input element, tile) of every table the Hopper forward reads."""
+    yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_TILES.items())
+    yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_PAGED_TILES.items())
+    yield from ((d, dv, 2, t) for (d, dv), (_, t) in attention_module.FWD_SM90_LONG_TILES.items())
+    yield from ((d, d, 1, t) for d, t in attention_module.FWD_SM90_FP8_TILES.items())
+
+
 def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
     """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against FwdSm90Smem::kBytes of
-    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the 16-bit and
-    FP8 tables."""
+    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the 16-bit,
+    paged, long and FP8 tables."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
     from cuattn import _jit
 
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
     asserts = [
-        f"static_assert(cuattn::FwdSm90Smem<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}>::kBytes == "
-        f"{t.smem_bytes(d, dv, 2)}, \"D = {d}, Dv = {dv}\");"
-        for (d, dv), t in attention_module.FWD_SM90_TILES.items()
-    ] + [
-        f"static_assert(cuattn::FwdSm90Smem<{d}, {d}, {t.block_n}, {t.consumers}, {t.stages}, 1>::kBytes == "
-        f"{t.smem_bytes(d, d, 1)}, \"FP8 D = {d}\");"
-        for d, t in attention_module.FWD_SM90_FP8_TILES.items()
+        f"static_assert(cuattn::FwdSm90Smem<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}, {size}>::kBytes == "
+        f"{t.smem_bytes(d, dv, size)}, \"{t} D = {d}, Dv = {dv}\");"
+        for d, dv, size, t in _every_hopper_forward_tile()
     ]
     sources = tmp_path / "sources"
     sources.mkdir()
