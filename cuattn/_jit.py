@@ -289,6 +289,11 @@ _SMEM_RE = re.compile(r"(\d+) bytes smem")
 _SERIALIZED_RE = re.compile(r"\(C75\d\d\) Potential Performance Loss: wgmma[^\n]*?function '([^'\n]+)'")
 
 
+def wgmma_serialized(log: str, lowered_name: str) -> bool:
+    """Whether a ptxas -v log says it serialised the wgmma of entry ``lowered_name``."""
+    return lowered_name in _SERIALIZED_RE.findall(log)
+
+
 def parse_resources(log: str, lowered_name: str) -> Resources | None:
     """Registers, stack, spills and static shared memory of one entry in a ptxas -v log; None when
     the log has no report for it."""
@@ -306,7 +311,7 @@ def parse_resources(log: str, lowered_name: str) -> Resources | None:
             spill_store_bytes=int(frame.group(2)) if frame else 0,
             spill_load_bytes=int(frame.group(3)) if frame else 0,
             static_smem_bytes=int(smem.group(1)) if smem else 0,
-            wgmma_serialized=lowered_name in _SERIALIZED_RE.findall(log),
+            wgmma_serialized=wgmma_serialized(log, lowered_name),
         )
     return None
 
@@ -332,8 +337,7 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
         meta = json.loads(meta_path.read_text())
         logger.debug("loaded %s for %s from %s", spec.name, arch, cubin_path)
         # (the serialised-wgmma flag from the cached log: entries written before it existed lack it)
-        resources = {**meta["resources"],
-                     "wgmma_serialized": meta["lowered_name"] in _SERIALIZED_RE.findall(meta["log"])}
+        resources = {**meta["resources"], "wgmma_serialized": wgmma_serialized(meta["log"], meta["lowered_name"])}
         return CompiledKernel(
             spec, arch, cubin_path, meta["lowered_name"], Resources(**resources), meta["log"], 0.0, True,
         )
