@@ -600,28 +600,42 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const int tid = threadIdx.x - wg * kWarpgroupThreads;
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
 
-  // Pingpong: consumer c issues its GEMMs after the other's turn ends; in each tile consumer 1
-  // lets 0 go first and skips its last pass, so every turn waited for is passed exactly once.
+  // Pingpong: consumer c issues its GEMMs after the other's turn ends. In each tile with key
+  // blocks consumer 1 lets 0 go first and skips its last pass, so every turn waited for is passed
+  // exactly once; a tile without key blocks takes no turn.
   const int other = 1 - c;
+  const auto open_turns = [&] {
+    if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
+  };
   const auto take_turn = [&] {
     if (PINGPONG) named_barrier_sync(kFwdSm90TurnBarrier + c, 2 * kWarpgroupThreads);
   };
-  const auto pass_turn = [&](bool last) {
-    if (PINGPONG && !(last && c == 1)) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
+  const auto pass_turn = [&](bool closing) {
+    if (PINGPONG && !(closing && c == 1)) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
   };
 
+  // What one tile's softmax and epilogue read: its work, descales and mask.
+  struct TileContext {
+    Work w;
+    int wg_m0;  // this warpgroup's first query row
+    float v_descale, softmax_scale, alibi;
+    const float* k_block_scale;
+    MaskParams mp;
+  };
   int loads = 0;  // K/V blocks consumed so far, as the producer counts them
   int tiles = 0;  // tiles taken from the ring so far
-  for (;;) {
+  // the next tile index from the ring (kFwdSm90NoTile: no more)
+  const auto take_tile = [&] {
     const int slot = tiles % kFwdSm90TileRing;
     mbarrier_wait(tile_full(slot), (tiles / kFwdSm90TileRing) & 1);
-    const int tile_index = tile_ring[slot];
+    const int index = tile_ring[slot];
     mbarrier_arrive(tile_empty(slot));
-    if (tile_index == kFwdSm90NoTile) break;
+    return index;
+  };
+  // the context of tile `tile_index`
+  const auto context_of = [&](int tile_index) {
     const Work w(p, tile_index, m_blocks);
-    const int blocks = w.blocks();
     const int wg_m0 = w.m0 + c * kWgmmaM;
-    const int row0 = wg_m0 + warp * 16;  // this warp's 16 rows
     // FP8 descales (1 for 16-bit inputs): q's and a per-tensor or per-head k's fold into the score
     // scale; a block-quantised k's multiplies each block's raw scores (k_block_scale)
     float qk_descale = 1.f, v_descale = 1.f;
@@ -647,237 +661,231 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // this head's ALiBi slope in the units of the scores add_alibi sees
     const float alibi =
         ALIBI ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale) : 0.f;
-    const int offset = w.seq.offset;
-    const auto diag_of = [=](int, int r) { return row0 + lane / 4 + 8 * r + offset; };
-    if (PINGPONG && c == 1) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
+    return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp};
+  };
 
-    Tile tile;
-    tile.init();
-    float (&s_acc)[S::kAccumulators] = reinterpret_cast<float (&)[S::kAccumulators]>(tile.s);
-    float (&o_acc)[O::kAccumulators] = reinterpret_cast<float (&)[O::kAccumulators]>(tile.o);
-    // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15, or 32 j .. 32 j + 31 in e4m3)
-    u32 pa[kPSteps][4];
+  Tile tile;
+  float (&s_acc)[S::kAccumulators] = reinterpret_cast<float (&)[S::kAccumulators]>(tile.s);
+  float (&o_acc)[O::kAccumulators] = reinterpret_cast<float (&)[O::kAccumulators]>(tile.o);
+  // P as wgmma A fragments (k step j: keys 16 j .. 16 j + 15, or 32 j .. 32 j + 31 in e4m3)
+  u32 pa[kPSteps][4];
 
-    const auto stage_of = [&](int i) { return (loads + i) % STAGES; };
-    const auto parity_of = [&](int i) { return ((loads + i) / STAGES) & 1; };
-    const auto issue_s = [&](int stage) {
-      // the first k step overwrites the accumulators: their old values are dead here
-      forget_registers(s_acc);
+  // the stage and phase of K/V block `load` (counted over the CTA's tiles)
+  const auto stage_at = [](int load) { return load % STAGES; };
+  const auto parity_at = [](int load) { return (load / STAGES) & 1; };
+  const auto issue_s = [&](int stage) {
+    // the first k step overwrites the accumulators: their old values are dead here
+    forget_registers(s_acc);
 #pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
-        S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
-                             [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, ks > 0);
-      wgmma_commit();
-    };
-    const auto issue_pv = [&](int stage) {
+    for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
+      S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
+                           [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, ks > 0);
+    wgmma_commit();
+  };
+  const auto issue_pv = [&](int stage) {
 #pragma unroll
-      for (int ks = 0; ks < kPSteps; ++ks) {
-        if constexpr (kFp8) {
-          O::template rs<0>(o_acc, pa[ks], [&](int col) { return kmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
-        } else {
-          O::template rs<1>(o_acc, pa[ks], [&](int col) { return mnmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
-        }
-      }
-      wgmma_commit();
-    };
-    // block i's scores (key block key_block<BOUNDED>(i)) ready for the softmax: a block-quantised
-    // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
-    // folds away)
-    const auto prepare_scores = [&](int i, float (&row_bias)[1][2]) {
-      const int n = w.template key_block<BOUNDED>(i);
-      const int n0 = n * BLOCK_N;
-      if (kFp8 && k_block_scale != nullptr) {
-        const float k_descale = k_block_scale[n * p.k_scale_block_stride];
-#pragma unroll
-        for (int e = 0; e < S::kAccumulators; ++e) s_acc[e] *= k_descale;
-      }
-      if (w.seq.template block_needs_mask<BLOCK_N>(wg_m0, kWgmmaM, n0, p.window_left, p.window_right)) {
-        tile.template cap_and_mask<true>(mp, diag_of, n0, lane);
-      } else {
-        tile.template cap_and_mask<false>(mp, diag_of, n0, lane);
-      }
-      row_bias[0][0] = row_bias[0][1] = 0.f;
-      if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return alibi; }, n0, lane, row_bias);
-    };
-    // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), the lazy max
-    // (no BOUNDED, and block 0): probabilities into the scores' registers; returns whether the
-    // output must be rescaled by `factor` (the caller does it once no GEMM adds into it) before
-    // to_fragments
-    const auto softmax = [&](int i, float (&factor)[1][2]) {
-      float row_bias[1][2];
-      prepare_scores(i, row_bias);
-      const bool moved = tile.move_max(softmax_scale, factor, row_bias);
-      tile.exponentiate(softmax_scale, row_bias);
-      return moved;
-    };
-    // OVERLAP with BOUNDED: block i's probabilities against the rows' running max as it stands,
-    // into the scores' registers while the previous PV GEMM reads P's, each row's sums into
-    // row_sums (not yet l). Returns whether this warp's sums keep the probabilities within the
-    // lazy bound (AttentionTile::softmax_to_fragments' test); a warp with a row that has seen no
-    // key moves its max at once (`moved`: rescale the output by `factor` once PV is done).
-    const auto softmax_bounded = [&](int i, float (&factor)[1][2], float (&row_sums)[1][2], bool& moved) {
-      float row_bias[1][2];
-      prepare_scores(i, row_bias);
-      moved = tile.any_row_empty();
-      if (moved) tile.move_max_now(softmax_scale, factor, row_bias);
-      tile.exponentiate(softmax_scale, row_bias, row_sums);
-      return moved || Tile::sums_within_bound(row_sums);
-    };
-    const auto to_fragments = [&] {
+    for (int ks = 0; ks < kPSteps; ++ks) {
       if constexpr (kFp8) {
-        tile.to_e4m3_fragments(pa);
+        O::template rs<0>(o_acc, pa[ks], [&](int col) { return kmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
       } else {
-        u32(&frag)[1][kPSteps][4] = reinterpret_cast<u32(&)[1][kPSteps][4]>(pa);
-        tile.to_fragments(frag);
-      }
-    };
-    // the softmax of block i when no GEMM runs (no OVERLAP, always BOUNDED): straight into P's
-    // fragments, the row max found only where the sums ask for it
-    // (AttentionTile::softmax_to_fragments: false when the scores must be computed again for its
-    // exact path)
-    const auto softmax_to_fragments = [&](int i, bool exact, float(&row_sums)[1][2]) {
-      float row_bias[1][2];
-      prepare_scores(i, row_bias);
-      const auto pack = [&](const float(&ref)[1][2], float(&sums)[1][2]) {
-        const auto probs = tile.probs_of(softmax_scale, ref, sums);
-        if constexpr (kFp8) {
-          Tile::e4m3_fragments_of(pa, probs);
-        } else {
-          Tile::template fragments_of<TOut>(reinterpret_cast<u32(&)[1][kPSteps][4]>(pa), probs);
-        }
-      };
-      return tile.softmax_to_fragments(softmax_scale, row_bias, pack, exact, row_sums);
-    };
-    // the last S GEMM of the tile has finished: Q may be refilled with the next tile's (unless
-    // the epilogue still stages O there)
-    const auto release_q = [&] {
-      if (Smem::kOwnO) mbarrier_arrive(q_empty);
-    };
-    // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
-    const auto recompute_s = [&](int i) {
-      wgmma_fence();
-      issue_s(stage_of(i));
-      wgmma_wait<0>();
-      fence_registers(s_acc);
-    };
-
-    mbarrier_wait(q_full, tiles & 1);
-    if (blocks > 0) {
-      if (OVERLAP) {
-        float factor[1][2];
-        // block 0: S alone
-        mbarrier_wait(k_full(stage_of(0)), parity_of(0));
-        take_turn();
-        wgmma_fence();
-        issue_s(stage_of(0));
-        pass_turn(false);
-        wgmma_wait<0>();
-        fence_registers(s_acc);
-        mbarrier_arrive(k_empty(stage_of(0)));
-        if (blocks == 1) release_q();
-        if (softmax(0, factor)) tile.rescale_output(factor);
-        to_fragments();
-        // block i's S with block i-1's PV; block i's softmax under PV
-        for (int i = 1; i < blocks; ++i) {
-          mbarrier_wait(k_full(stage_of(i)), parity_of(i));
-          mbarrier_wait(v_full(stage_of(i - 1)), parity_of(i - 1));
-          take_turn();
-          wgmma_fence(o_acc, pa);
-          issue_s(stage_of(i));
-          issue_pv(stage_of(i - 1));
-          pass_turn(false);
-          wgmma_wait<1>();
-          fence_registers(s_acc);
-          // K and Q stay until the bounded softmax knows it will not compute S again
-          const auto release_k = [&] {
-            mbarrier_arrive(k_empty(stage_of(i)));
-            if (i == blocks - 1) release_q();
-          };
-          if (!BOUNDED) release_k();
-          float row_sums[1][2];
-          bool moved;
-          const bool within = BOUNDED ? softmax_bounded(i, factor, row_sums, moved) : (moved = softmax(i, factor));
-          wgmma_wait<0>();
-          fence_registers(o_acc);
-          fence_registers(pa);
-          mbarrier_arrive(v_empty(stage_of(i - 1)));
-          if (moved) tile.rescale_output(factor);
-          if constexpr (BOUNDED) {
-            // a row's max grew past the bound somewhere in the warpgroup, which issues its GEMMs
-            // together: all four warps compute block i again and move every row's max to it.
-            // i opaque: the mask's per-column tests of the first pass are not kept live for this one
-            if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
-              recompute_s(i);
-              float row_bias[1][2];
-              prepare_scores(opaque(i), row_bias);
-              tile.move_max_now(softmax_scale, factor, row_bias);
-              tile.rescale_output(factor);
-              tile.exponentiate(softmax_scale, row_bias, row_sums);
-            }
-            tile.add_row_sums(row_sums);
-            release_k();
-          }
-          to_fragments();
-        }
-        // the last block's PV
-        mbarrier_wait(v_full(stage_of(blocks - 1)), parity_of(blocks - 1));
-        take_turn();
-        wgmma_fence(o_acc, pa);
-        issue_pv(stage_of(blocks - 1));
-        pass_turn(true);
-        wgmma_wait<0>();
-        fence_registers(o_acc);
-        fence_registers(pa);
-        mbarrier_arrive(v_empty(stage_of(blocks - 1)));
-      } else {
-        for (int i = 0; i < blocks; ++i) {
-          mbarrier_wait(k_full(stage_of(i)), parity_of(i));
-          // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
-          // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
-          for (bool exact = false;; exact = true) {
-            if (!exact) take_turn();
-            wgmma_fence();
-            issue_s(stage_of(i));
-            if (!exact) pass_turn(false);
-            wgmma_wait<0>();
-            fence_registers(s_acc);
-            // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant in
-            // this loop) ahead of the GEMM, where every block paid for them
-            float row_sums[1][2];
-            const bool done = softmax_to_fragments(opaque(i), exact, row_sums);
-            if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
-              tile.add_row_sums(row_sums);
-              break;
-            }
-          }
-          // Q and the stage's K are released after the softmax, which may read them again
-          mbarrier_arrive(k_empty(stage_of(i)));
-          if (i == blocks - 1) release_q();
-          mbarrier_wait(v_full(stage_of(i)), parity_of(i));
-          take_turn();
-          wgmma_fence(o_acc, pa);
-          issue_pv(stage_of(i));
-          pass_turn(i == blocks - 1);
-          wgmma_wait<0>();
-          fence_registers(o_acc);
-          fence_registers(pa);
-          mbarrier_arrive(v_empty(stage_of(i)));
-        }
-      }
-    } else {
-      release_q();
-      if (PINGPONG) {
-        // no key block: balance the turns the other warpgroup waits for
-        take_turn();
-        pass_turn(true);
+        O::template rs<1>(o_acc, pa[ks], [&](int col) { return mnmajor_descriptor<VTile>(sV(stage), col, ks); }, 1);
       }
     }
-    loads += blocks;
-    ++tiles;
-
-    // ---- epilogue: normalise, stage this warpgroup's 64 rows in its rows of the O tile, then
-    // 16-byte stores of whole rows. The barrier first: the warpgroup's stores of the previous
-    // tile still read those rows.
+    wgmma_commit();
+  };
+  // block i's scores (key block key_block<BOUNDED>(i)) ready for the softmax: a block-quantised
+  // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
+  // folds away)
+  const auto prepare_scores = [&](const TileContext& x, int i, float (&row_bias)[1][2]) {
+    const int n = x.w.template key_block<BOUNDED>(i);
+    const int n0 = n * BLOCK_N;
+    if (kFp8 && x.k_block_scale != nullptr) {
+      const float k_descale = x.k_block_scale[n * p.k_scale_block_stride];
+#pragma unroll
+      for (int e = 0; e < S::kAccumulators; ++e) s_acc[e] *= k_descale;
+    }
+    const int diag0 = x.wg_m0 + warp * 16 + lane / 4 + x.w.seq.offset;  // this lane's first row's diagonal
+    const auto diag_of = [=](int, int r) { return diag0 + 8 * r; };
+    if (x.w.seq.template block_needs_mask<BLOCK_N>(x.wg_m0, kWgmmaM, n0, p.window_left, p.window_right)) {
+      tile.template cap_and_mask<true>(x.mp, diag_of, n0, lane);
+    } else {
+      tile.template cap_and_mask<false>(x.mp, diag_of, n0, lane);
+    }
+    row_bias[0][0] = row_bias[0][1] = 0.f;
+    const float slope = x.alibi;
+    if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return slope; }, n0, lane, row_bias);
+  };
+  // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), the lazy max
+  // (no BOUNDED, and block 0): probabilities into the scores' registers; returns whether the
+  // output must be rescaled by `factor` (the caller does it once no GEMM adds into it) before
+  // to_fragments
+  const auto softmax = [&](const TileContext& x, int i, float (&factor)[1][2]) {
+    float row_bias[1][2];
+    prepare_scores(x, i, row_bias);
+    const bool moved = tile.move_max(x.softmax_scale, factor, row_bias);
+    tile.exponentiate(x.softmax_scale, row_bias);
+    return moved;
+  };
+  // OVERLAP with BOUNDED: block i's probabilities against the rows' running max as it stands,
+  // into the scores' registers while the previous PV GEMM reads P's, each row's sums into
+  // row_sums (not yet l). Returns whether this warp's sums keep the probabilities within the
+  // lazy bound (AttentionTile::softmax_to_fragments' test); a warp with a row that has seen no
+  // key moves its max at once (`moved`: rescale the output by `factor` once PV is done).
+  const auto softmax_bounded = [&](const TileContext& x, int i, float (&factor)[1][2], float (&row_sums)[1][2],
+                                   bool& moved) {
+    float row_bias[1][2];
+    prepare_scores(x, i, row_bias);
+    moved = tile.any_row_empty();
+    if (moved) tile.move_max_now(x.softmax_scale, factor, row_bias);
+    tile.exponentiate(x.softmax_scale, row_bias, row_sums);
+    return moved || Tile::sums_within_bound(row_sums);
+  };
+  const auto to_fragments = [&] {
+    if constexpr (kFp8) {
+      tile.to_e4m3_fragments(pa);
+    } else {
+      u32(&frag)[1][kPSteps][4] = reinterpret_cast<u32(&)[1][kPSteps][4]>(pa);
+      tile.to_fragments(frag);
+    }
+  };
+  // the softmax of block i when no GEMM runs (no OVERLAP, always BOUNDED): straight into P's
+  // fragments, the row max found only where the sums ask for it
+  // (AttentionTile::softmax_to_fragments: false when the scores must be computed again for its
+  // exact path)
+  const auto softmax_to_fragments = [&](const TileContext& x, int i, bool exact, float(&row_sums)[1][2]) {
+    float row_bias[1][2];
+    prepare_scores(x, i, row_bias);
+    const auto pack = [&](const float(&ref)[1][2], float(&sums)[1][2]) {
+      const auto probs = tile.probs_of(x.softmax_scale, ref, sums);
+      if constexpr (kFp8) {
+        Tile::e4m3_fragments_of(pa, probs);
+      } else {
+        Tile::template fragments_of<TOut>(reinterpret_cast<u32(&)[1][kPSteps][4]>(pa), probs);
+      }
+    };
+    return tile.softmax_to_fragments(x.softmax_scale, row_bias, pack, exact, row_sums);
+  };
+  // the tile's last S GEMM has finished: Q may be refilled with the next tile's (unless the
+  // epilogue still stages O there)
+  const auto release_q = [&] {
+    if (Smem::kOwnO) mbarrier_arrive(q_empty);
+  };
+  // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
+  const auto recompute_s = [&](const TileContext& x, int i) {
+    wgmma_fence();
+    issue_s(stage_at(loads + i));
+    wgmma_wait<0>();
+    fence_registers(s_acc);
+  };
+  // OVERLAP: block 0's S GEMM alone (its first turn opens a segment) and its softmax
+  const auto first_block = [&](const TileContext& x) {
+    const int blocks = x.w.blocks();
+    float factor[1][2];
+    mbarrier_wait(k_full(stage_at(loads)), parity_at(loads));
+    open_turns();
+    take_turn();
+    wgmma_fence();
+    issue_s(stage_at(loads));
+    pass_turn(false);
+    wgmma_wait<0>();
+    fence_registers(s_acc);
+    mbarrier_arrive(k_empty(stage_at(loads)));
+    if (blocks == 1) release_q();
+    if (softmax(x, 0, factor)) tile.rescale_output(factor);
+    to_fragments();
+  };
+  // OVERLAP: blocks 1 .. blocks - 1, block i's S with block i-1's PV and block i's softmax under
+  // PV; the last block's PV is left to the caller
+  const auto overlapped_blocks = [&](const TileContext& x) {
+    const int blocks = x.w.blocks();
+    float factor[1][2];
+    for (int i = 1; i < blocks; ++i) {
+      const int load = loads + i;
+      mbarrier_wait(k_full(stage_at(load)), parity_at(load));
+      mbarrier_wait(v_full(stage_at(load - 1)), parity_at(load - 1));
+      take_turn();
+      wgmma_fence(o_acc, pa);
+      issue_s(stage_at(load));
+      issue_pv(stage_at(load - 1));
+      pass_turn(false);
+      wgmma_wait<1>();
+      fence_registers(s_acc);
+      // K and Q stay until the bounded softmax knows it will not compute S again
+      const auto release_k = [&] {
+        mbarrier_arrive(k_empty(stage_at(load)));
+        if (i == blocks - 1) release_q();
+      };
+      if (!BOUNDED) release_k();
+      float row_sums[1][2];
+      bool moved;
+      const bool within = BOUNDED ? softmax_bounded(x, i, factor, row_sums, moved) : (moved = softmax(x, i, factor));
+      wgmma_wait<0>();
+      fence_registers(o_acc);
+      fence_registers(pa);
+      mbarrier_arrive(v_empty(stage_at(load - 1)));
+      if (moved) tile.rescale_output(factor);
+      if constexpr (BOUNDED) {
+        // a row's max grew past the bound somewhere in the warpgroup, which issues its GEMMs
+        // together: all four warps compute block i again and move every row's max to it.
+        // i opaque: the mask's per-column tests of the first pass are not kept live for this one
+        if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
+          recompute_s(x, i);
+          float row_bias[1][2];
+          prepare_scores(x, opaque(i), row_bias);
+          tile.move_max_now(x.softmax_scale, factor, row_bias);
+          tile.rescale_output(factor);
+          tile.exponentiate(x.softmax_scale, row_bias, row_sums);
+        }
+        tile.add_row_sums(row_sums);
+        release_k();
+      }
+      to_fragments();
+    }
+  };
+  // no OVERLAP: every block's S, softmax and PV in turn; the last PV closes the segment
+  const auto plain_blocks = [&](const TileContext& x) {
+    const int blocks = x.w.blocks();
+    open_turns();
+    for (int i = 0; i < blocks; ++i) {
+      const int load = loads + i;
+      mbarrier_wait(k_full(stage_at(load)), parity_at(load));
+      // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
+      // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
+      for (bool exact = false;; exact = true) {
+        if (!exact) take_turn();
+        wgmma_fence();
+        issue_s(stage_at(load));
+        if (!exact) pass_turn(false);
+        wgmma_wait<0>();
+        fence_registers(s_acc);
+        // i opaque: left to itself the compiler hoists the mask's per-column tests (invariant in
+        // this loop) ahead of the GEMM, where every block paid for them
+        float row_sums[1][2];
+        const bool done = softmax_to_fragments(x, opaque(i), exact, row_sums);
+        if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
+          tile.add_row_sums(row_sums);
+          break;
+        }
+      }
+      // Q and the stage's K are released after the softmax, which may read them again
+      mbarrier_arrive(k_empty(stage_at(load)));
+      if (i == blocks - 1) release_q();
+      mbarrier_wait(v_full(stage_at(load)), parity_at(load));
+      take_turn();
+      wgmma_fence(o_acc, pa);
+      issue_pv(stage_at(load));
+      pass_turn(i == blocks - 1);
+      wgmma_wait<0>();
+      fence_registers(o_acc);
+      fence_registers(pa);
+      mbarrier_arrive(v_empty(stage_at(load)));
+    }
+  };
+  // ---- epilogue of tile x: normalise, stage this warpgroup's 64 rows in its rows of the O tile,
+  // then 16-byte stores of whole rows. The barrier first: the warpgroup's stores of the previous
+  // tile still read those rows.
+  const auto epilogue = [&](const TileContext& x) {
+    const Work& w = x.w;
     named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     const int g = lane / 4, t = lane % 4;
     const i64 lse_base = w.b * p.lse_batch_stride + w.h * p.lse_head_stride + w.seq.q_start;
@@ -886,7 +894,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       SoftmaxState& st = tile.state[0][r];
       st.l = quad_sum(st.l);  // the lanes' partial sums make the row's total
       const float sink_factor = p.sinks != nullptr ? st.add_sink(p.sinks[w.h] * kLog2e) : 1.f;
-      const float inv = st.inv_sum() * sink_factor * v_descale;
+      const float inv = st.inv_sum() * sink_factor * x.v_descale;
       const int row = c * kWgmmaM + warp * 16 + g + 8 * r;  // row within the tile
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM_V / 8; ++dt) {
@@ -899,16 +907,46 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // whole 16-byte chunks of the tile's rows; those past the call's Dv are padding
     constexpr int kChunksPerRow = HEAD_DIM_V * sizeof(TOut) / kCopyBytes;
     const int chunks = p.head_dim_v * static_cast<int>(sizeof(TOut)) / kCopyBytes;
-    TOut* o_ptr = p.out + w.b * p.o_batch_stride + (w.seq.q_start + wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
+    TOut* o_ptr =
+        p.out + w.b * p.o_batch_stride + (w.seq.q_start + x.wg_m0) * p.o_row_stride + w.h * p.o_head_stride;
 #pragma unroll
     for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
       const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-      if (wg_m0 + row < w.seq.seqlen_q && chunk < chunks) {
+      if (x.wg_m0 + row < w.seq.seqlen_q && chunk < chunks) {
         *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(TOut))) =
             *reinterpret_cast<const uint4*>(base + Smem::kO + OTile::chunk_offset(c * kWgmmaM + row, chunk));
       }
     }
     if (!Smem::kOwnO) mbarrier_arrive(q_empty);  // O was staged in Q's tile: read out now
+  };
+
+  for (int index = take_tile(); index != kFwdSm90NoTile; index = take_tile()) {
+    const TileContext x = context_of(index);
+    const int blocks = x.w.blocks();
+    mbarrier_wait(q_full, tiles & 1);
+    ++tiles;
+    tile.init();
+    if (blocks == 0) {
+      release_q();
+    } else if (OVERLAP) {
+      first_block(x);
+      overlapped_blocks(x);
+      // the last block's PV closes the segment
+      const int last = loads + blocks - 1;
+      mbarrier_wait(v_full(stage_at(last)), parity_at(last));
+      take_turn();
+      wgmma_fence(o_acc, pa);
+      issue_pv(stage_at(last));
+      pass_turn(true);
+      wgmma_wait<0>();
+      fence_registers(o_acc);
+      fence_registers(pa);
+      mbarrier_arrive(v_empty(stage_at(last)));
+    } else {
+      plain_blocks(x);
+    }
+    loads += blocks;
+    epilogue(x);
   }
 }
 
