@@ -1483,8 +1483,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 
 def _bwd_plan(plan: dict, varlen: bool = False):
     """The plan of an attention_backward or attention_varlen_backward call without sinks: new
-    gradients (zeroed where varlen leaves rows to no CTA) and workspace (delta, the zeroed dQ
-    accumulator and semaphores), the same launches."""
+    gradients (zeroed where varlen leaves rows to no CTA) and workspace (delta, the dQ accumulator,
+    zeroed for unordered reductions, and the zeroed semaphores), the same launches."""
 
     def finish(results, arrays):
         return results["dq"], results["dk"], results["dv"]
@@ -1620,8 +1620,11 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sh = -(-seqlen_q // tile.block_m)
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
-        dq_accum = zeros((tiles, tile.block_m * tile_dim), np.float32)
-        if bwd_ordered(tile, tile_dim, deterministic):
+        ordered = bwd_ordered(tile, tile_dim, deterministic)
+        # ordered: each part's first write stores, and the convert reads a part no write reached
+        # (semaphore 0) as zeros, so only the unordered reductions need a zeroed accumulator
+        dq_accum = (ctx.empty if ordered else zeros)((tiles, tile.block_m * tile_dim), np.float32)
+        if ordered:
             # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
             semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
             ticket = zeros((1,), np.int32)
@@ -1666,11 +1669,12 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         outputs = {name: (caller_shape(x), False, zeroed) for name, x, zeroed in
                    (("dq", q, varlen and (deterministic or tile.bulk_dq)), ("dk", k, varlen), ("dv", v, varlen))}
         outputs["delta"] = (tuple(lse.shape), True)
-        for field, role, array in (("dq_accum", "dq_accum", dq_accum), ("dq_semaphores", "semaphores", semaphores),
-                                   ("cta_ticket", "ticket", ticket)):
+        for field, role, array, zeroed in (("dq_accum", "dq_accum", dq_accum, semaphores is None),
+                                           ("dq_semaphores", "semaphores", semaphores, True),
+                                           ("cta_ticket", "ticket", ticket, True)):
             roles[field] = role
             if array is not None:  # int32 semaphores: zero bits either way
-                outputs[role] = ((int(array.size),), True, True)
+                outputs[role] = ((int(array.size),), True, zeroed)
         plan.update(bound=[], outputs=outputs)
 
     def run(spec, grid, maps=()):

@@ -570,8 +570,10 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // (the mask is a band); a CTA's rank there is key_block - first(m) (ascending) or last(m) -
 // key_block (dq_descending: a bounded right window side, e.g. causal, where the highest key
 // block reaches a query block first because it starts at its diagonal); a CTA reduces into each
-// tile part once. The issuing thread spins until the semaphore equals its rank, reduces, waits
-// for the writes to be performed and adds one. That thread is the consumer's dQ writer, so the
+// tile part once. The issuing thread spins until the semaphore equals its rank, reduces (rank 0
+// stores: the ordered accumulator is not zeroed, and a part whose semaphore is still 0 after the
+// kernel was visited by no key block, which the convert kernel reads as zeros), waits for the
+// writes to be performed and adds one. That thread is the consumer's dQ writer, so the
 // waits stall no GEMM unless the writer falls a whole step behind. Deadlock-free without
 // co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it only
 // ever waits on CTAs with smaller tickets, which were running before it and themselves only
@@ -835,17 +837,22 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
           int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
           const int part = c * kDqStages + e % kDqStages;
           mbarrier_wait(dq_full(part), (e / kDqStages) & 1);
+          int rank = 1;  // (unordered: every reduction adds into the zeroed accumulator)
           if constexpr (DQ_MODE == kBwdDqOrdered) {
             // rank among the key blocks that visit this query block (the range [first, last])
             const int first = max(0, m0 + pb.offset - pb.window_left) / BLOCK_N;
             const int last = min((pb.seqlen_k + BLOCK_N - 1) / BLOCK_N - 1,
                                  (m0 + BLOCK_M - 1 + pb.offset + pb.window_right) / BLOCK_N);
-            const int rank = p.dq_descending ? last - key_block : key_block - first;
+            rank = p.dq_descending ? last - key_block : key_block - first;
             if (!semaphore_wait_equal(sem, rank)) __trap();
             // the earlier reductions (released with the semaphore) come before ours
             fence_proxy_async_global();
           }
-          bulk_reduce_add_f32(dst, smem0 + Smem::kdQ + part * kPartBytes, kPartBytes);
+          // the first of the ordered writes stores the part: the accumulator is not zeroed
+          if (rank == 0)
+            bulk_store(dst, smem0 + Smem::kdQ + part * kPartBytes, kPartBytes);
+          else
+            bulk_reduce_add_f32(dst, smem0 + Smem::kdQ + part * kPartBytes, kPartBytes);
           bulk_commit();
           bulk_wait_read<0>();
           mbarrier_arrive(dq_empty(part));  // the consumer may stage into it again
@@ -1416,7 +1423,9 @@ bwd_convert_dq_kernel(const BwdParams<T> p) {
 // q's dtype: one CTA per (query block, sequence, query head), each thread two neighbouring
 // columns of a row per pass (a float2 of the tile, a 4-byte store of dq). Rows past the
 // sequence's end are left alone (varlen: the host zeroes dq), and so are a padded tile's columns
-// past D (tiles are HEAD_DIM wide).
+// past D (tiles are HEAD_DIM wide). Ordered reductions (dq_semaphores set): a part whose
+// semaphore is 0 got no reduction and was never written (the accumulator is not zeroed): its
+// dq is 0.
 constexpr int kConvertTileThreads = 256;
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
@@ -1432,8 +1441,14 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   const int m0 = blockIdx.x * BLOCK_M;
   if (m0 >= seq.seqlen_q) return;
   const i64 q_block0 = p.cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
-  const float* tile = p.dq_accum + (b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x) * (BLOCK_M * HEAD_DIM);
   const int rows = min(BLOCK_M, seq.seqlen_q - m0);
+  const i64 tile_index = b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x;
+  // bit `part`: the part holds reductions (a mask, not an array: no local memory)
+  u32 written = 0;
+#pragma unroll
+  for (int part = 0; part < bwd_sm90_dq_parts<HEAD_DIM>(); ++part)
+    if (p.dq_semaphores == nullptr || p.dq_semaphores[tile_index * kBwdSm90DqPartsMax + part] != 0) written |= 1u << part;
+  const float* tile = p.dq_accum + tile_index * (BLOCK_M * HEAD_DIM);
   // column pairs of the tile's rows, a compile-time count (so the index splits without a division
   // at run time); the pairs past the call's D are skipped
   for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
@@ -1443,7 +1458,7 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
     const int part = col / kDqCols, c = col % kDqCols;
     const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
     const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);
-    const float2 pair = *reinterpret_cast<const float2*>(tile + at);
+    const float2 pair = (written >> part) & 1u ? *reinterpret_cast<const float2*>(tile + at) : make_float2(0.f, 0.f);
     T* dst = p.dq + b * p.dq_sb + (seq.q_start + m0 + row) * p.dq_ss + h * p.dq_sh + col;
     *reinterpret_cast<u32*>(dst) = DType<T>::pack(pair.x * p.softmax_scale, pair.y * p.softmax_scale);
   }

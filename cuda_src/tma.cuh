@@ -139,6 +139,13 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, u32 smem, u32 b
                "r"(bytes)
                : "memory");
 }
+// cp.async.bulk copies `bytes` (same rules) from shared to global memory, in the same bulk
+// async-group as the reductions: the first reduction into a slot can store instead of adding to
+// zeros, so the slot needs no memset.
+__device__ __forceinline__ void bulk_store(float* gmem, u32 smem, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most N of this thread's bulk groups still read their shared source.
 template <int N>

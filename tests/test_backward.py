@@ -283,6 +283,37 @@ def test_backward_window_both_alignments(rng, lengths, deterministic):
     run_backward(rng, BF16, 2, lengths[0], lengths[1], 4, 2, 64, deterministic=deterministic, window=(37, 5))
 
 
+@pytest.fixture
+def poisoned_allocations():
+    """CuPy allocations filled with 0xFF bytes (float32 NaN) before the caller sees them, for the
+    length of the test: workspace a kernel reads before writing shows."""
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+
+    def malloc(size):
+        memory = pool.malloc(size)
+        cupy.cuda.runtime.memset(memory.ptr, 0xFF, size)
+        return memory
+
+    cupy.cuda.set_allocator(malloc)
+    yield
+    cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+    pool.free_all_blocks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(20, 0))], ids=["causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_on_poisoned_workspace(rng, poisoned_allocations, head_dim, options, deterministic):
+    """The ordered bulk dQ accumulator is not zeroed: each tile part's first reduction stores, and
+    the convert reads a part no key block reached as zeros. With Sq > Sk bottom-right, the first
+    Sq - Sk query rows see no key (three whole 64-row query blocks here), so their parts are
+    never written; every new array starts as NaN bytes, and dq must still match."""
+    run_backward(rng, BF16, 2, 333, 90, 4, 2, head_dim, deterministic=deterministic, **options)
+
+
 @pytest.mark.gpu
 def test_backward_strided_views_match_contiguous(rng):
     import cupy
