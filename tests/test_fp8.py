@@ -444,11 +444,11 @@ def outlier_inputs(rng, shape):
     return x + hit * rng.standard_normal(shape).astype(np.float32) * np.float32(OUTLIER_STD)
 
 
-def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None):
+def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None, p_scale=1.0):
     """The FP8 kernel's arithmetic in NumPy on real float64 q, k, v (B, S, H, D): exact scores
     (with ALiBi's bias for (Hq,) slopes), probabilities exp(s - rowmax) rounded to e4m3 for the PV
-    product, the row sums from the unrounded ones. The naive error of an FP8 forward, for the
-    tolerance and the RMSE bounds."""
+    product (as p_scale * p, divided back), the row sums from the unrounded ones. The naive error
+    of an FP8 forward, for the tolerance and the RMSE bounds."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
@@ -464,7 +464,7 @@ def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None):
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
-    p8 = p.astype(E4M3).astype(np.float64)
+    p8 = (p * p_scale).astype(E4M3).astype(np.float64) / p_scale
     out = np.einsum("bhij,bjhd->bihd", p8, vv) / np.where(l > 0, l, 1.0).transpose(0, 2, 1, 3)
     return out
 
@@ -648,18 +648,26 @@ def score_error_reach(q, k, v, causal, error):
 # of each case of test_fp8_forward_matches_the_reference: at most 0.91 of the budget at a factor
 # of 4 (median 0.16-0.35), and one unseeded draw (block scales, MQA, causal) reached 1.02 of it;
 # the outputs were bit-identical on the two D = 128 tiles compared. 5 leaves that tail room.
-FP8_NAIVE_FACTOR = 5.0
+# Over 96 draws on the H200 (tensor and per-head scales, D = 128, causal and not, bf16 and fp16
+# outputs) the kernel's error reached at most 1.61x the worst naive error over FP8_P_SCALES.
+FP8_NAIVE_FACTOR = 3.0
+# Scales P is rounded at in the naive emulations the budget takes the worst of: powers of two
+# apart from each other by less than one, so each rounds every probability differently (at 1
+# alone the row max rounds exactly, which the kernel's rows, scaled by their moved max, do not).
+FP8_P_SCALES = (1.0, 2.0 ** (1 / 3), 2.0 ** (2 / 3))
 
 
 def fp8_budget(real, out, causal, out_dtype, ref, alibi_slopes=None):
     """The tolerance of an FP8 forward: FP8_NAIVE_FACTOR x the naive FP8 error (fp8_emulated: the
     same inputs, P rounded to e4m3 once, exact otherwise) plus one unit of the output dtype, plus
     what the scores' accumulation error (fp8_score_error) reaches to first order
-    (score_error_reach). The kernel rounds P against a lazily moved max (probabilities up to 2^8
-    rather than 1: the same relative rounding), and in another order, so its errors are the naive
-    ones' kind, not the same values."""
-    naive = fp8_emulated(*real, causal=causal, alibi_slopes=alibi_slopes)
-    naive_err = float(np.abs(naive - ref).max())
+    (score_error_reach). The kernel rounds P against a lazily moved max, so each row's
+    probabilities are rounded at a scale exp(max - moved max) of its own, and in another order:
+    its errors are the naive ones' kind, not the same values. The naive error at scale 1 alone
+    (5x it was the budget) left the kernel above the budget in about one draw of 25 on the H200,
+    so the naive error is the worst over the scales of FP8_P_SCALES."""
+    naive_err = max(float(np.abs(fp8_emulated(*real, causal=causal, alibi_slopes=alibi_slopes, p_scale=c) - ref).max())
+                    for c in FP8_P_SCALES)
     scores = score_error_reach(*real, causal, fp8_score_error(real[0], real[1]))
     return error_budget(naive_err, out_dtype, FP8_NAIVE_FACTOR, float(np.abs(ref).max())) + scores
 
