@@ -1484,7 +1484,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 def _bwd_plan(plan: dict, varlen: bool = False):
     """The plan of an attention_backward or attention_varlen_backward call without sinks: new
     gradients (zeroed where varlen leaves rows to no CTA) and workspace (delta, the dQ accumulator,
-    zeroed for unordered reductions, and the zeroed semaphores), the same launches."""
+    which the preprocess zeroes where it must be, and the zeroed semaphores), the same launches."""
 
     def finish(results, arrays):
         return results["dq"], results["dk"], results["dv"]
@@ -1608,8 +1608,10 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     lse_contiguous, lse = lse.flags.c_contiguous, cupy.ascontiguousarray(lse)
     delta = ctx.empty(tuple(lse.shape), np.float32)  # [B, Hq, Sq] (varlen [1, Hq, total_q]), lse's layout
     # [B, Sq, Hq, D] fp32, summed by atomics; the deterministic path writes dq directly; bulk dQ:
-    # [tiles, BLOCK_M * tile D], each sequence's query blocks on their own tiles (flash_bwd.cu)
-    dq_accum = None if deterministic else zeros((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32)
+    # [tiles, BLOCK_M * tile D], each sequence's query blocks on their own tiles (flash_bwd.cu).
+    # The preprocess zeroes what atomics or unordered bulk reductions add into (dq_accum_zero_floats)
+    atomic = not deterministic and not tile.bulk_dq
+    dq_accum = ctx.empty((int(q.shape[0]), rows_q, num_heads, head_dim), np.float32) if atomic else None
     acc_tile_sb = acc_tile_sh = 0
     semaphores = ticket = None
     if tile.bulk_dq:
@@ -1623,11 +1625,13 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         ordered = bwd_ordered(tile, tile_dim, deterministic)
         # ordered: each part's first write stores, and the convert reads a part no write reached
         # (semaphore 0) as zeros, so only the unordered reductions need a zeroed accumulator
-        dq_accum = (ctx.empty if ordered else zeros)((tiles, tile.block_m * tile_dim), np.float32)
+        dq_accum = ctx.empty((tiles, tile.block_m * tile_dim), np.float32)
         if ordered:
             # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
             semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
             ticket = zeros((1,), np.int32)
+    # (float4 stores: D and the tiles' widths are multiples of 8)
+    zero_floats = int(dq_accum.size) if dq_accum is not None and semaphores is None else 0
     strides = {name: list(_arrays.element_strides(x)) for name, x in
                (("q", q), ("k", k), ("v", v), ("do", dout), ("o", out), ("dq", dq), ("dk", dk), ("dv", dv))}
     lse_s = list(_arrays.element_strides(lse)[:2])
@@ -1648,6 +1652,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         dq_semaphores=semaphores, cta_ticket=ticket,
         **{f"{name}_{axis}": stride[i] for name, stride in strides.items() for i, axis in enumerate(("sb", "ss", "sh"))},
         lse_sb=lse_s[0], lse_sh=lse_s[1], acc_sb=acc_sb, acc_tile_sb=acc_tile_sb, acc_tile_sh=acc_tile_sh,
+        dq_accum_zero_floats=zero_floats,
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         rows_q=rows_q, score_scale=score_scale, softcap_out=softcap_out,
         softmax_scale=1.0 / np.sqrt(head_dim) if scale is None else float(scale), window_left=left,
@@ -1669,7 +1674,8 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         outputs = {name: (caller_shape(x), False, zeroed) for name, x, zeroed in
                    (("dq", q, varlen and (deterministic or tile.bulk_dq)), ("dk", k, varlen), ("dv", v, varlen))}
         outputs["delta"] = (tuple(lse.shape), True)
-        for field, role, array, zeroed in (("dq_accum", "dq_accum", dq_accum, semaphores is None),
+        # (the accumulator is zeroed by the preprocess or needs no zeros: see zero_floats)
+        for field, role, array, zeroed in (("dq_accum", "dq_accum", dq_accum, False),
                                            ("dq_semaphores", "semaphores", semaphores, True),
                                            ("cta_ticket", "ticket", ticket, True)):
             roles[field] = role

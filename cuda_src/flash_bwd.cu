@@ -3,7 +3,8 @@
 // Given q, k, v, out, dout and the forward's natural-log lse, computes dq, dk, dv without an
 // N x N buffer: probabilities are recomputed tile by tile as P = exp(s - lse).
 //
-//   bwd_preprocess_kernel   delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]   (fp32)
+//   bwd_preprocess_kernel   delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]   (fp32);
+//                           zeroes the dQ accumulator where dQ is summed in no fixed order
 //   flash_bwd_kernel        one CTA per (key block, sequence, kv head): K and V of BLOCK_N keys
 //                           stay in shared memory, dK and dV accumulate in registers over every
 //                           query block of every query head of the kv head's group (so GQA sums
@@ -176,6 +177,13 @@ bwd_preprocess_kernel(const BwdParams<T> p) {
   // the row's lanes are consecutive and their count a power of two: a butterfly within them
   for (int offset = lanes / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
   if (live && lane % lanes == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
+  // The atomic and unordered bulk dQ sums add into dq_accum: zeroed here, in 16-byte stores over
+  // the whole grid, instead of by a memset launch of its own, the stores beside this kernel's
+  // loads (a multiple of 4 floats, 16-byte aligned: the host checks)
+  const i64 threads = static_cast<i64>(gridDim.x) * blockDim.x;
+  float4* dq_accum = reinterpret_cast<float4*>(p.dq_accum);
+  for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < p.dq_accum_zero_floats / 4; idx += threads)
+    dq_accum[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // The per-(b, head) geometry both recomputing kernels share: sequence offsets (varlen), lengths

@@ -164,6 +164,7 @@ struct BwdParams {
   i64 acc_sb;              // atomic dQ accumulator's batch stride (varlen: 0)
   i64 acc_tile_sb;         // bulk dQ: the tile accumulator's strides in tiles (varlen: acc_tile_sb 0)
   i64 acc_tile_sh;
+  i64 dq_accum_zero_floats;  // floats of dq_accum bwd_preprocess_kernel zeroes (unordered dQ sums), else 0
   int batch;               // sequences (varlen: len(cu_seqlens) - 1)
   int num_heads;
   int num_kv_heads;

@@ -6,6 +6,7 @@ Fresh random inputs every run; the forward's own out and lse feed the backward, 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -305,12 +306,27 @@ def poisoned_allocations():
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(20, 0))], ids=["causal", "window"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_on_poisoned_workspace(rng, poisoned_allocations, head_dim, options, deterministic):
-    """The ordered bulk dQ accumulator is not zeroed: each tile part's first reduction stores, and
-    the convert reads a part no key block reached as zeros. With Sq > Sk bottom-right, the first
-    Sq - Sk query rows see no key (three whole 64-row query blocks here), so their parts are
-    never written; every new array starts as NaN bytes, and dq must still match."""
+@pytest.mark.parametrize("dq_mode, head_dim", [(None, 32), (None, 64), (None, 128), ("atomic", 64), ("atomic", 128)],
+                         ids=["32", "64", "128", "atomic-64", "atomic-128"])
+def test_backward_on_poisoned_workspace(rng, request, poisoned_allocations, dq_mode, head_dim, options, deterministic):
+    """No dQ accumulator is zeroed by a memset: the ordered bulk one needs no zeros (each tile
+    part's first reduction stores, and the convert reads a part no key block reached as zeros),
+    and bwd_preprocess_kernel zeroes the ones atomics or unordered bulk reductions add into
+    (D = 32: the mma.sync kernels' atomics; "atomic": the sm_90a kernel's float4 atomics, forced).
+    With Sq > Sk bottom-right, the first Sq - Sk query rows see no key (three whole 64-row query
+    blocks here); every new array starts as NaN bytes, and dq must still match."""
+    if dq_mode is not None:
+        import contextlib
+
+        from cuattn import _jit
+        from cuattn.bench.cases import forced_bwd_dq_mode
+
+        attention_module = sys.modules["cuattn.attention"]
+        if attention_module.arch_family(_jit.target_arch()) != attention_module.SM90:
+            pytest.skip(f"the dQ modes are flash_bwd_sm90_kernel's, which needs sm_90a, this GPU is {_jit.target_arch()}")
+        stack = contextlib.ExitStack()
+        request.addfinalizer(stack.close)
+        stack.enter_context(forced_bwd_dq_mode(dq_mode))
     run_backward(rng, BF16, 2, 333, 90, 4, 2, head_dim, deterministic=deterministic, **options)
 
 
