@@ -179,7 +179,8 @@ bwd_preprocess_kernel(const BwdParams<T> p) {
   if (live && lane % lanes == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
   // The atomic and unordered bulk dQ sums add into dq_accum: zeroed here, in 16-byte stores over
   // the whole grid, instead of by a memset launch of its own, the stores beside this kernel's
-  // loads (a multiple of 4 floats, 16-byte aligned: the host checks)
+  // loads (its sizes are multiples of 8 floats, D and the tiles' widths; allocations 16-byte
+  // aligned)
   const i64 threads = static_cast<i64>(gridDim.x) * blockDim.x;
   float4* dq_accum = reinterpret_cast<float4*>(p.dq_accum);
   for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < p.dq_accum_zero_floats / 4; idx += threads)
