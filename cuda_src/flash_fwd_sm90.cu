@@ -771,11 +771,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (Smem::kOwnO) mbarrier_arrive(q_empty);
   };
   // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
-  const auto recompute_s = [&](const TileContext& x, int i) {
+  const auto recompute_s = [&](int i) {
     wgmma_fence();
     issue_s(stage_at(loads + i));
     wgmma_wait<0>();
     fence_registers(s_acc);
+  };
+  // K/V block `load`'s PV GEMM with nothing beside it, in its turn (`closing`: the tile's last)
+  const auto pv_alone = [&](int load, bool closing) {
+    mbarrier_wait(v_full(stage_at(load)), parity_at(load));
+    take_turn();
+    wgmma_fence(o_acc, pa);
+    issue_pv(stage_at(load));
+    pass_turn(closing);
+    wgmma_wait<0>();
+    fence_registers(o_acc);
+    fence_registers(pa);
+    mbarrier_arrive(v_empty(stage_at(load)));
   };
   // OVERLAP: block 0's S GEMM alone (its first turn opens a segment) and its softmax
   const auto first_block = [&](const TileContext& x) {
@@ -829,7 +841,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         // together: all four warps compute block i again and move every row's max to it.
         // i opaque: the mask's per-column tests of the first pass are not kept live for this one
         if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
-          recompute_s(x, i);
+          recompute_s(i);
           float row_bias[1][2];
           prepare_scores(x, opaque(i), row_bias);
           tile.move_max_now(x.softmax_scale, factor, row_bias);
@@ -870,15 +882,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       // Q and the stage's K are released after the softmax, which may read them again
       mbarrier_arrive(k_empty(stage_at(load)));
       if (i == blocks - 1) release_q();
-      mbarrier_wait(v_full(stage_at(load)), parity_at(load));
-      take_turn();
-      wgmma_fence(o_acc, pa);
-      issue_pv(stage_at(load));
-      pass_turn(i == blocks - 1);
-      wgmma_wait<0>();
-      fence_registers(o_acc);
-      fence_registers(pa);
-      mbarrier_arrive(v_empty(stage_at(load)));
+      pv_alone(load, i == blocks - 1);
     }
   };
   // ---- epilogue of tile x: normalise, stage this warpgroup's 64 rows in its rows of the O tile,
@@ -932,16 +936,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       first_block(x);
       overlapped_blocks(x);
       // the last block's PV closes the segment
-      const int last = loads + blocks - 1;
-      mbarrier_wait(v_full(stage_at(last)), parity_at(last));
-      take_turn();
-      wgmma_fence(o_acc, pa);
-      issue_pv(stage_at(last));
-      pass_turn(true);
-      wgmma_wait<0>();
-      fence_registers(o_acc);
-      fence_registers(pa);
-      mbarrier_arrive(v_empty(stage_at(last)));
+      pv_alone(loads + blocks - 1, true);
     } else {
       plain_blocks(x);
     }
