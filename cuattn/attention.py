@@ -224,31 +224,47 @@ FWD_SM90_PAGED_TILES = {
 }
 
 
-# Tiles for long key ranges, (from how many keys, tile): three consumer warpgroups (192 query
-# rows a tile, FlashAttention-3's D = 64 shape) without either overlap: 160 registers a
-# consumer against the two-warpgroup tile's 240 (too few for a second block's P), but a third
-# softmax under the others' GEMMs, and the softmax that skips the row max on most blocks
-# (`bounded`, which needs the GEMMs done). On the H200 (bf16, full / causal, BENCHMARKS.md
-# "Sixteenth session"): D = 64 465 / 389 TFLOP/s at 4k keys and 491 / 468 at 16k; D = 80 439 /
-# 388 and D = 96 530 / 446 at 4k against the two-warpgroup tile's 418 / 370 and 505 / 438; at 1k
-# the two-warpgroup tiles stay ahead (causal by 11-16%). D = 80 takes 112-key blocks and three
-# stages: at 128 keys (3-7% faster) its consumers spill. The intra-warpgroup overlap fits beside
-# 96-key blocks at D = 64, 80 and 96 (112 at D = 64): 6-25% slower at D = 64 and 96, and at
-# D = 80 within the runs' spread, slower with ALiBi ("Seventeenth session").
+@dataclasses.dataclass(frozen=True)
+class LongKeyTile:
+    """A Hopper tile for long key ranges: calls over at least ``keys`` keys a sequence take it
+    under a causal or window mask, and from ``unmasked_keys`` without one."""
+
+    keys: int
+    unmasked_keys: int
+    tile: FwdSm90Tile
+
+    def takes(self, seqlen_k: int, banded: bool) -> bool:
+        return seqlen_k >= (self.keys if banded else self.unmasked_keys)
+
+
+# Tiles for long key ranges: three consumer warpgroups (192 query rows a tile, FlashAttention-3's
+# D = 64 shape) without either overlap: 160 registers a consumer against the two-warpgroup
+# tile's 240 (too few for a second block's P), but a third softmax under the others' GEMMs, and
+# the softmax that skips the row max on most blocks (`bounded`, which needs the GEMMs done). On
+# the H200 (bf16, full / causal, BENCHMARKS.md "Sixteenth session"): D = 64 465 / 389 TFLOP/s at
+# 4k keys and 491 / 468 at 16k; D = 80 439 / 388 and D = 96 530 / 446 at 4k against the
+# two-warpgroup tile's 418 / 370 and 505 / 438. At 1k keys the two-warpgroup tiles stay ahead
+# under a causal mask (by 9-20%), and without a mask at D = 80 (by 18%); there D = 64 runs the
+# long tile 7% faster, and D = 96 level on dense calls (-2 to +5% across runs) but 7% faster on
+# ragged varlen ones ("Twentieth session"): those two take it from 1k keys without a mask. D = 80 takes 112-key blocks and three stages: at 128 keys (3-7% faster) its
+# consumers spill. The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96
+# (112 at D = 64): 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower
+# with ALiBi ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
-    (64, 64): (4096, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
-    (80, 80): (4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
-    (96, 96): (4096, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (64, 64): LongKeyTile(4096, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
+    (80, 80): LongKeyTile(4096, 4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
+    (96, 96): LongKeyTile(4096, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
 }
 
 
-def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0) -> FwdSm90Tile:
+def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0, banded: bool = True) -> FwdSm90Tile:
     """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
-    paged keys, over at most ``seqlen_k`` keys a sequence."""
+    paged keys, over at most ``seqlen_k`` keys a sequence, under a causal or window mask
+    (``banded``) or none."""
     if paged:
         return FWD_SM90_PAGED_TILES.get(dims) or FWD_SM90_TILES[dims]
-    long_keys, long_tile = FWD_SM90_LONG_TILES.get(dims, (None, None))
-    return long_tile if long_keys is not None and seqlen_k >= long_keys else FWD_SM90_TILES[dims]
+    long = FWD_SM90_LONG_TILES.get(dims)
+    return long.tile if long is not None and long.takes(seqlen_k, banded) else FWD_SM90_TILES[dims]
 
 
 # ptxas options of every flash_fwd_sm90_kernel variant. At ptxas's default -O3 (CUDA 13.0) some
@@ -388,7 +404,7 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        dense = list(FWD_SM90_TILES.items()) + [(dims, tile) for dims, (_, tile) in FWD_SM90_LONG_TILES.items()]
+        dense = list(FWD_SM90_TILES.items()) + [(dims, long.tile) for dims, long in FWD_SM90_LONG_TILES.items()]
         forward += [fwd_sm90_spec(dtype, *dims, tile, alibi=alibi) for dtype in _arrays.CUDA_TYPES
                     for dims, tile in dense for alibi in (False, True)]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
@@ -964,6 +980,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     if seqlen_q == 0 or batch == 0 or num_heads == 0:
         return None
     arch = _jit.target_arch()
+    banded = causal or window != (-1, -1)  # a causal or window mask: tiles differ in cost
     maps = ()
     sm90_dims = None  # the Hopper tile's (D, Dv)
     copy_pages = False  # paged keys the Hopper kernel copies row by row
@@ -976,7 +993,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif tile is None or isinstance(tile, FwdSm90Tile):
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
-        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k)
+        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded)
         # paged keys: rows copied by the producer warpgroup, or boxes of one page (or BLOCK_N rows
         # of a longer one)
         copy_pages = paged is not None and sm90_tile is not None and paged_keys_by_copy(paged.block_size,
@@ -1029,7 +1046,6 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         schedule = FWD_SM90_SCHEDULE if schedule is None else schedule
         if schedule not in FWD_SM90_SCHEDULES:
             raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {schedule!r}")
-        banded = causal or window != (-1, -1)
         if schedule == "auto":
             schedule = "dynamic" if banded or cu_seqlens_q is not None else "static"
         dynamic = schedule == "dynamic"

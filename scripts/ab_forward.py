@@ -84,11 +84,11 @@ def main() -> None:
     args = parser.parse_args()
     long_tiles = dict(attention_module.FWD_SM90_LONG_TILES)
     if args.long_tiles_from_0:
-        long_tiles = {dims: (0, tile) for dims, (_, tile) in long_tiles.items()}
+        long_tiles = {dims: attention_module.LongKeyTile(0, 0, long.tile) for dims, long in long_tiles.items()}
     if args.d80_tile:
         block_n, stages = (int(x) for x in args.d80_tile.split("/"))
-        keys, _ = long_tiles[80, 80]
-        long_tiles[80, 80] = (keys, attention_module.FwdSm90Tile(block_n, 3, stages, overlap=False, pingpong=False))
+        long_tiles[80, 80] = dataclasses.replace(long_tiles[80, 80], tile=attention_module.FwdSm90Tile(
+            block_n, 3, stages, overlap=False, pingpong=False))
     attention_module.FWD_SM90_LONG_TILES = long_tiles
     if args.unbounded:
         attention_module.FWD_SM90_TILES = {

@@ -430,8 +430,8 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     masks, ALiBi, GQA, varlen, lengths off every tile; the log names the tile."""
     if fwd_kernel != "sm90":
         pytest.skip("a flash_fwd_sm90_kernel tile")
-    tile = attention_module.FWD_SM90_LONG_TILES[d, d][1]
-    monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES", {(d, d): (0, tile)})
+    tile = attention_module.FWD_SM90_LONG_TILES[d, d].tile
+    monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES", {(d, d): attention_module.LongKeyTile(0, 0, tile)})
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
@@ -440,6 +440,38 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
     _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
+
+
+def _forward_kernel_logged(caplog, *args, **kwargs) -> str:
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        caplog.clear()
+        cuattn.attention(*args, **kwargs)
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    assert chosen, caplog.records
+    return chosen[-1]
+
+
+@pytest.mark.parametrize("d", sorted(d for (d, _), long in attention_module.FWD_SM90_LONG_TILES.items()
+                                     if long.unmasked_keys < long.keys))
+def test_unmasked_calls_take_the_long_tile_from_fewer_keys(rng, caplog, fwd_kernel, d):
+    """Without a causal or window mask D = 64 and 96 take their long-key tile from
+    LongKeyTile.unmasked_keys keys; masked calls of the same length keep the default tile."""
+    if fwd_kernel != "sm90":
+        pytest.skip("a flash_fwd_sm90_kernel tile")
+    long = attention_module.FWD_SM90_LONG_TILES[d, d]
+    n = long.unmasked_keys
+    cupy = _cupy()
+    q, k, v = (cupy.asarray(randn(rng, (1, n, 2, d), DTYPES[0])) for _ in range(3))
+
+    def tile_of(tile):
+        flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
+        return f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags},"
+
+    assert tile_of(long.tile) in _forward_kernel_logged(caplog, q, k, v)
+    short = tile_of(attention_module.FWD_SM90_TILES[d, d])
+    assert short in _forward_kernel_logged(caplog, q, k, v, causal=True)
+    assert short in _forward_kernel_logged(caplog, q, k, v, window=(n // 2, 0))
+    assert short in _forward_kernel_logged(caplog, q[:, :n - 1], k[:, :n - 1], v[:, :n - 1])
 
 
 @pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
@@ -455,7 +487,8 @@ def test_rising_scores_move_the_row_max(rng, monkeypatch, fwd_kernel, tiles, ris
         if fwd_kernel != "sm90":
             pytest.skip("flash_fwd_sm90_kernel's long-key tiles")
         monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
-                            {pair: (0, tile) for pair, (_, tile) in attention_module.FWD_SM90_LONG_TILES.items()})
+                            {pair: attention_module.LongKeyTile(0, 0, long.tile)
+                             for pair, long in attention_module.FWD_SM90_LONG_TILES.items()})
         dims = sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES)
     for d in dims:
         for dtype, causal in ((DTYPES[0], False), (DTYPES[1], True)):

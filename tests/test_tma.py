@@ -103,16 +103,19 @@ def test_tiles_without_the_overlap_take_the_bounded_softmax():
         attention_module.FwdSm90Tile(128, 3, 3, overlap=False, bounded=False)
 
 
-def test_long_key_ranges_take_their_tile_from_their_length():
-    for dims, (keys, tile) in attention_module.FWD_SM90_LONG_TILES.items():
-        assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys - 1) == attention_module.FWD_SM90_TILES[dims]
-        assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys) == tile
-        # paged prefill keeps its own tile at every length
-        assert attention_module.fwd_sm90_tile(dims, paged=True, seqlen_k=keys) == attention_module.fwd_sm90_tile(
-            dims, paged=True)
+def test_long_key_ranges_take_their_tile_from_their_length_and_mask():
+    for dims, long in attention_module.FWD_SM90_LONG_TILES.items():
+        assert long.unmasked_keys <= long.keys
+        short = attention_module.FWD_SM90_TILES[dims]
+        for banded, keys in ((True, long.keys), (False, long.unmasked_keys)):
+            assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys - 1, banded=banded) == short
+            assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=banded) == long.tile
+            # paged prefill keeps its own tile at every length
+            assert attention_module.fwd_sm90_tile(dims, paged=True, seqlen_k=keys, banded=banded) == \
+                attention_module.fwd_sm90_tile(dims, paged=True)
         names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
         for alibi in (False, True):
-            assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, tile, alibi=alibi).name in names
+            assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, long.tile, alibi=alibi).name in names
 
 
 def test_each_hopper_tile_has_alibi_and_paged_variants():
@@ -175,7 +178,7 @@ def _every_hopper_forward_tile():
     """(D, Dv, bytes of an input element, tile) of every table the Hopper forward reads."""
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_TILES.items())
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_PAGED_TILES.items())
-    yield from ((d, dv, 2, t) for (d, dv), (_, t) in attention_module.FWD_SM90_LONG_TILES.items())
+    yield from ((d, dv, 2, long.tile) for (d, dv), long in attention_module.FWD_SM90_LONG_TILES.items())
     yield from ((d, d, 1, t) for d, t in attention_module.FWD_SM90_FP8_TILES.items())
 
 
