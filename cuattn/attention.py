@@ -1057,9 +1057,15 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
                                        else np.dtype(q.dtype).itemsize)
     else:
         grid = (m_blocks, *_split_grid(bh))
+    # dense calls on the Hopper kernel store O through the TMA where out's strides allow (the
+    # kernel does so where O has a tile of its own; packed rows past a sequence belong to the next)
+    o_map = _out_map(out) if isinstance(tile, FwdSm90Tile) and cu_seqlens_q is None and paged is None else None
+    if o_map is not None:
+        maps = (*maps, o_map)
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
     params = _params.pack(
-        "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map, v_row_map=no_map,
+        "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map, v_row_map=no_map, o_map=no_map,
+        o_by_tma=int(o_map is not None),
         q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
         **(fp8 or Fp8Args()).fields(),
         alibi_slopes=alibi[0], alibi_batch_stride=alibi[1],
@@ -1152,6 +1158,17 @@ def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | No
             return ()
         maps.append((f"{field}_map", "v" if field == "v_row" else field, layout))
     return tuple(maps)
+
+
+def _out_map(out):
+    """flash_fwd_sm90_kernel's TMA view of a dense out [B, Sq, Hq, Dv] for its epilogue's stores:
+    4-D (Dv, Sq, Hq, B) in boxes of one consumer's rows by one 128-byte row of columns, as the
+    ("o_map", "out", layout) entry of the launch's maps; None when the TMA cannot write that view."""
+    b, s, h, d = map(int, out.shape)
+    sb, ss, sh, sd = _arrays.element_strides(out)
+    box_cols = _params.constant("kSwizzleRowBytes") // out.dtype.itemsize
+    layout = _tma.MapLayout.of(out.dtype, (d, s, h, b), (sd, ss, sh, sb), (box_cols, _params.constant("kWgmmaM"), 1, 1))
+    return None if layout is None else ("o_map", "out", layout)
 
 
 # grid.y and grid.z are limited to 65535 each; B * H beyond that folds into grid.z.

@@ -886,10 +886,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
   };
   // ---- epilogue of tile x: normalise, stage this warpgroup's 64 rows in its rows of the O tile,
-  // then 16-byte stores of whole rows. The barrier first: the warpgroup's stores of the previous
-  // tile still read those rows.
+  // then store them. The barrier first: the warpgroup's stores of the previous tile still read
+  // those rows. Two ways out of shared memory:
+  //   o_by_tma (p.o_by_tma: a dense out the TMA can write; O in a tile of its own): every thread
+  //     fences its staging writes for the async proxy, and after the warpgroup's barrier thread 0
+  //     stores one [64 rows, 64 columns] box per panel through o_map, as one bulk group; rows
+  //     past Sq and columns past Dv lie outside the map and are not written. The next epilogue
+  //     waits until the group has read the rows, the kernel's end until it has written them.
+  //   otherwise 16-byte stores of whole rows by every thread, those past the sequence or Dv
+  //     skipped (varlen and paged rows past a sequence belong to the next one).
+  const bool o_by_tma = Smem::kOwnO && p.o_by_tma != 0;
+  constexpr int kOPanels = panel_cols(HEAD_DIM_V) / kSwizzlePanelCols;
+  constexpr int kOBoxCols = kSwizzleRowBytes / static_cast<int>(sizeof(TOut));
   const auto epilogue = [&](const TileContext& x) {
     const Work& w = x.w;
+    if (o_by_tma && tid == 0) bulk_wait_read<0>();
     named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     const int g = lane / 4, t = lane % 4;
     const i64 lse_base = w.b * p.lse_batch_stride + w.h * p.lse_head_stride + w.seq.q_start;
@@ -906,6 +917,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         *reinterpret_cast<u32*>(base + Smem::kO + OTile::offset(row, dt * 8 + 2 * t)) = packed;
       }
       if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
+    }
+    if (o_by_tma) {
+      fence_proxy_async();
+      named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
+      if (tid == 0) {
+        const u32 rows = smem0 + Smem::kO + c * kWgmmaM * kSwizzleRowBytes;
+#pragma unroll
+        for (int panel = 0; panel < kOPanels; ++panel)
+          tma_store_4d(&p.o_map, rows + panel * OTile::kPanelBytes, panel * kOBoxCols, x.wg_m0, w.h, w.b);
+        bulk_commit();
+      }
+      return;
     }
     named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     // whole 16-byte chunks of the tile's rows; those past the call's Dv are padding
@@ -943,6 +966,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     loads += blocks;
     epilogue(x);
   }
+  if (o_by_tma && tid == 0) bulk_wait<0>();  // the last O stores are written before the CTA exits
 }
 
 // ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,

@@ -72,6 +72,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
       : "memory");
 }
 
+// One 4-D box from shared address `src` to coordinates (c0 innermost .. c3) of the map's tensor,
+// as a bulk async-group operation of the issuing thread (bulk_commit, bulk_wait_read below).
+// The TMA writes only the box's elements inside the tensor: rows and columns past its dims are
+// dropped.
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 // Dynamic shared memory one CTA may have on sm_90 (227 KB): both Hopper kernels size their stages by it.
 constexpr int kSm90MaxSmem = 232448;
 constexpr int kRegistersPerSm = 65536;  // the register file a CTA of one per SM shares out

@@ -314,6 +314,30 @@ def test_strided_bhsd_views_without_copy(rng):
     assert cupy.array_equal(sliced, ref)
 
 
+@pytest.mark.parametrize("d", [64, 72, 128, 256])
+def test_out_views_are_written_inside_the_view_only(rng, d):
+    """out= a view of a larger NaN-filled buffer (more rows, more columns): the view holds the
+    result and the rest of the buffer stays NaN. On the Hopper kernel dense calls store O through
+    a tensor map of the view (rows past Sq and columns past Dv outside it; D = 72 clips inside a
+    64-column box, D = 256 stages O in Q's tile and keeps the 16-byte stores); lengths off every
+    tile, two batches, GQA."""
+    cupy = _cupy()
+    b, sq, sk, hq, hk = 2, 200, 333, 4, 2
+    q = randn(rng, (b, sq, hq, d), DTYPES[0])
+    k, v = (randn(rng, (b, sk, hk, d), DTYPES[0]) for _ in range(2))
+    buffer = cupy.full((b, sq + 9, hq, d + 8), np.nan, dtype=DTYPES[0])
+    out = buffer[:, :sq, :, :d]
+    for causal in (False, True):
+        got = cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=causal, out=out)
+        assert got is out
+        ref = reference.attention(q, k, v, causal=causal)
+        naive = reference.naive_attention_lowp(q, k, v, dtype=DTYPES[0], causal=causal)
+        err = np.abs(got.get().astype(np.float64) - ref).max()
+        assert err <= error_budget(np.abs(naive - ref).max(), DTYPES[0], 2.0, np.abs(ref).max()), err
+        outside = buffer.get()
+        assert np.isnan(outside[:, sq:]).all() and np.isnan(outside[..., d:]).all(), "written outside the view"
+
+
 def test_many_heads_beyond_grid_limit(rng):
     """B * H > 65535 folds into grid.z; every head still gets its own result."""
     cupy = _cupy()

@@ -98,6 +98,16 @@ def test_paged_maps_view_the_pages_and_read_v_row_by_row_too():
     assert {pointer for pointer, _ in maps.values()} == {"q", "k", "v"}
 
 
+def test_out_map_views_dense_out_in_boxes_of_a_consumers_rows():
+    out = np.zeros((2, 200, 4, 72), BF16)
+    field, pointer, found = attention_module._out_map(out)
+    assert (field, pointer) == ("o_map", "out")
+    assert found.dims == (72, 200, 4, 2) and found.strides == (1, 288, 72, 200 * 288)
+    assert found.box == (64, _params.constant("kWgmmaM"), 1, 1)
+    # a row of 68 bf16 (136 bytes) is no multiple of 16 bytes: the epilogue's own stores take it
+    assert attention_module._out_map(np.zeros((1, 64, 1, 68), BF16)[..., :64]) is None
+
+
 def test_tiles_without_the_overlap_take_the_bounded_softmax():
     with pytest.raises(ValueError, match=r"bounded=False needs overlap=True .*overlap=False"):
         attention_module.FwdSm90Tile(128, 3, 3, overlap=False, bounded=False)
