@@ -1160,15 +1160,21 @@ def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | No
     return tuple(maps)
 
 
+def _row_map(field: str, role: str, x, rows: int):
+    """A launch's tensor map entry ``(field, role, layout)`` viewing x [B, S, H, D] as 4-D
+    (D, S, H, B) in boxes of [rows, one 128-byte panel]; None when the TMA cannot take that view
+    (a byte stride that is not a multiple of 16, an empty axis)."""
+    b, s, h, d = map(int, x.shape)
+    sb, ss, sh, sd = _arrays.element_strides(x)
+    box = (_params.constant("kSwizzleRowBytes") // x.dtype.itemsize, rows, 1, 1)
+    layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), box)
+    return None if layout is None else (field, role, layout)
+
+
 def _out_map(out):
-    """flash_fwd_sm90_kernel's TMA view of a dense out [B, Sq, Hq, Dv] for its epilogue's stores:
-    4-D (Dv, Sq, Hq, B) in boxes of one consumer's rows by one 128-byte row of columns, as the
-    ("o_map", "out", layout) entry of the launch's maps; None when the TMA cannot write that view."""
-    b, s, h, d = map(int, out.shape)
-    sb, ss, sh, sd = _arrays.element_strides(out)
-    box_cols = _params.constant("kSwizzleRowBytes") // out.dtype.itemsize
-    layout = _tma.MapLayout.of(out.dtype, (d, s, h, b), (sd, ss, sh, sb), (box_cols, _params.constant("kWgmmaM"), 1, 1))
-    return None if layout is None else ("o_map", "out", layout)
+    """flash_fwd_sm90_kernel's TMA view of a dense out [B, Sq, Hq, Dv] for its epilogue's stores, in
+    boxes of one consumer's rows (the launch's "o_map" entry); None when the TMA cannot write it."""
+    return _row_map("o_map", "out", out, _params.constant("kWgmmaM"))
 
 
 # grid.y and grid.z are limited to 65535 each; B * H beyond that folds into grid.z.
@@ -1677,10 +1683,16 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
     # an unbounded window side becomes a bound past every key and query the kernels compute
     left, right = _masks.window_bounds(causal, window, seqlen_q + seqlen_k + tile.block_n)
+    # dense calls with bulk dQ store dK and dV through the TMA where their strides allow (the
+    # kernel does so at the head dims whose dQ staging parts hold them; packed rows past a
+    # sequence belong to the next)
+    dkv_maps = _dkv_maps(dk, dv) if maps and tile.bulk_dq and not varlen else ()
+    maps = (*maps, *dkv_maps)
     # one BwdParams for every launch of the call (flash_bwd.cu)
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the main kernel's launch (maps)
     params = _params.pack(
-        "BwdParams", q_map=no_map, k_map=no_map, v_map=no_map, do_map=no_map, q=q, k=k, v=v, out=out, dout=dout, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv,
+        "BwdParams", q_map=no_map, k_map=no_map, v_map=no_map, do_map=no_map, dk_map=no_map, dv_map=no_map,
+        dkv_by_tma=int(bool(dkv_maps)), q=q, k=k, v=v, out=out, dout=dout, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi[0], alibi_sb=alibi[1],
         dq_semaphores=semaphores, cta_ticket=ticket,
         **{f"{name}_{axis}": stride[i] for name, stride in strides.items() for i, axis in enumerate(("sb", "ss", "sh"))},
@@ -1753,17 +1765,19 @@ def _bwd_maps(q, k, v, dout, tile: BwdTile):
     128-byte panel], k and v in boxes of [tile.block_n rows, one panel], all 4-D (D, S, H, B)
     of the [B, S, H, D] views; () when one of them cannot be read that way (a byte stride that is
     not a multiple of 16)."""
-    panel_bytes = _params.constant("kSwizzleRowBytes")
-    maps = []
-    for field, role, x, rows in (("q_map", "q", q, tile.block_m), ("k_map", "k", k, tile.block_n),
-                                 ("v_map", "v", v, tile.block_n), ("do_map", "dout", dout, tile.block_m)):
-        b, s, h, d = map(int, x.shape)
-        sb, ss, sh, sd = _arrays.element_strides(x)
-        layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel_bytes // x.dtype.itemsize, rows, 1, 1))
-        if layout is None:
-            return ()
-        maps.append((field, role, layout))
-    return tuple(maps)
+    maps = tuple(_row_map(field, role, x, rows) for field, role, x, rows in (
+        ("q_map", "q", q, tile.block_m), ("k_map", "k", k, tile.block_n), ("v_map", "v", v, tile.block_n),
+        ("do_map", "dout", dout, tile.block_m)))
+    return () if None in maps else maps
+
+
+def _dkv_maps(dk, dv):
+    """flash_bwd_sm90_kernel's TMA views of dense dk and dv [B, Sk, Hk, D] for its final stores, in
+    boxes of one consumer's 64 keys (the launch's "dk_map" and "dv_map" entries); () when the TMA
+    cannot write either."""
+    rows = _params.constant("kWgmmaM")
+    maps = (_row_map("dk_map", "dk", dk, rows), _row_map("dv_map", "dv", dv, rows))
+    return () if None in maps else maps
 
 
 def _sink_grads(sinks, lse, delta):

@@ -588,9 +588,19 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // ever waits on CTAs with smaller tickets, which were running before it and themselves only
 // wait on smaller tickets.
 //
-// Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; the rest are mbarriers.
-// A consumer rewrites a dQ staging part only after its writer has seen the part's previous
-// reduction read it (bulk_wait_read, then dq_empty).
+// dK and dV through the TMA (kBwdSm90DkvByTma<D, DQ_MODE>, and p.dkv_by_tma: dense dk and dv the
+// TMA can write). At the end a consumer's own dQ staging parts hold its 64 rows of dK (times the
+// softmax scale) and dV as two swizzled [64, D] tiles, once its writer has read its last staged
+// parts out; thread 0 of the consumer then stores them with one box per panel and tensor (rows
+// past Sk and columns past D or Dv lie outside the maps). Otherwise, and for varlen (rows past a
+// sequence belong to the next), 32-bit stores from the accumulators: scattered over eight rows
+// per instruction, they kept the store queue full for 5-9% of the kernel's warp time at N = 1k
+// (ncu, BENCHMARKS.md "Twentieth session").
+//
+// Barriers: 0 (__syncthreads) once, after the mbarriers are initialised; consumer c's own
+// kBwdSm90ConsumerBarrier + c before its dK and dV stores; the rest are mbarriers. A consumer
+// rewrites a dQ staging part only after its writer has seen the part's previous reduction read it
+// (bulk_wait_read, then dq_empty).
 constexpr int kBwdSm90BlockN = 128;
 constexpr int kBwdSm90Consumers = 2;
 // Wide tiles (D above this) split dK and dV by columns: 64 keys x D of both would not fit a
@@ -620,6 +630,7 @@ constexpr int kBwdDqAtomic = 1;
 constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
+constexpr int kBwdSm90ConsumerBarrier = 1;  // + c: consumer c's named barrier
 
 // Who computes dQ (always over all BLOCK_N keys): at D = 128 both consumers, each half of D; at
 // D = 64, 80 and 96 the consumers take the steps in turn, each the whole of D (a half of 32, 40
@@ -635,6 +646,15 @@ __host__ __device__ constexpr int bwd_sm90_dq_cols() {
 // parts of a bulk dQ tile (HEAD_DIM / kDqCols)
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_parts() { return HEAD_DIM / bwd_sm90_dq_cols<HEAD_DIM>(); }
+
+// Whether the consumers can stage dK and dV in their bulk dQ parts for the TMA: a bulk dQ mode and
+// two [64, D] tiles within a consumer's parts (D = 64 and 128; the single 24 KB part of D = 80
+// and 96 holds one).
+template <int HEAD_DIM, int DQ_MODE, int DQ_STAGE_BYTES>
+__host__ __device__ constexpr bool bwd_sm90_dkv_by_tma() {
+  return (DQ_MODE == kBwdDqBulk || DQ_MODE == kBwdDqOrdered) && !bwd_sm90_wide<HEAD_DIM>() &&
+         2 * SwizzledTile<kWgmmaM, panel_cols(HEAD_DIM)>::kBytes <= DQ_STAGE_BYTES;
+}
 
 // dst[0..3] += v (dst 16-byte aligned): Hopper's vector atomic, a quarter of the scalar operations.
 __device__ __forceinline__ void atomic_add_quad(float* dst, float4 v) {
@@ -728,6 +748,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   constexpr int kDqPartFloats = BLOCK_M * kDqCols;
   static_assert(kDqPartFloats == DQ::kAccumulators * kWarpgroupThreads, "a part is one warpgroup's accumulators");
   constexpr int kDqStages = Smem::kDqStages;
+  // dK and dV leave through the TMA from the consumer's dQ parts (above the kernel)
+  constexpr bool kDkvByTma = bwd_sm90_dkv_by_tma<HEAD_DIM, DQ_MODE, kDqStages * Smem::kDqPartBytes>();
+  using KvTile = SwizzledTile<kWgmmaM, panel_cols(HEAD_DIM)>;  // a consumer's dK or dV [64, D], staged
+  static_assert(!kDkvByTma || (Smem::kdQ % kSwizzleAtomBytes == 0 && Smem::kDqPartBytes % kSwizzleAtomBytes == 0),
+                "staged dK and dV start on swizzle atoms");
   static_assert(kBwdSm90ConsumerRegs == 240, "two consumers at 240 registers");
 
   // (kv head, key block) of this CTA: the grid position, or (ordered dQ) the ticket's, so that
@@ -1220,7 +1245,40 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   }
 
   // dK (times the softmax scale) and dV of this consumer's 64 keys and kKvCols columns, those
-  // below D and Dv
+  // below D and Dv: through the TMA (above the kernel), or 32-bit stores
+  if (kDkvByTma && p.dkv_by_tma != 0) {
+    // the writer has read this consumer's last staged dQ parts (its e-th dQ went to part
+    // e % kDqStages, whose dq_empty phase e / kDqStages completes once the part is read)
+    const int emits = kDqAlternate ? (steps - c + 1) / kBwdSm90Consumers : steps;
+    for (int e = max(0, emits - kDqStages); e < emits; ++e)
+      mbarrier_wait(dq_empty(c * kDqStages + e % kDqStages), (e / kDqStages) & 1);
+    const int staged = Smem::kdQ + c * kDqStages * Smem::kDqPartBytes;  // dK [64, D], then dV [64, D]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wg_warp * 16 + g + 8 * r;
+#pragma unroll
+      for (int j = 0; j < kKvCols / 8; ++j) {
+        *reinterpret_cast<u32*>(base + staged + KvTile::offset(row, 8 * j + 2 * tq)) =
+            DT::pack(dK[4 * j + 2 * r] * p.softmax_scale, dK[4 * j + 2 * r + 1] * p.softmax_scale);
+        *reinterpret_cast<u32*>(base + staged + KvTile::kBytes + KvTile::offset(row, 8 * j + 2 * tq)) =
+            DT::pack(dV[4 * j + 2 * r], dV[4 * j + 2 * r + 1]);
+      }
+    }
+    // the rows reach the TMA's async proxy before thread 0 stores them
+    fence_proxy_async();
+    named_barrier_sync(kBwdSm90ConsumerBarrier + c, kWarpgroupThreads);
+    if (wg_thread == 0) {
+#pragma unroll
+      for (int panel = 0; panel < kPanels; ++panel) {
+        const u32 at = smem0 + staged + panel * KvTile::kPanelBytes;
+        tma_store_4d(&p.dk_map, at, panel * kSwizzlePanelCols, n0 + key0, hk, b);
+        tma_store_4d(&p.dv_map, at + KvTile::kBytes, panel * kSwizzlePanelCols, n0 + key0, hk, b);
+      }
+      bulk_commit();
+      bulk_wait<0>();  // written before the CTA's shared memory goes
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = n0 + key0 + wg_warp * 16 + g + 8 * r;

@@ -121,6 +121,8 @@ struct BwdParams {
   TensorMap k_map;
   TensorMap v_map;
   TensorMap do_map;
+  TensorMap dk_map;        // dense dk, dv [B, Sk, Hk, D] in boxes of [64 rows, 64 columns] where
+  TensorMap dv_map;        // dkv_by_tma is set, else zero
   const T* q;              // [B, Sq, Hq, D]
   const T* k;              // [B, Sk, Hk, D]
   const T* v;              // [B, Sk, Hk, Dv]
@@ -184,6 +186,7 @@ struct BwdParams {
                            // dim (the wgmma kernel runs only its tile's D, with Dv = D)
   int head_dim_v;          // Dv of v, out, dout, dv (a multiple of 8 up to the same tile)
   int dq_descending;       // ordered bulk dQ: 1 where ranks descend (a bounded right window side)
+  int dkv_by_tma;          // sm_90a, bulk dQ, dense: 1 = dK and dV leave through dk_map, dv_map
 };
 
 // Decode and paged decode (decode.cu). A contiguous cache [B, S_max, Hk, D] or pages

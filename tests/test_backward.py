@@ -331,6 +331,42 @@ def test_backward_on_poisoned_workspace(rng, request, poisoned_allocations, dq_m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 72])
+def test_gradients_are_written_inside_their_views_only(rng, d):
+    """Gradient buffers that are views of larger NaN-filled arrays (more rows, more columns), as
+    the JAX adapter passes XLA's: dk and dv (which the sm_90a kernel stores through tensor maps of
+    the views at D = 64 and 128, rows past Sk and columns past D outside them; D = 72 keeps its
+    32-bit stores) equal the public call's bit for bit, dq matches it, and nothing outside the
+    views is written. Sk off every key block, GQA, causal and not."""
+    import cupy
+
+    from cuattn import _arrays
+
+    attention_module = sys.modules["cuattn.attention"]
+    b, sq, sk, hq, hk = 2, 150, 90, 4, 2
+    q, dout = (cupy.asarray(randn(rng, (b, sq, hq, d), BF16)) for _ in range(2))
+    k, v = (cupy.asarray(randn(rng, (b, sk, hk, d), BF16)) for _ in range(2))
+    for causal in (False, True):
+        out, lse = cuattn.attention(q, k, v, causal=causal, return_lse=True)
+        expected = cuattn.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        buffers = [cupy.full((b, rows + 9, heads, d + 8), np.nan, dtype=BF16) for rows, heads in
+                   ((sq, hq), (sk, hk), (sk, hk))]
+        views = tuple(x[:, :rows, :, :d] for x, rows in zip(buffers, (sq, sk, sk)))
+        with _arrays.array_context(q=q) as ctx:
+            got = attention_module._launch_bwd(dout, q, k, v, out, lse, None, None, batch=b, seqlen_q=sq, seqlen_k=sk,
+                                               causal=causal, scale=None, window=(-1, -1), softcap=0.0,
+                                               deterministic=False, ctx=ctx, grads=views)
+        assert all(g is view for g, view in zip(got, views))
+        for name, g, e in zip(("dk", "dv"), got[1:], expected[1:]):
+            assert bool((g.view(cupy.uint16) == e.view(cupy.uint16)).all()), name
+        np.testing.assert_allclose(got[0].get().astype(np.float32), expected[0].get().astype(np.float32),
+                                   rtol=1e-2, atol=1e-2)
+        for name, buffer, rows in zip(("dq", "dk", "dv"), buffers, (sq, sk, sk)):
+            host = buffer.get()
+            assert np.isnan(host[:, rows:]).all() and np.isnan(host[..., d:]).all(), f"{name} written outside its view"
+
+
+@pytest.mark.gpu
 def test_backward_strided_views_match_contiguous(rng):
     import cupy
 
