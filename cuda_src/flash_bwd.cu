@@ -588,7 +588,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // ever waits on CTAs with smaller tickets, which were running before it and themselves only
 // wait on smaller tickets.
 //
-// dK and dV through the TMA (kBwdSm90DkvByTma<D, DQ_MODE>, and p.dkv_by_tma: dense dk and dv the
+// dK and dV through the TMA (bwd_sm90_dkv_by_tma below, and p.dkv_by_tma: dense dk and dv the
 // TMA can write). At the end a consumer's own dQ staging parts hold its 64 rows of dK (times the
 // softmax scale) and dV as two swizzled [64, D] tiles, once its writer has read its last staged
 // parts out; thread 0 of the consumer then stores them with one box per panel and tensor (rows
