@@ -108,6 +108,17 @@ def test_out_map_views_dense_out_in_boxes_of_a_consumers_rows():
     assert attention_module._out_map(np.zeros((1, 64, 1, 68), BF16)[..., :64]) is None
 
 
+def test_gradient_maps_view_dense_dk_and_dv_in_boxes_of_a_consumers_keys():
+    dk = np.zeros((2, 90, 2, 128), BF16)
+    dv = np.zeros((2, 90, 2, 64), BF16)
+    (k_field, k_pointer, k_map), (v_field, v_pointer, v_map) = attention_module._dkv_maps(dk, dv)
+    assert (k_field, k_pointer, v_field, v_pointer) == ("dk_map", "dk", "dv_map", "dv")
+    assert k_map.dims == (128, 90, 2, 2) and v_map.dims == (64, 90, 2, 2)
+    assert k_map.box == v_map.box == (64, _params.constant("kWgmmaM"), 1, 1)
+    # either view unwritable by the TMA (rows of 136 bytes): both keep the kernel's own stores
+    assert attention_module._dkv_maps(dk, np.zeros((2, 90, 2, 68), BF16)[..., :64]) == ()
+
+
 def test_tiles_without_the_overlap_take_the_bounded_softmax():
     with pytest.raises(ValueError, match=r"bounded=False needs overlap=True .*overlap=False"):
         attention_module.FwdSm90Tile(128, 3, 3, overlap=False, bounded=False)
