@@ -246,10 +246,11 @@ class LongKeyTile:
 # two-warpgroup tile's 418 / 370 and 505 / 438. At 1k keys the two-warpgroup tiles stay ahead
 # under a causal mask (by 9-20%), and without a mask at D = 80 (by 18%); there D = 64 runs the
 # long tile 7% faster, and D = 96 level on dense calls (-2 to +5% across runs) but 7% faster on
-# ragged varlen ones ("Twentieth session"): those two take it from 1k keys without a mask. D = 80 takes 112-key blocks and three stages: at 128 keys (3-7% faster) its
-# consumers spill. The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96
-# (112 at D = 64): 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower
-# with ALiBi ("Seventeenth session").
+# ragged varlen ones ("Twentieth session"): those two take it from 1k keys without a mask.
+# D = 80 takes 112-key blocks and three stages: at 128 keys (3-7% faster) its consumers spill.
+# The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96 (112 at D = 64):
+# 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower with ALiBi
+# ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
     (64, 64): LongKeyTile(4096, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): LongKeyTile(4096, 4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
@@ -1137,26 +1138,25 @@ def _fwd_maps(q, k, v, tile: FwdSm90Tile, fp8: bool = False, page_rows: int | No
     rows (:func:`paged_box_rows`), and v_row_map reads v in boxes of one row. ``copy_pages``: k and
     v are pages the kernel copies row by row (16-byte pieces, which the callers' layout checks
     allow): q's map alone."""
-    row_bytes = _params.constant("kSwizzleRowBytes")
-    maps = []
     views = [("q", q, tile.block_m)]
     if not copy_pages:
         views += [("k", k, page_rows or tile.block_n), ("v", v, page_rows or tile.block_n)]
     if page_rows is not None:
         views.append(("v_row", v, 1))
+    maps = []
     for field, x, rows in views:
-        b, s, h, d = map(int, x.shape)
-        sb, ss, sh, sd = _arrays.element_strides(x)
-        panel = row_bytes // x.dtype.itemsize
+        role = "v" if field == "v_row" else field
         if fp8 and field == "v":
             b, h, d, s = map(int, x.shape)
             sb, sh, sd, ss = _arrays.element_strides(x)
+            panel = _params.constant("kSwizzleRowBytes") // x.dtype.itemsize
             layout = _tma.MapLayout.of(x.dtype, (s, d, h, b), (ss, sd, sh, sb), (panel, d, 1, 1))
+            entry = None if layout is None else (f"{field}_map", role, layout)
         else:
-            layout = _tma.MapLayout.of(x.dtype, (d, s, h, b), (sd, ss, sh, sb), (panel, rows, 1, 1))
-        if layout is None:
+            entry = _row_map(f"{field}_map", role, x, rows)
+        if entry is None:
             return ()
-        maps.append((f"{field}_map", "v" if field == "v_row" else field, layout))
+        maps.append(entry)
     return tuple(maps)
 
 
