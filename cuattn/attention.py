@@ -767,45 +767,66 @@ def fp8_key_order(group: int = 16) -> np.ndarray:
     return (8 * h + 2 * t + e).reshape(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8TransposeShape:
+    """fp8_v_transpose_kernel's template arguments: key groups of kFp8KeyGroup keys a thread (its
+    span, which Sk is padded to), head-dim bytes a thread (its chunk), chunks along a warp."""
+
+    groups: int
+    chunk_bytes: int
+    lanes_d: int
+
+    @property
+    def span(self) -> int:
+        return self.groups * _params.constant("kFp8KeyGroup")
+
+
+def fp8_transpose_shape() -> Fp8TransposeShape:
+    """The pass's shape the calls use (flash_fwd_sm90.cu's kFp8Transpose* constants)."""
+    c = _params.constant
+    return Fp8TransposeShape(c("kFp8TransposeGroups"), c("kFp8TransposeBytes"), c("kFp8TransposeLanesD"))
+
+
 @functools.lru_cache(maxsize=None)
-def fp8_transpose_spec() -> _jit.KernelSpec:
+def fp8_transpose_spec(shape: Fp8TransposeShape | None = None) -> _jit.KernelSpec:
     """fp8_v_transpose_kernel (flash_fwd_sm90.cu): V^T of fp8_v_transposed on the device."""
-    return _jit.KernelSpec("flash_fwd_sm90.cu", "cuattn::fp8_v_transpose_kernel",
+    shape = shape or fp8_transpose_shape()
+    return _jit.KernelSpec("flash_fwd_sm90.cu",
+                           f"cuattn::fp8_v_transpose_kernel<{shape.groups}, {shape.chunk_bytes}, {shape.lanes_d}>",
                            threads=_params.constant("kFp8TransposeThreads"), needs_sm90a=True)
 
 
-def _fp8_v_transposed_on_device(v, stream):
+def _fp8_v_transposed_on_device(v, stream, shape: Fp8TransposeShape | None = None):
     """fp8_v_transposed by fp8_v_transpose_kernel: one pass over V (read once, V^T written once)."""
     import cupy
 
+    shape = shape or fp8_transpose_shape()
     b, sk, hk, d = map(int, v.shape)
-    span = _params.constant("kFp8TransposeKeys")
-    padded_len = -(-sk // span) * span
+    padded_len = -(-sk // shape.span) * shape.span
     v_t = cupy.empty((b, hk, d, padded_len), _arrays.E4M3_STORAGE)
-    # a thread per (span of keys, 4 head-dim bytes) of each (batch, kv head) pair, a warp per
-    # kFp8SpansPerWarp spans x kFp8ChunksPerWarp chunks: whole warps of chunks, which the FP8 head
-    # dims (FP8_HEAD_DIMS, checked before) give
-    chunk_bytes = _params.constant("kFp8TransposeBytes")
-    assert d % (chunk_bytes * _params.constant("kFp8ChunksPerWarp")) == 0, f"head dim {d} is not whole warps of chunks"
-    warp_spans = _params.constant("kFp8SpansPerWarp")
-    threads = -(-padded_len // (span * warp_spans)) * warp_spans * (d // chunk_bytes)
+    # a thread per (span of keys, chunk of head-dim bytes) of each (batch, kv head) pair, a warp
+    # lanes_d chunks x the rest spans: whole warps of chunks, which the FP8 head dims
+    # (FP8_HEAD_DIMS, checked before) give
+    assert d % (shape.chunk_bytes * shape.lanes_d) == 0, f"head dim {d} is not whole warps of chunks"
+    warp_spans = _params.constant("kWarpSize") // shape.lanes_d
+    threads = -(-padded_len // (shape.span * warp_spans)) * warp_spans * (d // shape.chunk_bytes)
     if threads and b * hk:
         sb, ss, sh, _ = _arrays.element_strides(v)
-        spec = fp8_transpose_spec()
+        spec = fp8_transpose_spec(shape)
         _jit.launch(spec, (-(-threads // spec.threads), *_split_grid(b * hk)), (
             v, v_t, np.int64(sb), np.int64(ss), np.int64(sh), np.int32(b), np.int32(sk), np.int32(padded_len),
             np.int32(hk), np.int32(d)), stream=stream)
     return v_t
 
 
-def fp8_v_transposed(v, xp=np):
+def fp8_v_transposed(v, xp=np, span: int | None = None):
     """V^T for the FP8 kernel: e4m3 bytes ``v`` (B, Sk, Hk, D) -> (B, Hk, D, Sk_pad), Sk padded with
-    zeros to a multiple of kFp8TransposeKeys = 32 (whole 32-byte sectors per thread of the pass;
-    the TMA needs 16), the keys of each group of 16 in the order of :func:`fp8_key_order`. One copy
-    of V (B Sk Hk D bytes read and written): the 8-bit wgmma reads B K-major only, so O += P V needs
-    the keys contiguous."""
+    zeros to a multiple of the pass's ``span`` (fp8_transpose_shape; the TMA needs 16 bytes), the
+    keys of each group of 16 in the order of :func:`fp8_key_order`. One copy of V (B Sk Hk D bytes
+    read and written): the 8-bit wgmma reads B K-major only, so O += P V needs the keys contiguous."""
     b, sk, hk, d = map(int, v.shape)
-    group, span = _params.constant("kFp8KeyGroup"), _params.constant("kFp8TransposeKeys")
+    group = _params.constant("kFp8KeyGroup")
+    span = span or fp8_transpose_shape().span
     padded_len = -(-sk // span) * span
     if padded_len != sk:
         padded = xp.zeros((b, padded_len, hk, d), v.dtype)

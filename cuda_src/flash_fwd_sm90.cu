@@ -90,10 +90,10 @@
 //           [rows, 128]); D = 128 or 256.
 //   V       8-bit wgmma operands are K-major only, so B of O += P V must be V^T with the keys
 //           contiguous. fp8_v_transpose_kernel (below) writes it once per call, v_map reading
-//           [B, Hk, D, Sk_pad] (Sk padded to 32 with zeros, keys of each 16 in the order pi of
+//           [B, Hk, D, Sk_pad] (Sk padded to 16 with zeros, keys of each 16 in the order pi of
 //           AttentionTile::to_e4m3_fragments); a stage holds V^T [D, BLOCK_N] (one 128-key box
 //           of D rows), read K-major. Cost: one extra read and write of V (B Sk Hk D bytes
-//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, 50 us on the H200 at 2.7
+//           each: 2 x 64 MiB at the benchmark's 32k tokens x 2048, 39 us on the H200 at 3.4
 //           TB/s, against 1-5 ms of attention at N = 4k-16k), and a V^T buffer of V's size.
 //           Moving the transpose into this kernel's producer warps was measured and not kept
 //           (BENCHMARKS.md, thirteenth session).
@@ -970,64 +970,89 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 }
 
 // ---- V^T for the FP8 kernel: v [B, Sk, Hk, D] e4m3 bytes (row strides in bytes) -> vt [B, Hk, D,
-// padded] (contiguous, padded = Sk rounded up to kFp8TransposeKeys), the keys of each group of
-// kFp8KeyGroup in the order pi of AttentionTile::to_e4m3_fragments: position 4 t + 2 h + e holds
-// key 8 h + 2 t + e, keys past Sk read 0. A thread takes 4 head-dim bytes (a chunk) of one span of
-// kFp8TransposeKeys keys (two groups): 32 4-byte loads, a byte transpose in registers, and per
-// head-dim row a 32-byte piece of V^T (a whole sector). A warp is kFp8SpansPerWarp consecutive
-// spans x 8 chunks, so each of its stores covers 128 contiguous bytes of 8 V^T rows (one request
-// per row) and each load 32 contiguous bytes of 4 key rows. (One span of one group a thread, a
-// warp along the chunks, wrote 16-byte pieces of 32 rows a store and ran at a third of the memory
-// bandwidth.) CTA blockIdx.x of (batch, kv head) pair blockIdx.z * gridDim.y + blockIdx.y; indices
-// within a pair are 32-bit (64-bit divisions per coordinate made the pass 11% slower). The
-// reference is attention.fp8_v_transposed.
+// padded] (contiguous, padded = Sk rounded up to a thread's span of GROUPS x kFp8KeyGroup keys),
+// the keys of each group of kFp8KeyGroup in the order pi of AttentionTile::to_e4m3_fragments:
+// position 4 t + 2 h + e holds key 8 h + 2 t + e, keys past Sk read 0. A thread takes BYTES
+// head-dim bytes (a chunk) of one span: one BYTES-wide load per key, 4 x 4 byte transposes in
+// registers (eight byte permutes per four words of V^T), and per head-dim row one piece of the
+// span's bytes. A warp is LANES_D consecutive chunks x kWarpSize / LANES_D consecutive spans, so
+// each load covers LANES_D x BYTES contiguous bytes of kWarpSize / LANES_D key rows and each store
+// that many spans' bytes of LANES_D V^T rows. CTA blockIdx.x of (batch, kv head) pair
+// blockIdx.z * gridDim.y + blockIdx.y; indices within a pair are 32-bit (64-bit divisions per
+// coordinate made the pass 11% slower). The host's layout check makes every row 16-byte aligned.
+// The shape below (one group, 16 bytes, 8 chunks a warp: whole 128-byte key rows per load) ran
+// at 3.4 TB/s on the H200 against 2.6 for two groups of 4 bytes, 2.7 for two groups of 16
+// bytes (BENCHMARKS.md, twenty-first session). The reference is attention.fp8_v_transposed.
 constexpr int kFp8TransposeThreads = 256;
-constexpr int kFp8KeyGroup = 16;       // keys per permutation group
-constexpr int kFp8TransposeKeys = 32;  // keys per thread (a span), and the padding of Sk
-constexpr int kFp8TransposeBytes = 4;  // head-dim bytes per thread (a chunk)
-constexpr int kFp8SpansPerWarp = 4;    // a warp's spans: 128 keys, one 128-byte line of a V^T row
-constexpr int kFp8ChunksPerWarp = kWarpSize / kFp8SpansPerWarp;
+constexpr int kFp8KeyGroup = 16;        // keys per permutation group
+constexpr int kFp8TransposeGroups = 1;  // key groups per thread (a span)
+constexpr int kFp8TransposeBytes = 16;  // head-dim bytes per thread (a chunk)
+constexpr int kFp8TransposeLanesD = 8;  // a warp's chunks: 128 bytes of a key row per load
 
+template <int GROUPS, int BYTES, int LANES_D>
 __global__ void __launch_bounds__(kFp8TransposeThreads)
 fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_stride, i64 v_row_stride,
                        i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
-  constexpr int kWords = kFp8TransposeKeys / kFp8TransposeBytes;  // 4-byte words of one V^T row's piece
+  constexpr int kKeys = GROUPS * kFp8KeyGroup;  // keys of a span
+  constexpr int kInWords = BYTES / 4;           // 4-byte words of one key's chunk
+  constexpr int kOutWords = kKeys / 4;          // 4-byte words of one V^T row's piece
+  constexpr int kSpansPerWarp = kWarpSize / LANES_D;
   constexpr int kWarps = kFp8TransposeThreads / kWarpSize;
-  const int chunks = head_dim / kFp8TransposeBytes;  // a multiple of kFp8ChunksPerWarp (host)
-  const int spans = padded / kFp8TransposeKeys;
+  static_assert(kInWords == 1 || kInWords == 2 || kInWords == 4, "4, 8 or 16-byte loads");
+  static_assert(kOutWords % 4 == 0, "16-byte stores");
+  const int chunks = head_dim / BYTES;  // a multiple of LANES_D (host)
+  const int spans = padded / kKeys;
   // warp w of the pair: span block w / chunk blocks, chunk block w % chunk blocks
-  const int chunk_blocks = chunks / kFp8ChunksPerWarp;
+  const int chunk_blocks = chunks / LANES_D;
   const int warp = blockIdx.x * kWarps + static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int span = warp / chunk_blocks * kFp8SpansPerWarp + lane / kFp8ChunksPerWarp;
-  const int chunk = warp % chunk_blocks * kFp8ChunksPerWarp + lane % kFp8ChunksPerWarp;
+  const int span = warp / chunk_blocks * kSpansPerWarp + lane / LANES_D;
+  const int chunk = warp % chunk_blocks * LANES_D + lane % LANES_D;
   const int pair = blockIdx.z * gridDim.y + blockIdx.y;
   if (span >= spans || pair >= batch * num_kv_heads) return;
   const int h = pair % num_kv_heads, b = pair / num_kv_heads;
-  const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * kFp8TransposeBytes;
-  u32 w[kFp8TransposeKeys];  // w[p]: 4 head-dim bytes of the key at position p of the span
+  const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * BYTES;
+  u32 w[kKeys][kInWords];  // [span keys, chunk words] in key order
 #pragma unroll
-  for (int p = 0; p < kFp8TransposeKeys; ++p) {
-    const int q = p % kFp8KeyGroup, t = q / 4, hi = q % 4 / 2, e = q % 2;
-    const int key = span * kFp8TransposeKeys + p / kFp8KeyGroup * kFp8KeyGroup + 8 * hi + 2 * t + e;
-    w[p] = key < seqlen_k ? *reinterpret_cast<const u32*>(src + key * v_row_stride) : 0u;
-  }
-  unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * kFp8TransposeBytes) * padded +
-                       span * kFp8TransposeKeys;
-#pragma unroll
-  for (int c = 0; c < kFp8TransposeBytes; ++c) {
-    // byte c of w[4 j] .. w[4 j + 3] -> word j of head-dim row chunk * 4 + c
-    const u32 select = c | ((c + 4) << 4);
-    u32 words[kWords];
-#pragma unroll
-    for (int j = 0; j < kWords; ++j) {
-      const u32 lo = __byte_perm(w[4 * j], w[4 * j + 1], select);
-      const u32 hi = __byte_perm(w[4 * j + 2], w[4 * j + 3], select);
-      words[j] = __byte_perm(lo, hi, 0x5410);
+  for (int k = 0; k < kKeys; ++k) {
+    const int key = span * kKeys + k;
+    const unsigned char* row = src + key * v_row_stride;
+    if constexpr (kInWords == 4) {
+      const uint4 x = key < seqlen_k ? *reinterpret_cast<const uint4*>(row) : make_uint4(0u, 0u, 0u, 0u);
+      w[k][0] = x.x, w[k][1] = x.y, w[k][2] = x.z, w[k][3] = x.w;
+    } else if constexpr (kInWords == 2) {
+      const uint2 x = key < seqlen_k ? *reinterpret_cast<const uint2*>(row) : make_uint2(0u, 0u);
+      w[k][0] = x.x, w[k][1] = x.y;
+    } else {
+      w[k][0] = key < seqlen_k ? *reinterpret_cast<const u32*>(row) : 0u;
     }
-    uint4* row = reinterpret_cast<uint4*>(dst + static_cast<i64>(c) * padded);
-    row[0] = make_uint4(words[0], words[1], words[2], words[3]);
-    row[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  }
+  unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * BYTES) * padded +
+                       span * kKeys;
+#pragma unroll
+  for (int q = 0; q < kInWords; ++q) {
+    // word j of V^T rows 4 q .. 4 q + 3 of the chunk holds byte 0..3 of word q of the keys at
+    // positions 4 j .. 4 j + 3: keys a, a + 1, a + 8, a + 9 of group j / 4, a = 2 (j % 4)
+    u32 out[4][kOutWords];
+#pragma unroll
+    for (int j = 0; j < kOutWords; ++j) {
+      const int a = j / 4 * kFp8KeyGroup + 2 * (j % 4);
+      const u32 lo01 = __byte_perm(w[a][q], w[a + 1][q], 0x5140);      // a0 b0 a1 b1
+      const u32 lo23 = __byte_perm(w[a][q], w[a + 1][q], 0x7362);      // a2 b2 a3 b3
+      const u32 hi01 = __byte_perm(w[a + 8][q], w[a + 9][q], 0x5140);  // x0 y0 x1 y1
+      const u32 hi23 = __byte_perm(w[a + 8][q], w[a + 9][q], 0x7362);  // x2 y2 x3 y3
+      out[0][j] = __byte_perm(lo01, hi01, 0x5410);
+      out[1][j] = __byte_perm(lo01, hi01, 0x7632);
+      out[2][j] = __byte_perm(lo23, hi23, 0x5410);
+      out[3][j] = __byte_perm(lo23, hi23, 0x7632);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint4* row = reinterpret_cast<uint4*>(dst + static_cast<i64>(4 * q + c) * padded);
+#pragma unroll
+      for (int s = 0; s < kOutWords / 4; ++s)
+        row[s] = make_uint4(out[c][4 * s], out[c][4 * s + 1], out[c][4 * s + 2], out[c][4 * s + 3]);
+    }
   }
 }
 

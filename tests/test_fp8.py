@@ -540,14 +540,17 @@ def test_quantize_qkv_scales_and_incoherent_rotation(rng):
     assert np.abs(qr).max() < 0.5 * np.abs(q).max()
 
 
-def test_fp8_v_transposed_orders_keys_as_the_p_fragments():
+@pytest.mark.parametrize("span", [None, 16, 32])
+def test_fp8_v_transposed_orders_keys_as_the_p_fragments(span):
     """V^T position 4 t + i of each 16 keys holds key 2 t + i % 2 + 8 (i // 2) (the keys lane t of a
     quad holds in the accumulator, in the order of the 8-bit A fragment), padded with zeros to a
-    multiple of 32 keys (the pass's span)."""
+    multiple of the span (by default the pass's, fp8_transpose_shape)."""
     v = np.arange(2 * 37 * 3 * 16, dtype=np.int64).reshape(2, 37, 3, 16).astype(np.uint8)
-    vt = attention_module.fp8_v_transposed(v)
-    assert vt.shape == (2, 3, 16, 64)
-    for position in range(64):
+    vt = attention_module.fp8_v_transposed(v, span=span)
+    multiple = span or attention_module.fp8_transpose_shape().span
+    padded = -(-37 // multiple) * multiple
+    assert vt.shape == (2, 3, 16, padded)
+    for position in range(padded):
         t, i = position % 16 // 4, position % 4
         key = position // 16 * 16 + 2 * t + i % 2 + 8 * (i // 2)
         expected = v[:, key] if key < 37 else np.zeros_like(v[:, 0])
