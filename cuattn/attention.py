@@ -282,6 +282,16 @@ FWD_SM90_PTXAS_OPTIONS = ("--ptxas-options=-O1",)
 FWD_SM90_MIN_HEAD_DIM = 32
 
 
+def fwd_sm90_row_shift(seqlen_q: int, block_m: int) -> int:
+    """The rows by which flash_fwd_sm90_kernel moves its tiles' alignment back in a dense call under
+    a causal mask (FwdSm90Work::row_shift computes it; this mirrors it for the tests): those of the
+    whole warpgroups (kWgmmaM rows) that a last tile aligned at row 0 would leave past Sq. The
+    tiles then end at the last row, and the surplus falls in the first tile (clamped to start at
+    row 0), whose rows see the fewest keys (flash_fwd_sm90.cu, "Row alignment")."""
+    rows = _params.constant("kWgmmaM")
+    return (-seqlen_q) % block_m // rows * rows
+
+
 def fwd_sm90_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
     """The (D, Dv) of the Hopper tile that runs these head dims: of the pairs in FWD_SM90_TILES that
     hold both, the one of the fewest columns; None when none does (or a head dim is at most

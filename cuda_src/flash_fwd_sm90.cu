@@ -78,6 +78,13 @@
 //           and V, and the long tiles start first, the short ones fill in at the end.
 //   Either way a tile past its varlen sequence's end is skipped by the producer and never
 //   reaches the ring (no pipeline iteration, no barrier traffic).
+// Row alignment (FwdSm90Work::row_shift): a warpgroup past Sq computes its blocks all the same.
+// Dense calls whose right window edge hides keys (causal) align the tiles to end at the last
+// row instead of starting at row 0 where Sq leaves whole warpgroups of the last tile without
+// rows (the FP8 forward's 192-row tiles at N = 8192: 64 rows over all keys), so the surplus goes
+// to the first tile, whose rows see the fewest keys: that tile starts at row 0 and stores only
+// the rows before the second tile's start (its other warpgroups compute the second tile's first
+// rows again, over the few keys they see, and store nothing).
 // Counter reset (dynamic): a producer whose take came back past the last tile adds one to
 // tile_counter[1] (after a fence, so its last take is ordered before); the CTA that brings it to
 // gridDim.x is the last to take, and writes both counters back to zero. Every launch thus starts
@@ -184,6 +191,7 @@ struct FwdSm90Smem {
 template <int BLOCK_M, int BLOCK_N, typename Params, bool PAGED>
 struct FwdSm90Work {
   int b, h, m0;
+  int m_end;  // the tile stores rows [m0, min(m_end, Sq)) (row_shift: the first tile's may end sooner)
   SequenceRange seq;
   int n_first, n_last;  // key blocks [n_first, n_last)
 
@@ -206,12 +214,23 @@ struct FwdSm90Work {
     const int local = tile - first * m_blocks;
     return {first + local % width, local / width};
   }
+  // Rows the tiles start before row 0 ("Row alignment" in the file's opening comment; the host's
+  // attention.fwd_sm90_row_shift mirrors it): dense calls whose right window edge hides keys (a
+  // causal mask) and whose Sq leaves whole warpgroups of a row-0-aligned last tile without rows
+  static __device__ __forceinline__ int row_shift(const Params& p) {
+    if (PAGED || p.cu_seqlens_q != nullptr || p.window_right >= p.seqlen_k) return 0;
+    return (BLOCK_M - p.seqlen_q % BLOCK_M) % BLOCK_M / kWgmmaM * kWgmmaM;
+  }
   // b is the sequence: launch entry pair.bh / num_heads, or with paged keys the sequence that
   // entry names (batch_index)
   __device__ __forceinline__ FwdSm90Work(const Params& p, Pair pair, int m_blocks)
+      : FwdSm90Work(p, pair, (m_blocks - 1 - pair.m_rank) * BLOCK_M - row_shift(p), 0) {}
+  // the tile whose rows would start at `start` (the unnamed int tells it from the one above)
+  __device__ __forceinline__ FwdSm90Work(const Params& p, Pair pair, int start, int)
       : b(PAGED ? p.batch_index[pair.bh / p.num_heads] : pair.bh / p.num_heads),
         h(pair.bh % p.num_heads),
-        m0((m_blocks - 1 - pair.m_rank) * BLOCK_M),
+        m0(max(start, 0)),
+        m_end(start + BLOCK_M),
         seq(PAGED ? SequenceRange::paged(p, b)
                   : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
@@ -229,6 +248,8 @@ struct FwdSm90Work {
   }
   // varlen: a sequence shorter than the longest has tiles past its end
   __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
+  // whether row m0 + row is this tile's to store
+  __device__ __forceinline__ bool stores(int row) const { return m0 + row < min(m_end, seq.seqlen_q); }
   __device__ __forceinline__ int blocks() const { return n_last - n_first; }
 };
 
@@ -916,16 +937,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         const u32 packed = DType<TOut>::pack(tile.o[0][dt][2 * r] * inv, tile.o[0][dt][2 * r + 1] * inv);
         *reinterpret_cast<u32*>(base + Smem::kO + OTile::offset(row, dt * 8 + 2 * t)) = packed;
       }
-      if (p.lse != nullptr && t == 0 && w.m0 + row < w.seq.seqlen_q) p.lse[lse_base + w.m0 + row] = st.lse();
+      if (p.lse != nullptr && t == 0 && w.stores(row)) p.lse[lse_base + w.m0 + row] = st.lse();
     }
     if (o_by_tma) {
       fence_proxy_async();
       named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
       if (tid == 0) {
         const u32 rows = smem0 + Smem::kO + c * kWgmmaM * kSwizzleRowBytes;
+        // (rows past Sq lie outside the map; a shifted first tile's rows past m_end are the next
+        // tile's, whole warpgroups)
+        if (w.stores(c * kWgmmaM)) {
 #pragma unroll
-        for (int panel = 0; panel < kOPanels; ++panel)
-          tma_store_4d(&p.o_map, rows + panel * OTile::kPanelBytes, panel * kOBoxCols, x.wg_m0, w.h, w.b);
+          for (int panel = 0; panel < kOPanels; ++panel)
+            tma_store_4d(&p.o_map, rows + panel * OTile::kPanelBytes, panel * kOBoxCols, x.wg_m0, w.h, w.b);
+        }
         bulk_commit();
       }
       return;
@@ -939,7 +964,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 #pragma unroll
     for (int idx = tid; idx < kWgmmaM * kChunksPerRow; idx += kWarpgroupThreads) {
       const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-      if (x.wg_m0 + row < w.seq.seqlen_q && chunk < chunks) {
+      if (w.stores(c * kWgmmaM + row) && chunk < chunks) {
         *reinterpret_cast<uint4*>(o_ptr + row * p.o_row_stride + chunk * (kCopyBytes / sizeof(TOut))) =
             *reinterpret_cast<const uint4*>(base + Smem::kO + OTile::chunk_offset(c * kWgmmaM + row, chunk));
       }

@@ -498,6 +498,25 @@ def test_unmasked_calls_take_the_long_tile_from_fewer_keys(rng, caplog, fwd_kern
     assert short in _forward_kernel_logged(caplog, q[:, :n - 1], k[:, :n - 1], v[:, :n - 1])
 
 
+@pytest.mark.parametrize("head_dim, sq, sk, mask", [
+    (64, 130, 130, "causal"),      # the two-warpgroup tile: its first tile stores one warpgroup
+    (128, 60, 300, "causal"),      # Sk > Sq: one tile, its second warpgroup stores nothing
+    (96, 130, 257, "window"),      # a window with a right edge shifts too
+    (64, 4096, 4096, "causal"),    # the long tile (192 rows): the first stores one warpgroup
+    (64, 4096 + 64, 4096 + 64, "causal"),  # the long tile: the first stores two
+], ids=["d64-128rows", "d128-sk-longer", "d96-window", "d64-long-two", "d64-long-one"])
+def test_causal_tiles_end_at_the_last_row(rng, fwd_kernel, head_dim, sq, sk, mask):
+    """Dense calls under a causal or window mask whose Sq leaves whole warpgroups of a row-0-aligned
+    last tile without rows align the tiles to end at the last row (fwd_sm90_row_shift > 0; the
+    first tile stores only its own rows; on the mma.sync kernel the same cases run as always):
+    out, poisoned, and lse against the reference."""
+    if fwd_kernel == "sm90":
+        dims = attention_module.fwd_sm90_tile_dims(head_dim, head_dim)
+        tile = attention_module.fwd_sm90_tile(dims, seqlen_k=sk, banded=True)
+        assert attention_module.fwd_sm90_row_shift(sq, tile.block_m) > 0, (sq, tile)
+    run_and_check(rng, DTYPES[1], 1, sq, sk, 2, 1, head_dim, **MASKS[mask])
+
+
 @pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
 @pytest.mark.parametrize("tiles", ["default", "long"])
 def test_rising_scores_move_the_row_max(rng, monkeypatch, fwd_kernel, tiles, rise):

@@ -139,6 +139,22 @@ def test_long_key_ranges_take_their_tile_from_their_length_and_mask():
             assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, long.tile, alibi=alibi).name in names
 
 
+def test_causal_row_shift_is_whole_warpgroups_past_the_last_row():
+    """fwd_sm90_row_shift (the kernel's FwdSm90Work::row_shift): whole warpgroups of 64 rows, the
+    same number of tiles, and no warpgroup of the last tile left without rows."""
+    assert attention_module.fwd_sm90_row_shift(8192, 192) == 64  # the FP8 forward at D = 128
+    assert attention_module.fwd_sm90_row_shift(4096, 192) == 128
+    assert attention_module.fwd_sm90_row_shift(130, 128) == 64
+    assert attention_module.fwd_sm90_row_shift(1024, 128) == 0
+    for block_m in (128, 192):
+        for sq in range(1, 3 * block_m + 1):
+            shift = attention_module.fwd_sm90_row_shift(sq, block_m)
+            assert shift % 64 == 0 and 0 <= shift < block_m
+            tiles = -(-sq // block_m)
+            assert -(-(sq + shift) // block_m) == tiles, (sq, block_m)
+            assert tiles * block_m - (sq + shift) < 64, (sq, block_m)
+
+
 def test_each_hopper_tile_has_alibi_and_paged_variants():
     names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
     for (d, dv), tile in attention_module.FWD_SM90_TILES.items():
