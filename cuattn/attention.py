@@ -167,6 +167,13 @@ class FwdSm90Tile:
     def threads(self) -> int:
         return _params.constant("kWarpgroupThreads") * (self.consumers + 1)
 
+    def drops_unseen(self, alibi: bool = False) -> bool:
+        """Whether each consumer warpgroup leaves out the key blocks none of its stored rows sees
+        (flash_fwd_sm90_kernel's kDropUnseen, FwdSm90Work::drop_unseen; mirrored for the tests): not
+        with ping-pong, whose turns pair the warpgroups' blocks, nor with ALiBi beside the overlap
+        (it spilled there)."""
+        return not self.pingpong and not (self.overlap and alibi)
+
     def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int, out_itemsize: int = 2) -> int:
         """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
         V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or

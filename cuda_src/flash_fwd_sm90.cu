@@ -78,13 +78,20 @@
 //           and V, and the long tiles start first, the short ones fill in at the end.
 //   Either way a tile past its varlen sequence's end is skipped by the producer and never
 //   reaches the ring (no pipeline iteration, no barrier traffic).
-// Row alignment (FwdSm90Work::row_shift): a warpgroup past Sq computes its blocks all the same.
+// Row alignment (FwdSm90Work::row_shift): a warpgroup past Sq computes its blocks all the same
+// where the warpgroups take turns (ping-pong), and still fills the pipeline's stages otherwise.
 // Dense calls whose right window edge hides keys (causal) align the tiles to end at the last
 // row instead of starting at row 0 where Sq leaves whole warpgroups of the last tile without
 // rows (the FP8 forward's 192-row tiles at N = 8192: 64 rows over all keys), so the surplus goes
 // to the first tile, whose rows see the fewest keys: that tile starts at row 0 and stores only
-// the rows before the second tile's start (its other warpgroups compute the second tile's first
-// rows again, over the few keys they see, and store nothing).
+// the rows before the second tile's start (its other warpgroups store nothing: under ping-pong
+// they compute the second tile's first rows again, over the few keys they see; otherwise they
+// drop every block).
+// Dropped blocks (FwdSm90Work::drop_unseen): where the consumers do not take turns, each
+// warpgroup leaves out the first visits of the tile's key blocks that none of its stored rows sees
+// (past its rows' diagonal where the tile is taller than a key block, all of them where it stores
+// no row), releasing their stages once they have landed; the producer loads every block of the
+// tile for the warpgroups that need it.
 // Counter reset (dynamic): a producer whose take came back past the last tile adds one to
 // tile_counter[1] (after a fence, so its last take is ordered before); the CTA that brings it to
 // gridDim.x is the last to take, and writes both counters back to zero. Every launch thus starts
@@ -245,6 +252,25 @@ struct FwdSm90Work {
     if constexpr (!DIAG_FIRST) return n_last - 1 - i;
     const int diag = max(min(max(m0 + BLOCK_M - 1 + seq.offset, 0) / BLOCK_N, n_last - 1), n_first);
     return i <= diag - n_first ? diag - i : n_first + i;
+  }
+  // Drops the first visits of the key blocks that the tile's rows [m0 + row, m0 + row + kWgmmaM)
+  // (one warpgroup's) do not need, and returns how many: all of them where the tile stores none
+  // of these rows (past Sq, or past a shifted first tile's m_end); where the visits run last to
+  // first (a causal mask: the tile's last block holds its last row's diagonal), the blocks past
+  // these rows' diagonal; otherwise none. The visits left keep their order. Selects, no
+  // branches: a branch here made ptxas spill around the consumers' wgmma accumulators.
+  template <bool DIAG_FIRST>
+  __device__ __forceinline__ int drop_unseen(int row, int right) {
+    const int first_row = m0 + row;
+    const int rows = min(kWgmmaM, min(m_end, seq.seqlen_q) - first_row);
+    // one past the last key these rows see, as a block bound
+    const int end = min(seq.seqlen_k, first_row + rows + seq.offset + right);
+    const int seen = min(max((end + BLOCK_N - 1) / BLOCK_N, n_first), n_last);
+    const bool last_to_first = !DIAG_FIRST || key_block<DIAG_FIRST>(0) == n_last - 1;
+    const int last = rows <= 0 ? n_first : last_to_first ? seen : n_last;
+    const int dropped = n_last - last;
+    n_last = last;
+    return dropped;
   }
   // varlen: a sequence shorter than the longest has tiles past its end
   __device__ __forceinline__ bool empty() const { return m0 >= seq.seqlen_q; }
@@ -617,7 +643,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 
   // ---- consumers: warpgroup c owns query rows [m0 + 64 c, m0 + 64 c + 64) of each tile
   registers_increase<kConsumerRegs>();
-  const int c = wg - 1;
+  // Without ping-pong (whose turns pair the warpgroups' blocks) a warpgroup leaves out the blocks
+  // none of its stored rows sees (Work::drop_unseen), except with ALiBi beside the overlap, where
+  // the dropping spilled (D = 256). The number of blocks it drops depends on c, so c comes through
+  // a shuffle there, which the compiler knows to be the same across the warp: the K/V stage
+  // counter then stays in uniform registers (as computed from wg, it took some 10 more registers
+  // a thread, and the three-warpgroup tiles spilled 20-100 bytes).
+  constexpr bool kDropUnseen = !PINGPONG && !(OVERLAP && ALIBI);
+  const int c = kDropUnseen ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x - wg * kWarpgroupThreads;
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
 
@@ -655,7 +688,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   };
   // the context of tile `tile_index`
   const auto context_of = [&](int tile_index) {
-    const Work w(p, tile_index, m_blocks);
+    Work w(p, tile_index, m_blocks);
     const int wg_m0 = w.m0 + c * kWgmmaM;
     // FP8 descales (1 for 16-bit inputs): q's and a per-tensor or per-head k's fold into the score
     // scale; a block-quantised k's multiplies each block's raw scores (k_block_scale)
@@ -972,8 +1005,27 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (!Smem::kOwnO) mbarrier_arrive(q_empty);  // O was staged in Q's tile: read out now
   };
 
+  // the key blocks from `loads` to `end`, which this warpgroup leaves out: it releases their
+  // stages once they have landed (a stage's "empty" barrier then counts its arrivals toward the
+  // producer's current fill of it, not the next)
+  const auto skip_blocks = [&](int end) {
+#pragma unroll 1
+    for (; loads < end; ++loads) {
+      const int stage = stage_at(loads), parity = parity_at(loads);
+      mbarrier_wait(k_full(stage), parity);
+      mbarrier_arrive(k_empty(stage));
+      mbarrier_wait(v_full(stage), parity);
+      mbarrier_arrive(v_empty(stage));
+    }
+  };
+
   for (int index = take_tile(); index != kFwdSm90NoTile; index = take_tile()) {
-    const TileContext x = context_of(index);
+    TileContext x = context_of(index);
+    // Without ping-pong (whose turns pair the warpgroups' blocks) a warpgroup leaves out the
+    // blocks none of its stored rows sees: past its rows' diagonal where the tile is taller than
+    // a key block, or all of them past Sq
+    if constexpr (kDropUnseen)
+      skip_blocks(loads + x.w.template drop_unseen<BOUNDED>(c * kWgmmaM, p.window_right));
     const int blocks = x.w.blocks();
     mbarrier_wait(q_full, tiles & 1);
     ++tiles;
