@@ -648,9 +648,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // the dropping spilled (D = 256). The number of blocks it drops depends on c, so c comes through
   // a shuffle there, which the compiler knows to be the same across the warp: the K/V stage
   // counter then stays in uniform registers (as computed from wg, it took some 10 more registers
-  // a thread, and the three-warpgroup tiles spilled 20-100 bytes).
+  // a thread, and the three-warpgroup tiles spilled 20-100 bytes). The shuffle also made the
+  // e4m3 ping-pong tile (D = 256) 2-3% faster, and the 16-bit ones (D = 128) 1-3% slower, which
+  // keep c from wg (BENCHMARKS.md, twenty-second session).
   constexpr bool kDropUnseen = !PINGPONG && !(OVERLAP && ALIBI);
-  const int c = kDropUnseen ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
+  const int c = kDropUnseen || kFp8 ? __shfl_sync(0xffffffffu, wg - 1, 0) : wg - 1;
   const int tid = threadIdx.x - wg * kWarpgroupThreads;
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
 
