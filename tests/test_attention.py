@@ -517,16 +517,20 @@ def test_causal_tiles_end_at_the_last_row(rng, fwd_kernel, head_dim, sq, sk, mas
     run_and_check(rng, DTYPES[1], 1, sq, sk, 2, 1, head_dim, **MASKS[mask])
 
 
-# (tiles, head dim, Sq, Sk, mask options) where the Hopper tiles' warpgroups leave out key blocks
-# their rows do not see (FwdSm90Tile.drops_unseen): past their rows' diagonal where a tile is
-# taller than a key block (192-row long tiles over 128 keys, 128 rows over D = 160 and 256's 80),
+# (tiles, head dim, Sq, Sk, options) where the Hopper tiles' warpgroups leave out key blocks their
+# rows do not see (FwdSm90Tile.drops_unseen): past their rows' diagonal where a tile is taller
+# than a key block (192-row long tiles over 112 or 128 keys, 128 rows over D = 160 and 256's 80),
 # all of them where Sq > Sk leaves rows without keys, or past Sq, or past a window's right edge.
+# "sinks" and "alibi_slopes" take random per-head values.
 DROPPED_BLOCKS = [
     ("long", 64, 700, 700, {"causal": True}),
-    ("long", 96, 600, 250, {"causal": True}),     # rows 0 .. 349 see no key
+    ("long", 64, 700, 701, {"causal": True}),     # each warpgroup's last key opens a block
+    ("long", 96, 600, 250, {"causal": True, "sinks": None}),  # rows 0 .. 349 see no key
     ("long", 80, 500, 900, {"window": (200, 0)}),
-    ("long", 64, 450, 450, {}),                   # the last tile's second and third warpgroups past Sq
+    ("long", 64, 450, 450, {}),                   # the last tile's third warpgroup is past Sq
+    ("long", 96, 333, 333, {"causal": True, "alibi_slopes": None}),
     ("default", 160, 333, 333, {"causal": True}),
+    ("default", 160, 300, 301, {"window": (50, 1)}),  # a right edge past the diagonal
     ("default", 256, 200, 517, {"causal": True, "softcap": 30.0}),
 ]
 
@@ -537,16 +541,22 @@ def test_warpgroups_drop_the_blocks_their_rows_do_not_see(rng, monkeypatch, fwd_
                                                           options):
     """Where a Hopper tile's consumer warpgroups do not take turns, each leaves out the key blocks
     none of its stored rows sees (it only releases their stages): out, poisoned, and lse against
-    the reference, rows without keys included (on the mma.sync kernel the same cases run as
+    the reference, rows without keys included, on FEW_CTAS CTAs that each walk many tiles (the
+    stages' phases carry across the dropped blocks; on the mma.sync kernel the same cases run as
     always)."""
     dims = (head_dim, head_dim)
     if tiles == "long":
         long = attention_module.FWD_SM90_LONG_TILES[dims]
         monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
                             {**attention_module.FWD_SM90_LONG_TILES, dims: attention_module.LongKeyTile(0, 0, long.tile)})
+    hq = 2
+    options = {name: rng.standard_normal(hq).astype(np.float32) if value is None else value
+               for name, value in options.items()}
     if fwd_kernel == "sm90":
-        assert attention_module.fwd_sm90_tile(dims, seqlen_k=sk, banded=bool(options)).drops_unseen()
-    run_and_check(rng, DTYPES[1], 2, sq, sk, 2, 1, head_dim, **options)
+        tile = attention_module.fwd_sm90_tile(dims, seqlen_k=sk, banded="causal" in options or "window" in options)
+        assert tile.drops_unseen(alibi="alibi_slopes" in options), tile
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: FEW_CTAS)
+    run_and_check(rng, DTYPES[1], 2, sq, sk, hq, 1, head_dim, **options)
 
 
 @pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
