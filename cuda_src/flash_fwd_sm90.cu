@@ -257,8 +257,7 @@ struct FwdSm90Work {
   // (one warpgroup's) do not need, and returns how many: all of them where the tile stores none
   // of these rows (past Sq, or past a shifted first tile's m_end); where the visits run last to
   // first (a causal mask: the tile's last block holds its last row's diagonal), the blocks past
-  // these rows' diagonal; otherwise none. The visits left keep their order. Selects, no
-  // branches: a branch here made ptxas spill around the consumers' wgmma accumulators.
+  // these rows' diagonal; otherwise none. The visits left keep their order.
   template <bool DIAG_FIRST>
   __device__ __forceinline__ int drop_unseen(int row, int right) {
     const int first_row = m0 + row;
