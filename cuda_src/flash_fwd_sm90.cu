@@ -1022,9 +1022,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 
   for (int index = take_tile(); index != kFwdSm90NoTile; index = take_tile()) {
     TileContext x = context_of(index);
-    // Without ping-pong (whose turns pair the warpgroups' blocks) a warpgroup leaves out the
-    // blocks none of its stored rows sees: past its rows' diagonal where the tile is taller than
-    // a key block, or all of them past Sq
+    // the blocks none of this warpgroup's stored rows sees (kDropUnseen, above)
     if constexpr (kDropUnseen)
       skip_blocks(loads + x.w.template drop_unseen<BOUNDED>(c * kWgmmaM, p.window_right));
     const int blocks = x.w.blocks();

@@ -448,6 +448,15 @@ def test_few_ctas_walk_many_tiles(rng, monkeypatch, fwd_kernel, schedule, d):
     _check_varlen(rng, [500, 1, 0, 260, 129], [500, 7, 9, 130, 700], 4, 2, d, True)
 
 
+def _long_tiles_from_0_keys(monkeypatch, pairs=None):
+    """FWD_SM90_LONG_TILES with the tiles of ``pairs`` (default: all) taken from 0 keys, masked or
+    not."""
+    tiles = dict(attention_module.FWD_SM90_LONG_TILES)
+    for pair in tiles if pairs is None else pairs:
+        tiles[pair] = attention_module.LongKeyTile(0, 0, tiles[pair].tile)
+    monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES", tiles)
+
+
 @pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES))
 def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     """The three-warpgroup tiles long key ranges take (FWD_SM90_LONG_TILES), forced from 0 keys:
@@ -455,7 +464,7 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     if fwd_kernel != "sm90":
         pytest.skip("a flash_fwd_sm90_kernel tile")
     tile = attention_module.FWD_SM90_LONG_TILES[d, d].tile
-    monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES", {(d, d): attention_module.LongKeyTile(0, 0, tile)})
+    _long_tiles_from_0_keys(monkeypatch, [(d, d)])
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
@@ -546,9 +555,7 @@ def test_warpgroups_drop_the_blocks_their_rows_do_not_see(rng, monkeypatch, fwd_
     always)."""
     dims = (head_dim, head_dim)
     if tiles == "long":
-        long = attention_module.FWD_SM90_LONG_TILES[dims]
-        monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
-                            {**attention_module.FWD_SM90_LONG_TILES, dims: attention_module.LongKeyTile(0, 0, long.tile)})
+        _long_tiles_from_0_keys(monkeypatch, [dims])
     hq = 2
     options = {name: rng.standard_normal(hq).astype(np.float32) if value is None else value
                for name, value in options.items()}
@@ -571,9 +578,7 @@ def test_rising_scores_move_the_row_max(rng, monkeypatch, fwd_kernel, tiles, ris
     if tiles == "long":
         if fwd_kernel != "sm90":
             pytest.skip("flash_fwd_sm90_kernel's long-key tiles")
-        monkeypatch.setattr(attention_module, "FWD_SM90_LONG_TILES",
-                            {pair: attention_module.LongKeyTile(0, 0, long.tile)
-                             for pair, long in attention_module.FWD_SM90_LONG_TILES.items()})
+        _long_tiles_from_0_keys(monkeypatch)
         dims = sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES)
     for d in dims:
         for dtype, causal in ((DTYPES[0], False), (DTYPES[1], True)):
