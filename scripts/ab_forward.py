@@ -3,7 +3,7 @@ docs/overlap_bounded_h200.txt).
 
 python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile BLOCK_N/STAGES]
         [--unbounded] [--tile D:BLOCK_N/CONSUMERS/STAGES/OVERLAP/PINGPONG/BOUNDED ...]
-        [--schedule auto|static|dynamic] [--only RE]
+        [--schedule auto|static|dynamic] [--keys N[,N ...]] [--only RE]
     Times cuattn.attention (CUDA-event medians) on a fixed list of cases: e4m3 q, k, v with
     per-head scales (cuattn.fp8.quantize_qkv; the call, its V^T pass included, bf16 output) at
     D = 128 and 256, and bf16 at D = 64, 80, 96, 128, 160; B * N = 32k tokens, H * D = 2048,
@@ -12,8 +12,8 @@ python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile B
     FWD_SM90_LONG_TILES at every length; --d80-tile puts D = 80's long tile at that block and
     stage count; --unbounded runs every tile of FWD_SM90_TILES with the max-first softmax
     (FwdSm90Tile.bounded off); --tile (flags 0 or 1, repeatable) runs head dim D in that tile at
-    every length; --schedule sets FWD_SM90_SCHEDULE; --only RE keeps the cases whose line
-    matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
+    every length; --schedule sets FWD_SM90_SCHEDULE; --keys runs the bf16 head dims at these key
+    counts instead of the list's; --only RE keeps the cases whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
     labels, interleaved, to compare kernels, or with two sets of options in one.
 """
 
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--only", metavar="RE")
     parser.add_argument("--tile", action="append", default=[], metavar="D:N/C/S/OV/PP/BD")
     parser.add_argument("--schedule", choices=("auto", "static", "dynamic"))
+    parser.add_argument("--keys", metavar="N[,N ...]")
     args = parser.parse_args()
     long_tiles = dict(attention_module.FWD_SM90_LONG_TILES)
     if args.long_tiles_from_0:
@@ -104,7 +105,11 @@ def main() -> None:
     if args.schedule:
         attention_module.FWD_SM90_SCHEDULE = args.schedule
     _calls.clear()
-    for kind, d, n in CASES:
+    cases = CASES
+    if args.keys:
+        bf16_dims = sorted({d for kind, d, _ in CASES if kind == "bf16"})
+        cases = [("bf16", d, int(n)) for d in bf16_dims for n in args.keys.split(",")]
+    for kind, d, n in cases:
         if not args.alibi or n >= ALIBI_MIN_KEYS:
             run(args.label, kind, d, n, args.alibi, args.only)
 
