@@ -250,18 +250,22 @@ class LongKeyTile:
 # the softmax that skips the row max on most blocks (`bounded`, which needs the GEMMs done). On
 # the H200 (bf16, full / causal, BENCHMARKS.md "Sixteenth session"): D = 64 465 / 389 TFLOP/s at
 # 4k keys and 491 / 468 at 16k; D = 80 439 / 388 and D = 96 530 / 446 at 4k against the
-# two-warpgroup tile's 418 / 370 and 505 / 438. At 1k keys the two-warpgroup tiles stay ahead
-# under a causal mask (by 9-20%), and without a mask at D = 80 (by 18%); there D = 64 runs the
-# long tile 7% faster, and D = 96 level on dense calls (-2 to +5% across runs) but 7% faster on
-# ragged varlen ones ("Twentieth session"): those two take it from 1k keys without a mask.
+# two-warpgroup tile's 418 / 370 and 505 / 438. D = 64 and 96 take it from 1k keys without a
+# mask: D = 64 7% faster there, D = 96 level on dense calls and 7% faster on ragged varlen ones
+# ("Twentieth session"). Under a causal mask, since each warpgroup drops the key blocks its rows
+# do not see, it leads from 512 keys at D = 64 (223 against 198 TFLOP/s; 309 against 267 at 1k)
+# and from 768 at D = 96 (311 against 283; 4% behind at 512), and trails both at 256 by 8-20%
+# ("Twenty-third session"; before the drop the two-warpgroup tiles led at 1k by 9-20%). D = 80's
+# long tile is 2% slower at 1k under a causal mask and 14-18% without one: it starts at 4k.
+# Window masks take the causal counts (`banded`; not measured apart).
 # D = 80 takes 112-key blocks and three stages: at 128 keys (3-7% faster) its consumers spill.
 # The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96 (112 at D = 64):
 # 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower with ALiBi
 # ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
-    (64, 64): LongKeyTile(4096, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
+    (64, 64): LongKeyTile(512, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): LongKeyTile(4096, 4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
-    (96, 96): LongKeyTile(4096, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (96, 96): LongKeyTile(768, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
 }
 
 

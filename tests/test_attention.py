@@ -484,27 +484,30 @@ def _forward_kernel_logged(caplog, *args, **kwargs) -> str:
     return chosen[-1]
 
 
-@pytest.mark.parametrize("d", sorted(d for (d, _), long in attention_module.FWD_SM90_LONG_TILES.items()
-                                     if long.unmasked_keys < long.keys))
-def test_unmasked_calls_take_the_long_tile_from_fewer_keys(rng, caplog, fwd_kernel, d):
-    """Without a causal or window mask D = 64 and 96 take their long-key tile from
-    LongKeyTile.unmasked_keys keys; masked calls of the same length keep the default tile."""
+@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES))
+def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d):
+    """A call takes its head dim's long-key tile from LongKeyTile.keys keys under a causal or
+    window mask and from LongKeyTile.unmasked_keys without one; a key fewer keeps the default
+    tile (the launched kernel's template arguments, from the debug log)."""
     if fwd_kernel != "sm90":
         pytest.skip("a flash_fwd_sm90_kernel tile")
     long = attention_module.FWD_SM90_LONG_TILES[d, d]
-    n = long.unmasked_keys
     cupy = _cupy()
-    q, k, v = (cupy.asarray(randn(rng, (1, n, 2, d), DTYPES[0])) for _ in range(3))
+    q, k, v = (cupy.asarray(randn(rng, (1, max(long.keys, long.unmasked_keys), 2, d), DTYPES[0])) for _ in range(3))
 
     def tile_of(tile):
         flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
         return f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags},"
 
-    assert tile_of(long.tile) in _forward_kernel_logged(caplog, q, k, v)
-    short = tile_of(attention_module.FWD_SM90_TILES[d, d])
-    assert short in _forward_kernel_logged(caplog, q, k, v, causal=True)
-    assert short in _forward_kernel_logged(caplog, q, k, v, window=(n // 2, 0))
-    assert short in _forward_kernel_logged(caplog, q[:, :n - 1], k[:, :n - 1], v[:, :n - 1])
+    def logged(n, **mask):
+        return _forward_kernel_logged(caplog, q[:, :n], k[:, :n], v[:, :n], **mask)
+
+    taken, short = tile_of(long.tile), tile_of(attention_module.FWD_SM90_TILES[d, d])
+    assert taken in logged(long.unmasked_keys)
+    assert short in logged(long.unmasked_keys - 1)
+    for mask in ({"causal": True}, {"window": (long.keys // 2, 0)}):
+        assert taken in logged(long.keys, **mask)
+        assert short in logged(long.keys - 1, **mask)
 
 
 @pytest.mark.parametrize("head_dim, sq, sk, mask", [
