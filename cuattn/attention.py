@@ -255,16 +255,17 @@ class LongKeyTile:
 # ("Twentieth session"). Under a causal mask, since each warpgroup drops the key blocks its rows
 # do not see, it leads from 512 keys at D = 64 (223 against 198 TFLOP/s; 309 against 267 at 1k)
 # and from 768 at D = 96 (311 against 283; 4% behind at 512), and trails both at 256 by 8-20%
-# ("Twenty-third session"; before the drop the two-warpgroup tiles led at 1k by 9-20%). D = 80's
-# long tile is 2% slower at 1k under a causal mask and 14-18% without one: it starts at 4k.
-# Window masks take the causal counts (`banded`; not measured apart).
-# D = 80 takes 112-key blocks and three stages: at 128 keys (3-7% faster) its consumers spill.
+# ("Twenty-third session"; before the drop the two-warpgroup tiles led at 1k by 9-20%). Window
+# masks take the causal counts (`banded`; not measured apart). D = 80 took 112-key blocks and
+# three stages while 128 keys spilled; the 128-key, two-stage tile (D = 96's) now builds without
+# spills (NVRTC 13.0 and 12.9) and runs 3-14% faster from 4k keys (521 / 486 at 4k, 560 / 502
+# at 16k) and ahead of the two-warpgroup tile at 1k (419 / 325 against 409 / 293).
 # The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96 (112 at D = 64):
 # 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower with ALiBi
 # ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
     (64, 64): LongKeyTile(512, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
-    (80, 80): LongKeyTile(4096, 4096, FwdSm90Tile(112, 3, 3, overlap=False, pingpong=False)),
+    (80, 80): LongKeyTile(1024, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
     (96, 96): LongKeyTile(768, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
 }
 
