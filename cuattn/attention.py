@@ -259,13 +259,14 @@ class LongKeyTile:
 # masks take the causal counts (`banded`; not measured apart). D = 80 took 112-key blocks and
 # three stages while 128 keys spilled; the 128-key, two-stage tile (D = 96's) now builds without
 # spills (NVRTC 13.0 and 12.9) and runs 3-14% faster from 4k keys (521 / 486 at 4k, 560 / 502
-# at 16k) and ahead of the two-warpgroup tile at 1k (419 / 325 against 409 / 293).
+# at 16k) and ahead of the two-warpgroup tile from 512 keys, masked or not (1k: 419 / 325 against
+# 409 / 293; 768: 439-441 / 288 against 385-387 / 263; 512: 358-360 / 223 against 351-353 / 215).
 # The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96 (112 at D = 64):
 # 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower with ALiBi
 # ("Seventeenth session").
 FWD_SM90_LONG_TILES = {
     (64, 64): LongKeyTile(512, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
-    (80, 80): LongKeyTile(1024, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (80, 80): LongKeyTile(512, 512, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
     (96, 96): LongKeyTile(768, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
 }
 
