@@ -13,8 +13,9 @@ python scripts/ab_forward.py LABEL [--alibi] [--long-tiles-from-0] [--d80-tile B
     stage count; --unbounded runs every tile of FWD_SM90_TILES with the max-first softmax
     (FwdSm90Tile.bounded off); --tile (flags 0 or 1, repeatable) runs head dim D in that tile at
     every length; --schedule sets FWD_SM90_SCHEDULE; --keys runs the bf16 head dims at these key
-    counts instead of the list's; --only RE keeps the cases whose line matches RE. Run it from two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two
-    labels, interleaved, to compare kernels, or with two sets of options in one.
+    counts instead of the list's; --only RE keeps the cases whose line matches RE. Run it from
+    two checkouts (PYTHONPATH, and a CUATTN_CACHE_DIR each) with two labels, interleaved, to
+    compare kernels, or with two sets of options in one.
 """
 
 import argparse
