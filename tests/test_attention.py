@@ -531,7 +531,7 @@ def test_causal_tiles_end_at_the_last_row(rng, fwd_kernel, head_dim, sq, sk, mas
 
 # (tiles, head dim, Sq, Sk, options) where the Hopper tiles' warpgroups leave out key blocks their
 # rows do not see (FwdSm90Tile.drops_unseen): past their rows' diagonal where a tile is taller
-# than a key block (192-row long tiles over 112 or 128 keys, 128 rows over D = 160 and 256's 80),
+# than a key block (192-row long tiles over 128 keys, 128 rows over D = 160 and 256's 80),
 # all of them where Sq > Sk leaves rows without keys, or past Sq, or past a window's right edge.
 # "sinks" and "alibi_slopes" take random per-head values.
 DROPPED_BLOCKS = [
