@@ -448,6 +448,13 @@ def test_few_ctas_walk_many_tiles(rng, monkeypatch, fwd_kernel, schedule, d):
     _check_varlen(rng, [500, 1, 0, 260, 129], [500, 7, 9, 130, 700], 4, 2, d, True)
 
 
+def _tile_signature(tile) -> str:
+    """How a flash_fwd_sm90_kernel tile appears in the launched kernel's template arguments (the
+    debug log's kernel name): block_n, consumers, stages and the overlap / pingpong / bounded flags."""
+    flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
+    return f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags},"
+
+
 def _long_tiles_from_0_keys(monkeypatch, pairs=None):
     """FWD_SM90_LONG_TILES with the tiles of ``pairs`` (default: all) taken from 0 keys, masked or
     not."""
@@ -468,8 +475,7 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
-    flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
-    assert chosen and f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags}," in chosen[-1], chosen
+    assert chosen and _tile_signature(tile) in chosen[-1], chosen
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
     _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
@@ -495,14 +501,10 @@ def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d
     cupy = _cupy()
     q, k, v = (cupy.asarray(randn(rng, (1, max(long.keys, long.unmasked_keys), 2, d), DTYPES[0])) for _ in range(3))
 
-    def tile_of(tile):
-        flags = ", ".join(attention_module._cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded))
-        return f", {tile.block_n}, {tile.consumers}, {tile.stages}, {flags},"
-
     def logged(n, **mask):
         return _forward_kernel_logged(caplog, q[:, :n], k[:, :n], v[:, :n], **mask)
 
-    taken, short = tile_of(long.tile), tile_of(attention_module.FWD_SM90_TILES[d, d])
+    taken, short = _tile_signature(long.tile), _tile_signature(attention_module.FWD_SM90_TILES[d, d])
     assert taken in logged(long.unmasked_keys)
     assert short in logged(long.unmasked_keys - 1)
     for mask in ({"causal": True}, {"window": (long.keys // 2, 0)}):
