@@ -2,7 +2,7 @@
 current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
 
 python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--schedules dynamic,static]
-                               [--json PATH]
+                               [--section-mib 0,8,32] [--json PATH]
     per (head dim, mean length N, mask): TFLOP/s of
       dense          cuattn.attention, B = 32768 / N sequences of N tokens
       varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
@@ -14,6 +14,9 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     --schedules: flash_fwd_sm90_kernel's tile schedules to time each case on (an A/B of
     cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
     per schedule, the schedules of a case timed one after the other.
+    --section-mib: L2 section sizes of the dynamic schedule to time it at (an A/B of
+    cuattn.attention.FWD_SM90_L2_SECTION_BYTES, in MiB; 0: one (batch, head) pair a section, the
+    static schedule's pair-major order); "dynamic" lines then name the size, as dynamic@8.
 """
 
 import argparse
@@ -49,12 +52,19 @@ def main(argv):
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--schedules", default=attention_module.FWD_SM90_SCHEDULE,
                         help=f"comma-separated, of {', '.join(attention_module.FWD_SM90_SCHEDULES)}")
+    parser.add_argument("--section-mib", help="comma-separated (default: the module's own size)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    schedules = args.schedules.split(",")
-    for schedule in schedules:
+    for schedule in args.schedules.split(","):
         if schedule not in attention_module.FWD_SM90_SCHEDULES:
             parser.error(f"--schedules: {schedule!r} is not one of {attention_module.FWD_SM90_SCHEDULES}")
+    section_bytes = ([int(float(x) * (1 << 20)) for x in args.section_mib.split(",")] if args.section_mib
+                     else [attention_module.FWD_SM90_L2_SECTION_BYTES])
+    # (label, schedule, L2 section bytes): the dynamic schedule once per section size
+    schedules = [(f"{schedule}@{size / (1 << 20):g}" if schedule == "dynamic" and args.section_mib else schedule,
+                  schedule, size)
+                 for schedule in args.schedules.split(",")
+                 for size in (section_bytes if schedule == "dynamic" else section_bytes[:1])]
     bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng()
     rows = []
@@ -66,7 +76,7 @@ def main(argv):
             b = max(1, TOTAL_TOKENS // n)
             layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
             for causal in (False, True):
-                rates = {schedule: {} for schedule in schedules}
+                rates = {label: {} for label, _, _ in schedules}
                 for name, lengths in layouts.items():
                     total = sum(lengths)
                     flops = sum(timing.attention_flops(1, h, s, s, d, causal) for s in lengths)
@@ -79,15 +89,17 @@ def main(argv):
                         qv, kv, vv = (x[:total] for x in (q, k, v))
                         fn = lambda: cuattn.attention_varlen(qv, kv, vv, cu, cu, longest, longest,  # noqa: E731
                                                              causal=causal)
-                    for schedule in schedules:
+                    for label, schedule, size in schedules:
                         attention_module.FWD_SM90_SCHEDULE = schedule
+                        attention_module.FWD_SM90_L2_SECTION_BYTES = size
                         _calls.clear()  # plans keep the launch (and schedule) they were made with
                         ms = timing.time_cuda(fn)
-                        rates[schedule][name] = flops / ms / 1e9
+                        rates[label][name] = flops / ms / 1e9
                         rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
-                                         schedule=schedule, lengths=lengths, ms=ms, tflops=rates[schedule][name]))
-                for schedule, rate in rates.items():
-                    print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {schedule:8s} "
+                                         schedule=schedule, section_bytes=size, lengths=lengths, ms=ms,
+                                         tflops=rates[label][name]))
+                for label, rate in rates.items():
+                    print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {label:10s} "
                           + "  ".join(f"{name} {r:6.1f}" for name, r in rate.items())
                           + f"  ragged/dense {rate['varlen-ragged'] / rate['dense']:.3f}"
                           + f"  equal/dense {rate['varlen-equal'] / rate['dense']:.3f}", flush=True)
