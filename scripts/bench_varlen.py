@@ -58,13 +58,17 @@ def main(argv):
     for schedule in args.schedules.split(","):
         if schedule not in attention_module.FWD_SM90_SCHEDULES:
             parser.error(f"--schedules: {schedule!r} is not one of {attention_module.FWD_SM90_SCHEDULES}")
+    default_bytes = attention_module.FWD_SM90_L2_SECTION_BYTES
     section_bytes = ([int(float(x) * (1 << 20)) for x in args.section_mib.split(",")] if args.section_mib
-                     else [attention_module.FWD_SM90_L2_SECTION_BYTES])
-    # (label, schedule, L2 section bytes): the dynamic schedule once per section size
-    schedules = [(f"{schedule}@{size / (1 << 20):g}" if schedule == "dynamic" and args.section_mib else schedule,
-                  schedule, size)
-                 for schedule in args.schedules.split(",")
-                 for size in (section_bytes if schedule == "dynamic" else section_bytes[:1])]
+                     else [default_bytes])
+    # (label, schedule, L2 section bytes): the dynamic schedule once per section size, the others
+    # (which read no sections) once at the module's own
+    schedules = []
+    for schedule in args.schedules.split(","):
+        if schedule == "dynamic" and args.section_mib:
+            schedules += [(f"dynamic@{size / (1 << 20):g}", schedule, size) for size in section_bytes]
+        else:
+            schedules.append((schedule, schedule, section_bytes[0] if schedule == "dynamic" else default_bytes))
     bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng()
     rows = []
