@@ -223,6 +223,16 @@ FWD_SM90_TILES = {
     (192, 192): FwdSm90Tile(80, 2, 2, bounded=False),
     (256, 256): FwdSm90Tile(80, 2, 2, pingpong=False, bounded=False),
 }
+# Tiles that calls without a causal or window mask take in place of FWD_SM90_TILES' (at any key
+# count). D = 160 without a mask runs ping-pong: its tile in FWD_SM90_TILES leaves the two
+# consumers without turns so that each can drop the key blocks its rows do not see under a causal
+# mask, which a call without a mask never does. On the H200 (bf16, B * N = 32k tokens, H = 13,
+# four runs on two machines, BENCHMARKS.md "Twenty-fifth session"): without a mask 550.3-582.7
+# TFLOP/s (mean 572.1) against 541.7-564.9 (550.6) at 4k keys, 495.8-507.0 against 477.4-502.7
+# at 1k; causal 493.9-509.7 against 507.3-513.9 at 4k, so the masked calls keep the drop.
+FWD_SM90_UNMASKED_TILES = {
+    (160, 160): FwdSm90Tile(80, 2, 2, bounded=False),
+}
 # The PAGED variant's tile where the dense one does not fit its registers: the paged producer is
 # the whole warpgroup and keeps more registers (kFwdSm90PagedProducerRegs), leaving the consumers
 # 16 fewer (224), and D = 256's intra-warpgroup overlap spilled there already at 232.
@@ -278,7 +288,9 @@ def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0,
     if paged:
         return FWD_SM90_PAGED_TILES.get(dims) or FWD_SM90_TILES[dims]
     long = FWD_SM90_LONG_TILES.get(dims)
-    return long.tile if long is not None and long.takes(seqlen_k, banded) else FWD_SM90_TILES[dims]
+    if long is not None and long.takes(seqlen_k, banded):
+        return long.tile
+    return (not banded and FWD_SM90_UNMASKED_TILES.get(dims)) or FWD_SM90_TILES[dims]
 
 
 # ptxas options of every flash_fwd_sm90_kernel variant. At ptxas's default -O3 (CUDA 13.0) some
@@ -428,7 +440,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
                 for d in TILE_HEAD_DIMS]
     if arch == SM90:
-        dense = list(FWD_SM90_TILES.items()) + [(dims, long.tile) for dims, long in FWD_SM90_LONG_TILES.items()]
+        dense = (list(FWD_SM90_TILES.items()) + list(FWD_SM90_UNMASKED_TILES.items())
+                 + [(dims, long.tile) for dims, long in FWD_SM90_LONG_TILES.items()])
         forward += [fwd_sm90_spec(dtype, *dims, tile, alibi=alibi) for dtype in _arrays.CUDA_TYPES
                     for dims, tile in dense for alibi in (False, True)]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)

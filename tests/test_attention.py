@@ -512,6 +512,25 @@ def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d
         assert short in logged(long.keys - 1, **mask)
 
 
+@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_UNMASKED_TILES))
+def test_calls_without_a_mask_take_the_unmasked_tile(rng, caplog, fwd_kernel, d):
+    """A call without a causal or window mask takes its head dim's FWD_SM90_UNMASKED_TILES tile, a
+    masked one FWD_SM90_TILES' (the launched kernel's template arguments, from the debug log); the
+    unmasked tile against the reference: lengths off every tile, GQA, sinks, ALiBi, varlen."""
+    if fwd_kernel != "sm90":
+        pytest.skip("a flash_fwd_sm90_kernel tile")
+    cupy = _cupy()
+    q, k, v = (cupy.asarray(randn(rng, (1, 300, 2, d), DTYPES[0])) for _ in range(3))
+    unmasked, masked = attention_module.FWD_SM90_UNMASKED_TILES[d, d], attention_module.FWD_SM90_TILES[d, d]
+    assert _tile_signature(unmasked) in _forward_kernel_logged(caplog, q, k, v)
+    assert _tile_signature(masked) in _forward_kernel_logged(caplog, q, k, v, causal=True)
+    assert _tile_signature(masked) in _forward_kernel_logged(caplog, q, k, v, window=(40, 3))
+    run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
+    run_and_check(rng, DTYPES[1], 1, 400, 97, 6, 3, d, sinks=rng.standard_normal(6).astype(np.float32),
+                  alibi_slopes=_alibi_slopes(6))
+    _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, False)
+
+
 @pytest.mark.parametrize("head_dim, sq, sk, mask", [
     (64, 130, 130, "causal"),      # the two-warpgroup tile: its first tile stores one warpgroup
     (128, 60, 300, "causal"),      # Sk > Sq: one tile, its second warpgroup stores nothing

@@ -124,6 +124,23 @@ def test_tiles_without_the_overlap_take_the_bounded_softmax():
         attention_module.FwdSm90Tile(128, 3, 3, overlap=False, bounded=False)
 
 
+def test_calls_without_a_mask_take_the_unmasked_tiles():
+    """FWD_SM90_UNMASKED_TILES replaces FWD_SM90_TILES' tile for calls without a causal or window
+    mask at every key count, never under a mask or for paged keys, and is a registered variant."""
+    names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
+    assert attention_module.FWD_SM90_UNMASKED_TILES
+    for dims, tile in attention_module.FWD_SM90_UNMASKED_TILES.items():
+        assert tile != attention_module.FWD_SM90_TILES[dims]
+        for keys in (1, 1000, 100000):
+            assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=False) == tile
+            masked = attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=True)
+            assert masked == attention_module.FWD_SM90_TILES[dims]
+            assert attention_module.fwd_sm90_tile(dims, paged=True, seqlen_k=keys, banded=False) == \
+                attention_module.fwd_sm90_tile(dims, paged=True)
+        for alibi in (False, True):
+            assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, tile, alibi=alibi).name in names
+
+
 def test_long_key_ranges_take_their_tile_from_their_length_and_mask():
     for dims, long in attention_module.FWD_SM90_LONG_TILES.items():
         short = attention_module.FWD_SM90_TILES[dims]
@@ -213,6 +230,7 @@ def test_encoding_through_the_driver_is_cached_per_address():
 def _every_hopper_forward_tile():
     """(D, Dv, bytes of an input element, tile) of every table the Hopper forward reads."""
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_TILES.items())
+    yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_UNMASKED_TILES.items())
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_PAGED_TILES.items())
     yield from ((d, dv, 2, long.tile) for (d, dv), long in attention_module.FWD_SM90_LONG_TILES.items())
     yield from ((d, d, 1, t) for d, t in attention_module.FWD_SM90_FP8_TILES.items())
