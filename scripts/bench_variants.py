@@ -36,7 +36,8 @@ def main(argv):
             variants = {
                 "plain": {},
                 "sinks": {"sinks": cupy.asarray(np.random.default_rng().standard_normal(h).astype(np.float32))},
-                "alibi": {"alibi_slopes": cupy.asarray((2.0 ** -np.arange(1, h + 1) * 8 / h).astype(np.float32))},
+                # the geometric slopes of the ALiBi paper, 2^(-8 i / H) for head i = 1 .. H
+                "alibi": {"alibi_slopes": cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32))},
             }
             for causal in (False, True):
                 base = None
