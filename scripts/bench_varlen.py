@@ -2,7 +2,7 @@
 current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
 
 python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--schedules dynamic,static]
-                               [--section-mib 0,8,32] [--json PATH]
+                               [--section-mib 0,8,32] [--rounds 3] [--json PATH]
     per (head dim, mean length N, mask): TFLOP/s of
       dense          cuattn.attention, B = 32768 / N sequences of N tokens
       varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
@@ -10,10 +10,13 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
                      [N / 4, 7 N / 4] (the last one takes what is left of 32768 tokens)
     TFLOP/s counts each sequence's own work (sum over sequences of its attention FLOPs), so
     ragged lengths, which hold more work than equal ones, are compared by rate, not time.
-    bf16, H * D = 2048, CUDA events, the forward benchmark's timing.
+    bf16, H * D = 2048, CUDA events, the forward benchmark's timing. The layouts and schedules of
+    a case are timed in turn, --rounds times over, and each reports the median of its rounds (timed
+    once each in a fixed order, the later ones ran at the clocks the earlier ones left: on the H200
+    one call's time moved 12% between two turns in one process).
     --schedules: flash_fwd_sm90_kernel's tile schedules to time each case on (an A/B of
     cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
-    per schedule, the schedules of a case timed one after the other.
+    per schedule.
     --section-mib: L2 section sizes of the dynamic schedule to time it at (an A/B of
     cuattn.attention.FWD_SM90_L2_SECTION_BYTES, in MiB; 0: one (batch, head) pair a section, the
     static schedule's pair-major order); "dynamic" lines then name the size, as dynamic@8.
@@ -53,6 +56,7 @@ def main(argv):
     parser.add_argument("--schedules", default=attention_module.FWD_SM90_SCHEDULE,
                         help=f"comma-separated, of {', '.join(attention_module.FWD_SM90_SCHEDULES)}")
     parser.add_argument("--section-mib", help="comma-separated (default: the module's own size)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     for schedule in args.schedules.split(","):
@@ -80,27 +84,36 @@ def main(argv):
             b = max(1, TOTAL_TOKENS // n)
             layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
             for causal in (False, True):
-                rates = {label: {} for label, _, _ in schedules}
+                calls = {}  # layout -> (call, its FLOPs)
                 for name, lengths in layouts.items():
                     total = sum(lengths)
                     flops = sum(timing.attention_flops(1, h, s, s, d, causal) for s in lengths)
                     if name == "dense":
                         qd, kd, vd = (x[:total].reshape(b, n, h, d) for x in (q, k, v))
-                        fn = lambda: cuattn.attention(qd, kd, vd, causal=causal)  # noqa: E731
+                        fn = lambda qd=qd, kd=kd, vd=vd: cuattn.attention(qd, kd, vd, causal=causal)  # noqa: E731
                     else:
                         cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
                         longest = max(lengths)
                         qv, kv, vv = (x[:total] for x in (q, k, v))
-                        fn = lambda: cuattn.attention_varlen(qv, kv, vv, cu, cu, longest, longest,  # noqa: E731
-                                                             causal=causal)
+                        fn = lambda qv=qv, kv=kv, vv=vv, cu=cu, longest=longest: cuattn.attention_varlen(  # noqa: E731
+                            qv, kv, vv, cu, cu, longest, longest, causal=causal)
+                    calls[name] = (fn, flops)
+                # every (layout, schedule) in turn, --rounds times over, each reporting its median
+                times = {(name, label): [] for name in calls for label, _, _ in schedules}
+                for _ in range(args.rounds):
+                    for name, (fn, _) in calls.items():
+                        for label, schedule, size in schedules:
+                            attention_module.FWD_SM90_SCHEDULE = schedule
+                            attention_module.FWD_SM90_L2_SECTION_BYTES = size
+                            _calls.clear()  # plans keep the launch (and schedule) they were made with
+                            times[name, label].append(timing.time_cuda(fn))
+                rates = {label: {} for label, _, _ in schedules}
+                for name, (_, flops) in calls.items():
                     for label, schedule, size in schedules:
-                        attention_module.FWD_SM90_SCHEDULE = schedule
-                        attention_module.FWD_SM90_L2_SECTION_BYTES = size
-                        _calls.clear()  # plans keep the launch (and schedule) they were made with
-                        ms = timing.time_cuda(fn)
+                        ms = float(np.median(times[name, label]))
                         rates[label][name] = flops / ms / 1e9
                         rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
-                                         schedule=schedule, section_bytes=size, lengths=lengths, ms=ms,
+                                         schedule=schedule, section_bytes=size, lengths=layouts[name], ms=ms,
                                          tflops=rates[label][name]))
                 for label, rate in rates.items():
                     print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {label:10s} "
