@@ -5,9 +5,9 @@ python scripts/bench_variants.py [--lengths 4096] [--head-dims 64,128] [--backwa
     one line per (head dim, N, mask, variant): ms, TFLOP/s and the ratio to the plain call;
     bf16, 32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark. The
     variants of a case are timed in turn, --rounds times over, and each reports the median of its
-    rounds: timed once each, one after the other, the later ones ran at the clocks the earlier
-    ones left (on the H200 a sink cost of 6-9% at D = 64, 1k, causal, where the kernels ran 543.9
-    against 544.3 us under ncu's locked clocks).
+    rounds (cuattn.bench.timing.time_in_turn): timed once each, one after the other, sinks showed a
+    6-9% cost at D = 64, 1k, causal on the H200, where the kernels ran 543.9 against 544.3 us under
+    ncu's locked clocks.
 """
 
 import argparse
@@ -53,13 +53,9 @@ def main(argv):
                             dout, q, k, v, out, lse, causal=causal, **options))
                     else:
                         calls[name] = lambda options=options: cuattn.attention(q, k, v, causal=causal, **options)
-                times = {name: [] for name in calls}
-                for _ in range(args.rounds):
-                    for name, fn in calls.items():
-                        times[name].append(timing.time_cuda(fn))
+                medians = timing.time_in_turn(calls, args.rounds)
                 base = None
-                for name in calls:
-                    ms = float(np.median(times[name]))
+                for name, ms in medians.items():
                     flops = timing.attention_flops(b, h, n, n, d, causal) * (timing.BACKWARD_FLOP_RATIO if args.backward else 1)
                     base = base or ms
                     row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, ms=ms,

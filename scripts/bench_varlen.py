@@ -11,9 +11,8 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     TFLOP/s counts each sequence's own work (sum over sequences of its attention FLOPs), so
     ragged lengths, which hold more work than equal ones, are compared by rate, not time.
     bf16, H * D = 2048, CUDA events, the forward benchmark's timing. The layouts and schedules of
-    a case are timed in turn, --rounds times over, and each reports the median of its rounds (timed
-    once each in a fixed order, the later ones ran at the clocks the earlier ones left: on the H200
-    one call's time moved 12% between two turns in one process).
+    a case are timed in turn, --rounds times over, and each reports the median of its rounds
+    (cuattn.bench.timing.time_in_turn; before, once each in a fixed order, ragged last).
     --schedules: flash_fwd_sm90_kernel's tile schedules to time each case on (an A/B of
     cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
     per schedule.
@@ -59,9 +58,6 @@ def main(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    for schedule in args.schedules.split(","):
-        if schedule not in attention_module.FWD_SM90_SCHEDULES:
-            parser.error(f"--schedules: {schedule!r} is not one of {attention_module.FWD_SM90_SCHEDULES}")
     default_bytes = attention_module.FWD_SM90_L2_SECTION_BYTES
     section_bytes = ([int(float(x) * (1 << 20)) for x in args.section_mib.split(",")] if args.section_mib
                      else [default_bytes])
@@ -69,10 +65,19 @@ def main(argv):
     # (which read no sections) once at the module's own
     schedules = []
     for schedule in args.schedules.split(","):
+        if schedule not in attention_module.FWD_SM90_SCHEDULES:
+            parser.error(f"--schedules: {schedule!r} is not one of {attention_module.FWD_SM90_SCHEDULES}")
         if schedule == "dynamic" and args.section_mib:
             schedules += [(f"dynamic@{size / (1 << 20):g}", schedule, size) for size in section_bytes]
         else:
             schedules.append((schedule, schedule, section_bytes[0] if schedule == "dynamic" else default_bytes))
+    def select(case):
+        """Before timing (layout, (label, schedule, section bytes)): that schedule and section size."""
+        _, (_, schedule, size) = case
+        attention_module.FWD_SM90_SCHEDULE = schedule
+        attention_module.FWD_SM90_L2_SECTION_BYTES = size
+        _calls.clear()  # plans keep the launch (and schedule) they were made with
+
     bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng()
     rows = []
@@ -99,18 +104,13 @@ def main(argv):
                             qv, kv, vv, cu, cu, longest, longest, causal=causal)
                     calls[name] = (fn, flops)
                 # every (layout, schedule) in turn, --rounds times over, each reporting its median
-                times = {(name, label): [] for name in calls for label, _, _ in schedules}
-                for _ in range(args.rounds):
-                    for name, (fn, _) in calls.items():
-                        for label, schedule, size in schedules:
-                            attention_module.FWD_SM90_SCHEDULE = schedule
-                            attention_module.FWD_SM90_L2_SECTION_BYTES = size
-                            _calls.clear()  # plans keep the launch (and schedule) they were made with
-                            times[name, label].append(timing.time_cuda(fn))
+                medians = timing.time_in_turn({(name, entry): fn for name, (fn, _) in calls.items()
+                                               for entry in schedules}, args.rounds, before=select)
                 rates = {label: {} for label, _, _ in schedules}
                 for name, (_, flops) in calls.items():
-                    for label, schedule, size in schedules:
-                        ms = float(np.median(times[name, label]))
+                    for entry in schedules:
+                        label, schedule, size = entry
+                        ms = medians[name, entry]
                         rates[label][name] = flops / ms / 1e9
                         rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
                                          schedule=schedule, section_bytes=size, lengths=layouts[name], ms=ms,

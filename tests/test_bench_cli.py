@@ -347,3 +347,21 @@ def test_bench_decode_quick_writes_its_json(tmp_path):
         assert case["status"] == "ok" or case["reason"], case
         if case["impl"] == "cuattn":
             assert case["status"] == "ok" and case["rate"] > 0 and case["info"]["graph_ms"] > 0
+
+
+def test_time_in_turn_interleaves_the_calls_and_reports_medians():
+    """timing.time_in_turn times every call once a round, in the calls' order, `before` ahead of
+    each, and reports each call's median over the rounds (a fake timer: no GPU)."""
+    from cuattn.bench import timing
+
+    order, seen = [], []
+    samples = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+
+    def timer(fn):
+        order.append(fn())
+        return next(samples[order[-1]])
+
+    medians = timing.time_in_turn({"a": lambda: "a", "b": lambda: "b"}, 3, before=seen.append, timer=timer)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert seen == order
+    assert medians == {"a": 3.0, "b": 4.0}

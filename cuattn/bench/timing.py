@@ -70,6 +70,22 @@ def time_cuda(fn, *, warmup: int = 3, repeats: int = 10, inner: int | None = Non
     return statistics.median(samples)
 
 
+def time_in_turn(calls: dict, rounds: int = 3, *, before=None, timer=None) -> dict:
+    """Median milliseconds per call of each of ``calls`` (key -> fn), timed in turn ``rounds``
+    times over with ``timer`` (default :func:`time_cuda`); ``before(key)`` runs ahead of each timing
+    (to set up a schedule, say). Cases compared with one another are timed so rather than once
+    each in a fixed order, where the later ones run at the clocks the earlier ones left (on the
+    H200 one call's time moved 12% between two turns in one process)."""
+    timer = timer or time_cuda
+    times = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            if before is not None:
+                before(key)
+            times[key].append(timer(fn))
+    return {key: statistics.median(samples) for key, samples in times.items()}
+
+
 def time_synced(fn, sync, *, warmup: int = 3, repeats: int = 10, target_ms: float = 20.0) -> float:
     """Median milliseconds per call of ``fn`` by the host clock, ``sync(result)`` after each window.
 
