@@ -347,13 +347,17 @@ FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
 
 # flash_fwd_sm90_kernel's tile schedule (the kernel file's opening comment):
 #   "dynamic"  one CTA per SM; each takes its next tile from a per-stream counter (an atomicAdd),
-#              the heaviest query blocks first, over L2 sections of heads;
+#              the heaviest query blocks first, over L2 sections of heads (l2_section_heads: under
+#              a causal or window mask; without one, (batch, head) pair after pair);
 #   "static"   one CTA per SM with a fixed stride over (batch, head)-major tiles, or one CTA per
 #              tile for banded masks over more than FWD_SM90_PERSISTENT_BANDED_KEYS keys.
-#   "auto"     dynamic for causal or windowed masks and for varlen, static otherwise: measured on
-#              the H200 (BENCHMARKS.md, "The dynamic tile schedule"), dynamic is 4-24% faster on
-#              causal calls at N <= 4k and 6-26% on ragged varlen at N = 1k, but 1-12% slower on
-#              dense calls without a mask.
+#   "auto"     dynamic, but static for dense calls without a mask whose Sq is a whole number of
+#              tiles. Measured on the H200 (BENCHMARKS.md, "The dynamic tile schedule" and
+#              "Twenty-sixth session"): dynamic is 4-24% faster on causal calls at N <= 4k and on
+#              ragged varlen; without a mask, pair after pair, 2-6% faster at N <= 4k where the
+#              last tile of each head is short (the 192-row tiles of D = 64 and 96, e4m3 D = 128:
+#              Sq = 1024 is 5 1/3 tiles), and 0.1-2.3% slower where every tile is whole (D = 128
+#              to 256 at 1k-16k, e4m3 D = 256 at 8k), which the static strides balance as well.
 # A module switch (tests, scripts/bench_varlen.py --schedules): plans keep the launch they were
 # made with, so clear them (_calls.clear()) after changing it.
 FWD_SM90_SCHEDULES = ("auto", "dynamic", "static")
@@ -391,9 +395,14 @@ def tile_counter_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
 
 
 def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
-                     itemsize: int) -> int:
-    """(batch, head) pairs per section of the dynamic schedule: as many as keep their K and V
-    within FWD_SM90_L2_SECTION_BYTES (the q heads of one kv head count once), at least one."""
+                     itemsize: int, banded: bool = True) -> int:
+    """(batch, head) pairs per section of the dynamic schedule: under a causal or window mask
+    (``banded``) as many as keep their K and V within FWD_SM90_L2_SECTION_BYTES (the q heads of
+    one kv head count once), at least one; without a mask one, pair after pair, as the static
+    schedule's order: every tile of a pair costs the same there, and the CTAs running at once then
+    share the few pairs' K and V (at N = 1k, D = 128 on the H200 32 MiB sections ran 13% slower)."""
+    if not banded:
+        return 1
     kv_head_bytes = max(1, 2 * seqlen_k * head_dim * itemsize)
     kv_heads = max(1, FWD_SM90_L2_SECTION_BYTES // kv_head_bytes)
     return max(1, min(batch * num_heads, kv_heads * (num_heads // num_kv_heads)))
@@ -1105,19 +1114,19 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         if schedule not in FWD_SM90_SCHEDULES:
             raise ValueError(f"FWD_SM90_SCHEDULE must be one of {FWD_SM90_SCHEDULES}, got {schedule!r}")
         if schedule == "auto":
-            schedule = "dynamic" if banded or cu_seqlens_q is not None else "static"
+            schedule = "dynamic" if banded or cu_seqlens_q is not None or seqlen_q % tile.block_m else "static"
         dynamic = schedule == "dynamic"
         persistent = dynamic or not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
         grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
         if dynamic:
             counter = tile_counter_address(TILE_COUNTER_BYTES, _jit.stream_ptr(stream), _jit.current_device())
             section = l2_section_heads(batch, num_heads, num_kv_heads, seqlen_k, head_dim, 1 if fp8 is not None
-                                       else np.dtype(q.dtype).itemsize)
+                                       else np.dtype(q.dtype).itemsize, banded)
     else:
         grid = (m_blocks, *_split_grid(bh))
-    # dense calls on the Hopper kernel store O through the TMA where out's strides allow (the
-    # kernel does so where O has a tile of its own; packed rows past a sequence belong to the next)
-    o_map = _out_map(out) if isinstance(tile, FwdSm90Tile) and cu_seqlens_q is None and paged is None else None
+    # the Hopper kernel stores O through the TMA where out's strides allow (it does so where O has
+    # a tile of its own, and with packed rows only for the warpgroups wholly inside a sequence)
+    o_map = _out_map(out) if isinstance(tile, FwdSm90Tile) else None
     if o_map is not None:
         maps = (*maps, o_map)
     no_map = np.zeros(_tma.MAP_WORDS, np.uint64)  # filled by the launch from the pointers
@@ -1229,8 +1238,9 @@ def _row_map(field: str, role: str, x, rows: int):
 
 
 def _out_map(out):
-    """flash_fwd_sm90_kernel's TMA view of a dense out [B, Sq, Hq, Dv] for its epilogue's stores, in
-    boxes of one consumer's rows (the launch's "o_map" entry); None when the TMA cannot write it."""
+    """flash_fwd_sm90_kernel's TMA view of out [B, Sq, Hq, Dv] (packed rows: B = 1) for its
+    epilogue's stores, in boxes of one consumer's rows (the launch's "o_map" entry); None when the
+    TMA cannot write it."""
     return _row_map("o_map", "out", out, _params.constant("kWgmmaM"))
 
 

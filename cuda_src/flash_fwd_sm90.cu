@@ -943,13 +943,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // ---- epilogue of tile x: normalise, stage this warpgroup's 64 rows in its rows of the O tile,
   // then store them. The barrier first: the warpgroup's stores of the previous tile still read
   // those rows. Two ways out of shared memory:
-  //   o_by_tma (p.o_by_tma: a dense out the TMA can write; O in a tile of its own): every thread
-  //     fences its staging writes for the async proxy, and after the warpgroup's barrier thread 0
-  //     stores one [64 rows, 64 columns] box per panel through o_map, as one bulk group; rows
-  //     past Sq and columns past Dv lie outside the map and are not written. The next epilogue
+  //   o_by_tma (p.o_by_tma: an out the TMA can write, dense or packed; O in a tile of its own):
+  //     every thread fences its staging writes for the async proxy, and after the warpgroup's
+  //     barrier thread 0 stores one [64 rows, 64 columns] box per panel through o_map, as one bulk
+  //     group; rows past the array and columns past Dv lie outside the map and are not written.
+  //     Packed rows (varlen, paged) past a sequence are the next one's, inside the map: there a
+  //     warpgroup whose rows cross its sequence's end takes the other way. The next epilogue
   //     waits until the group has read the rows, the kernel's end until it has written them.
   //   otherwise 16-byte stores of whole rows by every thread, those past the sequence or Dv
-  //     skipped (varlen and paged rows past a sequence belong to the next one).
+  //     skipped.
   const bool o_by_tma = Smem::kOwnO && p.o_by_tma != 0;
   constexpr int kOPanels = panel_cols(HEAD_DIM_V) / kSwizzlePanelCols;
   constexpr int kOBoxCols = kSwizzleRowBytes / static_cast<int>(sizeof(TOut));
@@ -973,23 +975,25 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       }
       if (p.lse != nullptr && t == 0 && w.stores(row)) p.lse[lse_base + w.m0 + row] = st.lse();
     }
-    if (o_by_tma) {
-      fence_proxy_async();
-      named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
+    // Dense rows past Sq lie outside the map, and a shifted first tile's rows past m_end are the
+    // next tile's, whole warpgroups: the TMA takes any dense warpgroup. Packed rows past a
+    // sequence belong to the next one: there only a warpgroup whose 64 rows all lie inside its
+    // sequence stores through the TMA (every one but a sequence's last, partial one).
+    if (o_by_tma) fence_proxy_async();
+    named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
+    if (o_by_tma && (!varlen || w.stores(c * kWgmmaM + kWgmmaM - 1))) {
       if (tid == 0) {
         const u32 rows = smem0 + Smem::kO + c * kWgmmaM * kSwizzleRowBytes;
-        // (rows past Sq lie outside the map; a shifted first tile's rows past m_end are the next
-        // tile's, whole warpgroups)
         if (w.stores(c * kWgmmaM)) {
 #pragma unroll
           for (int panel = 0; panel < kOPanels; ++panel)
-            tma_store_4d(&p.o_map, rows + panel * OTile::kPanelBytes, panel * kOBoxCols, x.wg_m0, w.h, w.b);
+            tma_store_4d(&p.o_map, rows + panel * OTile::kPanelBytes, panel * kOBoxCols,
+                         static_cast<int>(w.seq.q_start) + x.wg_m0, w.h, varlen ? 0 : w.b);
         }
         bulk_commit();
       }
       return;
     }
-    named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
     // whole 16-byte chunks of the tile's rows; those past the call's Dv are padding
     constexpr int kChunksPerRow = HEAD_DIM_V * sizeof(TOut) / kCopyBytes;
     const int chunks = p.head_dim_v * static_cast<int>(sizeof(TOut)) / kCopyBytes;

@@ -19,8 +19,8 @@ namespace cuattn {
 // and out), each at most the kernel's HEAD_DIM (see flash_fwd.cu). Dense rows [B, S, H, D], or
 // varlen packed rows [total, H, D] with cu_seqlens (batch strides then 0 and B from cu_seqlens).
 // The tensor maps are the Hopper kernel's TMA view of q, k, v as 4-D [B, S, H, D] (varlen: B = 1,
-// S = total) with a box of [rows, 64 columns], and of a dense out [B, Sq, Hq, Dv] with a box of
-// [64 rows, 64 columns] where o_by_tma is set; the mma.sync kernel leaves them zero.
+// S = total) with a box of [rows, 64 columns], and of out [B, Sq, Hq, Dv] (packed: B = 1) with a
+// box of [64 rows, 64 columns] where o_by_tma is set; the mma.sync kernel leaves them zero.
 //
 // Paged keys (flash_fwd_kernel's PAGED variants, and the Hopper kernel when block_table is set):
 // k and v are pages [num_blocks, block_size, Hk, D] (k_batch_stride / v_batch_stride: the page
@@ -101,8 +101,8 @@ struct FwdParams {
   int num_blocks;          // page ids are clamped to [0, num_blocks)
   int pages_by_copy;       // paged, flash_fwd_sm90_kernel: 1 = the producer warpgroup copies key rows
                            // (cp.async, any block size), 0 = TMA boxes of whole pages (the maps)
-  int o_by_tma;            // flash_fwd_sm90_kernel: 1 = the epilogue stores O through o_map (dense
-                           // out, every stride but the last a multiple of 16 bytes), 0 = 16-byte stores
+  int o_by_tma;            // flash_fwd_sm90_kernel: 1 = the epilogue stores O through o_map (every
+                           // stride but the last a multiple of 16 bytes), 0 = 16-byte stores
   // flash_fwd_sm90_kernel's schedule (flash_fwd_sm90.cu): tile_counter null is the static one
   // (CTA i takes tiles i, i + gridDim.x, ...), else the dynamic one with int32 [2] counters, the
   // next tile and the CTAs finished, zero at every launch's start (its last CTA resets them),

@@ -19,6 +19,8 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     --section-mib: L2 section sizes of the dynamic schedule to time it at (an A/B of
     cuattn.attention.FWD_SM90_L2_SECTION_BYTES, in MiB; 0: one (batch, head) pair a section, the
     static schedule's pair-major order); "dynamic" lines then name the size, as dynamic@8.
+    Causal cases only: calls without a mask take one pair a section whatever the size
+    (attention.l2_section_heads).
 """
 
 import argparse

@@ -205,6 +205,19 @@ def test_a_forced_hopper_tile_the_call_cannot_take_is_refused(monkeypatch, arch,
                                      tile=attention_module.FWD_SM90_TILES[128, 128], paged=paged)
 
 
+def test_dynamic_schedule_sections_span_l2_under_a_mask_only():
+    """l2_section_heads: under a causal or window mask as many (batch, head) pairs as keep their K
+    and V within FWD_SM90_L2_SECTION_BYTES (a kv head's q heads counted once); without a mask one
+    pair a section, the static schedule's order."""
+    budget = attention_module.FWD_SM90_L2_SECTION_BYTES
+    kv_head = 2 * 1024 * 128 * 2  # K and V of one kv head, N = 1k, D = 128, bf16
+    assert attention_module.l2_section_heads(32, 16, 16, 1024, 128, 2) == budget // kv_head
+    assert attention_module.l2_section_heads(32, 16, 4, 1024, 128, 2) == 4 * (budget // kv_head)
+    assert attention_module.l2_section_heads(1, 4, 4, 1024, 128, 2) == 4  # never past the pairs there are
+    assert attention_module.l2_section_heads(32, 16, 16, 1024, 128, 2, banded=False) == 1
+    assert attention_module.l2_section_heads(1, 1, 1, 1 << 30, 256, 2) == 1  # at least one
+
+
 def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
     limit = _params.constant("kSm90MaxSmem")
     for (head_dim, head_dim_v), tile in attention_module.FWD_SM90_TILES.items():
