@@ -174,13 +174,16 @@ class FwdSm90Tile:
         (it spilled there)."""
         return not self.pingpong and not (self.overlap and alibi)
 
-    def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int, out_itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int, out_itemsize: int = 2,
+                   alibi: bool = False) -> int:
         """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
         V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or
         1 for e4m3); two 8-byte mbarriers for Q, four per stage and two per slot of the tile ring,
         the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment
         slack, and an O tile [BLOCK_M, Dv] of the 16-bit output where that still fits (else O is
-        staged in Q's)."""
+        staged in Q's). ``alibi``: the ALIBI variant, which with 16-bit inputs and head dims up
+        to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile [2 BLOCK_N, 16 bytes] where it
+        fits beside the rest (the kernel's kAlibiGemm)."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:
@@ -197,7 +200,14 @@ class FwdSm90Tile:
         fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
                  + _params.constant("kMbarrierBytes") * barriers
                  + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
-        return fixed + o_tile if fixed + o_tile <= _params.constant("kSm90MaxSmem") else fixed
+        limit = _params.constant("kSm90MaxSmem")
+        total = fixed + o_tile if fixed + o_tile <= limit else fixed
+        alibi_keys = 2 * self.block_n * _params.constant("kAlibiKeyRowBytes")
+        if (alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim")
+                and total + alibi_keys <= limit):
+            fixed += alibi_keys
+            total = fixed + o_tile if fixed + o_tile <= limit else fixed
+        return total
 
 
 # The Hopper forward's tiles, keyed by the (D, Dv) they are instantiated for. A call runs the
@@ -433,7 +443,7 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
         f"{tile.consumers}, {tile.stages}, {flags}>",
         threads=tile.threads(),
-        smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize),
+        smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize, alibi=alibi),
         needs_sm90a=True,
         options=FWD_SM90_PTXAS_OPTIONS,
     )

@@ -51,7 +51,13 @@
 //   spill); the tile tables of cuattn/attention.py choose.
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
-// code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi).
+// code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi). In D = 64's
+// tiles with 16-bit inputs the S GEMM adds the bias's per-key part by one more k16 step
+// (kAlibiGemm, alibi_a: the slope in registers times each key's offset in its block, from a
+// small tile in shared memory) wherever a warp's rows all lie on one side of the block's keys,
+// leaving one offset a row to the softmax; only blocks a warp's diagonals cross add it per
+// score. One k step more costs the tensor cores an eighth of the work at D = 64, against a
+// multiply-add a score on the softmax's path, which sets D = 64's pace (FwdSm90SmemOf).
 // Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
 // BOUNDED tiles start at the block holding the tile's diagonal instead, go down to the first,
 // then right of it up to the last (FwdSm90Work::key_block; the same under a causal mask):
@@ -150,13 +156,24 @@ constexpr int kFwdSm90NoTile = -1;
 // With paged keys (all four producer warps loading) the leader hands each tile index to the
 // other warps through two alternating int32 slots after the ring's (one barrier per hand-over).
 constexpr int kFwdSm90ProducerSlots = 2;
+// ALiBi's bias through the S GEMM (kAlibiGemm in the kernel): one more k16 step multiplies a
+// per-row slope (A, registers) by each key's offset in its block (B, shared memory). B is rows
+// of kAlibiKeyRowBytes, unswizzled (rows16_descriptor): row n < BLOCK_N holds (n, n, n, 0, ...),
+// one per part of the slope (hi + mid + lo, each in T); k columns 8-15 read the next 8 rows,
+// which A's zeros cancel. The tile spans the bytes of a whole [BLOCK_N, 16] operand, 2 BLOCK_N
+// rows (the rows past BLOCK_N zero): compute-sanitizer counts a wgmma read as that many bytes
+// from the descriptor's address.
+constexpr int kAlibiKeyRowBytes = 16;
+constexpr int alibi_key_bytes(int block_n) { return 2 * block_n * kAlibiKeyRowBytes; }
 
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
 // the output is 16-bit either way. SwizzledTile counts 16-bit columns, so a tile of e4m3 rows
-// of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh).
-template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2>
+// of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh). ALIBI_KEYS: the ALiBi key offsets' tile
+// (kAlibiGemm).
+template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2,
+          bool ALIBI_KEYS = false>
 struct FwdSm90Smem {
   static constexpr bool kFp8 = ELEM_BYTES == 1;
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
@@ -174,7 +191,8 @@ struct FwdSm90Smem {
   // slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES + 2 * kFwdSm90TileRing;
   static constexpr int kIndexWords = kFwdSm90TileRing + kFwdSm90ProducerSlots;
-  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) +
+  static constexpr int kAlibiKeyBytes = ALIBI_KEYS ? alibi_key_bytes(BLOCK_N) : 0;
+  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiKeyBytes +
                                 kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes +
                                 kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
@@ -186,11 +204,30 @@ struct FwdSm90Smem {
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
-  static constexpr int kBarriers = kV + STAGES * VTile::kBytes;
+  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [2 BLOCK_N, 8] 16-bit, unswizzled
+  static constexpr int kBarriers = kAlibiKeys + kAlibiKeyBytes;
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kSm90MaxSmem, "tiles fit in shared memory");
+};
+
+// The shared memory of a variant. ALiBi's bias goes through the S GEMM's extra k step
+// (kAlibiGemm) for 16-bit inputs in the tiles of head dims up to kAlibiGemmMaxHeadDim, where
+// the softmax's issue rate, not the tensor cores, sets the pace (the extra step is an eighth
+// more tensor work at D = 64); else one multiply-add a score (AttentionTile::add_alibi). On the
+// H200 (bf16, time over the plain call, BENCHMARKS.md "Twenty-sixth session") D = 64 went from
+// 1.136 / 1.061 to 1.068 / 1.045 at 4k keys (full / causal) and stayed at 1.15 / 1.06 at 1k,
+// while D = 128 went from 1.078-1.085 / 1.015-1.031 to 1.095-1.107 / 1.027-1.052. e4m3 cannot
+// hold the key offsets.
+constexpr int kAlibiGemmMaxHeadDim = 64;
+template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI>
+struct FwdSm90SmemOf {
+  static constexpr bool kAlibiKeys =
+      ALIBI && ELEM_BYTES == 2 && HEAD_DIM <= kAlibiGemmMaxHeadDim && HEAD_DIM_V <= kAlibiGemmMaxHeadDim &&
+      FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>::kBytes + alibi_key_bytes(BLOCK_N) <=
+          kSm90MaxSmem;
+  using type = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiKeys>;
 };
 
 // One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.
@@ -328,7 +365,9 @@ template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, 
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
-  using Smem = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T)>;
+  using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI>;
+  constexpr bool kAlibiGemm = SmemOf::kAlibiKeys;
+  using Smem = typename SmemOf::type;
   using QTile = typename Smem::QTile;
   using KTile = typename Smem::KTile;
   using VTile = typename Smem::VTile;
@@ -413,6 +452,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       mbarrier_init(tile_empty(s), CONSUMERS * kWarpgroupThreads);
     }
     fence_barrier_init();
+  }
+  if constexpr (kAlibiGemm) {
+    // the key offsets' tile: row n (n, n, n, 0, ...), the rows past BLOCK_N zero
+    for (int n = threadIdx.x; n < 2 * BLOCK_N; n += blockDim.x) {
+      const float key = n < BLOCK_N ? static_cast<float>(n) : 0.f;
+      *reinterpret_cast<uint4*>(base + Smem::kAlibiKeys + n * kAlibiKeyRowBytes) =
+          make_uint4(DType<T>::pack(key, key), DType<T>::pack(key, 0.f), 0u, 0u);
+    }
+    fence_proxy_async();  // the writes, visible to wgmma
   }
   __syncthreads();
 
@@ -676,6 +724,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     float v_descale, softmax_scale, alibi;
     const float* k_block_scale;
     MaskParams mp;
+    bool alibi_gemm;  // kAlibiGemm: the slope fits T and no softcap comes between (add to the capped score)
+    u32 alibi_word;   // kAlibiGemm: this lane's A word of the extra k step for +slope (alibi_a)
   };
   int loads = 0;  // K/V blocks consumed so far, as the producer counts them
   int tiles = 0;  // tiles taken from the ring so far
@@ -716,7 +766,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // this head's ALiBi slope in the units of the scores add_alibi sees
     const float alibi =
         ALIBI ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale) : 0.f;
-    return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp};
+    bool alibi_gemm = false;
+    u32 alibi_word = 0;
+    if constexpr (kAlibiGemm) {
+      // the slope as hi + mid + lo in T (exact to fp32's precision): lane t = 0 holds k columns
+      // 0, 1 of its rows (hi, mid), lane t = 1 columns 2, 3 (lo, 0), the others zeros
+      using DT = DType<T>;
+      const float hi = DT::to_float(DT::from_float(alibi));
+      const float mid = DT::to_float(DT::from_float(alibi - hi));
+      const float lo = alibi - hi - mid;
+      alibi_gemm = mp.softcap_out == 0.f && isfinite(hi);
+      const int t = lane % 4;
+      alibi_word = t == 0 ? DT::pack(hi, mid) : t == 1 ? DT::pack(lo, 0.f) : 0u;
+    }
+    return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp, alibi_gemm, alibi_word};
   };
 
   Tile tile;
@@ -728,6 +791,35 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // the stage and phase of K/V block `load` (counted over the CTA's tiles)
   const auto stage_at = [](int load) { return load % STAGES; };
   const auto parity_at = [](int load) { return (load / STAGES) & 1; };
+  // ALiBi through the S GEMM (kAlibiGemm): the A operand of the extra k step, [64 rows, 16]
+  // (wgmma.cuh's A layout: a[0] row g, a[1] row g + 8, columns 2 t, 2 t + 1; a[2], a[3] columns
+  // 8-15, zero). Where every row of this warp lies on one side of block i's keys, the bias
+  // -slope |d - j| of row diagonal d and key j = n0 + k is linear in k:
+  //   left  (d >= every j):  slope k - slope (d - n0)
+  //   right (d <= every j): -slope k + slope (d - n0)
+  // so the warp's rows take sigma = +slope or -slope (the sign bits of the slope's words), and
+  // prepare_scores adds only each row's rest, -sigma (d - n0) (row_bias). A warp whose rows cross
+  // block i's keys gives zeros and adds the bias per score (AttentionTile::add_alibi).
+  u32 alibi_a[1][4] = {};
+  // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile)
+  const auto alibi_side = [&](const TileContext& x, int i) -> int {
+    if constexpr (kAlibiGemm) {
+      if (!x.alibi_gemm) return 0;
+      const int n0 = x.w.template key_block<BOUNDED>(i) * BLOCK_N;
+      const int d_first = x.wg_m0 + warp * 16 + x.w.seq.offset;  // the diagonal of the warp's first row
+      return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + 15 <= n0 ? -1 : 0;
+    }
+    return 0;
+  };
+  // before the fence ahead of block i's S GEMM: its A words, pinned there
+  const auto set_alibi_a = [&](const TileContext& x, int i) {
+    if constexpr (kAlibiGemm) {
+      const int side = alibi_side(x, i);
+      const u32 word = side == 0 ? 0u : side > 0 ? x.alibi_word : x.alibi_word ^ 0x80008000u;
+      alibi_a[0][0] = alibi_a[0][1] = word;
+      fence_registers(alibi_a);
+    }
+  };
   const auto issue_s = [&](int stage) {
     // the first k step overwrites the accumulators: their old values are dead here
     forget_registers(s_acc);
@@ -735,6 +827,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
       S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
                            [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, ks > 0);
+    if constexpr (kAlibiGemm)
+      S::template rs<0>(s_acc, alibi_a[0], [&](int key) { return rows16_descriptor(smem0 + Smem::kAlibiKeys, key); }, 1);
     wgmma_commit();
   };
   const auto issue_pv = [&](int stage) {
@@ -768,7 +862,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
     row_bias[0][0] = row_bias[0][1] = 0.f;
     const float slope = x.alibi;
-    if constexpr (ALIBI) tile.add_alibi(diag_of, [=](int, int) { return slope; }, n0, lane, row_bias);
+    if constexpr (ALIBI) {
+      const int side = alibi_side(x, i);
+      if (side != 0) {
+        const float sigma = side > 0 ? slope : -slope;
+        row_bias[0][0] = -sigma * static_cast<float>(diag_of(0, 0) - n0);
+        row_bias[0][1] = -sigma * static_cast<float>(diag_of(0, 1) - n0);
+      } else {
+        tile.add_alibi(diag_of, [=](int, int) { return slope; }, n0, lane, row_bias);
+      }
+    }
   };
   // the softmax of block i while the previous block's PV GEMM still runs (OVERLAP), the lazy max
   // (no BOUNDED, and block 0): probabilities into the scores' registers; returns whether the
@@ -826,7 +929,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (Smem::kOwnO) mbarrier_arrive(q_empty);
   };
   // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
-  const auto recompute_s = [&](int i) {
+  const auto recompute_s = [&](const TileContext& x, int i) {
+    set_alibi_a(x, i);
     wgmma_fence();
     issue_s(stage_at(loads + i));
     wgmma_wait<0>();
@@ -850,6 +954,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     float factor[1][2];
     mbarrier_wait(k_full(stage_at(loads)), parity_at(loads));
     open_turns();
+    set_alibi_a(x, 0);
     take_turn();
     wgmma_fence();
     issue_s(stage_at(loads));
@@ -870,6 +975,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const int load = loads + i;
       mbarrier_wait(k_full(stage_at(load)), parity_at(load));
       mbarrier_wait(v_full(stage_at(load - 1)), parity_at(load - 1));
+      set_alibi_a(x, i);
       take_turn();
       wgmma_fence(o_acc, pa);
       issue_s(stage_at(load));
@@ -896,7 +1002,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         // together: all four warps compute block i again and move every row's max to it.
         // i opaque: the mask's per-column tests of the first pass are not kept live for this one
         if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
-          recompute_s(i);
+          recompute_s(x, i);
           float row_bias[1][2];
           prepare_scores(x, opaque(i), row_bias);
           tile.move_max_now(x.softmax_scale, factor, row_bias);
@@ -919,6 +1025,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
       // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
       for (bool exact = false;; exact = true) {
+        set_alibi_a(x, i);
         if (!exact) take_turn();
         wgmma_fence();
         issue_s(stage_at(load));

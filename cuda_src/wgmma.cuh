@@ -64,12 +64,23 @@ struct SwizzledTile {
   }
 };
 
-// The descriptor of a 128-byte-swizzled operand at shared address `addr` (PTX ISA, "matrix
-// descriptor"): address, LBO and SBO in 16-byte units, swizzle mode 1 = 128 B.
-__device__ __forceinline__ u64 wgmma_descriptor(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
-  constexpr u64 kSwizzle128 = 1;
+// The descriptor of an operand at shared address `addr` (PTX ISA, "matrix descriptor"): address,
+// LBO and SBO in 16-byte units, the layout in bits 62-63 (1 = 128-byte swizzle, 0 = none).
+constexpr u64 kWgmmaSwizzle128 = 1;
+constexpr u64 kWgmmaUnswizzled = 0;
+__device__ __forceinline__ u64 wgmma_descriptor(u32 addr, u32 lbo_bytes, u32 sbo_bytes,
+                                                u64 layout = kWgmmaSwizzle128) {
   return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
-         (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (kSwizzle128 << 62);
+         (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (layout << 62);
+}
+
+// An unswizzled K-major operand of 16-byte rows, row r at addr + 16 r, from row `row0`: its core
+// matrices (8 rows of 16 bytes) lie 128 bytes apart along the rows, and the descriptor puts the
+// next 8 k columns (LBO) 128 bytes on as well, the next 8 rows: a k16 step reads columns 8-15
+// from there, which only an A whose columns 8-15 are zero can take (the forward's ALiBi keys).
+__device__ __forceinline__ u64 rows16_descriptor(u32 addr, int row0) {
+  constexpr u32 kCoreMatrixBytes = 128;
+  return wgmma_descriptor(addr + row0 * 16, kCoreMatrixBytes, kCoreMatrixBytes, kWgmmaUnswizzled);
 }
 
 // K-major operand: rows [row0, row0 + 64 or N) of a SwizzledTile, k16 step `step` of its columns.

@@ -250,17 +250,19 @@ def _every_hopper_forward_tile():
 
 
 def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
-    """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against FwdSm90Smem::kBytes of
-    flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for every tile of the 16-bit,
-    paged, long and FP8 tables."""
+    """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against the kernel's
+    FwdSm90Smem::kBytes of flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for
+    every tile of the 16-bit, paged, long and FP8 tables, with and without ALiBi (whose key tile
+    some 16-bit tiles take)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
     from cuattn import _jit
 
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
     asserts = [
-        f"static_assert(cuattn::FwdSm90Smem<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}, {size}>::kBytes == "
-        f"{t.smem_bytes(d, dv, size)}, \"{t} D = {d}, Dv = {dv}\");"
-        for d, dv, size, t in _every_hopper_forward_tile()
+        f"static_assert(cuattn::FwdSm90SmemOf<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}, {size}, "
+        f"{str(alibi).lower()}>::type::kBytes == {t.smem_bytes(d, dv, size, alibi=alibi)}, "
+        f"\"{t} D = {d}, Dv = {dv}, alibi {alibi}\");"
+        for d, dv, size, t in _every_hopper_forward_tile() for alibi in (False, True)
     ]
     sources = tmp_path / "sources"
     sources.mkdir()
