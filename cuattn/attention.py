@@ -366,8 +366,9 @@ FWD_SM90_PERSISTENT_BANDED_KEYS = 2048
 #              "Twenty-sixth session"): dynamic is 4-24% faster on causal calls at N <= 4k and on
 #              ragged varlen; without a mask, pair after pair, 2-6% faster at N <= 4k where the
 #              last tile of each head is short (the 192-row tiles of D = 64 and 96, e4m3 D = 128:
-#              Sq = 1024 is 5 1/3 tiles), and 0.1-2.3% slower where every tile is whole (D = 128
-#              to 256 at 1k-16k, e4m3 D = 256 at 8k), which the static strides balance as well.
+#              Sq = 1024 is 5 1/3 tiles; level at 16k), and 0.1-2.3% slower where every tile is
+#              whole (D = 128 to 256 at 1k-16k, e4m3 D = 256 at 8k), which the static strides
+#              balance as well.
 # A module switch (tests, scripts/bench_varlen.py --schedules): plans keep the launch they were
 # made with, so clear them (_calls.clear()) after changing it.
 FWD_SM90_SCHEDULES = ("auto", "dynamic", "static")

@@ -801,13 +801,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // prepare_scores adds only each row's rest, -sigma (d - n0) (row_bias). A warp whose rows cross
   // block i's keys gives zeros and adds the bias per score (AttentionTile::add_alibi).
   u32 alibi_a[1][4] = {};
+  constexpr int kWarpRows = kWgmmaM / kWarpsPerWarpgroup;
+  constexpr u32 kSignBits16x2 = 0x80008000u;  // the sign bits of a word's two 16-bit values
   // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile)
   const auto alibi_side = [&](const TileContext& x, int i) -> int {
     if constexpr (kAlibiGemm) {
       if (!x.alibi_gemm) return 0;
       const int n0 = x.w.template key_block<BOUNDED>(i) * BLOCK_N;
-      const int d_first = x.wg_m0 + warp * 16 + x.w.seq.offset;  // the diagonal of the warp's first row
-      return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + 15 <= n0 ? -1 : 0;
+      const int d_first = x.wg_m0 + warp * kWarpRows + x.w.seq.offset;  // the diagonal of the warp's first row
+      return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
     }
     return 0;
   };
@@ -815,7 +817,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto set_alibi_a = [&](const TileContext& x, int i) {
     if constexpr (kAlibiGemm) {
       const int side = alibi_side(x, i);
-      const u32 word = side == 0 ? 0u : side > 0 ? x.alibi_word : x.alibi_word ^ 0x80008000u;
+      const u32 word = side == 0 ? 0u : side > 0 ? x.alibi_word : x.alibi_word ^ kSignBits16x2;
       alibi_a[0][0] = alibi_a[0][1] = word;
       fence_registers(alibi_a);
     }

@@ -79,8 +79,8 @@ __device__ __forceinline__ u64 wgmma_descriptor(u32 addr, u32 lbo_bytes, u32 sbo
 // next 8 k columns (LBO) 128 bytes on as well, the next 8 rows: a k16 step reads columns 8-15
 // from there, which only an A whose columns 8-15 are zero can take (the forward's ALiBi keys).
 __device__ __forceinline__ u64 rows16_descriptor(u32 addr, int row0) {
-  constexpr u32 kCoreMatrixBytes = 128;
-  return wgmma_descriptor(addr + row0 * 16, kCoreMatrixBytes, kCoreMatrixBytes, kWgmmaUnswizzled);
+  constexpr u32 kCoreMatrixBytes = 8 * kCopyBytes;
+  return wgmma_descriptor(addr + row0 * kCopyBytes, kCoreMatrixBytes, kCoreMatrixBytes, kWgmmaUnswizzled);
 }
 
 // K-major operand: rows [row0, row0 + 64 or N) of a SwizzledTile, k16 step `step` of its columns.
