@@ -202,10 +202,10 @@ def test_alibi_with_sinks_and_long_keys(rng):
 def test_alibi_on_whole_key_blocks(rng, head_dim, rise):
     """Rows whose diagonal lies past every key of a block, or before every one, take ALiBi's bias
     through the Hopper kernel's S GEMM in D = 64's tiles (one more k step: the slope times each
-    key's offset in its block; the per-score path's linear branch elsewhere) and only blocks the
-    diagonals cross add it per score: Sq = Sk = 512 and Sk = Sq + 1
-    put warps' diagonals on and one past block edges; slopes of both signs; scores that rise
-    block after block, so the softmax computes blocks' S again (the extra step with them)."""
+    key's offset in its block; the per-score path's linear branch elsewhere), and only blocks the
+    diagonals cross add it per score. Sq = Sk = 512 and Sk = Sq + 1 put warps' diagonals on and
+    one past block edges; slopes of both signs; scores that rise block after block, so the
+    softmax computes blocks' S again (the extra step with them)."""
     slopes = np.array([0.5, -0.03125, 2.0 ** -8, 0.0], np.float32)
     for dtype, sq, sk, causal in ((DTYPES[1], 512, 512, False), (DTYPES[0], 512, 513, False),
                                   (DTYPES[1], 512, 513, True)):
