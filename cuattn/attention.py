@@ -201,13 +201,15 @@ class FwdSm90Tile:
                  + _params.constant("kMbarrierBytes") * barriers
                  + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
         limit = _params.constant("kSm90MaxSmem")
-        total = fixed + o_tile if fixed + o_tile <= limit else fixed
+
+        def with_o(tiles: int) -> int:  # FwdSm90Smem::kBytes: the O tile where it still fits
+            return tiles + o_tile if tiles + o_tile <= limit else tiles
+
         alibi_keys = 2 * self.block_n * _params.constant("kAlibiKeyRowBytes")
         if (alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim")
-                and total + alibi_keys <= limit):
+                and with_o(fixed) + alibi_keys <= limit):
             fixed += alibi_keys
-            total = fixed + o_tile if fixed + o_tile <= limit else fixed
-        return total
+        return with_o(fixed)
 
 
 # The Hopper forward's tiles, keyed by the (D, Dv) they are instantiated for. A call runs the
