@@ -146,7 +146,8 @@ class FwdSm90Tile:
     of `block_n` keys; `overlap` issues block j's S GEMM with block j-1's PV GEMM, `pingpong`
     lets the consumers take turns; `bounded`: the softmax exponentiates against the running row
     max and finds a block's max only where the sums say it grew (AttentionTile::
-    softmax_to_fragments), visiting the key blocks from the diagonal outward."""
+    softmax_to_fragments), visiting the key blocks from the diagonal outward (as every ALiBi
+    variant does)."""
 
     block_n: int
     consumers: int

@@ -59,11 +59,13 @@
 // score. One k step more costs the tensor cores an eighth of the work at D = 64, against a
 // multiply-add a score on the softmax's path, which sets D = 64's pace (FwdSm90SmemOf).
 // Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
-// BOUNDED tiles start at the block holding the tile's diagonal instead, go down to the first,
-// then right of it up to the last (FwdSm90Work::key_block; the same under a causal mask):
-// attention, and ALiBi's bias by construction, is largest near the diagonal, so the row max is
-// found early, and a block whose scores rise past the running max is computed twice there
-// (AttentionTile::softmax_to_fragments). Only blocks that cross a mask boundary evaluate the mask.
+// BOUNDED and ALIBI variants start at the block holding the tile's diagonal instead, go down to
+// the first, then right of it up to the last (FwdSm90Work::key_block; the same under a causal
+// mask): attention, and ALiBi's bias by construction, is largest near the diagonal, so the row
+// max is found early. A BOUNDED softmax computes a block whose scores rise past the running max
+// twice (AttentionTile::softmax_to_fragments); the lazy max rescales O where the max grows past
+// its bound, which with ALiBi last to first was every block right of the diagonal for the steep
+// heads' rows. Only blocks that cross a mask boundary evaluate the mask.
 //
 // Tile schedule: the producer picks each tile and hands its index to the consumers through a
 // ring of kFwdSm90TileRing slots in shared memory, each guarded by a "tile full" mbarrier (one
@@ -279,11 +281,10 @@ struct FwdSm90Work {
                   : SequenceRange(p.cu_seqlens_q, p.cu_seqlens_k, b, p.seqlen_q, p.seqlen_k)) {
     seq.key_blocks<BLOCK_N>(m0, BLOCK_M, p.window_left, p.window_right, n_first, n_last);
   }
-  // The key block visited i-th. DIAG_FIRST (the BOUNDED tiles, whose softmax computes a block's
-  // scores twice when they rise past the running max): the block holding the diagonal of the
-  // tile's last row (clamped into the visible ones) down to n_first, then the ones after it up to
-  // n_last - 1. Otherwise last to first (the lazy max only rescales then). Under a causal mask
-  // both are last to first.
+  // The key block visited i-th. DIAG_FIRST (the BOUNDED and ALIBI variants, the file's opening
+  // comment): the block holding the diagonal of the tile's last row (clamped into the visible
+  // ones) down to n_first, then the ones after it up to n_last - 1. Otherwise last to first (the
+  // lazy max only rescales then). Under a causal mask both are last to first.
   template <bool DIAG_FIRST>
   __device__ __forceinline__ int key_block(int i) const {
     if constexpr (!DIAG_FIRST) return n_last - 1 - i;
@@ -367,6 +368,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
   using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI>;
   constexpr bool kAlibiGemm = SmemOf::kAlibiKeys;
+  // key blocks from the one holding the diagonal (the file's opening comment)
+  constexpr bool kDiagFirst = BOUNDED || ALIBI;
   using Smem = typename SmemOf::type;
   using QTile = typename Smem::QTile;
   using KTile = typename Smem::KTile;
@@ -622,7 +625,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       ++tiles;
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
-        const int row = static_cast<int>(w.seq.k_start) + w.template key_block<BOUNDED>(i) * BLOCK_N;
+        const int row = static_cast<int>(w.seq.k_start) + w.template key_block<kDiagFirst>(i) * BLOCK_N;
         if constexpr (PAGED) {
           if (copy_pages) {
             // K's copies; the previous block's V announced once it has landed (below); V's copies;
@@ -807,7 +810,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto alibi_side = [&](const TileContext& x, int i) -> int {
     if constexpr (kAlibiGemm) {
       if (!x.alibi_gemm) return 0;
-      const int n0 = x.w.template key_block<BOUNDED>(i) * BLOCK_N;
+      const int n0 = x.w.template key_block<kDiagFirst>(i) * BLOCK_N;
       const int d_first = x.wg_m0 + warp * kWarpRows + x.w.seq.offset;  // the diagonal of the warp's first row
       return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
     }
@@ -844,11 +847,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
     wgmma_commit();
   };
-  // block i's scores (key block key_block<BOUNDED>(i)) ready for the softmax: a block-quantised
+  // block i's scores (key block key_block<kDiagFirst>(i)) ready for the softmax: a block-quantised
   // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
   // folds away)
   const auto prepare_scores = [&](const TileContext& x, int i, float (&row_bias)[1][2]) {
-    const int n = x.w.template key_block<BOUNDED>(i);
+    const int n = x.w.template key_block<kDiagFirst>(i);
     const int n0 = n * BLOCK_N;
     if (kFp8 && x.k_block_scale != nullptr) {
       const float k_descale = x.k_block_scale[n * p.k_scale_block_stride];
@@ -1137,7 +1140,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     TileContext x = context_of(index);
     // the blocks none of this warpgroup's stored rows sees (kDropUnseen, above)
     if constexpr (kDropUnseen)
-      skip_blocks(loads + x.w.template drop_unseen<BOUNDED>(c * kWgmmaM, p.window_right));
+      skip_blocks(loads + x.w.template drop_unseen<kDiagFirst>(c * kWgmmaM, p.window_right));
     const int blocks = x.w.blocks();
     mbarrier_wait(q_full, tiles & 1);
     ++tiles;
