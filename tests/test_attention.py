@@ -192,6 +192,14 @@ def test_alibi_runs_the_alibi_variant(rng, caplog, fwd_kernel):
     assert ("flash_fwd_sm90_kernel<" in names[1]) == (fwd_kernel == "sm90"), names
 
 
+@pytest.mark.parametrize("head_dim", [96, 128, 192, 256])
+def test_alibi_visits_keys_from_the_diagonal(rng, head_dim):
+    """Self-attention without a mask over several key blocks: the Hopper ALiBi variants visit a
+    tile's blocks from the one holding its diagonal down to the first, then the ones right of it
+    (every tile but the last wraps around), so steep heads find their row max at once."""
+    run_and_check(rng, DTYPES[1], 2, 517, 517, 8, 4, head_dim, alibi_slopes=_alibi_slopes(8))
+
+
 def test_alibi_with_sinks_and_long_keys(rng):
     """Distances into the thousands (fp32 exact) beside sinks, on a long non-causal row."""
     run_and_check(rng, DTYPES[1], 1, 203, 4100, 8, 2, 128, alibi_slopes=_alibi_slopes(8), sinks=_sinks(rng, 8))
