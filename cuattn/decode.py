@@ -152,12 +152,27 @@ def wide_min_ctas(paged: bool) -> int:
     return 0 if paged else E4M3_WIDE_MIN_CTAS
 
 
+# Calls that pack at most this many query rows (G * Sq_new) take the variants whose softmax runs on
+# half of the m16 tile (ROW_HALVES = 1 in decode.cu): rows 8-15 are padding there.
+HALF_TILE_ROWS = 8
+
+
+def takes_half_tile(rows: int, mt: int, alibi: bool) -> bool:
+    """Whether a call of ``rows`` packed query rows on ``mt`` m16 tiles runs a half-tile variant
+    (one m16 tile, at most HALF_TILE_ROWS rows; ALiBi's variants have none)."""
+    return mt == 1 and rows <= HALF_TILE_ROWS and not alibi
+
+
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
-                wide: bool = False) -> _jit.KernelSpec:
+                wide: bool = False, half: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
-    variant for more CTAs than a wave of the default (has_wide_variant)."""
+    variant for more CTAs than a wave of the default (has_wide_variant); ``half``: the variant for
+    at most HALF_TILE_ROWS packed rows (takes_half_tile)."""
+    if half and (mt != 1 or alibi or wide):
+        raise ValueError(f"the half-tile decode variants take one m16 tile, no ALiBi and the default tiles; got mt "
+                         f"{mt}, alibi {alibi}, wide {wide}")
     if wide and not has_wide_variant(head_dim, mt, paged, e4m3, alibi):
         raise ValueError(f"the wide decode variants take e4m3 caches without ALiBi at tile head dims "
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
@@ -170,8 +185,11 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     with_alibi = "true" if alibi else "false"
+    # ROW_HALVES: the 16-row variants' names leave it at its default (2)
+    row_halves = ", 1" if half else ""
     return _jit.KernelSpec(
-        "decode.cu", f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}>",
+        "decode.cu",
+        f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}{row_halves}>",
         threads=_params.constant("kDecodeThreads"),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
@@ -192,6 +210,9 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                 for e4m3 in (False, True):
                     specs += [decode_spec(dtype, d, mt, paged=False, e4m3=e4m3),
                               decode_spec(dtype, d, mt, paged=True, e4m3=e4m3)]
+            for e4m3 in (False, True):
+                specs += [decode_spec(dtype, d, 1, paged=False, e4m3=e4m3, half=True),
+                          decode_spec(dtype, d, 1, paged=True, e4m3=e4m3, half=True)]
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
@@ -600,7 +621,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     with_alibi = alibi[0] is not None
     mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
     row_chunks = math.ceil(rows / (16 * mt))
-    spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi)
+    half = takes_half_tile(rows, mt, with_alibi)
+    spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half)
     ctas = batch * num_kv_heads * row_chunks
     wide = False
     if has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi) and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH:

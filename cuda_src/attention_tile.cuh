@@ -48,11 +48,17 @@ __device__ __forceinline__ float alibi_score_slope(const float* slopes, i64 batc
   return slopes[b * batch_stride + h] * kLog2e / softmax_scale;
 }
 
-template <typename T, int MT, int NT, int DT>
+// ROW_HALVES: 2, or 1 where the caller knows that rows 8-15 of every m16 tile are padding (decode
+// with at most 8 packed query rows): then only each lane's row g takes part in the softmax, and
+// the fragments give rows g + 8 a probability of 0. Their scores and outputs are computed by the
+// same MMAs and never read.
+template <typename T, int MT, int NT, int DT, int ROW_HALVES = 2>
 struct AttentionTile {
   static constexpr int kMTiles = MT;  // m16 tiles of query rows
   static constexpr int kNTiles = NT;  // n8 tiles of keys in one block
   static constexpr int kDTiles = DT;  // n8 tiles of the head dim
+  static constexpr int kRowHalves = ROW_HALVES;  // rows g (and g + 8) of each m16 tile that are real
+  static_assert(ROW_HALVES == 1 || ROW_HALVES == 2, "an m16 tile holds rows g and g + 8");
   using DTy = DType<T>;
 
   float s[MT][NT][4];     // scores of the current key block, then probabilities
@@ -92,7 +98,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kRowHalves; ++r) {
         // key columns (relative to this lane's first column in the block) the row may see: [lo, hi]
         const int first_col = col0 + (lane % 4) * 2;
         const int diag = kMasked ? diag_of(mt, r) - first_col : 0;
@@ -139,7 +145,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kRowHalves; ++r) {
         const int d = diag_rel(mt, r);
         linear &= d >= kLastCol || d <= 0;
       }
@@ -148,7 +154,7 @@ struct AttentionTile {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < kRowHalves; ++r) {
           const float d = static_cast<float>(diag_rel(mt, r));
           const float slope = slope_of(mt, r);
           const float sigma = d > 0.f ? slope : -slope;
@@ -160,7 +166,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kRowHalves; ++r) {
         const float diag = static_cast<float>(diag_rel(mt, r));
         const float slope = slope_of(mt, r);
         bias[mt][r] = 0.f;
@@ -207,13 +213,13 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale, bias));
+      for (int r = 0; r < kRowHalves; ++r) rescale |= state[mt][r].needs_rescale(row_max(mt, r, scale, bias));
     // Rare path: recompute the row maxes rather than keep them live in registers.
     if (!__any_sync(0xffffffffu, rescale)) return false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
+      for (int r = 0; r < kRowHalves; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
     return true;
   }
 
@@ -222,7 +228,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < kRowHalves; ++r)
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           o[mt][dt][2 * r] *= factor[mt][r];
@@ -244,7 +250,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kRowHalves; ++r) {
         float block_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
@@ -284,8 +290,12 @@ struct AttentionTile {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float x0 = value(mt, 2 * ks + j, 0), x1 = value(mt, 2 * ks + j, 1);
-          const float x2 = value(mt, 2 * ks + j, 2), x3 = value(mt, 2 * ks + j, 3);
           p[mt][ks][2 * j] = DTy::pack(x0, x1);
+          if (kRowHalves == 1) {
+            p[mt][ks][2 * j + 1] = 0u;  // rows g + 8: padding, probability 0
+            continue;
+          }
+          const float x2 = value(mt, 2 * ks + j, 2), x3 = value(mt, 2 * ks + j, 3);
           p[mt][ks][2 * j + 1] = DTy::pack(x2, x3);
         }
   }
@@ -311,6 +321,7 @@ struct AttentionTile {
   template <int KSTEPS, class Value>
   __device__ __forceinline__ static void e4m3_fragments_of(u32 (&p)[KSTEPS][4], Value value) {
     static_assert(MT == 1 && KSTEPS * 4 == NT, "one m16 tile per warp, k32 steps covering the block");
+    static_assert(kRowHalves == 2, "the FP8 forward's tiles hold 16 rows");
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
@@ -350,7 +361,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) exact |= state[mt][r].m == -infinity();
+      for (int r = 0; r < kRowHalves; ++r) exact |= state[mt][r].m == -infinity();
     if (__any_sync(0xffffffffu, exact)) {
       float factor[MT][2];
       move_max_now(scale, factor, bias);
@@ -371,7 +382,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) empty |= state[mt][r].m == -infinity();
+      for (int r = 0; r < kRowHalves; ++r) empty |= state[mt][r].m == -infinity();
     return __any_sync(0xffffffffu, empty);
   }
 
@@ -381,7 +392,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
+      for (int r = 0; r < kRowHalves; ++r) factor[mt][r] = state[mt][r].update(row_max(mt, r, scale, bias));
   }
 
   // Whether this lane's partial row sums of a block keep each of its probabilities within the
@@ -392,7 +403,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) over |= sums[mt][r] > kBound;
+      for (int r = 0; r < kRowHalves; ++r) over |= sums[mt][r] > kBound;
     return !over;
   }
 
@@ -400,7 +411,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) state[mt][r].l += sums[mt][r];
+      for (int r = 0; r < kRowHalves; ++r) state[mt][r].l += sums[mt][r];
   }
 
   // Each row's reference for the exponentials: m, less the row's ALiBi offset (exponentiate's)
@@ -408,7 +419,7 @@ struct AttentionTile {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) ref[mt][r] = fmaf(-bias[mt][r], scale, state[mt][r].reference());
+      for (int r = 0; r < kRowHalves; ++r) ref[mt][r] = fmaf(-bias[mt][r], scale, state[mt][r].reference());
   }
 
   // The value function of fragments_of / e4m3_fragments_of for softmax_to_fragments' pack: the

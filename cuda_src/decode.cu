@@ -324,7 +324,9 @@ __device__ __forceinline__ void combine_splits(int rows_here, int row_base, int 
 
 // ALIBI: add ALiBi's bias (a.alibi_slopes is set); a template flag so that the kernels without it
 // keep the registers they had before ALiBi existed (the bias pass costs up to 36 more at D = 96).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, class KV>
+// ROW_HALVES: 1 when the call packs at most 8 rows (MT = 1; the host picks it): the softmax then
+// runs on each lane's row g alone, rows 8-15 of the m16 tile being padding (AttentionTile).
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int ROW_HALVES, class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -333,7 +335,8 @@ __device__ __forceinline__ void decode_body(
     float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G), Dv wide
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
   using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
-  using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8>;
+  using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8, ROW_HALVES>;
+  static_assert(ROW_HALVES == 2 || MT == 1, "a tile of at most 8 rows is one m16 tile");
   // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs, to
   // fp16 whatever q's type: e4m3 widens to fp16 in one instruction on sm_89+ (to bf16 it takes
   // bit arithmetic), and a bf16 q becomes fp16 once, in shared memory (exact in fp16's range,
@@ -558,7 +561,7 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < Tile::kRowHalves; ++r) {
       const int row = mt * 16 + g + 8 * r;
       const float l = quad_sum(tile.state[mt][r].l);
       if (tq == 0) {
@@ -653,8 +656,9 @@ __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
 // hold at once (launch bounds): 0, no bound (the compiler's own register count; a bound of 1 let
 // it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
 // e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
-// (cuattn/decode.py, E4M3_WIDE_DECODE_TILES).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS>
+// (cuattn/decode.py, E4M3_WIDE_DECODE_TILES). ROW_HALVES: 1 for calls of at most 8 packed rows
+// (decode_body); its default keeps the names of the 16-row variants.
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2>
 __global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -685,7 +689,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   // partials are contiguous: [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new], Dv = p.head_dim_v
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
@@ -697,7 +701,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2>
 __global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -733,7 +737,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,

@@ -529,6 +529,83 @@ def test_alibi_decode_variants_are_listed():
                     assert wide in {spec.name for spec in decode_module.kernel_variants("sm_90a")}
 
 
+@pytest.mark.parametrize("rows, mt, alibi, expected", [
+    (1, 1, False, True), (8, 1, False, True), (9, 1, False, False), (16, 1, False, False), (4, 2, False, False),
+    (4, 1, True, False)])
+def test_half_tile_rule(rows, mt, alibi, expected):
+    """At most HALF_TILE_ROWS packed rows on one m16 tile, without ALiBi, take the half-tile
+    variant; every default tile has one for each dtype, cache and element type."""
+    decode_module = importlib.import_module("cuattn.decode")
+    assert decode_module.takes_half_tile(rows, mt, alibi) == expected
+    listed = {spec.name for spec in decode_module.kernel_variants("sm_90a")}
+    for dtype in DTYPES:
+        for d in decode_module.TILE_HEAD_DIMS:
+            for paged in (False, True):
+                for e4m3 in (False, True):
+                    half = decode_module.decode_spec(dtype, d, 1, paged, e4m3, half=True)
+                    assert half.name.endswith(", 0, 1>") and half.name in listed, half.name
+                    assert half.name != decode_module.decode_spec(dtype, d, 1, paged, e4m3).name
+
+
+@pytest.mark.parametrize("args", [dict(mt=2), dict(e4m3=True, alibi=True), dict(e4m3=True, wide=True)],
+                         ids=["two-tiles", "alibi", "wide"])
+def test_half_tile_variants_take_one_tile_without_alibi(args):
+    decode_module = importlib.import_module("cuattn.decode")
+    call = {"dtype": "bfloat16", "head_dim": 128, "mt": 1, "paged": False, **args}
+    with pytest.raises(ValueError, match=r"the half-tile decode variants take one m16 tile, no ALiBi and the "
+                                         r"default tiles; got mt \d, alibi (True|False), wide (True|False)"):
+        decode_module.decode_spec(**call, half=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16-cache", "e4m3-cache"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("gqa, sq_new, half", [((8, 1), 1, True), ((4, 1), 2, True), ((3, 1), 3, False),
+                                               ((1, 1), 8, True), ((16, 1), 1, False)],
+                         ids=["8rows", "4x2rows", "9rows", "mha-8tokens", "16rows"])
+def test_calls_of_at_most_8_rows_run_the_half_tile(rng, monkeypatch, gqa, sq_new, half, paged, e4m3):
+    """The dispatcher launches the half-tile variant exactly where the call packs at most 8 rows
+    (its rows 8-15 are padding, their softmax skipped), and its output matches the reference:
+    NaN past each cache length, ragged lengths, several splits."""
+    from cuattn import _calls, _jit
+
+    decode_module = importlib.import_module("cuattn.decode")
+    launched = []
+    prepare = _jit.prepare
+
+    def recording(spec, *args, **kwargs):
+        launched.append(spec.name)
+        return prepare(spec, *args, **kwargs)
+
+    monkeypatch.setattr(_jit, "prepare", recording)
+    _calls.clear()  # a plan of an earlier test would launch without preparing
+    hq, hk = gqa
+    s_max, block, lens = 608, 16, [608, 200, 1]
+    if e4m3:
+        from test_fp8 import run_fp8_decode
+
+        run_fp8_decode(rng, BF16, 3, sq_new, hq, hk, 128, s_max, lens, True, paged_block=block if paged else None,
+                       num_splits=3)
+    elif paged:
+        # the caches of run_decode as shuffled pages
+        cupy = _cupy()
+        q = randn(rng, (3, sq_new, hq, 128), BF16)
+        k, v = make_cache(rng, BF16, 3, s_max, hk, 128, lens)
+        table = rng.permutation(3 * s_max // block).astype(np.int32).reshape(3, -1)
+        pages_k, pages_v = (np.empty((3 * s_max // block, block, hk, 128), x.dtype) for x in (k, v))
+        pages_k[table.reshape(-1)] = k.reshape(-1, block, hk, 128)
+        pages_v[table.reshape(-1)] = v.reshape(-1, block, hk, 128)
+        out, lse = cuattn.paged_attention(cupy.asarray(q), (cupy.asarray(pages_k), cupy.asarray(pages_v)),
+                                          cupy.asarray(table), cupy.asarray(np.asarray(lens, np.int32)),
+                                          return_lse=True, num_splits=3)
+        check_decode(rng, BF16, q, k, v, np.asarray(lens, np.int32), out.get(), lse.get())
+    else:
+        run_decode(rng, BF16, 3, sq_new, hq, hk, 128, s_max, lens, num_splits=3)
+    rows = hq // hk * sq_new
+    spec = decode_module.decode_spec(BF16, 128, 1 if rows <= 16 else 2, paged, e4m3, half=half)
+    assert spec.name in launched, launched
+
+
 @pytest.mark.parametrize("ctas, paged, expected", [
     (396, True, False), (400, True, True), (512, True, True), (528, True, True), (529, True, False),
     (640, True, False), (1024, True, False), (400, False, True), (1024, False, True), (396, False, False)])

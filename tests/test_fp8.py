@@ -319,7 +319,8 @@ def test_large_batches_over_e4m3_run_the_wide_variant(rng, monkeypatch, paged_bl
     _calls.clear()  # a plan of an earlier test would launch without preparing
     batch, hq, hk, s_max = 56, 32, 8, 320
     paged = paged_block is not None
-    default = decode_module.decode_spec(BF16, 128, 1, paged, True)
+    # GQA 32/8 packs 4 rows a kv head: the default variant is the half-tile one
+    default = decode_module.decode_spec(BF16, 128, 1, paged, True, half=decode_module.takes_half_tile(hq // hk, 1, False))
     wide = decode_module.decode_spec(BF16, 128, 1, paged, True, wide=True)
     sms = _cupy().cuda.Device().attributes["MultiProcessorCount"]
     one_wave = decode_module.ctas_per_sm(default) * sms
