@@ -290,12 +290,13 @@ struct AttentionTile {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float x0 = value(mt, 2 * ks + j, 0), x1 = value(mt, 2 * ks + j, 1);
-          p[mt][ks][2 * j] = DTy::pack(x0, x1);
           if (kRowHalves == 1) {
+            p[mt][ks][2 * j] = DTy::pack(x0, x1);
             p[mt][ks][2 * j + 1] = 0u;  // rows g + 8: padding, probability 0
             continue;
           }
           const float x2 = value(mt, 2 * ks + j, 2), x3 = value(mt, 2 * ks + j, 3);
+          p[mt][ks][2 * j] = DTy::pack(x0, x1);
           p[mt][ks][2 * j + 1] = DTy::pack(x2, x3);
         }
   }
