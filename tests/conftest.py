@@ -86,6 +86,24 @@ def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> floa
     return factor * naive_err + eps * max(ref_max, 1.0)
 
 
+@pytest.fixture
+def launched_kernels(monkeypatch):
+    """The names of the kernels prepared from here on, in order: _jit.prepare is recorded, and
+    remembered plans are cleared (a plan of an earlier test would launch without preparing)."""
+    from cuattn import _calls, _jit
+
+    names = []
+    prepare = _jit.prepare
+
+    def recording(spec, *args, **kwargs):
+        names.append(spec.name)
+        return prepare(spec, *args, **kwargs)
+
+    monkeypatch.setattr(_jit, "prepare", recording)
+    _calls.clear()
+    return names
+
+
 # The two forward kernels a GPU test can ask for (the `forward_kernel` fixture): the Hopper one
 # where the dispatcher picks it, and flash_fwd_kernel, forced by emptying the Hopper tile table.
 FWD_KERNELS = ["sm90", "mma"]

@@ -299,24 +299,14 @@ def test_paged_attention_e4m3_pages(rng, head_dim, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged_block", [None, 16], ids=["contiguous", "paged"])
-def test_large_batches_over_e4m3_run_the_wide_variant(rng, monkeypatch, paged_block):
+def test_large_batches_over_e4m3_run_the_wide_variant(rng, launched_kernels, paged_block):
     """More (sequence, kv head) CTAs than one wave of the default e4m3 variant run the wide one:
     over a contiguous cache E4M3_WIDE_DECODE_TILES' (four CTAs an SM), over pages
     E4M3_WIDE_PAGED_DECODE_TILES' (a deeper ring, two CTAs an SM); both match the reference."""
     import importlib
 
-    from cuattn import _calls
-
     decode_module = importlib.import_module("cuattn.decode")
-    launched = []
-    prepare = _jit.prepare
-
-    def recording(spec, *args, **kwargs):
-        launched.append(spec.name)
-        return prepare(spec, *args, **kwargs)
-
-    monkeypatch.setattr(_jit, "prepare", recording)
-    _calls.clear()  # a plan of an earlier test would launch without preparing
+    launched = launched_kernels
     batch, hq, hk, s_max = 56, 32, 8, 320
     paged = paged_block is not None
     # GQA 32/8 packs 4 rows a kv head: the default variant is the half-tile one
