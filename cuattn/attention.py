@@ -379,33 +379,62 @@ FWD_SM90_SCHEDULE = "auto"
 # L2 bytes of K and V one section of the dynamic schedule's heads may span (the H200 has 50 MB
 # of L2; the tiles running at once also hold Q and write O).
 FWD_SM90_L2_SECTION_BYTES = 32 << 20
-# The dynamic schedule's counters: int32 [2], next tile and finished CTAs (params.cuh)
+# Whether varlen launches on the dynamic schedule take their tiles from a tile order
+# (tile_order.cu: only tiles that hold rows, the longest sequences first), where the tiles
+# outnumber the grid and the longest sequence has at least FWD_SM90_TILE_ORDER_MIN_KEYS keys. The
+# order costs a launch of one CTA (2-10 us a call on the H200); below that length the calls are
+# short and their tiles few key blocks each, and ran 4-31% slower with it at 64-256 tokens a
+# sequence (BENCHMARKS.md, "Twenty-ninth session"). A module switch (tests,
+# scripts/bench_varlen.py --tile-order): clear the plans (_calls.clear()) after changing it.
+FWD_SM90_TILE_ORDER = True
+FWD_SM90_TILE_ORDER_MIN_KEYS = 512
+# The dynamic schedule's workspace: int32 counters [2] at its head, next tile and finished CTAs
+# (params.cuh), and after them a varlen launch's tile order (tile_order.cu: kTileOrderHead ints,
+# then the tiles)
 TILE_COUNTER_BYTES = 8
 
-_tile_counters: dict[tuple[int, int], object] = {}
+_schedule_workspaces: dict[tuple[int, int], list] = {}
 
 
-def tile_counter_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
-    """The dynamic schedule's counters of (device, stream): int32 [2], zeroed once on that stream
-    (ordered before the launches that follow there), then left at zero by every launch (its last
-    CTA resets them), so no launch needs a memset and a CUDA graph can replay it. One per stream:
-    launches running at once on two streams must not share counters. Held for the process's life
-    (a captured graph keeps the address). ``nbytes`` is TILE_COUNTER_BYTES (the plans' workspace call).
+def schedule_workspace_address(nbytes: int, stream_ptr: int, device_id: int) -> int:
+    """The dynamic schedule's workspace of (device, stream), at least ``nbytes``: zeroed on that
+    stream when allocated (ordered before the launches that follow there), its counters then left
+    at zero by every launch (the last CTA resets them), so no launch needs a memset and a CUDA
+    graph can replay it. One per stream: launches running at once on two streams must not share
+    counters or tile orders. A launch that needs more than the stream's workspace holds gets a
+    larger one; every workspace is held for the process's life (a captured graph keeps the
+    address). ``nbytes``: TILE_COUNTER_BYTES, or a tile order's :func:`tile_order_bytes` (the
+    plans' workspace call).
 
-    A stream's first launch under stream capture (a CUDA graph, an XLA command buffer) cannot
-    allocate there: it gets 0, a null counter, and the kernel runs the static schedule."""
+    A launch under stream capture (a CUDA graph, an XLA command buffer) cannot allocate there:
+    where the stream's workspace is too small it gets 0, a null counter, and the kernel runs the
+    static schedule (the tile order kernel then writes nothing)."""
     import cupy
 
     key = (device_id, stream_ptr)
-    buf = _tile_counters.get(key)
-    if buf is None:
-        if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
-            return 0
-        with cupy.cuda.Device(device_id):
-            buf = cupy.empty(nbytes // 4, cupy.int32)
-            cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, nbytes, stream_ptr)
-        _tile_counters[key] = buf
+    held = _schedule_workspaces.setdefault(key, [])
+    if held and held[-1].nbytes >= nbytes:
+        return held[-1].data.ptr
+    if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+        return 0
+    size = max(nbytes, 2 * held[-1].nbytes if held else TILE_COUNTER_BYTES)
+    with cupy.cuda.Device(device_id):
+        buf = cupy.empty(-(-size // 4), cupy.int32)
+        cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, stream_ptr)
+    held.append(buf)
     return buf.data.ptr
+
+
+def tile_order_entries(capacity: int, grid: int) -> int:
+    """Ints of a tile order after its head: ``capacity`` tiles, and the positions past the last
+    tile that the ``grid`` CTAs of the forward may read (each CTA's first position, and its last
+    take), at most 2 x grid beyond it."""
+    return capacity + 2 * grid
+
+
+def tile_order_bytes(entries: int) -> int:
+    """Workspace bytes of a tile order of ``entries`` ints: the counters, the count, the entries."""
+    return 4 * (_params.constant("kTileOrderHead") + entries)
 
 
 def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: int, head_dim: int,
@@ -422,13 +451,49 @@ def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: in
     return max(1, min(batch * num_heads, kv_heads * (num_heads // num_kv_heads)))
 
 
-def _plan_tile_counter(launch, fields: dict) -> tuple[dict, dict]:
-    """A forward plan's Bound fields and Plan workspace arguments: a dynamic launch reads the
-    counters of the stream each planned call runs on."""
+def _plan_fwd(launch, fields: dict) -> tuple[list, dict]:
+    """A forward plan's launches and workspace arguments (``_calls.Plan(bound=..., **workspace)``)
+    from ``_launch_fwd``'s launch and the forward's ``fields``: a dynamic launch reads the
+    schedule workspace of the stream each planned call runs on, and a tile order's launch
+    (:class:`OrderedFwd`) writes it first."""
+    if isinstance(launch, OrderedFwd):
+        order = _calls.Bound(launch.order, {"cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k",
+                                            "workspace": "workspace+0"})
+        main = _calls.Bound(launch.main, {**fields, "tile_counter": "workspace+0"})
+        return [order, main], dict(workspace=launch.workspace_bytes, workspace_of=schedule_workspace_address)
     if int(launch.params[launch.slot("tile_counter")]) == 0:
-        return fields, {}
-    return ({**fields, "tile_counter": "workspace+0"},
-            dict(workspace=TILE_COUNTER_BYTES, workspace_of=tile_counter_address))
+        return [_calls.Bound(launch, fields)], {}
+    return ([_calls.Bound(launch, {**fields, "tile_counter": "workspace+0"})],
+            dict(workspace=TILE_COUNTER_BYTES, workspace_of=schedule_workspace_address))
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderedFwd:
+    """A varlen forward on the dynamic schedule with its tile order: ``order``
+    (fwd_tile_order_kernel) writes the order into the stream's schedule workspace
+    (``workspace_bytes`` of it), then ``main`` (flash_fwd_sm90_kernel) takes the tiles it lists."""
+
+    order: _jit.Launch
+    main: _jit.Launch
+    workspace_bytes: int
+
+    def run(self, stream_ptr: int) -> None:
+        self.order.run(stream_ptr)
+        self.main.run(stream_ptr)
+
+
+@functools.lru_cache(maxsize=None)
+def tile_order_spec() -> _jit.KernelSpec:
+    """fwd_tile_order_kernel (tile_order.cu): a varlen Hopper forward's tile order, one CTA."""
+    return _jit.KernelSpec("tile_order.cu", "cuattn::fwd_tile_order_kernel",
+                           threads=_params.constant("kTileOrderThreads"))
+
+
+def tile_order_capacity(batch: int, num_heads: int, total_q: int, block_m: int, m_blocks: int) -> int:
+    """Tiles a varlen launch can list: each sequence's query blocks on every head, at most
+    ceil(total_q / block_m) + batch of them over ``total_q`` packed rows (a sequence's last block may
+    be partial), and at most the launch's ``m_blocks`` a sequence."""
+    return num_heads * min(-(-total_q // block_m) + batch, batch * m_blocks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -456,8 +521,9 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
     flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
-    runs, no ALiBi); flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), and
-    a paged one (paged_attention_varlen's prefill on sm_90a)."""
+    runs, no ALiBi); flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), a
+    paged one (paged_attention_varlen's prefill on sm_90a), the FP8 V^T pass and the varlen tile
+    order (fwd_tile_order_kernel)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
                for d in TILE_HEAD_DIMS for alibi in (False, True)]
     forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
@@ -470,7 +536,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
-                    for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)] + [fp8_transpose_spec()]
+                    for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)]
+        forward += [fp8_transpose_spec(), tile_order_spec()]
     return forward + bwd_kernel_variants(arch)
 
 
@@ -620,11 +687,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         if launch is not None:
             outputs = {**({} if out is not None else {"out": (out_shape, False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
-            fields, workspace = _plan_tile_counter(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
-                                                            "sinks": "sinks", "alibi_slopes": "alibi_slopes"})
+            bound, workspace = _plan_fwd(launch, {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse",
+                                                  "sinks": "sinks", "alibi_slopes": "alibi_slopes"})
             _calls.remember(call_key, _calls.Plan(
                 inputs=("q", "k", "v", "out", "sinks", "alibi_slopes"), outputs=outputs, aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, fields)], finish=_fwd_result(return_lse), **workspace))
+                bound=bound, finish=_fwd_result(return_lse), **workspace))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 
@@ -713,13 +780,13 @@ def attention_varlen(
         if launch is not None and cuq_c is cuq and cuk_c is cuk:
             outputs = {**({} if out is not None else {"out": (out_shape, False)}),
                        **({"lse": (lse_shape, True)} if return_lse else {})}
-            fields, workspace = _plan_tile_counter(launch, {
+            bound, workspace = _plan_fwd(launch, {
                 "q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
                 "alibi_slopes": "alibi_slopes", "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"})
             _calls.remember(call_key, _calls.Plan(
                 inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "sinks", "alibi_slopes"),
                 outputs=outputs, aligned=("q", "k", "v", "out"),
-                bound=[_calls.Bound(launch, fields)], finish=_varlen_result(return_lse), **workspace))
+                bound=bound, finish=_varlen_result(return_lse), **workspace))
         result = out if out is not None else ctx.to_caller(ov)
         return (result, ctx.to_caller(lse)) if return_lse else result
 
@@ -1116,7 +1183,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             strides[0] = 0
     bh = batch * num_heads
     m_blocks = (seqlen_q + tile.block_m - 1) // tile.block_m
-    counter, section = None, 0
+    counter, section, order_capacity, order_entries = None, 0, 0, 0
     if isinstance(tile, FwdSm90Tile):
         # One CTA per SM walks the tiles (shared memory allows one per SM), its loads running
         # under the previous tile's epilogue. Dynamic: the CTAs take tiles from a counter, heavy
@@ -1133,9 +1200,18 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         persistent = dynamic or not banded or seqlen_k <= FWD_SM90_PERSISTENT_BANDED_KEYS
         grid = (min(tiles, _jit.multiprocessor_count()) if persistent else tiles, 1, 1)
         if dynamic:
-            counter = tile_counter_address(TILE_COUNTER_BYTES, _jit.stream_ptr(stream), _jit.current_device())
             section = l2_section_heads(batch, num_heads, num_kv_heads, seqlen_k, head_dim, 1 if fp8 is not None
                                        else np.dtype(q.dtype).itemsize, banded)
+            # packed sequences take their tiles from a tile order (tile_order.cu) where the grid
+            # is full: only tiles that hold rows, the longest sequences first; a section then
+            # spans heads of one sequence
+            if (FWD_SM90_TILE_ORDER and cu_seqlens_q is not None and paged is None and tiles > grid[0]
+                    and seqlen_k >= FWD_SM90_TILE_ORDER_MIN_KEYS):
+                order_capacity = tile_order_capacity(batch, num_heads, int(q.shape[1]), tile.block_m, m_blocks)
+                order_entries = tile_order_entries(order_capacity, grid[0])
+                section = min(section, num_heads)
+            workspace_bytes = tile_order_bytes(order_entries) if order_capacity else TILE_COUNTER_BYTES
+            counter = schedule_workspace_address(workspace_bytes, _jit.stream_ptr(stream), _jit.current_device())
     else:
         grid = (m_blocks, *_split_grid(bh))
     # the Hopper kernel stores O through the TMA where out's strides allow (it does so where O has
@@ -1158,9 +1234,17 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         score_scale=score_scale, softcap_out=softcap_out, window_left=left, window_right=right, head_dim=head_dim,
         head_dim_v=head_dim_v, **_paged_fields(paged, copy_pages),
-        tile_counter=counter, tile_section=section,
+        # a tile order lists static indices, which sections of one pair read as such
+        tile_counter=counter, tile_section=1 if order_capacity else section, tile_order=int(order_capacity > 0),
     )
     launch = _jit.prepare(spec, grid, params, maps=maps)
+    if order_capacity:
+        order_params = _params.pack(
+            "TileOrderParams", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, workspace=counter, batch=batch,
+            num_heads=num_heads, m_blocks=m_blocks, block_m=tile.block_m, section=section, capacity=order_capacity,
+            entries=order_entries)
+        launch = OrderedFwd(_jit.prepare(tile_order_spec(), (1, 1, 1), order_params), launch,
+                            tile_order_bytes(order_entries))
     if execute:
         launch.run(_jit.stream_ptr(stream))
     return launch

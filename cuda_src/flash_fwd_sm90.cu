@@ -83,7 +83,10 @@
 //           p.tile_section (batch, head) pairs (as many as keep their K and V in L2), and within
 //           a section query block by query block, the last (under a causal mask the heaviest)
 //           first, over the section's heads; so the CTAs running at once share one section's K
-//           and V, and the long tiles start first, the short ones fill in at the end.
+//           and V, and the long tiles start first, the short ones fill in at the end. A varlen
+//           launch (p.tile_order) takes positions in a tile order instead, which
+//           fwd_tile_order_kernel (tile_order.cu) wrote after the counters: only tiles that hold
+//           rows, the longest sequences first, each sequence's tiles in the order above.
 //   Either way a tile past its varlen sequence's end is skipped by the producer and never
 //   reaches the ring (no pipeline iteration, no barrier traffic).
 // Row alignment (FwdSm90Work::row_shift): a warpgroup past Sq computes its blocks all the same
@@ -244,7 +247,8 @@ struct FwdSm90Work {
   // Tile `tile` of the schedule's order (the file's opening comment): static, (batch, head)-major;
   // dynamic, L2 sections of p.tile_section (batch, head) pairs, each query block by query block
   // over the section's pairs. Within a pair either way the last query rows (the heaviest under a
-  // causal mask) come first.
+  // causal mask) come first. Sections of one pair are the static order: a tile order's launch
+  // (p.tile_order) lists its tiles as static indices and has p.tile_section 1.
   __device__ __forceinline__ FwdSm90Work(const Params& p, int tile, int m_blocks)
       : FwdSm90Work(p, tile_pair(p, tile, m_blocks), m_blocks) {}
 
@@ -601,10 +605,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const int key = key0 + warp * copy_warp_rows(BLOCK_N) + lane;
       return lane < copy_warp_rows(BLOCK_N) && key < w.seq.seqlen_k ? locate(w, key) : KeyRow{kNoKeyRow, 0};
     };
-    int tile = blockIdx.x;
+    // A tile order (dynamic, p.tile_order): the takes are positions in it, each read as the tile
+    // listed there (kTileOrderEnd, past every tile, after the list); otherwise a take is the tile.
+    // The order's address comes from the parameters at each take, not kept in registers: the
+    // producer has kProducerRegs of them.
+    const auto tile_at = [&](int position) {
+      if (p.tile_counter == nullptr || p.tile_order == 0) return position;
+      return p.tile_counter[kTileOrderHead + position];
+    };
+    int tile = tile_at(blockIdx.x);
     for (;;) {
       // skip the tiles past a varlen sequence's end here: they never reach the consumers
-      while (tile < num_tiles && Work(p, tile, m_blocks).empty()) tile = from_leader(take(tile));
+      while (tile < num_tiles && Work(p, tile, m_blocks).empty()) tile = from_leader(tile_at(take(tile)));
       if (tile >= num_tiles) break;
       const Work w(p, tile, m_blocks);
       publish(tile);
@@ -676,7 +688,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           }
         }
       }
-      tile = from_leader(next);
+      // a listed tile is read once this tile's loads are issued: its latency, like the take's,
+      // runs under the consumers' last blocks (a take a tile ahead, measured, hid it on tiles of
+      // few key blocks but cost the dense calls 1%: FWD_SM90_TILE_ORDER_MIN_KEYS keeps the order
+      // to long keys instead)
+      tile = from_leader(tile_at(next));
     }
     publish(kFwdSm90NoTile);
     if (leader && counter != nullptr) {

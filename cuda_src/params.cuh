@@ -106,9 +106,35 @@ struct FwdParams {
   // flash_fwd_sm90_kernel's schedule (flash_fwd_sm90.cu): tile_counter null is the static one
   // (CTA i takes tiles i, i + gridDim.x, ...), else the dynamic one with int32 [2] counters, the
   // next tile and the CTAs finished, zero at every launch's start (its last CTA resets them),
-  // and tile_section (batch, head) pairs per L2 section
+  // and tile_section (batch, head) pairs per L2 section. With tile_order 1 (varlen) the
+  // counters head the tile order that fwd_tile_order_kernel wrote before the launch
+  // (TileOrderParams' workspace), the CTAs take its tiles in turn, and tile_section is 1 (its
+  // tiles are indices of the static order)
   int* tile_counter;
   int tile_section;
+  int tile_order;
+};
+
+// The tile order of a varlen flash_fwd_sm90_kernel launch on the dynamic schedule
+// (tile_order.cu): which of the launch's tiles hold rows, longest sequences first.
+// Ints of the workspace before the tiles: the forward's two counters and the number of tiles.
+constexpr int kTileOrderHead = 3;
+// What the entries after the listed tiles hold: past every tile of any launch.
+constexpr int kTileOrderEnd = 0x7fffffff;
+struct TileOrderParams {
+  const int* cu_seqlens_q;  // [batch + 1]
+  const int* cu_seqlens_k;  // [batch + 1]
+  int* workspace;           // [kTileOrderHead + entries]: the forward's two counters (left alone),
+                            // the number of tiles, the tiles, then kTileOrderEnd
+                            // (null: the launch runs static, nothing to write)
+  int batch;
+  int num_heads;
+  int m_blocks;             // the launch's query blocks a (sequence, head) pair: ceil(max_seqlen_q / BLOCK_M)
+  int block_m;
+  int section;              // heads of a sequence whose tiles go query block by query block (FwdParams::tile_section)
+  int capacity;             // tiles listed at most
+  int entries;              // ints written after the head: capacity and the positions the forward's
+                            // CTAs may read past the last tile (2 x its grid: attention.tile_order_entries)
 };
 
 // Backward (flash_bwd.cu): one struct for the whole family, filled once per call and passed to

@@ -662,12 +662,16 @@ def test_hopper_variants_ptxas_once_got_wrong(rng, monkeypatch, fwd_kernel, d, t
     run_and_check(rng, DTYPES[1], 2, 77, 80, 4, 2, d, causal=True)
 
 
-def _tile_counters(stream):
-    """The dynamic schedule's counters of ``stream`` on the current device, on the host."""
+def _schedule_workspace(stream):
+    """The dynamic schedule's workspace of ``stream`` on the current device (the latest one)."""
     cupy = _cupy()
     stream.synchronize()
-    buf = attention_module._tile_counters[(cupy.cuda.runtime.getDevice(), stream.ptr)]
-    return buf.get().tolist()
+    return attention_module._schedule_workspaces[(cupy.cuda.runtime.getDevice(), stream.ptr)][-1]
+
+
+def _tile_counters(stream):
+    """The dynamic schedule's counters of ``stream`` on the current device, on the host."""
+    return _schedule_workspace(stream)[:2].get().tolist()
 
 
 def test_dynamic_schedule_counters_reset_between_launches_and_graph_replays(rng, fwd_kernel):
@@ -742,6 +746,161 @@ def test_first_launch_on_a_stream_under_capture(rng, fwd_kernel):
             stream.synchronize()
             err = np.abs(out.get().astype(np.float64) - reference.attention(*fresh, causal=True)).max()
             assert np.isfinite(err) and err < 3e-2, f"replay {replay}: error {err:.3g} (seed {rng.seed})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile order of varlen launches (tile_order.cu)
+
+TILE_ORDER_CHUNK = attention_module._params.constant("kTileOrderChunk")
+
+
+def expected_tile_order(lens_q, lens_k, num_heads, m_blocks, block_m, section, capacity):
+    """tile_order.cu's list, in Python: chunks of TILE_ORDER_CHUNK sequences, each by decreasing
+    key count (then index); a sequence's heads in sections of ``section``, a section's query
+    blocks last to first over its heads; each tile as its static index bh * m_blocks + m_rank."""
+    tiles = []
+    for c0 in range(0, len(lens_q), TILE_ORDER_CHUNK):
+        chunk = range(c0, min(len(lens_q), c0 + TILE_ORDER_CHUNK))
+        for b in sorted(chunk, key=lambda i: (-max(lens_k[i], 0), i)):
+            m_tiles = min(-(-max(lens_q[b], 0) // block_m), m_blocks)
+            for h0 in range(0, num_heads, section):
+                heads = range(h0, min(num_heads, h0 + section))
+                tiles += [(b * num_heads + h) * m_blocks + m_blocks - 1 - m
+                          for m in reversed(range(m_tiles)) for h in heads]
+    return tiles[:capacity]
+
+
+def _ordered_varlen(rng, lens_q, lens_k, hq, hk, d, causal, stream):
+    """attention_varlen's forward launched on ``stream`` through _launch_fwd (an OrderedFwd), out
+    poisoned; returns (launch, inputs, cu_seqlens, out) after the stream has finished."""
+    cupy = _cupy()
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v = (randn(rng, (int(cu[-1]), h, d), DTYPES[1]) for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
+    qd, kd, vd, cuqd, cukd = (cupy.asarray(x) for x in (q, k, v, cu_q, cu_k))
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    launch = attention_module._launch_fwd(
+        qd[None], kd[None], vd[None], out[None], None, cuqd, cukd, batch=len(lens_q), seqlen_q=max(lens_q),
+        seqlen_k=max(lens_k), causal=causal, scale=None, window=(-1, -1), softcap=0.0, stream=stream)
+    stream.synchronize()
+    return launch, (q, k, v), (cu_q, cu_k), out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_tile_order_lists_the_tiles_that_hold_rows_longest_first(rng, monkeypatch, fwd_kernel, causal):
+    """A varlen launch on the dynamic schedule whose tiles outnumber the grid runs
+    fwd_tile_order_kernel first: the stream's workspace then lists exactly expected_tile_order's
+    tiles (no empty ones, the sequences by decreasing key count, more sequences than one chunk
+    sorts), its counters are back at zero, and every row is computed."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the tile order of flash_fwd_sm90_kernel")
+    cupy = _cupy()
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: FEW_CTAS)
+    count = TILE_ORDER_CHUNK + 300  # two chunks, the second one short
+    lens_q = rng.integers(0, 150, size=count)
+    lens_k = rng.integers(0, 200, size=count)
+    lens_q[:3], lens_k[:3] = 0, [0, 7, 0]  # empty sequences: no queries, or keys and no queries
+    lens_q[3], lens_k[3] = 5, 0  # queries without keys: zero rows
+    # the longest sequence, last of the second chunk: past the order's minimum key count
+    lens_q[-1], lens_k[-1] = 400, attention_module.FWD_SM90_TILE_ORDER_MIN_KEYS + 11
+    lens_q, lens_k = lens_q.tolist(), lens_k.tolist()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    launch, inputs, cu, out = _ordered_varlen(rng, lens_q, lens_k, 2, 1, 64, causal, stream)
+    assert isinstance(launch, attention_module.OrderedFwd)
+    fields = np.frombuffer(launch.order.params.tobytes(), attention_module._params.struct_dtype("TileOrderParams"),
+                           count=1)[0]
+    m_blocks, block_m, section = int(fields["m_blocks"]), int(fields["block_m"]), int(fields["section"])
+    assert m_blocks == -(-max(lens_q) // block_m)
+    expected = expected_tile_order(lens_q, lens_k, 2, m_blocks, block_m, section, int(fields["capacity"]))
+    workspace = _schedule_workspace(stream).get()
+    head = attention_module._params.constant("kTileOrderHead")
+    assert workspace[:2].tolist() == [0, 0], "the counters must be back at zero after the launch"
+    assert int(workspace[head - 1]) == len(expected)
+    np.testing.assert_array_equal(workspace[head:head + len(expected)], expected)
+    # after the list, every position a CTA may take past it reads as past every tile
+    end = head + int(fields["entries"])
+    assert (workspace[head + len(expected):end] == attention_module._params.constant("kTileOrderEnd")).all()
+    q, k, v = inputs
+    got = out.get().astype(np.float64)
+    ref = reference.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), causal=causal)
+    assert np.isfinite(got).all(), f"unwritten rows (seed {rng.seed})"
+    assert np.abs(got - ref).max() < 3e-2, f"seed {rng.seed}"
+
+
+def test_tile_order_runs_where_the_tiles_outnumber_the_grid_and_keys_are_long(monkeypatch, fwd_kernel):
+    """_launch_fwd prepares an OrderedFwd for varlen launches on the dynamic schedule whose tiles
+    outnumber the grid and whose longest sequence has FWD_SM90_TILE_ORDER_MIN_KEYS keys or more,
+    and a plain launch otherwise (or with FWD_SM90_TILE_ORDER off, or on the static schedule)."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the tile order of flash_fwd_sm90_kernel")
+    cupy = _cupy()
+    least = attention_module.FWD_SM90_TILE_ORDER_MIN_KEYS
+    sms = _jit.multiprocessor_count()
+
+    def launch(sequences, heads, keys):
+        cu = cupy.asarray(np.arange(sequences + 1, dtype=np.int32) * keys)
+        q = cupy.zeros((1, sequences * keys, heads, 64), DTYPES[1])
+        return attention_module._launch_fwd(q, q[:, :, :1], q[:, :, :1], q, None, cu, cu, batch=sequences,
+                                            seqlen_q=keys, seqlen_k=keys, causal=False, scale=None,
+                                            window=(-1, -1), softcap=0.0, stream=None, execute=False)
+
+    many = sms + 1  # sequences of one query block or more, one head: more tiles than the grid
+    assert isinstance(launch(many, 1, least), attention_module.OrderedFwd)
+    assert not isinstance(launch(many, 1, least - 8), attention_module.OrderedFwd)  # short keys
+    assert not isinstance(launch(1, 1, least), attention_module.OrderedFwd)  # a few tiles
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "static")
+    assert not isinstance(launch(many, 1, least), attention_module.OrderedFwd)
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "dynamic")
+    monkeypatch.setattr(attention_module, "FWD_SM90_TILE_ORDER", False)
+    assert not isinstance(launch(many, 1, least), attention_module.OrderedFwd)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ordered_varlen_matches_the_reference(rng, fwd_kernel, d, causal):
+    """Ragged sequences whose tiles outnumber the SMs (the tile order's launches), empty ones
+    among them, GQA, against the float64 reference sequence by sequence."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the tile order of flash_fwd_sm90_kernel")
+    lens_q = [int(n) for n in rng.integers(1, 700, size=40)] + [0, 3, 700]
+    lens_k = [n + int(rng.integers(0, 90)) for n in lens_q[:-3]] + [50, 0, 703]
+    _check_varlen(rng, lens_q, lens_k, 8, 2, d, causal)
+
+
+def test_ordered_varlen_graph_replays_read_new_lengths(rng, fwd_kernel):
+    """A captured ordered varlen call replayed over new contents of the same shapes, cu_seqlens
+    included: each replay's tile order comes from that replay's lengths."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the tile order of flash_fwd_sm90_kernel")
+    cupy = _cupy()
+    count, hq, hk, d = 48, 4, 2, 64
+    total = 48 * 160
+
+    def draw():
+        cuts = np.sort(rng.choice(np.arange(1, total), size=count - 1, replace=False))
+        lens = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+        return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = draw()
+    q, k, v = (cupy.asarray(randn(rng, (total, h, d), DTYPES[1])) for h in (hq, hk, hk))
+    cu_d = cupy.asarray(cu)
+    out = cupy.empty(q.shape, q.dtype)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        max_len = total  # a bound every draw meets
+        cuattn.attention_varlen(q, k, v, cu_d, cu_d, max_len, max_len, causal=True, out=out)
+        stream.begin_capture()
+        cuattn.attention_varlen(q, k, v, cu_d, cu_d, max_len, max_len, causal=True, out=out)
+        graph = stream.end_capture()
+        for replay in range(3):
+            cu = draw()
+            cu_d[...] = cupy.asarray(cu)
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            ref = reference.attention_varlen(*(x.get() for x in (q, k, v)), cu, cu, max_len, max_len, causal=True)
+            err = np.abs(out.get().astype(np.float64) - ref).max()
+            assert np.isfinite(err) and err < 3e-2, f"replay {replay}: error {err:.3g} (seed {rng.seed})"
+
 
 def test_result_is_deterministic(rng):
     cupy = _cupy()

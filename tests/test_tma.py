@@ -226,6 +226,21 @@ def test_hopper_tiles_fit_the_shared_memory_of_one_cta():
         assert tile.smem_bytes(head_dim, head_dim, 1) <= limit, (head_dim, tile)
 
 
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_tile_order_capacity_holds_every_tile_of_the_packed_rows(rng, block_m):
+    """tile_order_capacity bounds the tiles of any lengths that fill (or underfill) the packed
+    rows: each sequence's query blocks, at most the launch's m_blocks, on every head; and it is
+    never more than the launch's tiles."""
+    for _ in range(50):
+        batch, heads = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        lens = rng.integers(0, 3 * block_m, size=batch)
+        total = int(lens.sum()) + int(rng.integers(0, block_m))  # q may hold rows past the last sequence
+        m_blocks = -(-max(int(lens.max()), 1) // block_m)
+        tiles = heads * sum(min(-(-int(n) // block_m), m_blocks) for n in lens)
+        capacity = attention_module.tile_order_capacity(batch, heads, total, block_m, m_blocks)
+        assert tiles <= capacity <= heads * batch * m_blocks, (batch, heads, lens.tolist(), total)
+
+
 @pytest.mark.gpu
 def test_encoding_through_the_driver_is_cached_per_address():
     import cupy
