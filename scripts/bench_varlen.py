@@ -2,7 +2,7 @@
 current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
 
 python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--schedules dynamic,static]
-                               [--section-mib 0,8,32] [--rounds 3] [--json PATH]
+                               [--section-mib 0,8,32] [--tile-order on,off] [--rounds 3] [--json PATH]
     per (head dim, mean length N, mask): TFLOP/s of
       dense          cuattn.attention, B = 32768 / N sequences of N tokens
       varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
@@ -16,6 +16,9 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     --schedules: flash_fwd_sm90_kernel's tile schedules to time each case on (an A/B of
     cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
     per schedule.
+    --tile-order: on, off or both (on,off): varlen launches with and without their tile order
+    (cuattn.attention.FWD_SM90_TILE_ORDER; default: the module's own); "dynamic" lines then name
+    it, as dynamic/order or dynamic/no-order.
     --section-mib: L2 section sizes of the dynamic schedule to time it at (an A/B of
     cuattn.attention.FWD_SM90_L2_SECTION_BYTES, in MiB; 0: one (batch, head) pair a section, the
     static schedule's pair-major order); "dynamic" lines then name the size, as dynamic@8.
@@ -57,6 +60,7 @@ def main(argv):
     parser.add_argument("--schedules", default=attention_module.FWD_SM90_SCHEDULE,
                         help=f"comma-separated, of {', '.join(attention_module.FWD_SM90_SCHEDULES)}")
     parser.add_argument("--section-mib", help="comma-separated (default: the module's own size)")
+    parser.add_argument("--tile-order", help="on, off or on,off (default: the module's own)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -73,11 +77,21 @@ def main(argv):
             schedules += [(f"dynamic@{size / (1 << 20):g}", schedule, size) for size in section_bytes]
         else:
             schedules.append((schedule, schedule, section_bytes[0] if schedule == "dynamic" else default_bytes))
+    orders = ([{"on": True, "off": False}[x] for x in args.tile_order.split(",")] if args.tile_order
+              else [attention_module.FWD_SM90_TILE_ORDER])
+    if len(orders) > 1:
+        schedules = [(f"{label}/{'order' if order else 'no-order'}", schedule, size, order)
+                     for label, schedule, size in schedules for order in orders]
+    else:
+        schedules = [(*entry, orders[0]) for entry in schedules]
+
     def select(case):
-        """Before timing (layout, (label, schedule, section bytes)): that schedule and section size."""
-        _, (_, schedule, size) = case
+        """Before timing (layout, (label, schedule, section bytes, tile order)): that schedule,
+        section size and tile order."""
+        _, (_, schedule, size, order) = case
         attention_module.FWD_SM90_SCHEDULE = schedule
         attention_module.FWD_SM90_L2_SECTION_BYTES = size
+        attention_module.FWD_SM90_TILE_ORDER = order
         _calls.clear()  # plans keep the launch (and schedule) they were made with
 
     bf16 = cupy.dtype("bfloat16")
@@ -108,15 +122,15 @@ def main(argv):
                 # every (layout, schedule) in turn, --rounds times over, each reporting its median
                 medians = timing.time_in_turn({(name, entry): fn for name, (fn, _) in calls.items()
                                                for entry in schedules}, args.rounds, before=select)
-                rates = {label: {} for label, _, _ in schedules}
+                rates = {entry[0]: {} for entry in schedules}
                 for name, (_, flops) in calls.items():
                     for entry in schedules:
-                        label, schedule, size = entry
+                        label, schedule, size, order = entry
                         ms = medians[name, entry]
                         rates[label][name] = flops / ms / 1e9
                         rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
-                                         schedule=schedule, section_bytes=size, lengths=layouts[name], ms=ms,
-                                         tflops=rates[label][name]))
+                                         schedule=schedule, section_bytes=size, tile_order=order,
+                                         lengths=layouts[name], ms=ms, tflops=rates[label][name]))
                 for label, rate in rates.items():
                     print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {label:10s} "
                           + "  ".join(f"{name} {r:6.1f}" for name, r in rate.items())
