@@ -218,7 +218,8 @@ class FwdSm90Tile:
 # D and Dv and the kernel stores Dv columns, so D = 72 runs in the (80, 80) tile and D = 192 with
 # Dv = 64 in (192, 128). Head dims of at most FWD_SM90_MIN_HEAD_DIM and views the TMA cannot read
 # run flash_fwd_kernel. Shared tiles are whole 64-column panels (D = 160 takes three), and the
-# wide head dims take 80-key blocks: more keys spill with the intra-warpgroup overlap. D = 256
+# wide head dims take 80-key blocks: at D = 160, 96- and 112-key blocks build without spills
+# (NVRTC 13.0) but ran 1-11% slower (BENCHMARKS.md, "Twenty-ninth session"). D = 256
 # takes the intra-warpgroup overlap without ping-pong: its output accumulator alone is 128
 # registers a thread, a second block's P sits beside it, and with ping-pong as well it spills.
 # Only D = 64 takes the bounded softmax beside the overlap (2-3% faster at 1k keys without a
