@@ -14,7 +14,7 @@ import pytest
 from cuattn import _jit, _params
 
 STRUCTS = {"FwdParams": "<__half>", "BwdParams": "<__nv_bfloat16>", "DecodeParams": "<__nv_bfloat16, cuattn::e4m3>",
-           "CombineParams": "<float, __half>", "CacheParams": "<float, cuattn::e4m3>", "TileOrderParams": ""}
+           "CombineParams": "<float, __half>", "CacheParams": "<float, cuattn::e4m3>", "TileOrderParams": "", "CopyParams": ""}
 
 
 def test_every_struct_of_the_header_is_mirrored():
