@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUATTN_CACHE_DIR=${CUATTN_CACHE_DIR:-$PWD/.cuattn-cache}
 # The small cases the sanitizers replay (they run each kernel tens of times slower).
 # test_attention.py runs each case on both forward kernels (the Hopper one where it applies).
-SANITIZE_TESTS=(tests/test_attention.py tests/test_decode.py tests/test_paged.py tests/test_backward.py tests/test_fp8.py tests/test_paged_varlen.py -k "(test_head_dims_and_block_sizes_on_the_gpu and 2-d64-mha) or (test_dtype_head_dim_mask and bf16) or (test_backward_dtype_head_dim_mask and bf16 and (128 or 64)) or test_windows or test_varlen or zero_length or (test_decode_dtype_head_dim_splits and bf16) or test_decode_options or merge_states_of or test_cache_write_and_copy or (test_paged_attention_matches and bf16) or test_paged_attention_sliding_window or sinks or alibi or (e4m3 and bf16) or bit_for_bit or (test_sm90_dq_modes and causal) or (drop_the_blocks and sm90)")
+SANITIZE_TESTS=(tests/test_attention.py tests/test_decode.py tests/test_paged.py tests/test_backward.py tests/test_fp8.py tests/test_paged_varlen.py -k "(test_head_dims_and_block_sizes_on_the_gpu and 2-d64-mha) or (test_dtype_head_dim_mask and bf16) or (test_backward_dtype_head_dim_mask and bf16 and (128 or 64)) or test_windows or test_varlen or ordered_varlen or zero_length or (test_decode_dtype_head_dim_splits and bf16) or test_decode_options or merge_states_of or test_cache_write_and_copy or (test_paged_attention_matches and bf16) or test_paged_attention_sliding_window or sinks or alibi or (e4m3 and bf16) or bit_for_bit or (test_sm90_dq_modes and causal) or (drop_the_blocks and sm90)")
 status=0
 
 run() {
