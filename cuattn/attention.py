@@ -1184,7 +1184,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             strides[0] = 0
     bh = batch * num_heads
     m_blocks = (seqlen_q + tile.block_m - 1) // tile.block_m
-    counter, section, order_capacity, order_entries = None, 0, 0, 0
+    counter, section, order_capacity, order_entries, workspace_bytes = None, 0, 0, 0, 0
     if isinstance(tile, FwdSm90Tile):
         # One CTA per SM walks the tiles (shared memory allows one per SM), its loads running
         # under the previous tile's epilogue. Dynamic: the CTAs take tiles from a counter, heavy
@@ -1244,8 +1244,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             "TileOrderParams", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, workspace=counter, batch=batch,
             num_heads=num_heads, m_blocks=m_blocks, block_m=tile.block_m, section=section, capacity=order_capacity,
             entries=order_entries)
-        launch = OrderedFwd(_jit.prepare(tile_order_spec(), (1, 1, 1), order_params), launch,
-                            tile_order_bytes(order_entries))
+        launch = OrderedFwd(_jit.prepare(tile_order_spec(), (1, 1, 1), order_params), launch, workspace_bytes)
     if execute:
         launch.run(_jit.stream_ptr(stream))
     return launch

@@ -7,7 +7,7 @@
 // last. The order here lists only the tiles that hold rows, and the sequences by decreasing key
 // count (the longest tiles first, so the short ones fill in at the end: longest processing time
 // first), in chunks of kTileOrderChunk sequences sorted apart (each sequence ranked by one
-// thread against the chunk's others: no sorting network, two barriers).
+// thread against the chunk's others: no sorting network, five barriers a chunk).
 //
 // Within a sequence the tiles go as the dense dynamic schedule's go within a pair: its heads in
 // sections of `section` heads; a section's query blocks last (under a causal mask the heaviest)

@@ -17,8 +17,8 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
     cuattn.attention.FWD_SM90_SCHEDULE; default: the dispatcher's own), one line and one JSON row
     per schedule.
     --tile-order: on, off or both (on,off): varlen launches with and without their tile order
-    (cuattn.attention.FWD_SM90_TILE_ORDER; default: the module's own); "dynamic" lines then name
-    it, as dynamic/order or dynamic/no-order.
+    (cuattn.attention.FWD_SM90_TILE_ORDER; default: the module's own); with both, each line's
+    schedule label names it, as auto/order or auto/no-order.
     --section-mib: L2 section sizes of the dynamic schedule to time it at (an A/B of
     cuattn.attention.FWD_SM90_L2_SECTION_BYTES, in MiB; 0: one (batch, head) pair a section, the
     static schedule's pair-major order); "dynamic" lines then name the size, as dynamic@8.
@@ -77,8 +77,12 @@ def main(argv):
             schedules += [(f"dynamic@{size / (1 << 20):g}", schedule, size) for size in section_bytes]
         else:
             schedules.append((schedule, schedule, section_bytes[0] if schedule == "dynamic" else default_bytes))
-    orders = ([{"on": True, "off": False}[x] for x in args.tile_order.split(",")] if args.tile_order
-              else [attention_module.FWD_SM90_TILE_ORDER])
+    switches = {"on": True, "off": False}
+    orders = [attention_module.FWD_SM90_TILE_ORDER]
+    if args.tile_order:
+        if any(x not in switches for x in args.tile_order.split(",")):
+            parser.error(f"--tile-order: {args.tile_order!r} is not on, off or on,off")
+        orders = [switches[x] for x in args.tile_order.split(",")]
     if len(orders) > 1:
         schedules = [(f"{label}/{'order' if order else 'no-order'}", schedule, size, order)
                      for label, schedule, size in schedules for order in orders]
