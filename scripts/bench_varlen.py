@@ -2,7 +2,8 @@
 current GPU (the Hopper forward issue's target: varlen at least 0.9x the dense rate).
 
 python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] [--schedules dynamic,static]
-                               [--section-mib 0,8,32] [--tile-order on,off] [--rounds 3] [--json PATH]
+                               [--section-mib 0,8,32] [--tile-order on,off] [--rounds 3] [--draws 1]
+                               [--seed S] [--json PATH]
     per (head dim, mean length N, mask): TFLOP/s of
       dense          cuattn.attention, B = 32768 / N sequences of N tokens
       varlen-equal   cuattn.attention_varlen over the same B x N tokens packed
@@ -10,6 +11,12 @@ python scripts/bench_varlen.py [--lengths 1024,4096,16384] [--head-dims 64,128] 
                      [N / 4, 7 N / 4] (the last one takes what is left of 32768 tokens)
     TFLOP/s counts each sequence's own work (sum over sequences of its attention FLOPs), so
     ragged lengths, which hold more work than equal ones, are compared by rate, not time.
+    "tile share" is the ragged lengths' own work over the work of the whole tiles the Hopper
+    forward computes for them (query rows padded to its block_m, keys to its block_n), over the
+    same share of the dense layout: the ragged/dense ratio a kernel that runs every tile at the
+    dense rate reaches.
+    --draws: ragged layouts to draw (each timed and printed apart), for the spread over draws;
+    --seed: the draws' seed (default: fresh ones each run), to time two checkouts on the same.
     bf16, H * D = 2048, CUDA events, the forward benchmark's timing. The layouts and schedules of
     a case are timed in turn, --rounds times over, and each reports the median of its rounds
     (cuattn.bench.timing.time_in_turn; before, once each in a fixed order, ragged last).
@@ -53,6 +60,19 @@ def ragged_lengths(rng, count: int, mean: int) -> list[int]:
     return [int(n) for n in lengths]
 
 
+def tile_share(lengths, block_m: int, block_n: int, causal: bool) -> float:
+    """The sequences' own score entries over those of the whole tiles computed for them: query
+    blocks of block_m rows, each over its key blocks of block_n (under the bottom-right causal
+    mask, the blocks up to its last row's diagonal)."""
+    own = computed = 0
+    for n in lengths:
+        own += n * (n + 1) // 2 if causal else n * n
+        for m0 in range(0, n, block_m):
+            keys = min(m0 + block_m, n) if causal else n
+            computed += block_m * -(-keys // block_n) * block_n
+    return own / computed
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096,16384")
@@ -62,6 +82,8 @@ def main(argv):
     parser.add_argument("--section-mib", help="comma-separated (default: the module's own size)")
     parser.add_argument("--tile-order", help="on, off or on,off (default: the module's own)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draws", type=int, default=1, help="ragged layouts drawn per case")
+    parser.add_argument("--seed", type=int, help="the ragged lengths' seed (default: fresh)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     default_bytes = attention_module.FWD_SM90_L2_SECTION_BYTES
@@ -99,7 +121,7 @@ def main(argv):
         _calls.clear()  # plans keep the launch (and schedule) they were made with
 
     bf16 = cupy.dtype("bfloat16")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(args.seed)
     rows = []
     for d in (int(x) for x in args.head_dims.split(",")):
         h = HIDDEN // d
@@ -107,8 +129,13 @@ def main(argv):
                    for _ in range(3))
         for n in (int(x) for x in args.lengths.split(",")):
             b = max(1, TOTAL_TOKENS // n)
-            layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
-            for causal in (False, True):
+            for draw, causal in ((draw, causal) for draw in range(args.draws) for causal in (False, True)):
+                if not causal:
+                    layouts = {"dense": [n] * b, "varlen-equal": [n] * b, "varlen-ragged": ragged_lengths(rng, b, n)}
+                tile = attention_module.fwd_sm90_tile(attention_module.fwd_sm90_tile_dims(d, d), seqlen_k=n,
+                                                      banded=causal)
+                share = (tile_share(layouts["varlen-ragged"], tile.block_m, tile.block_n, causal)
+                         / tile_share(layouts["dense"], tile.block_m, tile.block_n, causal))
                 calls = {}  # layout -> (call, its FLOPs)
                 for name, lengths in layouts.items():
                     total = sum(lengths)
@@ -133,13 +160,14 @@ def main(argv):
                         ms = medians[name, entry]
                         rates[label][name] = flops / ms / 1e9
                         rows.append(dict(head_dim=d, mean_seqlen=n, sequences=b, causal=causal, layout=name,
-                                         schedule=schedule, section_bytes=size, tile_order=order,
+                                         schedule=schedule, section_bytes=size, tile_order=order, draw=draw,
                                          lengths=layouts[name], ms=ms, tflops=rates[label][name]))
                 for label, rate in rates.items():
                     print(f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} {label:10s} "
                           + "  ".join(f"{name} {r:6.1f}" for name, r in rate.items())
                           + f"  ragged/dense {rate['varlen-ragged'] / rate['dense']:.3f}"
-                          + f"  equal/dense {rate['varlen-equal'] / rate['dense']:.3f}", flush=True)
+                          + f"  equal/dense {rate['varlen-equal'] / rate['dense']:.3f}"
+                          + f"  tile share {share:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
