@@ -380,9 +380,11 @@ FWD_SM90_SCHEDULE = "auto"
 # L2 bytes of K and V one section of the dynamic schedule's heads may span (the H200 has 50 MB
 # of L2; the tiles running at once also hold Q and write O).
 FWD_SM90_L2_SECTION_BYTES = 32 << 20
-# Whether varlen launches on the dynamic schedule take their tiles from a tile order
-# (tile_order.cu: only tiles that hold rows, the longest sequences first), where the tiles
-# outnumber the grid and the longest sequence has at least FWD_SM90_TILE_ORDER_MIN_KEYS keys. The
+# Whether varlen launches on the dynamic schedule (attention_varlen's, and paged_attention_varlen's
+# prefill over paged keys) take their tiles from a tile order (tile_order.cu: only tiles that hold
+# rows, the longest sequences first), where they hold more than one sequence, the tiles outnumber
+# the grid and the longest sequence has at least FWD_SM90_TILE_ORDER_MIN_KEYS keys (paged keys:
+# the block table's capacity). The
 # order costs a launch of one CTA (2-10 us a call on the H200); below that length the calls are
 # short and their tiles few key blocks each, and ran 4-31% slower with it at 64-256 tokens a
 # sequence (BENCHMARKS.md, "Twenty-ninth session"). A module switch (tests,
@@ -1206,7 +1208,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             # packed sequences take their tiles from a tile order (tile_order.cu) where the grid
             # is full: only tiles that hold rows, the longest sequences first; a section then
             # spans heads of one sequence
-            if (FWD_SM90_TILE_ORDER and cu_seqlens_q is not None and paged is None and tiles > grid[0]
+            # (paged prefill too: seqlen_k is then the block table's capacity, which bounds its keys;
+            # one sequence has nothing to reorder and no empty tiles)
+            if (FWD_SM90_TILE_ORDER and cu_seqlens_q is not None and batch > 1 and tiles > grid[0]
                     and seqlen_k >= FWD_SM90_TILE_ORDER_MIN_KEYS):
                 order_capacity = tile_order_capacity(batch, num_heads, int(q.shape[1]), tile.block_m, m_blocks)
                 order_entries = tile_order_entries(order_capacity, grid[0])
@@ -1241,9 +1245,11 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     launch = _jit.prepare(spec, grid, params, maps=maps)
     if order_capacity:
         order_params = _params.pack(
-            "TileOrderParams", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, workspace=counter, batch=batch,
-            num_heads=num_heads, m_blocks=m_blocks, block_m=tile.block_m, section=section, capacity=order_capacity,
-            entries=order_entries)
+            "TileOrderParams", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seq_lens=None if paged is None else paged.seq_lens,
+            batch_index=None if paged is None else paged.batch_index,
+            max_keys=0 if paged is None else seqlen_k, workspace=counter, batch=batch, num_heads=num_heads,
+            m_blocks=m_blocks, block_m=tile.block_m, section=section, capacity=order_capacity, entries=order_entries)
         launch = OrderedFwd(_jit.prepare(tile_order_spec(), (1, 1, 1), order_params), launch, workspace_bytes)
     if execute:
         launch.run(_jit.stream_ptr(stream))

@@ -26,7 +26,9 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   tile's GEMMs are full. The launch covers only these sequences: its
   entries index them in the batch (``batch_index``, built on the host), q is read in place
   through the full ``cu_seqlens_q``, and the kernel writes its rows of ``out`` and ``lse`` in
-  place.
+  place. On the Hopper forward's dynamic schedule, a launch whose tiles outnumber the SMs takes
+  them from a tile order as ``attention_varlen``'s does (only tiles that hold rows, the sequences
+  by decreasing ``seq_lens``; ``attention.FWD_SM90_TILE_ORDER``).
 
 Both launches run on the caller's stream and write disjoint rows of the one output (the decode
 rows are scattered there from the decode launch's run rows). With 17 to ~BLOCK_M queries a

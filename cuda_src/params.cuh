@@ -122,8 +122,12 @@ constexpr int kTileOrderHead = 3;
 // What the entries after the listed tiles hold: past every tile of any launch.
 constexpr int kTileOrderEnd = 0x7fffffff;
 struct TileOrderParams {
-  const int* cu_seqlens_q;  // [batch + 1]
-  const int* cu_seqlens_k;  // [batch + 1]
+  const int* cu_seqlens_q;  // [batch + 1], or with paged keys [B_all + 1] read through batch_index
+  const int* cu_seqlens_k;  // [batch + 1] (null with paged keys)
+  const int* seq_lens;      // [B_all]: paged keys, launch entry b's key count seq_lens[batch_index[b]]
+                            // clamped to [0, max_keys] as the forward clamps it (null: cu_seqlens_k)
+  const int* batch_index;   // [batch]: paged keys, launch entry b's sequence (null: b itself)
+  int max_keys;             // paged keys: the block table's capacity
   int* workspace;           // [kTileOrderHead + entries]: the forward's two counters (left alone),
                             // the number of tiles, the tiles, then kTileOrderEnd
                             // (null: the launch runs static, nothing to write)

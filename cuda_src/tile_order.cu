@@ -1,13 +1,15 @@
 // tile_order.cu: the order in which a varlen flash_fwd_sm90_kernel launch on the dynamic schedule
 // takes its tiles (FwdParams::tile_order), written by one CTA before that launch on its stream.
 //
-// A varlen launch spans B x H x m_blocks tiles, m_blocks from the longest sequence; a shorter
-// sequence's tiles past its last row hold nothing. Taken from a counter in index order, each such
-// tile costs its CTA an atomic round trip, and the last tiles taken are whatever sequence comes
-// last. The order here lists only the tiles that hold rows, and the sequences by decreasing key
-// count (the longest tiles first, so the short ones fill in at the end: longest processing time
-// first), in chunks of kTileOrderChunk sequences sorted apart (each sequence ranked by one
-// thread against the chunk's others: no sorting network, five barriers a chunk).
+// A varlen launch (packed keys, or paged ones: paged prefill, whose launch entries name sequences
+// through batch_index and take their key counts from seq_lens) spans B x H x m_blocks tiles,
+// m_blocks from the longest sequence; a shorter sequence's tiles past its last row hold nothing.
+// Taken from a counter in index order, each such tile costs its CTA an atomic round trip, and
+// the last tiles taken are whatever sequence comes last. The order here lists only the tiles
+// that hold rows, and the sequences by decreasing key count (the longest tiles first, so the
+// short ones fill in at the end: longest processing time first), in chunks of kTileOrderChunk
+// sequences sorted apart (each sequence ranked by one thread against the chunk's others: no
+// sorting network, five barriers a chunk).
 //
 // Within a sequence the tiles go as the dense dynamic schedule's go within a pair: its heads in
 // sections of `section` heads; a section's query blocks last (under a causal mask the heaviest)
@@ -31,16 +33,23 @@ constexpr int kTileOrderChunk = kTileOrderThreads;
 
 using u64 = unsigned long long;
 
-// Sequence b's sort key: ascending keys put longer key ranges first, then lower indices (so no
-// two keys of a launch are equal).
+// Launch entry b's sequence: itself, or with paged keys the one batch_index names.
+__device__ __forceinline__ int tile_order_sequence(const TileOrderParams& p, int b) {
+  return p.batch_index != nullptr ? p.batch_index[b] : b;
+}
+
+// Entry b's sort key: ascending keys put longer key ranges first, then lower indices (so no two
+// keys of a launch are equal).
 __device__ __forceinline__ u64 tile_order_key(const TileOrderParams& p, int b) {
-  const int keys = max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0);
+  const int keys = p.seq_lens != nullptr ? min(max(p.seq_lens[tile_order_sequence(p, b)], 0), p.max_keys)
+                                         : max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0);
   return (static_cast<u64>(0x7fffffff - keys) << 32) | static_cast<u32>(b);
 }
 
-// Tiles of sequence b: its query blocks (at most the launch's m_blocks) on every head.
+// Tiles of entry b: its sequence's query blocks (at most the launch's m_blocks) on every head.
 __device__ __forceinline__ int tile_order_tiles(const TileOrderParams& p, int b) {
-  const int rows = max(p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b], 0);
+  const int s = tile_order_sequence(p, b);
+  const int rows = max(p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s], 0);
   return p.num_heads * min((rows + p.block_m - 1) / p.block_m, p.m_blocks);
 }
 

@@ -1,4 +1,5 @@
-"""Shared test machinery: the `gpu` marker, random inputs, and the tolerance rule (README, "Tests")."""
+"""Shared test machinery: the `gpu` marker, random inputs, the tolerance rule (README, "Tests") and
+the tile order a varlen forward launch should list."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuattn import _registry
+from cuattn import _params, _registry
 
 # JAX must not grab 75% of GPU memory when a test imports it beside CuPy and torch.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -142,3 +143,23 @@ def expected_forward_kernel(dtype, head_dim: int, head_dim_v: int) -> str:
     if hopper is not None:
         return f"flash_fwd_sm90_kernel<{ctype}, {ctype}, {hopper[0]}, {hopper[1]},"
     return f"flash_fwd_kernel<{ctype}, {attention_module.fwd_tile_dim(head_dim, head_dim_v)},"
+
+
+TILE_ORDER_CHUNK = _params.constant("kTileOrderChunk")
+
+
+def expected_tile_order(lens_q, lens_k, num_heads, m_blocks, block_m, section, capacity):
+    """tile_order.cu's list, in Python, from each launch entry's query and key counts: chunks of
+    TILE_ORDER_CHUNK entries, each by decreasing key count (then index); an entry's heads in
+    sections of ``section``, a section's query blocks last to first over its heads; each tile as
+    its static index bh * m_blocks + m_rank."""
+    tiles = []
+    for c0 in range(0, len(lens_q), TILE_ORDER_CHUNK):
+        chunk = range(c0, min(len(lens_q), c0 + TILE_ORDER_CHUNK))
+        for b in sorted(chunk, key=lambda i: (-max(lens_k[i], 0), i)):
+            m_tiles = min(-(-max(lens_q[b], 0) // block_m), m_blocks)
+            for h0 in range(0, num_heads, section):
+                heads = range(h0, min(num_heads, h0 + section))
+                tiles += [(b * num_heads + h) * m_blocks + m_blocks - 1 - m
+                          for m in reversed(range(m_tiles)) for h in heads]
+    return tiles[:capacity]

@@ -15,7 +15,8 @@ import pytest
 
 import cuattn
 from cuattn import _calls, _jit, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, RISES, error_budget, randn, rising_scores
+from conftest import (DTYPE_IDS, DTYPES, RISES, TILE_ORDER_CHUNK, error_budget, expected_tile_order, randn,
+                      rising_scores)
 
 pytestmark = pytest.mark.gpu
 
@@ -751,25 +752,6 @@ def test_first_launch_on_a_stream_under_capture(rng, fwd_kernel):
 # ---------------------------------------------------------------------------------------------
 # The tile order of varlen launches (tile_order.cu)
 
-TILE_ORDER_CHUNK = attention_module._params.constant("kTileOrderChunk")
-
-
-def expected_tile_order(lens_q, lens_k, num_heads, m_blocks, block_m, section, capacity):
-    """tile_order.cu's list, in Python: chunks of TILE_ORDER_CHUNK sequences, each by decreasing
-    key count (then index); a sequence's heads in sections of ``section``, a section's query
-    blocks last to first over its heads; each tile as its static index bh * m_blocks + m_rank."""
-    tiles = []
-    for c0 in range(0, len(lens_q), TILE_ORDER_CHUNK):
-        chunk = range(c0, min(len(lens_q), c0 + TILE_ORDER_CHUNK))
-        for b in sorted(chunk, key=lambda i: (-max(lens_k[i], 0), i)):
-            m_tiles = min(-(-max(lens_q[b], 0) // block_m), m_blocks)
-            for h0 in range(0, num_heads, section):
-                heads = range(h0, min(num_heads, h0 + section))
-                tiles += [(b * num_heads + h) * m_blocks + m_blocks - 1 - m
-                          for m in reversed(range(m_tiles)) for h in heads]
-    return tiles[:capacity]
-
-
 def _ordered_varlen(rng, lens_q, lens_k, hq, hk, d, causal, stream):
     """attention_varlen's forward launched on ``stream`` through _launch_fwd (an OrderedFwd), out
     poisoned; returns (launch, inputs, cu_seqlens, out) after the stream has finished."""
@@ -828,9 +810,10 @@ def test_varlen_tile_order_lists_the_tiles_that_hold_rows_longest_first(rng, mon
 
 
 def test_tile_order_runs_where_the_tiles_outnumber_the_grid_and_keys_are_long(monkeypatch, fwd_kernel):
-    """_launch_fwd prepares an OrderedFwd for varlen launches on the dynamic schedule whose tiles
-    outnumber the grid and whose longest sequence has FWD_SM90_TILE_ORDER_MIN_KEYS keys or more,
-    and a plain launch otherwise (or with FWD_SM90_TILE_ORDER off, or on the static schedule)."""
+    """_launch_fwd prepares an OrderedFwd for varlen launches on the dynamic schedule of more than
+    one sequence whose tiles outnumber the grid and whose longest sequence has
+    FWD_SM90_TILE_ORDER_MIN_KEYS keys or more, and a plain launch otherwise (or with
+    FWD_SM90_TILE_ORDER off, or on the static schedule)."""
     if fwd_kernel != "sm90":
         pytest.skip("the tile order of flash_fwd_sm90_kernel")
     cupy = _cupy()
@@ -848,6 +831,8 @@ def test_tile_order_runs_where_the_tiles_outnumber_the_grid_and_keys_are_long(mo
     assert isinstance(launch(many, 1, least), attention_module.OrderedFwd)
     assert not isinstance(launch(many, 1, least - 8), attention_module.OrderedFwd)  # short keys
     assert not isinstance(launch(1, 1, least), attention_module.OrderedFwd)  # a few tiles
+    assert not isinstance(launch(1, many, least), attention_module.OrderedFwd)  # one sequence, many tiles
+    assert isinstance(launch(2, many, least), attention_module.OrderedFwd)
     monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "static")
     assert not isinstance(launch(many, 1, least), attention_module.OrderedFwd)
     monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "dynamic")

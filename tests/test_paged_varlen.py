@@ -15,7 +15,7 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from conftest import BF16, error_budget, expected_forward_kernel, randn
+from conftest import BF16, error_budget, expected_forward_kernel, expected_tile_order, randn
 
 QUERY_RUNS = (0, 1, 3, 16, 17, 40)  # empty, decode, speculative, one full run, a run and a tail, several
 SEQ_LENS = (5, 300, 2, 64, 17, 129)  # the speculative run is longer than its sequence: early rows see nothing
@@ -393,6 +393,63 @@ def test_prefill_only_and_decode_only_batches_on_the_gpu(rng, caplog):
         assert len(chosen) == forward_launches, chosen
         check_against_reference(rng, got.get().astype(np.float64), None, q, (k_pages, v_pages), table, cu, lens,
                                 np.float16, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_prefill_chunks_take_the_tile_order_on_the_gpu(rng, monkeypatch, causal):
+    """Prefill chunks whose tiles outnumber the grid over a block table of at least
+    FWD_SM90_TILE_ORDER_MIN_KEYS keys: the paged forward runs after fwd_tile_order_kernel (an
+    OrderedFwd), whose list holds exactly the launch entries' tiles that hold rows, the entries by
+    decreasing key count from seq_lens through batch_index (clamped to the table's capacity), and
+    the rows match the reference; decode rows, an empty sequence and one whose unchecked length
+    passes its table (check=False: the kernels clamp it) among them, the cache's unowned slots NaN."""
+    import cupy
+
+    from cuattn import _jit, paged_varlen
+
+    attention_module = importlib.import_module("cuattn.attention")
+    if not expected_forward_kernel(BF16, 64, 64).startswith("flash_fwd_sm90_kernel"):
+        pytest.skip("the tile order of flash_fwd_sm90_kernel")
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: 5)
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", "dynamic")
+    launches = []
+    launch_fwd = paged_varlen._launch_fwd
+    monkeypatch.setattr(paged_varlen, "_launch_fwd", lambda *a, **kw: launches.append(launch_fwd(*a, **kw)))
+    prefill = [int(n) for n in rng.integers(17, 300, size=12)]
+    runs = [1, 0, *prefill[:6], 3, *prefill[6:], 1]
+    lens = [40, 7] + [n + int(rng.integers(0, 400)) for n in prefill[:6]] + [90]
+    lens += [n + int(rng.integers(0, 400)) for n in prefill[6:]] + [33]
+    lens[2] = attention_module.FWD_SM90_TILE_ORDER_MIN_KEYS + 20  # the table's capacity past the minimum
+    # two sequences at the table's capacity (whole pages, the longest); the later one's length on the
+    # device passes the table: clamped, the two tie and the earlier one comes first
+    lens[3] = lens[-2] = -(-max(lens) // 16) * 16 + 16
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, hq=4, hk=2, d=64, runs=runs, lens=lens, poison=True)
+    capacity = table.shape[1] * 16
+    assert lens[3] == lens[-2] == capacity
+    lens_device = cupy.asarray(lens)
+    lens_device[-2] = capacity + 50
+    out = cupy.full(q.shape, np.nan, BF16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages),
+                                                 cupy.asarray(table), cu, lens_device, max(runs), causal=causal,
+                                                 return_lse=True, out=out, check=False)
+    stream.synchronize()
+    assert len(launches) == 1 and isinstance(launches[0], attention_module.OrderedFwd), launches
+    fields = np.frombuffer(launches[0].order.params.tobytes(),
+                           attention_module._params.struct_dtype("TileOrderParams"), count=1)[0]
+    entries = [b for b, n in enumerate(runs) if n >= paged_varlen.PREFILL_MIN_QUERIES]
+    expected = expected_tile_order([runs[b] for b in entries], [min(int(lens[b]), capacity) for b in entries], 4,
+                                   int(fields["m_blocks"]), int(fields["block_m"]), int(fields["section"]),
+                                   int(fields["capacity"]))
+    workspace = attention_module._schedule_workspaces[(cupy.cuda.runtime.getDevice(), stream.ptr)][-1].get()
+    head = attention_module._params.constant("kTileOrderHead")
+    assert workspace[:2].tolist() == [0, 0], "the counters must be back at zero after the launch"
+    assert int(workspace[head - 1]) == len(expected)
+    np.testing.assert_array_equal(workspace[head:head + len(expected)], expected)
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, BF16,
+                            {"causal": causal})
 
 
 @pytest.mark.gpu
