@@ -1,25 +1,31 @@
 """Prefill throughput over a paged KV cache: cuattn.paged_attention_varlen against cuattn.attention_varlen
 on the same tokens in a dense packed layout, on the current GPU.
 
-python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16]
+python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16] [--only RE]
     bf16, D = 128, GQA 32/8, block size 16 (or --block-size), pages shuffled over the pool, causal (bottom-right):
       prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
       mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
       mixed-8k 1 chunk of 2048 queries + 63 decode rows, 8192 keys each; also the chunk alone and
                the rows alone (paged_attention), and the ratio of the mixed call to their sum
+      ragged   24 chunks of 64-2047 queries over their own tokens and 0-4095 earlier ones (drawn
+               once, seed 1)
     one line per (case, path): ms and TFLOP/s (4 * H * D per visible query-key pair). The paged
     times include the call's host planning (check=False, device tables). Dense and paged are each
     timed twice: as dispatched (the Hopper forward on an H200, its PAGED variant for the paged
     call) and on flash_fwd_kernel, the mma.sync kernel (its PAGED variant: the paged forward
-    before Hopper), so the cost of the page lookups shows apart from the kernel's.
+    before Hopper), so the cost of the page lookups shows apart from the kernel's; and both
+    without the Hopper forward's tile order (attention.FWD_SM90_TILE_ORDER off), which each
+    launches where its tiles outnumber the SMs.
     Unless --no-runs, a last path times the decode-only schedule (every sequence cut into runs of
     16 queries through paged decode, what paged_attention_varlen did before the paged forward).
+    --only RE: only the (case, path) lines that match RE ("case path", e.g. "ragged .*tile order").
 """
 
 import argparse
 import contextlib
 import importlib
 import json
+import re
 import sys
 
 import cupy
@@ -40,6 +46,10 @@ CASES = {
     # also timed as its two parts launched separately (the chunk alone, the rows alone)
     "mixed-8k": ((2048,) + (1,) * 63, (8192,) * 64),
 }
+_ragged = np.random.default_rng(1)
+_ragged_queries = tuple(int(n) for n in _ragged.integers(64, 2048, size=24))
+CASES["ragged"] = (_ragged_queries, tuple(n + int(c) for n, c in zip(_ragged_queries,
+                                                                     _ragged.integers(0, 4096, size=24))))
 SPLIT_CASES = ("mixed-8k",)
 
 
@@ -70,17 +80,22 @@ def make_case(rng, queries, keys, block):
 @contextlib.contextmanager
 def schedule(path: str):
     """The dispatch a path times: mma.sync forward only (the Hopper tile table emptied, plans of
-    the other dispatch dropped), or every sequence through paged decode, or as shipped."""
+    the other dispatch dropped), the Hopper forward without its tile order, or every sequence
+    through paged decode, or as shipped."""
     tiles, threshold = dict(attention_module.FWD_SM90_TILES), paged_varlen.PREFILL_MIN_QUERIES
+    order = attention_module.FWD_SM90_TILE_ORDER
     _calls.clear()
     if "mma.sync" in path:
         attention_module.FWD_SM90_TILES.clear()
+    if "no tile order" in path:
+        attention_module.FWD_SM90_TILE_ORDER = False
     if path.startswith("decode runs"):
         paged_varlen.PREFILL_MIN_QUERIES = np.iinfo(np.int32).max
     try:
         yield
     finally:
         attention_module.FWD_SM90_TILES.update(tiles)
+        attention_module.FWD_SM90_TILE_ORDER = order
         paged_varlen.PREFILL_MIN_QUERIES = threshold
         _calls.clear()
 
@@ -90,6 +105,7 @@ def main(argv):
     parser.add_argument("json")
     parser.add_argument("--no-runs", action="store_true")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--only", metavar="RE", help="time only the lines whose 'case path' matches")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
@@ -106,7 +122,9 @@ def main(argv):
         diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
                               - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
         timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"]),
-                                       ("paged_attention_varlen, mma.sync", paths["paged_attention_varlen"])]
+                                       ("paged_attention_varlen, mma.sync", paths["paged_attention_varlen"]),
+                                       ("dense attention_varlen, no tile order", paths["dense attention_varlen"]),
+                                       ("paged_attention_varlen, no tile order", paths["paged_attention_varlen"])]
         if not args.no_runs:
             timed.append(("decode runs of 16 (old schedule)", paths["paged_attention_varlen"]))
         if name in SPLIT_CASES:
@@ -116,6 +134,8 @@ def main(argv):
                 q[:int(cu_q[1])], pages, table[:1], chunk_cu, lens[:1], int(queries[0]), check=False)))
             timed.append(("the decode rows alone", lambda: cuattn.paged_attention(
                 q[int(cu_q[1]):].reshape(len(queries) - 1, 1, HQ, D), pages, table[1:], lens[1:], check=False)))
+        if args.only:
+            timed = [(path, fn) for path, fn in timed if re.search(args.only, f"{name} {path}")]
         times = {}
         for path, fn in timed:
             with schedule(path):
@@ -127,9 +147,9 @@ def main(argv):
                        sequences=len(queries), keys=list(keys)[:4], ms=ms, tflops=work / ms / 1e9,
                        max_abs_diff_paged_vs_dense=diff, dtype="bfloat16", head_dim=D, heads=[HQ, HK], block_size=args.block_size)
             rows.append(row)
-            print(f"{name:8s} {path:34s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
+            print(f"{name:8s} {path:38s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
         print(f"{name:8s} max |paged - dense| = {diff:.3g}", flush=True)
-        if name in SPLIT_CASES:
+        if name in SPLIT_CASES and {"the chunk alone", "the decode rows alone", "paged_attention_varlen"} <= set(times):
             parts = times["the chunk alone"] + times["the decode rows alone"]
             ratio = times["paged_attention_varlen"] / parts
             rows.append(dict(case=name, path="mixed / (chunk alone + rows alone)", ratio=ratio))
