@@ -734,7 +734,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
   constexpr int kDqStride = kDqAlternate ? kBwdSm90Consumers : 1;
   using SdP = Wgmma<T, kQueries>;  // S^T, dP^T: 64 keys x kQueries queries
-  using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (D = 96 as n64 + n32, 80 as one n80), or D / 2
+  using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (one n80 or n96 at D = 80, 96), or D / 2
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");

@@ -19,8 +19,8 @@
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
 // array's D), so padded columns add zeros to the scores and zero output columns, which the
-// epilogue does not store. GEMMs of widths that no single wgmma has run as a row of them
-// (WgmmaRow: Dv = 160 as 128 + 32).
+// epilogue does not store. The GEMMs run as rows of wgmma (WgmmaRow), one instruction a k step
+// at every tile's Dv (64 to 256).
 //   lse  [B, Hq, Sq] fp32 (varlen [Hq, total_q]), or null
 //
 // A persistent CTA (one per SM) walks work tiles of BLOCK_M = 64 * CONSUMERS query rows of one

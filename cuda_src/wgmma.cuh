@@ -179,6 +179,61 @@ __device__ __forceinline__ u64 mnmajor_descriptor(u32 tile, int col0, int step) 
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
+// the 48 fp32 accumulator registers of an m64n96 tile (D = 96's PV and dK, dV rows in one instruction)
+#define CUATTN_ACC48_LIST "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" "}"
+#define CUATTN_ACC48_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+
+// the 80 fp32 accumulator registers of an m64n160 tile (D = 160's)
+#define CUATTN_ACC80_LIST "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" "}"
+#define CUATTN_ACC80_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+
+// the 96 fp32 accumulator registers of an m64n192 tile (D = 192's)
+#define CUATTN_ACC96_LIST "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" "}"
+#define CUATTN_ACC96_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+
+
 template <typename T, int N>
 struct Wgmma;
 
@@ -237,6 +292,26 @@ CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 256, 128,
 CUATTN_DEFINE_WGMMA(__half, "f16.f16", 256, 128,
                     CUATTN_WGMMA_SS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132),
                     CUATTN_WGMMA_RS(256, "f16.f16", CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133, 134))
+
+// Widths of whole head dims (96, 160, 192): one instruction where two pieces would take two
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 96, 48,
+                    CUATTN_WGMMA_SS(96, "bf16.bf16", CUATTN_ACC48_LIST, 48, 49, 50, 51, 52),
+                    CUATTN_WGMMA_RS(96, "bf16.bf16", CUATTN_ACC48_LIST, 48, 49, 50, 51, 52, 53, 54))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 96, 48,
+                    CUATTN_WGMMA_SS(96, "f16.f16", CUATTN_ACC48_LIST, 48, 49, 50, 51, 52),
+                    CUATTN_WGMMA_RS(96, "f16.f16", CUATTN_ACC48_LIST, 48, 49, 50, 51, 52, 53, 54))
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 160, 80,
+                    CUATTN_WGMMA_SS(160, "bf16.bf16", CUATTN_ACC80_LIST, 80, 81, 82, 83, 84),
+                    CUATTN_WGMMA_RS(160, "bf16.bf16", CUATTN_ACC80_LIST, 80, 81, 82, 83, 84, 85, 86))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 160, 80,
+                    CUATTN_WGMMA_SS(160, "f16.f16", CUATTN_ACC80_LIST, 80, 81, 82, 83, 84),
+                    CUATTN_WGMMA_RS(160, "f16.f16", CUATTN_ACC80_LIST, 80, 81, 82, 83, 84, 85, 86))
+CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 192, 96,
+                    CUATTN_WGMMA_SS(192, "bf16.bf16", CUATTN_ACC96_LIST, 96, 97, 98, 99, 100),
+                    CUATTN_WGMMA_RS(192, "bf16.bf16", CUATTN_ACC96_LIST, 96, 97, 98, 99, 100, 101, 102))
+CUATTN_DEFINE_WGMMA(__half, "f16.f16", 192, 96,
+                    CUATTN_WGMMA_SS(192, "f16.f16", CUATTN_ACC96_LIST, 96, 97, 98, 99, 100),
+                    CUATTN_WGMMA_RS(192, "f16.f16", CUATTN_ACC96_LIST, 96, 97, 98, 99, 100, 101, 102))
 
 // Narrow pieces (the tail of a WgmmaRow whose width is not a sum of the wide ones)
 CUATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16.bf16", 8, 4,
@@ -300,17 +375,19 @@ CUATTN_DEFINE_WGMMA8(128, 64, CUATTN_WGMMA8_SS(128, CUATTN_ACC64_LIST, 64, 65, 6
 CUATTN_DEFINE_WGMMA8(256, 128, CUATTN_WGMMA8_SS(256, CUATTN_ACC128_LIST, 128, 129, 130),
                      CUATTN_WGMMA8_RS(256, CUATTN_ACC128_LIST, 128, 129, 130, 131, 132, 133))
 
-// A GEMM D[64 x N] of any N that is a multiple of 8, as a row of the wgmma Wgmma defines: the
-// widest that fits first (so N = 160 runs as 128 + 32, 192 as 128 + 64, 112 as 64 + 32 + 16).
+// A GEMM D[64 x N] of any N that is a multiple of 8, as a row of the wgmma Wgmma defines: one
+// instruction where Wgmma has N (96, 160, 192 among them), else the widest that fits first (so
+// N = 224 runs as 128 + 96, 112 as 64 + 32 + 16).
 // Piece p covers columns [offset, offset + width) of D, which are its accumulators
 // [offset / 2, (offset + width) / 2) (the accumulator layout above keeps columns in order), and
 // reads its B columns through desc_b(offset): the caller's descriptor of B's columns (rows of a
 // K-major tile, columns of an MN-major one) from offset on. A K-major B takes any offset (a
 // multiple of 8 rows); an MN-major descriptor starts at a 64-column panel, so a row over an
-// MN-major B must have its offsets there (wgmma_row_panel_aligned: 96 = 64 + 32 and 160 = 128 + 32
-// do, 112 = 64 + 32 + 16 does not).
+// MN-major B must have its offsets there (wgmma_row_panel_aligned: 224 = 128 + 96 does, 112 = 64 +
+// 32 + 16 and 176 = 128 + 32 + 16 do not).
 constexpr int wgmma_piece(int n) {
-  return n >= 256 ? 256 : n >= 128 ? 128 : n == 80 ? 80 : n >= 64 ? 64 : n >= 32 ? 32 : n >= 16 ? 16 : 8;
+  return n >= 256 ? 256 : n == 192 || n == 160 ? n : n >= 128 ? 128 : n == 96 || n == 80 ? n : n >= 64 ? 64
+         : n >= 32 ? 32 : n >= 16 ? 16 : 8;
 }
 constexpr bool wgmma_row_panel_aligned(int n) {
   for (int offset = 0; offset < n; offset += wgmma_piece(n - offset))

@@ -5,7 +5,8 @@ into registers in the documented fragment layout) and writes its accumulator out
 documented accumulator layout, so a wrong swizzle, descriptor or fragment layout fails here
 with a plain matrix mismatch rather than as a wrong gradient.
   ss_kk  C[64 x 64]  = A[64 x 128] B[64 x 128]^T   A, B K-major (S^T = K Q^T)
-  rs_mn  C[64 x 128] = A[64 x 64] B[64 x 128]      A from registers, B MN-major (dV = P^T dO)
+  rs_mn  C[64 x 128] = A[64 x 64] B[64 x 128]      A from registers, B MN-major (dV = P^T dO;
+         also N = 96, 160 and 192 in one instruction, the forward's PV GEMM at those head dims)
   ss_mn  C[64 x 64]  = A[128 x 64]^T B[128 x 128][:, 64:128]   A, B MN-major (dQ = dS K)
 and the e4m3 forms of the FP8 forward:
   ss_e4m3  C[64 x 128] = A[64 x 128] B[128 x 128]^T   e4m3, A and B K-major (S = Q K^T)
@@ -82,10 +83,13 @@ extern "C" __global__ void ss_kk(const T* a, const T* b, float* c) {  // a [64][
   store_acc(c, d);
 }
 
-extern "C" __global__ void rs_mn(const T* a, const T* b, float* c) {  // a [64][64], b [64][128]
-  using BTile = SwizzledTile<64, 128>;
+// a [64][64], b [64][COLS]: C = A B[:, :N], one Wgmma<T, N> per k16 step (B MN-major, N within
+// whole panels of COLS columns)
+template <int N, int COLS>
+__device__ void rs_mn_of(const T* a, const T* b, float* c) {
+  using BTile = SwizzledTile<64, COLS>;
   unsigned char* smem = aligned_smem();
-  to_tile<64, 128>(smem, b);
+  to_tile<64, COLS>(smem, b);
   fence_proxy_async();
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -95,15 +99,21 @@ extern "C" __global__ void rs_mn(const T* a, const T* b, float* c) {  // a [64][
       const T* at = a + (16 * warp + g + 8 * (r % 2)) * 64 + 16 * s + 8 * (r / 2) + 2 * t;
       frag[s][r] = *reinterpret_cast<const u32*>(at);
     }
-  float d[64];
+  float d[N / 2];
   wgmma_fence();
   for (int s = 0; s < 4; ++s)
-    Wgmma<T, 128>::rs<1>(d, frag[s], mnmajor_descriptor<BTile>(smem_address(smem), 0, s), s > 0);
+    Wgmma<T, N>::template rs<1>(d, frag[s], mnmajor_descriptor<BTile>(smem_address(smem), 0, s), s > 0);
   wgmma_commit();
   wgmma_wait<0>();
   fence_registers(d);
   store_acc(c, d);
 }
+
+extern "C" __global__ void rs_mn(const T* a, const T* b, float* c) { rs_mn_of<128, 128>(a, b, c); }
+// the whole head dims' single instructions: across 1.5, 2.5 and 3 panels
+extern "C" __global__ void rs_mn96(const T* a, const T* b, float* c) { rs_mn_of<96, 128>(a, b, c); }
+extern "C" __global__ void rs_mn160(const T* a, const T* b, float* c) { rs_mn_of<160, 192>(a, b, c); }
+extern "C" __global__ void rs_mn192(const T* a, const T* b, float* c) { rs_mn_of<192, 192>(a, b, c); }
 
 // rows x bytes row-major e4m3 -> SwizzledTile<ROWS, BYTES / 2> (16-byte chunks are the same)
 template <int ROWS, int BYTES>
@@ -197,6 +207,9 @@ CASES = {
     # name: (A shape, B shape, reference from the NumPy arrays)
     "ss_kk": ((64, 128), (64, 128), lambda a, b: a @ b.T),
     "rs_mn": ((64, 64), (64, 128), lambda a, b: a @ b),
+    "rs_mn96": ((64, 64), (64, 128), lambda a, b: a @ b[:, :96]),
+    "rs_mn160": ((64, 64), (64, 192), lambda a, b: a @ b[:, :160]),
+    "rs_mn192": ((64, 64), (64, 192), lambda a, b: a @ b),
     "ss_mn": ((128, 64), (128, 128), lambda a, b: a.T @ b[:, 64:]),
 }
 
