@@ -1923,12 +1923,12 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
 
 def _preprocess_rows_per_cta(head_dim_v: int) -> int:
     """Rows of delta one CTA of bwd_preprocess_kernel computes: kPreprocessWarps warps of
-    kWarpSize / bwd_preprocess_lanes(Dv) rows each (flash_bwd.cu)."""
+    kWarpSize / bwd_preprocess_lanes(Dv) rows each, kPreprocessRows times over (flash_bwd.cu)."""
     c = _params.constant
     lanes = 1
     while lanes < c("kWarpSize") and lanes * c("kPreprocessChunk") < head_dim_v:
         lanes *= 2
-    return c("kPreprocessWarps") * (c("kWarpSize") // lanes)
+    return c("kPreprocessWarps") * (c("kWarpSize") // lanes) * c("kPreprocessRows")
 
 
 def _bwd_maps(q, k, v, dout, tile: BwdTile):

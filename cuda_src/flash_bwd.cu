@@ -126,10 +126,14 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 // batch entry, whose batch strides are 0). A row is read in 16-byte chunks (kPreprocessChunk
 // elements: every row is 16-byte aligned, Dv a multiple of 8) by bwd_preprocess_lanes(Dv) lanes
 // (the power of two that covers its chunks, at most a warp), so a warp takes 32 / lanes rows at
-// once (with one 2-byte element per lane and one row per warp it took 191 us at N = 4k, D = 128
-// on the H200, 151 us so, 139 us with 32-bit divisions; beside 6.9 ms of main kernel).
+// once, and each lane kPreprocessRows such rows, a warp's rows apart, their loads all issued
+// before the first sum (with one 2-byte element per lane and one row per warp it took 191 us at
+// N = 4k, D = 128 on the H200, 151 us with one row a lane, 139 us with 32-bit divisions, and
+// 147 -> 98 us (ncu's locked clocks; 113 -> 77 us unlocked) with four rows a lane; beside about
+// 5.3 ms of main kernel).
 constexpr int kPreprocessWarps = 4;
 constexpr int kPreprocessChunk = 8;  // elements of one 16-byte load
+constexpr int kPreprocessRows = 4;   // rows a lane reads at once
 constexpr i64 kU32Max = 0xffffffffll;
 
 __host__ __device__ constexpr int bwd_preprocess_lanes(int head_dim_v) {
@@ -145,38 +149,48 @@ bwd_preprocess_kernel(const BwdParams<T> p) {
   const int lanes = bwd_preprocess_lanes(p.head_dim_v);
   const int views = p.cu_seqlens_q != nullptr ? 1 : p.batch;
   const int lane = threadIdx.x % kWarpSize;
-  const i64 rows_per_cta = static_cast<i64>(kPreprocessWarps) * (kWarpSize / lanes);
-  const i64 row = blockIdx.x * rows_per_cta + static_cast<int>(threadIdx.x) / lanes;
-  const bool live = row < static_cast<i64>(views) * p.rows_q * p.num_heads;
-  float acc = 0.f;
-  int h = 0, i = 0, b = 0;
-  if (live) {
-    // (b, i, h) of the row: 32-bit divisions where the rows fit (64-bit ones are emulated, a
-    // hundred instructions each, against a thread's two 16-byte loads)
-    if (static_cast<i64>(views) * p.rows_q * p.num_heads <= kU32Max) {
-      const u32 r = static_cast<u32>(row), heads = p.num_heads, rows_q = p.rows_q;
-      h = static_cast<int>(r % heads);
-      i = static_cast<int>(r / heads % rows_q);
-      b = static_cast<int>(r / heads / rows_q);
-    } else {
-      h = static_cast<int>(row % p.num_heads);
-      i = static_cast<int>((row / p.num_heads) % p.rows_q);
-      b = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
-    }
-    const T* __restrict__ out = p.out + b * p.o_sb + i * p.o_ss + h * p.o_sh;
-    const T* __restrict__ dout = p.dout + b * p.do_sb + i * p.do_ss + h * p.do_sh;
-    for (int col = (lane % lanes) * kPreprocessChunk; col < p.head_dim_v; col += lanes * kPreprocessChunk) {
-      const uint4 o = *reinterpret_cast<const uint4*>(out + col);
-      const uint4 d = *reinterpret_cast<const uint4*>(dout + col);
-      const T* oe = reinterpret_cast<const T*>(&o);
-      const T* de = reinterpret_cast<const T*>(&d);
+  const i64 rows = static_cast<i64>(views) * p.rows_q * p.num_heads;
+  const int rows_per_pass = kPreprocessWarps * (kWarpSize / lanes);  // the CTA's rows at once
+  const i64 first = blockIdx.x * static_cast<i64>(rows_per_pass) * kPreprocessRows + static_cast<int>(threadIdx.x) / lanes;
+  // this lane's rows first + r * rows_per_pass: their (b, i, h), live ones' chunks loaded at once
+  int h[kPreprocessRows], i[kPreprocessRows], b[kPreprocessRows];
+  bool live[kPreprocessRows];
+  uint4 o[kPreprocessRows], d[kPreprocessRows];
+  const int col = (lane % lanes) * kPreprocessChunk;
 #pragma unroll
-      for (int e = 0; e < kPreprocessChunk; ++e) acc += DType<T>::to_float(oe[e]) * DType<T>::to_float(de[e]);
+  for (int r = 0; r < kPreprocessRows; ++r) {
+    const i64 row = first + static_cast<i64>(r) * rows_per_pass;
+    live[r] = row < rows;
+    // 32-bit divisions where the rows fit (64-bit ones are emulated, a hundred instructions each,
+    // against a thread's two 16-byte loads a row)
+    if (rows <= kU32Max) {
+      const u32 x = static_cast<u32>(row), heads = p.num_heads, rows_q = p.rows_q;
+      h[r] = static_cast<int>(x % heads);
+      i[r] = static_cast<int>(x / heads % rows_q);
+      b[r] = static_cast<int>(x / heads / rows_q);
+    } else {
+      h[r] = static_cast<int>(row % p.num_heads);
+      i[r] = static_cast<int>((row / p.num_heads) % p.rows_q);
+      b[r] = static_cast<int>(row / (static_cast<i64>(p.num_heads) * p.rows_q));
     }
+    // one chunk a lane: Dv is at most kWarpSize chunks (256), and lanes cover it
+    const bool load = live[r] && col < p.head_dim_v;
+    o[r] = load ? *reinterpret_cast<const uint4*>(p.out + b[r] * p.o_sb + i[r] * p.o_ss + h[r] * p.o_sh + col)
+                : make_uint4(0u, 0u, 0u, 0u);
+    d[r] = load ? *reinterpret_cast<const uint4*>(p.dout + b[r] * p.do_sb + i[r] * p.do_ss + h[r] * p.do_sh + col)
+                : make_uint4(0u, 0u, 0u, 0u);
   }
-  // the row's lanes are consecutive and their count a power of two: a butterfly within them
-  for (int offset = lanes / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  if (live && lane % lanes == 0) p.delta[b * p.lse_sb + h * p.lse_sh + i] = acc;
+#pragma unroll
+  for (int r = 0; r < kPreprocessRows; ++r) {
+    const T* oe = reinterpret_cast<const T*>(&o[r]);
+    const T* de = reinterpret_cast<const T*>(&d[r]);
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPreprocessChunk; ++e) acc += DType<T>::to_float(oe[e]) * DType<T>::to_float(de[e]);
+    // the row's lanes are consecutive and their count a power of two: a butterfly within them
+    for (int offset = lanes / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (live[r] && lane % lanes == 0) p.delta[b[r] * p.lse_sb + h[r] * p.lse_sh + i[r]] = acc;
+  }
   // The atomic and unordered bulk dQ sums add into dq_accum: zeroed here, in 16-byte stores over
   // the whole grid, instead of by a memset launch of its own, the stores beside this kernel's
   // loads (its sizes are multiples of 8 floats, D and the tiles' widths; allocations 16-byte
