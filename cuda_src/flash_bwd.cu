@@ -585,7 +585,7 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
 // (t the thread of the warpgroup holding it, 4 j + 2 r + col % 2 its accumulator index);
 // bwd_convert_dq_tiles_kernel undoes it. Rows past the sequence's end hold zeros (their
-// probabilities are masked to 0), which the convert kernel does not read.
+// probabilities are masked to 0), which the convert kernel does not store.
 //
 // Ordered reductions (kBwdDqOrdered). dq_semaphores [tiles, kBwdSm90DqPartsMax] int32, zeroed,
 // count the reductions done into each tile part; cta_ticket [1] int32, zeroed, hands out work in
@@ -1502,12 +1502,13 @@ bwd_convert_dq_kernel(const BwdParams<T> p) {
 
 // dq = scale * the sm_90a kernel's bulk tile accumulator (layout above flash_bwd_sm90_kernel), in
 // q's dtype: one CTA per (query block, sequence, query head), each thread two neighbouring
-// columns of a row per pass (a float2 of the tile, a 4-byte store of dq). Rows past the
-// sequence's end are left alone (varlen: the host zeroes dq), and so are a padded tile's columns
-// past D (tiles are HEAD_DIM wide). Ordered reductions (dq_semaphores set): a part whose
+// columns of rows r and r + 8 per item (a float4 of the tile, two 4-byte stores of dq). Rows
+// past the sequence's end are left alone (varlen: the host zeroes dq), and so are a padded
+// tile's columns past D (tiles are HEAD_DIM wide). Ordered reductions (dq_semaphores set): a part whose
 // semaphore is 0 got no reduction and was never written (the accumulator is not zeroed): its
 // dq is 0.
 constexpr int kConvertTileThreads = 256;
+constexpr int kConvertTileLoads = 4;  // float4 reads a thread has in flight
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
 bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
@@ -1530,18 +1531,39 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   for (int part = 0; part < bwd_sm90_dq_parts<HEAD_DIM>(); ++part)
     if (p.dq_semaphores == nullptr || p.dq_semaphores[tile_index * kBwdSm90DqPartsMax + part] != 0) written |= 1u << part;
   const float* tile = p.dq_accum + tile_index * (BLOCK_M * HEAD_DIM);
-  // column pairs of the tile's rows, a compile-time count (so the index splits without a division
-  // at run time); the pairs past the call's D are skipped
-  for (int idx = threadIdx.x; idx < rows * kPairsPerRow; idx += kConvertTileThreads) {
-    const int row = idx / kPairsPerRow;
-    const int col = (idx % kPairsPerRow) * 2;
-    if (col >= p.head_dim) continue;
-    const int part = col / kDqCols, c = col % kDqCols;
-    const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
-    const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4 + 2 * ((row % 16) / 8);
-    const float2 pair = (written >> part) & 1u ? *reinterpret_cast<const float2*>(tile + at) : make_float2(0.f, 0.f);
-    T* dst = p.dq + b * p.dq_sb + (seq.q_start + m0 + row) * p.dq_ss + h * p.dq_sh + col;
-    *reinterpret_cast<u32*>(dst) = DType<T>::pack(pair.x * p.softmax_scale, pair.y * p.softmax_scale);
+  // One float4 holds a column pair of rows r and r + 8 of a 16-row group (the accumulator's
+  // r = (row % 16) / 8 is its last index bit but one): each item is a column pair of such a row
+  // pair, read whole. The items of the tile's row pairs, a compile-time count per row (so the
+  // index splits without a division at run time), kConvertTileLoads of them a thread read before
+  // any is stored; pairs past the call's D and rows past the sequence are skipped (the tile holds
+  // BLOCK_M rows: the reads stay inside it).
+  const int items = (rows + 15) / 16 * 8 * kPairsPerRow;
+  for (int first = threadIdx.x; first < items; first += kConvertTileThreads * kConvertTileLoads) {
+    float4 quad[kConvertTileLoads];
+#pragma unroll
+    for (int u = 0; u < kConvertTileLoads; ++u) {
+      const int idx = first + u * kConvertTileThreads;
+      const int lo = idx / kPairsPerRow, col = (idx % kPairsPerRow) * 2;
+      const int row = 16 * (lo / 8) + lo % 8;
+      const int part = col / kDqCols, c = col % kDqCols;
+      const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
+      const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4;
+      const bool read = idx < items && col < p.head_dim && row < rows && ((written >> part) & 1u);
+      quad[u] = read ? *reinterpret_cast<const float4*>(tile + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kConvertTileLoads; ++u) {
+      const int idx = first + u * kConvertTileThreads;
+      const int lo = idx / kPairsPerRow, col = (idx % kPairsPerRow) * 2;
+      const int row = 16 * (lo / 8) + lo % 8;
+      if (idx >= items || col >= p.head_dim) continue;
+      T* dst = p.dq + b * p.dq_sb + (seq.q_start + m0 + row) * p.dq_ss + h * p.dq_sh + col;
+      if (row < rows)
+        *reinterpret_cast<u32*>(dst) = DType<T>::pack(quad[u].x * p.softmax_scale, quad[u].y * p.softmax_scale);
+      if (row + 8 < rows)
+        *reinterpret_cast<u32*>(dst + 8 * p.dq_ss) =
+            DType<T>::pack(quad[u].z * p.softmax_scale, quad[u].w * p.softmax_scale);
+    }
   }
 }
 
