@@ -1380,8 +1380,8 @@ class BwdTile:
     Q/dO stages; only block_m and block_n count, the warp layout fields do not apply; views the TMA
     cannot read run the sm_80 row's mma.sync kernels).
     `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
-    per part, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True, and
-    BWD_ORDERED_HEAD_DIMS); "atomic" is the earlier design, float4 atomics and, for
+    per part, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True);
+    "atomic" is the earlier design, float4 atomics and, for
     deterministic=True, flash_bwd_dq_kernel (kept selectable to compare and to fall back).
     """
 
@@ -1471,10 +1471,11 @@ def bwd_dq_head_dim(head_dim: int, arch: str) -> int:
 
 def bwd_dq_cols(tile_dim: int) -> int:
     """Columns of the dQ tile one consumer of flash_bwd_sm90_kernel computes (flash_bwd.cu's
-    bwd_sm90_dq_cols): half of D where that half is whole swizzle panels (D = 128), else all of D
-    (D = 64 and 96, whose consumers take the steps in turn)."""
-    consumers, panel = _params.constant("kBwdSm90Consumers"), _params.constant("kSwizzlePanelCols")
-    return tile_dim // consumers if (tile_dim // consumers) % panel == 0 else tile_dim
+    bwd_sm90_dq_cols): all of D (D = 64-128, whose consumers take the steps in turn), or half of it
+    in a wide tile (D above kBwdSm90MaxKvCols)."""
+    if tile_dim > _params.constant("kBwdSm90MaxKvCols"):
+        return tile_dim // _params.constant("kBwdSm90Consumers")
+    return tile_dim
 
 
 # One row per tile head dim, one entry per arch family that has it (a head dim runs its family's
@@ -1511,24 +1512,22 @@ BWD_TILES = {
 }
 
 
-# Tile head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 96 and 128 the
-# consumers sit at their 240 registers, and the staging and semaphore code add 8-20 bytes of
-# spill (`python -m cuattn build`). There ALiBi keeps the atomic dQ, and deterministic ALiBi the
+# Tile head dims whose bulk dQ variants spill with ALiBi's bias on sm_90a: at D = 96 the consumers
+# sit at their 240 registers, and the staging and semaphore code add 8-20 bytes of spill
+# (`python -m cuattn build`; D = 128's build clean since its dQ GEMM waits for the dV and dK
+# GEMMs, kDqAfterKv in flash_bwd.cu). There ALiBi keeps the atomic dQ, and deterministic ALiBi the
 # earlier path (BwdTile.dq_mode "atomic": no dQ in the main kernel, then flash_bwd_dq_kernel).
-BWD_ORDERED_ALIBI_FALLBACK = (96, 128)
-# Tile head dims whose backward orders its bulk dQ reductions even when deterministic=False. On the
-# H200 (warp-specialised kernel, dQ writer warps; BENCHMARKS.md, "Eleventh session") the bulk
-# reductions ran 1.02-1.24x the float4 atomics at D = 64 and 1.16-1.33x at D = 128. Ordered, they
-# cost D = 64 0-11% against unordered, so D = 64 orders them for deterministic=True only
-# (1.00-1.13x the default's time); at D = 128 ordered and unordered were within -7%..+4% of each
-# other, so D = 128 keeps the order always and its default is bit-identical run to run too.
-BWD_ORDERED_HEAD_DIMS = (128,)
+BWD_ORDERED_ALIBI_FALLBACK = (96,)
 
 
-def bwd_ordered(tile: "BwdTile", tile_dim: int, deterministic: bool) -> bool:
-    """Whether the backward's main kernel reduces dQ in a fixed order (kBwdDqOrdered): a bulk
-    tile, deterministic or at a tile head dim of BWD_ORDERED_HEAD_DIMS."""
-    return tile.bulk_dq and (deterministic or tile_dim in BWD_ORDERED_HEAD_DIMS)
+def bwd_ordered(tile: "BwdTile", deterministic: bool) -> bool:
+    """Whether the backward's main kernel reduces dQ in a fixed order (kBwdDqOrdered): a bulk tile
+    of a deterministic call. On the H200 (BENCHMARKS.md, "Eleventh session") the bulk reductions
+    ran 1.02-1.24x the float4 atomics at D = 64 and 1.16-1.33x at D = 128; ordered, they cost
+    D = 64 0-11%, and D = 128 (since its consumers take the steps' dQ in turn, one staging part
+    each) up to 7% (N = 1k and 4k without a mask; "Thirty-first session"), so calls order them only
+    for deterministic=True."""
+    return tile.bulk_dq and deterministic
 
 
 def bwd_tile_dim(head_dim: int, arch: str) -> int:
@@ -1570,7 +1569,7 @@ def bwd_specs(dtype, head_dim: int, tile: BwdTile, deterministic: bool = False,
     if t.wgmma:
         # flash_bwd.cu's DQ_MODE constants
         if t.bulk_dq:
-            mode = _params.constant("kBwdDqOrdered" if bwd_ordered(t, head_dim, deterministic) else "kBwdDqBulk")
+            mode = _params.constant("kBwdDqOrdered" if bwd_ordered(t, deterministic) else "kBwdDqBulk")
         else:
             mode = _params.constant("kBwdDqNone" if deterministic else "kBwdDqAtomic")
         main_name = f"cuattn::flash_bwd_sm90_kernel<{ctype}, {head_dim}, {t.block_m}, {mode}, {with_alibi}>"
@@ -1832,7 +1831,7 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sh = -(-seqlen_q // tile.block_m)
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
-        ordered = bwd_ordered(tile, tile_dim, deterministic)
+        ordered = bwd_ordered(tile, deterministic)
         # ordered: each part's first write stores, and the convert reads a part no write reached
         # (semaphore 0) as zeros, so only the unordered reductions need a zeroed accumulator
         dq_accum = ctx.empty((tiles, tile.block_m * tile_dim), np.float32)

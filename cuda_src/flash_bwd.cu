@@ -551,11 +551,12 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //                                      dS^T leave the accumulators as the A fragments below
 //   dV += P^T dO, dK += dS^T Q         rs, B (dO, Q) read MN-major from the stage
 //   dS^T -> shared, dQ = dS K          ss, both operands MN-major; dQ leaves as DQ_MODE says
-// dQ and the two consumers. dQ sums over all 128 keys, so it needs both consumers' dS^T rows: at
-// D = 128 each consumer computes half of D, at D = 64-96 consumer s % 2 computes all of D of step s
-// (the two take the steps in turn: one dQ tile a step, not two halves over keys, so half the dQ
-// traffic). The dQ GEMM of step s runs in step s + 1, after that step's dV and dK GEMMs are
-// issued, from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded by two mbarriers
+// dQ and the two consumers. dQ sums over all 128 keys, so it needs both consumers' dS^T rows:
+// consumer s % 2 computes all of D of step s (the two take the steps in turn: one dQ tile a step,
+// not two halves over keys, so half the dQ traffic; and at D = 128 one m64n128 GEMM a step, which
+// reads 48 KB of shared memory where two m64n64 halves read 64 KB). The dQ GEMM of step s runs in
+// step s + 1, after that step's dV and dK GEMMs are issued (at D = 128 once they are done: see
+// kDqAfterKv), from one of kBwdSm90DsBuffers dS^T buffers (buffer s % 2), guarded by two mbarriers
 // each: ds_full (both consumers wrote their rows) and ds_empty (the GEMMs that read it are done;
 // both consumers arrive). The other consumer wrote its rows a step earlier, so the wait is
 // seldom a wait. Past the start there is no CTA-wide barrier: the consumers drift apart, and
@@ -578,9 +579,9 @@ flash_bwd_kernel(const BwdParams<T> p) {
 // h * acc_tile_sh + q_block0(b) + query block, where q_block0 is 0 dense and
 // (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
 // tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
-// Inside a tile, part p (p < kBwdSm90DqParts<D>: the consumer's D half at D = 128, all of D at
-// D = 64-96) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that the shared staging
-// stores are conflict-free float4s of consecutive threads:
+// Inside a tile, part p (p < kBwdSm90DqParts<D>: one part, all of D, as every bulk tile's
+// consumers take the steps in turn) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that
+// the shared staging stores are conflict-free float4s of consecutive threads:
 //   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
 //   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
 // (t the thread of the warpgroup holding it, 4 j + 2 r + col % 2 its accumulator index);
@@ -645,13 +646,19 @@ constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
 constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
 constexpr int kBwdSm90ConsumerBarrier = 1;  // + c: consumer c's named barrier
+// The most accumulators (dK, dV and dQ, a thread) beside which a consumer issues the dQ GEMM while
+// the dV and dK GEMMs still read P^T's and dS^T's fragments (D = 96's 144 build clean at 240
+// registers; D = 128's 192 did not: kDqAfterKv in the kernel).
+constexpr int kBwdSm90DqBesideKvAccumulators = 160;
 
-// Who computes dQ (always over all BLOCK_N keys): at D = 128 both consumers, each half of D; at
-// D = 64, 80 and 96 the consumers take the steps in turn, each the whole of D (a half of 32, 40
-// or 48 columns would start inside a swizzle panel, where no MN-major descriptor of K starts).
+// Who computes dQ (always over all BLOCK_N keys): the consumers take the steps in turn, each the
+// whole of D, at D = 64-128 (at D = 64-96 a half of 32, 40 or 48 columns would start inside a
+// swizzle panel, where no MN-major descriptor of K starts; at D = 128 the halves took the main
+// kernel 5.31 ms at N = 4k against 5.10 ms for the whole, on the H200: BENCHMARKS.md "Thirty-first
+// session"); a wide tile's consumers each compute their half of D.
 template <int HEAD_DIM>
 __host__ __device__ constexpr bool bwd_sm90_dq_alternate() {
-  return (HEAD_DIM / kBwdSm90Consumers) % kSwizzlePanelCols != 0;
+  return !bwd_sm90_wide<HEAD_DIM>();
 }
 template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_cols() {
@@ -703,7 +710,7 @@ struct BwdSm90Smem {
   static constexpr int kLse = kP + (bwd_sm90_wide<HEAD_DIM>() ? kBwdSm90DsBuffers * STile::kBytes : 0);
   static constexpr int kDelta = kLse + STAGES * BLOCK_M * sizeof(float);  // [STAGES, BLOCK_M] fp32
   // bulk dQ staging: [consumers, kDqStages, BLOCK_M * kDqCols] fp32; two parts a consumer where
-  // they fit (D = 80 and 96 have room for one: their consumers take the steps in turn, so one
+  // they fit (D = 80, 96 and 128 have room for one: their consumers take the steps in turn, so one
   // part still has a step of slack before it is restaged)
   static constexpr int kdQ = kDelta + STAGES * BLOCK_M * sizeof(float);
   static constexpr int kDqPartBytes = BLOCK_M * bwd_sm90_dq_cols<HEAD_DIM>() * sizeof(float);
@@ -742,7 +749,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   // query columns of S^T and dP^T this consumer computes: all of the step's, or (wide) its half
   constexpr int kQueries = kWide ? BLOCK_M / kBwdSm90Consumers : BLOCK_M;
   constexpr int kPanels = panel_cols(HEAD_DIM) / kSwizzlePanelCols;  // TMA boxes per row block: one per panel
-  // dQ over all keys: half of D by each consumer, or (D = 64-96) all of D by consumer step % 2
+  // dQ over all keys: all of D by consumer step % 2, or (wide) half of D by each consumer
   constexpr bool kDqAlternate = bwd_sm90_dq_alternate<HEAD_DIM>();
   constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
   // the dQ a consumer emits: every step's, or (alternate) every other one's, from step c on
@@ -750,6 +757,13 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   using SdP = Wgmma<T, kQueries>;  // S^T, dP^T: 64 keys x kQueries queries
   using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (one n80 or n96 at D = 80, 96), or D / 2
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
+  static_assert(kWide || kDqAlternate, "the consumers of a tile of 128 keys take the steps' dQ in turn");
+  // The dQ GEMM is issued once the step's dV and dK GEMMs are done (their A fragments, P^T and dS^T,
+  // then free) where the accumulators of dK, dV and a whole-D dQ (192 registers at D = 128) leave
+  // no room for those fragments beside them: issued while they were live, ptxas serialised every
+  // wgmma of the kernel (C7512, insufficient registers). D = 64-96 issue it beside the dV and dK
+  // GEMMs.
+  constexpr bool kDqAfterKv = 2 * KV::kAccumulators + DQ::kAccumulators > kBwdSm90DqBesideKvAccumulators;
   static_assert(kKeysPerWarpgroup == kWgmmaM, "one m64 row tile of keys per consumer");
   static_assert(BLOCK_M == kWgmmaM, "one m64 tile of queries: S^T's N and dQ's rows");
   static_assert(HEAD_DIM % kWgmmaK == 0 && kKvCols <= kBwdSm90MaxKvCols,
@@ -976,14 +990,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
 
   // dQ = dS K of step `src` (its dS^T in buffer src % 2) over all BLOCK_N keys, issued as one
   // commit group once both consumers' rows of the buffer are in: dS read MN-major from dS^T, K
-  // MN-major ([key][d]). At D = 128 step 0 (src -1) has no previous step: its GEMM reads the K
-  // tile (never rewritten) as dS and its result is dropped. Issued unconditionally, the GEMM
-  // keeps its accumulators out of a branch, which made ptxas serialise the wgmma and spill 828
-  // bytes; at D = 64-96 the issue and its accumulators sit whole inside the owner's branch.
+  // MN-major ([key][d]). The issue and its accumulators sit whole inside the owner's branch (the
+  // consumer index comes through a shuffle, so ptxas knows the branch is warp-uniform).
   const auto issue_dq = [&](float (&dq)[DQ::kAccumulators], int src) {
-    const int buf = (src + kBwdSm90DsBuffers) % kBwdSm90DsBuffers;
-    if (src >= 0) mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
-    const u32 dS_keys = src < 0 ? sK : sdS + buf * STile::kBytes;
+    const int buf = src % kBwdSm90DsBuffers;
+    mbarrier_wait(ds_full(buf), (src / kBwdSm90DsBuffers) & 1);
+    const u32 dS_keys = sdS + buf * STile::kBytes;
 #pragma unroll
     for (int ks = 0; ks < BLOCK_N / kWgmmaK; ++ks)
       DQ::template ss<1, 1>(dq, mnmajor_descriptor<STile>(dS_keys, 0, ks),
@@ -1218,10 +1230,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
         fence_proxy_async();
         mbarrier_arrive(ds_full(buf));
       }
-      // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago:
-      // both consumers' halves (D = 128) or the owner's whole (D = 64-96, every other step). Either
-      // way the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
-      // buffer once its reader's GEMM is (ds_empty counts both consumers).
+      // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago,
+      // by its owner (every other step). Either way the stage goes back to the producer once the
+      // dV and dK GEMMs are done, and the dS^T buffer once its reader's GEMM is (ds_empty counts
+      // both consumers).
       const int dq_src = step - 1;
       const auto step_done = [&] {
         fence_registers(pa);
@@ -1230,20 +1242,23 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
         fence_registers(dK);
         mbarrier_arrive(empty(stage));
       };
-      if (DQ_MODE == kBwdDqNone || (kDqAlternate && (dq_src < 0 || !owns_dq(dq_src)))) {
+      if (DQ_MODE == kBwdDqNone || dq_src < 0 || !owns_dq(dq_src)) {
         wgmma_wait<0>();
         step_done();
         if (DQ_MODE != kBwdDqNone && dq_src >= 0) mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
       } else {
         float dq[DQ::kAccumulators];
+        if constexpr (kDqAfterKv) {
+          wgmma_wait<0>();
+          step_done();
+          wgmma_fence();
+        }
         issue_dq(dq, dq_src);
         wgmma_wait<0>();
         fence_registers(dq);
-        step_done();
-        if (dq_src >= 0) {
-          mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
-          emit_dq(dq, dq_src);
-        }
+        if constexpr (!kDqAfterKv) step_done();
+        mbarrier_arrive(ds_empty(dq_src % kBwdSm90DsBuffers));
+        emit_dq(dq, dq_src);
       }
     }
   }

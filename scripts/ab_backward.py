@@ -3,9 +3,8 @@
 python scripts/ab_backward.py LABEL IMPLS [SEQLENS [HEAD_DIMS]]
     IMPLS, comma-separated: cuattn (the default path), cuattn-det (deterministic=True); with the
     dQ mode forced on sm_90a: cuattn-atomic / cuattn-atomicdet (float4 atomics; deterministic:
-    flash_bwd_dq_kernel), cuattn-bulk / cuattn-bulkdet (bulk reductions, ordered where
-    BWD_ORDERED_HEAD_DIMS or deterministic says), cuattn-unordered (bulk reductions never
-    ordered); cuattn-mmasync / cuattn-mmasyncdet (the mma.sync kernels, flash_bwd_kernel, in
+    flash_bwd_dq_kernel), cuattn-bulk / cuattn-bulkdet (bulk reductions, ordered for
+    deterministic=True); cuattn-mmasync / cuattn-mmasyncdet (the mma.sync kernels, flash_bwd_kernel, in
     place of the wgmma one); and any backward implementation of `python -m cuattn bench`
     (torch-cudnn, torch-flash). The bench grid:
     bf16, B * N = 32k tokens, H * D = 2048, full and causal; SEQLENS defaults to 1024,4096,16384

@@ -10,7 +10,7 @@ python scripts/tune_bwd.py --dq-modes [--json PATH] [--head-dims 64,128] [--leng
 (sm_90a: flash_bwd_sm90_kernel's dQ paths one by one, bf16, causal and not, beside torch SDPA's
 cuDNN backward in the same run: "atomic" = float4 atomics, and flash_bwd_dq_kernel when
 deterministic; "bulk" = one bulk reduction per tile part, ordered by semaphores when
-deterministic or at BWD_ORDERED_HEAD_DIMS. A star marks the path the dispatcher picks. Each row:
+deterministic. A star marks the path the dispatcher picks. Each row:
 ms, TFLOP/s, and the ratio to cuDNN; --json writes the rows.)
 """
 

@@ -183,9 +183,8 @@ def test_sm90_dq_modes(rng, request, dq_mode, head_dim, mask, deterministic):
 
 def test_forced_bwd_dq_mode_forces_and_restores():
     """forced_bwd_dq_mode (the benchmarks' and test_sm90_dq_modes' way to pick a dQ path): inside
-    it every wgmma tile without ALiBi's own path takes the mode ("unordered" also drops
-    BWD_ORDERED_HEAD_DIMS), remembered plans are cleared on entry and exit, and everything is as
-    before afterwards; an unknown mode is refused."""
+    it every wgmma tile without ALiBi's own path takes the mode, remembered plans are cleared on
+    entry and exit, and everything is as before afterwards; an unknown mode is refused."""
     import importlib
 
     from cuattn import _calls
@@ -194,8 +193,7 @@ def test_forced_bwd_dq_mode_forces_and_restores():
     attention_module = importlib.import_module("cuattn.attention")
     before = {(d, det, alibi): attention_module.bwd_tile(d, "sm_90a", det, alibi)
               for d in (64, 80, 96, 128) for det in (False, True) for alibi in (False, True)}
-    ordered = attention_module.BWD_ORDERED_HEAD_DIMS
-    for mode in ("atomic", "bulk", "unordered"):
+    for mode in ("atomic", "bulk"):
         _calls.remember(("a call",), object())
         with forced_bwd_dq_mode(mode):
             assert _calls._plans == {}
@@ -203,10 +201,8 @@ def test_forced_bwd_dq_mode_forces_and_restores():
             for (d, det, alibi), tile in before.items():
                 forced = attention_module.bwd_tile(d, "sm_90a", det, alibi)
                 keeps = not tile.wgmma or alibi
-                assert forced == (tile if keeps else dataclasses.replace(tile, dq_mode="bulk" if mode == "unordered" else mode))
-            assert attention_module.BWD_ORDERED_HEAD_DIMS == (() if mode == "unordered" else ordered)
+                assert forced == (tile if keeps else dataclasses.replace(tile, dq_mode=mode))
         assert _calls._plans == {}
-        assert attention_module.BWD_ORDERED_HEAD_DIMS == ordered
         assert all(attention_module.bwd_tile(d, "sm_90a", det, alibi) == tile for (d, det, alibi), tile in before.items())
     # the wide tile has float4 atomics alone: forcing bulk leaves it be
     wide = attention_module.bwd_tile(256, "sm_90a")
@@ -573,7 +569,7 @@ def test_alibi_variants_are_listed_beside_the_plain_ones(arch):
 
 def test_sm90_backward_picks_bulk_dq():
     """On sm_90a the wgmma kernel reduces dQ by bulk reductions in the main kernel plus the tile
-    convert (measured fastest), ordered when deterministic or at BWD_ORDERED_HEAD_DIMS, except
+    convert (measured fastest), ordered when deterministic, except
     where BWD_ORDERED_ALIBI_FALLBACK sends ALiBi to the atomic path (deterministic: then
     flash_bwd_dq_kernel); every one of these, and the other dQ mode, is listed for the build."""
     import importlib
@@ -583,17 +579,17 @@ def test_sm90_backward_picks_bulk_dq():
     attention_module = importlib.import_module("cuattn.attention")
     arch = "sm_90a"
     listed = {spec.name for spec in attention_module.kernel_variants(arch)}
-    # bulk dQ staging parts a consumer: two where they fit beside the tiles (D = 80 and 96's rows
-    # take two panels and their consumers a whole D each: one part)
-    staging_parts = {64: 2, 80: 1, 96: 1, 128: 2}
+    # bulk dQ staging parts a consumer (each BLOCK_M x D: the consumers take the steps' dQ in
+    # turn): two where they fit beside the tiles (D = 64), else one
+    staging_parts = {64: 2, 80: 1, 96: 1, 128: 1}
     for d in (64, 80, 96, 128):
         for deterministic, alibi in ((False, False), (True, False), (False, True), (True, True)):
             tile = attention_module.bwd_tile(d, arch, deterministic, alibi)
             assert tile.wgmma
             fallback = alibi and d in attention_module.BWD_ORDERED_ALIBI_FALLBACK
             assert tile.bulk_dq == (not fallback), (d, deterministic, alibi)
-            ordered = tile.bulk_dq and (deterministic or d in attention_module.BWD_ORDERED_HEAD_DIMS)
-            assert attention_module.bwd_ordered(tile, d, deterministic) == ordered
+            ordered = tile.bulk_dq and deterministic
+            assert attention_module.bwd_ordered(tile, deterministic) == ordered
             _, main, last = attention_module.bwd_specs("bfloat16", d, tile, deterministic, alibi)
             if tile.bulk_dq:
                 mode = _params.constant("kBwdDqOrdered" if ordered else "kBwdDqBulk")
@@ -610,9 +606,8 @@ def test_sm90_backward_picks_bulk_dq():
             for other in (atomic,) if fallback else (atomic, bulk):
                 names = {spec.name for spec in attention_module.bwd_specs("bfloat16", d, other, deterministic, alibi)}
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
-            # the staging parts: BLOCK_M x (D at D = 64, 80 and 96, D / 2 at 128) fp32 each, more
-            # shared memory on the bulk path
-            cols = d // 2 if d == 128 else d
+            # the staging parts: BLOCK_M x D fp32 each, more shared memory on the bulk path
+            cols = d
             assert attention_module.bwd_dq_cols(d) == cols
             staging = _params.constant("kBwdSm90Consumers") * staging_parts[d] * tile.block_m * cols * 4
             assert bulk.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == staging

@@ -412,9 +412,9 @@ def _prepare_forward(case: Case, dtype: np.dtype) -> Prepared:
     return Prepared(case, fn, measure)
 
 
-# The dQ paths forced_bwd_dq_mode takes: BwdTile.dq_mode values, and "unordered" (bulk reductions
-# never ordered, not even at BWD_ORDERED_HEAD_DIMS; deterministic=True still orders them).
-BWD_FORCED_DQ_MODES = ("atomic", "bulk", "unordered")
+# The dQ paths forced_bwd_dq_mode takes: BwdTile.dq_mode values (bulk reductions are ordered for
+# deterministic=True).
+BWD_FORCED_DQ_MODES = ("atomic", "bulk")
 
 
 @contextlib.contextmanager
@@ -431,23 +431,20 @@ def forced_bwd_dq_mode(mode: str):
     if mode not in BWD_FORCED_DQ_MODES:
         raise ValueError(f"mode must be one of {BWD_FORCED_DQ_MODES}, got {mode!r}")
     attention_module = importlib.import_module("cuattn.attention")
-    plain_bwd_tile, plain_ordered = attention_module.bwd_tile, attention_module.BWD_ORDERED_HEAD_DIMS
-    dq_mode = "bulk" if mode == "unordered" else mode
+    plain_bwd_tile = attention_module.bwd_tile
 
     def bwd_tile(head_dim, arch, deterministic=False, alibi=False, head_dim_v=None):
         tile = plain_bwd_tile(head_dim, arch, deterministic, alibi, head_dim_v)
         tile_dim = attention_module.bwd_tile_dim(max(head_dim, head_dim_v or head_dim), arch)
-        takes = tile.wgmma and not alibi and dq_mode in attention_module.bwd_dq_modes(tile, tile_dim)
-        return dataclasses.replace(tile, dq_mode=dq_mode) if takes else tile
+        takes = tile.wgmma and not alibi and mode in attention_module.bwd_dq_modes(tile, tile_dim)
+        return dataclasses.replace(tile, dq_mode=mode) if takes else tile
 
     attention_module.bwd_tile = bwd_tile
-    if mode == "unordered":
-        attention_module.BWD_ORDERED_HEAD_DIMS = ()
     _calls.clear()
     try:
         yield
     finally:
-        attention_module.bwd_tile, attention_module.BWD_ORDERED_HEAD_DIMS = plain_bwd_tile, plain_ordered
+        attention_module.bwd_tile = plain_bwd_tile
         _calls.clear()
 
 
