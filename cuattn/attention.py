@@ -1379,8 +1379,8 @@ class BwdTile:
     two wgmma consumer warpgroups, BLOCK_N = 128, or 64 for a wide tile (bwd_sm90_block_n), two
     Q/dO stages; only block_m and block_n count, the warp layout fields do not apply; views the TMA
     cannot read run the sm_80 row's mma.sync kernels).
-    `dq_mode` (wgmma only): "bulk" sends each dQ tile to a tile accumulator with one bulk reduction
-    per part, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True);
+    `dq_mode` (wgmma only): "bulk" sends each step's dQ tile to a tile accumulator with one bulk
+    reduction, in an order per-tile semaphores fix where bwd_ordered says (deterministic=True);
     "atomic" is the earlier design, float4 atomics and, for
     deterministic=True, flash_bwd_dq_kernel (kept selectable to compare and to fall back).
     """
@@ -1653,9 +1653,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     the same size in 64-row tiles of the tile head dim) summed by atomics or bulk reductions,
     whose order varies between runs. ``deterministic=True`` gives bit-identical gradients run
     after run: on sm_90a up to D = 128 the main kernel adds its dQ tiles in a fixed order (one
-    int32 semaphore per tile half more), which in the 128 tile is also the default (as fast), so
-    that the default is bit-identical there too; elsewhere a second kernel sums dQ in a fixed
-    order (no accumulator). The sinks' gradient is
+    int32 semaphore per tile more); elsewhere a second kernel sums dQ in a fixed order (no
+    accumulator). The sinks' gradient is
     ``dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta`` (a deterministic reduction).
     ``alibi_slopes`` (as the forward's) are a constant bias: they get no gradient.
     """
@@ -1832,12 +1831,12 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
             acc_tile_sb = num_heads * acc_tile_sh
         tiles = num_heads * acc_tile_sh if varlen else batch * acc_tile_sb
         ordered = bwd_ordered(tile, deterministic)
-        # ordered: each part's first write stores, and the convert reads a part no write reached
+        # ordered: each tile's first write stores, and the convert reads a tile no write reached
         # (semaphore 0) as zeros, so only the unordered reductions need a zeroed accumulator
         dq_accum = ctx.empty((tiles, tile.block_m * tile_dim), np.float32)
         if ordered:
-            # [tiles, kBwdSm90DqPartsMax] semaphores and the CTA ticket [1], zero
-            semaphores = zeros((tiles * _params.constant("kBwdSm90DqPartsMax"),), np.int32)
+            # [tiles] semaphores and the CTA ticket [1], zero
+            semaphores = zeros((tiles,), np.int32)
             ticket = zeros((1,), np.int32)
     # (float4 stores: D and the tiles' widths are multiples of 8)
     zero_floats = int(dq_accum.size) if dq_accum is not None and semaphores is None else 0

@@ -571,32 +571,31 @@ flash_bwd_kernel(const BwdParams<T> p) {
 //                  the tile accumulator and frees the part (dq_empty) once it has been read: a
 //                  few instructions per tile instead of 2048 (D = 128) vector atomics, L2 sees
 //                  whole lines, and the consumer never waits for L2
-//   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile part happen in a fixed order, so
-//                  dQ is bit-identical run to run (deterministic=True, and D = 128's default:
-//                  BWD_ORDERED_HEAD_DIMS in cuattn/attention.py)
+//   kBwdDqOrdered  kBwdDqBulk whose reductions into each tile happen in a fixed order, so dQ is
+//                  bit-identical run to run (deterministic=True)
 //
 // Tile accumulator (bulk modes): dq_accum [tiles, BLOCK_M * D] fp32, tile = b * acc_tile_sb +
 // h * acc_tile_sh + q_block0(b) + query block, where q_block0 is 0 dense and
 // (cu_seqlens_q[b] + b * BLOCK_M) / BLOCK_M varlen (each sequence's blocks start on a fresh
 // tile, and the b * BLOCK_M keeps them from overlapping the previous sequence's last block).
-// Inside a tile, part p (p < kBwdSm90DqParts<D>: one part, all of D, as every bulk tile's
-// consumers take the steps in turn) holds [BLOCK_M, kDqCols] in wgmma accumulator order, so that
-// the shared staging stores are conflict-free float4s of consecutive threads:
-//   part p, element (row, col) -> p * BLOCK_M * kDqCols + (j * 128 + t) * 4 + 2 r + col % 2
+// A tile holds [BLOCK_M, D] (one step's whole dQ: the bulk tiles' consumers take the steps in
+// turn) in wgmma accumulator order, so that the shared staging stores are conflict-free float4s of
+// consecutive threads:
+//   element (row, col) -> (j * 128 + t) * 4 + 2 r + col % 2
 //   with j = col / 8, t = 32 (row / 16) + 4 (row % 8) + (col % 8) / 2, r = (row % 16) / 8
 // (t the thread of the warpgroup holding it, 4 j + 2 r + col % 2 its accumulator index);
 // bwd_convert_dq_tiles_kernel undoes it. Rows past the sequence's end hold zeros (their
 // probabilities are masked to 0), which the convert kernel does not store.
 //
-// Ordered reductions (kBwdDqOrdered). dq_semaphores [tiles, kBwdSm90DqPartsMax] int32, zeroed,
-// count the reductions done into each tile part; cta_ticket [1] int32, zeroed, hands out work in
-// the order CTAs start. The key blocks that visit query block m form a range [first(m), last(m)]
-// (the mask is a band); a CTA's rank there is key_block - first(m) (ascending) or last(m) -
-// key_block (dq_descending: a bounded right window side, e.g. causal, where the highest key
-// block reaches a query block first because it starts at its diagonal); a CTA reduces into each
-// tile part once. The issuing thread spins until the semaphore equals its rank, reduces (rank 0
-// stores: the ordered accumulator is not zeroed, and a part whose semaphore is still 0 after the
-// kernel was visited by no key block, which the convert kernel reads as zeros), waits for the
+// Ordered reductions (kBwdDqOrdered). dq_semaphores [tiles] int32, zeroed, count the reductions
+// done into each tile; cta_ticket [1] int32, zeroed, hands out work in the order CTAs start. The
+// key blocks that visit query block m form a range [first(m), last(m)] (the mask is a band); a
+// CTA's rank there is key_block - first(m) (ascending) or last(m) - key_block (dq_descending: a
+// bounded right window side, e.g. causal, where the highest key block reaches a query block first
+// because it starts at its diagonal); a CTA reduces into each tile once. The issuing thread spins
+// until the semaphore equals its rank, reduces (rank 0 stores: the ordered accumulator is not
+// zeroed, and a tile whose semaphore is still 0 after the kernel was visited by no key block,
+// which the convert kernel reads as zeros), waits for the
 // writes to be performed and adds one. That thread is the consumer's dQ writer, so the
 // waits stall no GEMM unless the writer falls a whole step behind. Deadlock-free without
 // co-residency: a CTA takes its (kv head, key block) from the ticket, ordered so that it only
@@ -644,7 +643,6 @@ constexpr int kBwdDqNone = 0;
 constexpr int kBwdDqAtomic = 1;
 constexpr int kBwdDqBulk = 2;
 constexpr int kBwdDqOrdered = 3;
-constexpr int kBwdSm90DqPartsMax = 2;  // semaphores per tile: one per part at most
 constexpr int kBwdSm90ConsumerBarrier = 1;  // + c: consumer c's named barrier
 // The most accumulators (dK, dV and dQ, a thread) beside which a consumer issues the dQ GEMM while
 // the dV and dK GEMMs still read P^T's and dS^T's fragments (D = 96's 144 build clean at 240
@@ -664,9 +662,6 @@ template <int HEAD_DIM>
 __host__ __device__ constexpr int bwd_sm90_dq_cols() {
   return bwd_sm90_dq_alternate<HEAD_DIM>() ? HEAD_DIM : HEAD_DIM / kBwdSm90Consumers;
 }
-// parts of a bulk dQ tile (HEAD_DIM / kDqCols)
-template <int HEAD_DIM>
-__host__ __device__ constexpr int bwd_sm90_dq_parts() { return HEAD_DIM / bwd_sm90_dq_cols<HEAD_DIM>(); }
 
 // Whether the consumers can stage dK and dV in their bulk dQ parts for the TMA: a bulk dQ mode and
 // two [64, D] tiles within a consumer's parts (D = 64 and 128; the single 24 KB part of D = 80
@@ -771,8 +766,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   static_assert(wgmma_row_panel_aligned(kKvCols) && wgmma_row_panel_aligned(kDqCols),
                 "the MN-major GEMMs' pieces start at panels");
   static_assert(!kWide || (kKvCols % kSwizzlePanelCols == 0 && !kBulkDq), "a wide tile: panel halves, atomic dQ");
-  static_assert(bwd_sm90_dq_parts<HEAD_DIM>() <= kBwdSm90DqPartsMax, "a semaphore per part");
-  // one part of a bulk dQ tile: BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
+  // (so a bulk dQ tile, BLOCK_M x D, is one step's whole dQ: one staging part and one semaphore)
+  static_assert(!kBulkDq || kDqCols == HEAD_DIM, "bulk dQ: the consumers take the steps in turn");
+  // a staging part: one step's dQ, BLOCK_M x kDqCols fp32, DQ::kAccumulators per thread of a warpgroup
   constexpr int kDqPartFloats = BLOCK_M * kDqCols;
   static_assert(kDqPartFloats == DQ::kAccumulators * kWarpgroupThreads, "a part is one warpgroup's accumulators");
   constexpr int kDqStages = Smem::kDqStages;
@@ -881,22 +877,20 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
     if (steps == 0) return;
     if constexpr (kBulkDq) {
       if (warp >= 1 && warp <= kBwdSm90Consumers && lane == 0) {
-        // The dQ writer of consumer c, which stages the dQ of its steps in turn (every step, or
-        // every other one from step c: its e-th is step c0 + e * kDqStride). The consumer never
-        // waits for L2: only for the writer to have issued the previous part's reduction and
-        // seen it read out of shared memory.
+        // The dQ writer of consumer c, which stages the dQ of every other step from step c (its
+        // e-th is step c + e * kDqStride). The consumer never waits for L2: only for the writer to
+        // have issued the previous part's reduction and seen it read out of shared memory.
         const int c = warp - 1;
-        const int part_index = kDqAlternate ? 0 : c;
         constexpr u32 kPartBytes = kDqPartFloats * sizeof(float);
         // (32-bit tile arithmetic: far fewer than 2^31 tiles fit in memory)
         const int q_block0 =
             p.cu_seqlens_q != nullptr ? static_cast<int>((pb.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M) : 0;
-        for (int e = 0, i = kDqAlternate ? c : 0; i < steps; ++e, i += kDqStride) {
+        for (int e = 0, i = c; i < steps; ++e, i += kDqStride) {
           const int m0 = step_m0(i);
           const int tile =
               b * static_cast<int>(p.acc_tile_sb) + step_head(i) * static_cast<int>(p.acc_tile_sh) + q_block0 + m0 / BLOCK_M;
-          float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM) + part_index * kDqPartFloats;
-          int* sem = p.dq_semaphores + tile * kBwdSm90DqPartsMax + part_index;
+          float* dst = dq_accum + static_cast<i64>(tile) * (BLOCK_M * HEAD_DIM);
+          int* sem = p.dq_semaphores + tile;
           const int part = c * kDqStages + e % kDqStages;
           mbarrier_wait(dq_full(part), (e / kDqStages) & 1);
           int rank = 1;  // (unordered: every reduction adds into the zeroed accumulator)
@@ -910,7 +904,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
             // the earlier reductions (released with the semaphore) come before ours
             fence_proxy_async_global();
           }
-          // the first of the ordered writes stores the part: the accumulator is not zeroed
+          // the first of the ordered writes stores the tile: the accumulator is not zeroed
           if (rank == 0)
             bulk_store(dst, smem0 + Smem::kdQ + part * kPartBytes, kPartBytes);
           else
@@ -1278,7 +1272,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   if (kDkvByTma && p.dkv_by_tma != 0) {
     // the writer has read this consumer's last staged dQ parts (its e-th dQ went to part
     // e % kDqStages, whose dq_empty phase e / kDqStages completes once the part is read)
-    const int emits = kDqAlternate ? (steps - c + 1) / kBwdSm90Consumers : steps;
+    const int emits = (steps - c + 1) / kBwdSm90Consumers;  // (every other step from step c)
     for (int e = max(0, emits - kDqStages); e < emits; ++e)
       mbarrier_wait(dq_empty(c * kDqStages + e % kDqStages), (e / kDqStages) & 1);
     const int staged = Smem::kdQ + c * kDqStages * Smem::kDqPartBytes;  // dK [64, D], then dV [64, D]
@@ -1519,15 +1513,15 @@ bwd_convert_dq_kernel(const BwdParams<T> p) {
 // q's dtype: one CTA per (query block, sequence, query head), each thread two neighbouring
 // columns of rows r and r + 8 per item (a float4 of the tile, two 4-byte stores of dq). Rows
 // past the sequence's end are left alone (varlen: the host zeroes dq), and so are a padded
-// tile's columns past D (tiles are HEAD_DIM wide). Ordered reductions (dq_semaphores set): a part whose
-// semaphore is 0 got no reduction and was never written (the accumulator is not zeroed): its
+// tile's columns past D (tiles are HEAD_DIM wide). Ordered reductions (dq_semaphores set): a tile
+// whose semaphore is 0 got no reduction and was never written (the accumulator is not zeroed): its
 // dq is 0.
 constexpr int kConvertTileThreads = 256;
 constexpr int kConvertTileLoads = 4;  // float4 reads a thread has in flight
 template <typename T, int HEAD_DIM, int BLOCK_M>
 __global__ void __launch_bounds__(kConvertTileThreads)
 bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
-  constexpr int kDqCols = bwd_sm90_dq_cols<HEAD_DIM>();
+  static_assert(bwd_sm90_dq_cols<HEAD_DIM>() == HEAD_DIM, "a bulk dQ tile is one step's whole dQ");
   constexpr int kPairsPerRow = HEAD_DIM / 2;
   const i64 bh = blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z;
   if (bh >= static_cast<i64>(p.batch) * p.num_heads) return;
@@ -1540,11 +1534,8 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
   const i64 q_block0 = p.cu_seqlens_q != nullptr ? (seq.q_start + static_cast<i64>(b) * BLOCK_M) / BLOCK_M : 0;
   const int rows = min(BLOCK_M, seq.seqlen_q - m0);
   const i64 tile_index = b * p.acc_tile_sb + h * p.acc_tile_sh + q_block0 + blockIdx.x;
-  // bit `part`: the part holds reductions (a mask, not an array: no local memory)
-  u32 written = 0;
-#pragma unroll
-  for (int part = 0; part < bwd_sm90_dq_parts<HEAD_DIM>(); ++part)
-    if (p.dq_semaphores == nullptr || p.dq_semaphores[tile_index * kBwdSm90DqPartsMax + part] != 0) written |= 1u << part;
+  // whether the tile holds reductions
+  const bool written = p.dq_semaphores == nullptr || p.dq_semaphores[tile_index] != 0;
   const float* tile = p.dq_accum + tile_index * (BLOCK_M * HEAD_DIM);
   // One float4 holds a column pair of rows r and r + 8 of a 16-row group (the accumulator's
   // r = (row % 16) / 8 is its last index bit but one): each item is a column pair of such a row
@@ -1560,10 +1551,9 @@ bwd_convert_dq_tiles_kernel(const BwdParams<T> p) {
       const int idx = first + u * kConvertTileThreads;
       const int lo = idx / kPairsPerRow, col = (idx % kPairsPerRow) * 2;
       const int row = 16 * (lo / 8) + lo % 8;
-      const int part = col / kDqCols, c = col % kDqCols;
-      const int thread = 32 * (row / 16) + 4 * (row % 8) + (c % 8) / 2;
-      const int at = part * BLOCK_M * kDqCols + ((c / 8) * kWarpgroupThreads + thread) * 4;
-      const bool read = idx < items && col < p.head_dim && row < rows && ((written >> part) & 1u);
+      const int thread = 32 * (row / 16) + 4 * (row % 8) + (col % 8) / 2;
+      const int at = ((col / 8) * kWarpgroupThreads + thread) * 4;
+      const bool read = written && idx < items && col < p.head_dim && row < rows;
       quad[u] = read ? *reinterpret_cast<const float4*>(tile + at) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll

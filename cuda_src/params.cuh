@@ -168,7 +168,7 @@ struct BwdParams {
   const int* cu_seqlens_q;  // [B + 1] prefix sums, or null (dense)
   const int* cu_seqlens_k;  // [B + 1] prefix sums, or null (dense)
   const float* alibi_slopes;  // [B, Hq] | [Hq] (alibi_sb 0) ALiBi slopes, or null
-  int* dq_semaphores;      // ordered bulk dQ: [tiles, kBwdSm90DqPartsMax] int32, zeroed; else null
+  int* dq_semaphores;      // ordered bulk dQ: [tiles] int32, zeroed; else null
   int* cta_ticket;         // ordered bulk dQ: [1] int32, zeroed; else null
   i64 alibi_sb;
   i64 q_sb;
