@@ -84,6 +84,48 @@ def test_torch_work_runs_on_torchs_current_stream():
             assert ctx.stream.ptr == side.cuda_stream
 
 
+def test_torch_export_leaves_out_the_stream_handshake():
+    """ctx.view and ctx.empty hand torch tensors to cupy.from_dlpack through _TorchExport, which
+    drops the consumer's stream (cuattn converts on torch's current stream, where torch's wait
+    would be a no-op costing 10-20 us) and passes DLPack's version arguments on."""
+    seen = []
+
+    class Exporter:
+        def __dlpack__(self, **kwargs):
+            seen.append(kwargs)
+            return "capsule"
+
+        def __dlpack_device__(self):
+            return (2, 1)
+
+    export = _arrays._TorchExport(Exporter())
+    assert export.__dlpack__(stream=7, max_version=(1, 0)) == "capsule"
+    assert export.__dlpack__(stream=7) == "capsule"
+    assert seen == [{"max_version": (1, 0)}, {}]
+    assert export.__dlpack_device__() == (2, 1)
+
+
+@pytest.mark.gpu
+def test_torch_views_of_strided_tensors_made_on_a_side_stream():
+    """A tensor written on a side stream and viewed there: same memory, strides and values."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.randn(2, 64, 3, 40, device="cuda", dtype=torch.float16).transpose(1, 2)
+        with _arrays.array_context(x=x) as ctx:
+            view = ctx.view(x)
+            assert view.data.ptr == x.data_ptr() and view.strides == tuple(2 * n for n in x.stride())
+            made = ctx.empty((4, 8), np.float32)
+            made.fill(3.0)
+            copied = view.copy()
+            result = ctx.to_caller(made)
+    side.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(copied), x.cpu().numpy())
+    assert isinstance(result, torch.Tensor) and bool((result == 3.0).all())
+
+
 @pytest.mark.gpu
 def test_jax_round_trip_keeps_dtype_and_values(rng):
     jax = pytest.importorskip("jax")
