@@ -1224,10 +1224,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
         fence_proxy_async();
         mbarrier_arrive(ds_full(buf));
       }
-      // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago,
-      // by its owner (every other step). Either way the stage goes back to the producer once the
-      // dV and dK GEMMs are done, and the dS^T buffer once its reader's GEMM is (ds_empty counts
-      // both consumers).
+      // The dQ GEMM of the previous step, whose dS^T rows the other consumer wrote a step ago: by
+      // its owner (every other step), or in a wide tile by both (each its half of D). Owner or
+      // not, the stage goes back to the producer once the dV and dK GEMMs are done, and the dS^T
+      // buffer once its reader's GEMM is (ds_empty counts both consumers).
       const int dq_src = step - 1;
       const auto step_done = [&] {
         fence_registers(pa);

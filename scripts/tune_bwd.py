@@ -9,7 +9,7 @@ public path (preprocess, main kernel, dQ) is what gets timed.
 python scripts/tune_bwd.py --dq-modes [--json PATH] [--head-dims 64,128] [--lengths 4096,16384]
 (sm_90a: flash_bwd_sm90_kernel's dQ paths one by one, bf16, causal and not, beside torch SDPA's
 cuDNN backward in the same run: "atomic" = float4 atomics, and flash_bwd_dq_kernel when
-deterministic; "bulk" = one bulk reduction per tile part, ordered by semaphores when
+deterministic; "bulk" = one bulk reduction per dQ tile, ordered by semaphores when
 deterministic. A star marks the path the dispatcher picks. Each row:
 ms, TFLOP/s, and the ratio to cuDNN; --json writes the rows.)
 """
