@@ -55,10 +55,17 @@ MAX_GRID_Z = 65535
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
-    """max_mt: m16 tiles of packed query rows per CTA (more rows take more CTAs); stages: cp.async ring depth."""
+    """max_mt: m16 tiles of packed query rows per CTA (more rows take more CTAs); stages: cp.async ring
+    depth; long_stage: stages of kDecodeLongBlockN keys (two k16 slices a warp) instead of
+    kDecodeBlockN (one)."""
 
     max_mt: int
     stages: int
+    long_stage: bool = False
+
+    def block_n(self) -> int:
+        """Keys a stage holds (the kernels' BLOCK_N)."""
+        return _params.constant("kDecodeLongBlockN" if self.long_stage else "kDecodeBlockN")
 
     def smem_bytes(self, head_dim: int, itemsize: int, mt: int, kv_itemsize: int) -> int:
         """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers); K/V
@@ -66,7 +73,7 @@ class DecodeTile:
         head dim, which holds both q/k's D and v's Dv: every buffer is tile wide."""
         q_tile = 16 * mt * (head_dim + _params.constant("kPadElems")) * itemsize
         kv_row_bytes = head_dim * kv_itemsize + _params.constant("kCopyBytes")
-        ring = self.stages * 2 * _params.constant("kDecodeBlockN") * kv_row_bytes
+        ring = self.stages * 2 * self.block_n() * kv_row_bytes
         merge = 4 * 16 * mt * (head_dim + 2) * 4
         return q_tile + max(ring, merge)
 
@@ -80,6 +87,16 @@ DECODE_TILES = {
     128: DecodeTile(max_mt=2, stages=3),
     256: DecodeTile(max_mt=1, stages=2),
 }
+# The paged e4m3 cache's long-stage variants, by tile head dim (one m16 tile of packed rows):
+# stages of 128 keys, two k16 slices a warp, which halve per key what a paged block costs besides
+# its bytes (the block-table lookups, one a run of rows, the softmax's reductions, the barrier and
+# the loop) and give each warp two independent MMA chains. Two such stages hold the bytes three of
+# 64 keys do, and their 78 KB take two CTAs an SM where the default takes three, so they run only
+# where the launch fits one wave of them (use_long_variant). On the H200 (GQA 32/8, one bf16 token,
+# CUDA graphs, BENCHMARKS.md "Thirty-third session"): B = 8, L = 8k 44.9 -> 43.8 us, L = 16k
+# 82.3 -> 79.5, B = 32, L = 4k 79.0 -> 75.9. Over a contiguous cache they measured within 2% either
+# way (8k: 41.4 -> 42.1, 16k: 77.7 -> 76.5) and a bf16 cache 2-10% slower: neither takes them.
+E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
 # E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
 # spills; the paged kernel spills 24 bytes there, so it has none) and a ring shallow enough that
@@ -121,6 +138,18 @@ MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 # are MHA (BLOOM, MPT), so a tile holds a step's 16 new tokens per kv head; more rows run as more
 # row chunks instead of doubling the variants.
 ALIBI_DECODE_MT = 1
+
+
+def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
+    """Whether a decode of this tile head dim, m16 tiles and cache kind has a long-stage variant
+    (E4M3_PAGED_LONG_TILES: paged e4m3 caches, one m16 tile)."""
+    return paged and e4m3 and mt == 1 and head_dim in E4M3_PAGED_LONG_TILES
+
+
+def use_long_variant(ctas: int, long_per_sm: int, sms: int) -> bool:
+    """Whether a launch of ``ctas`` CTAs takes the long-stage variant (``long_per_sm`` CTAs an SM):
+    where it holds them in one wave (beyond, the default's more CTAs an SM end the tail sooner)."""
+    return ctas <= long_per_sm * sms
 
 
 def wide_tiles(paged: bool) -> dict:
@@ -165,31 +194,37 @@ def takes_half_tile(rows: int, mt: int, alibi: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
-                wide: bool = False, half: bool = False) -> _jit.KernelSpec:
+                wide: bool = False, half: bool = False, long: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
     variant for more CTAs than a wave of the default (has_wide_variant); ``half``: the variant for
-    at most HALF_TILE_ROWS packed rows (takes_half_tile)."""
+    at most HALF_TILE_ROWS packed rows (takes_half_tile); ``long``: the long-stage variant
+    (has_long_variant), with or without ``half`` and ``alibi``."""
     if half and (mt != 1 or alibi or wide):
         raise ValueError(f"the half-tile decode variants take one m16 tile, no ALiBi and the default tiles; got mt "
                          f"{mt}, alibi {alibi}, wide {wide}")
+    if long and (wide or not has_long_variant(head_dim, mt, paged, e4m3)):
+        raise ValueError(f"the long-stage decode variants take paged e4m3 caches at tile head dims "
+                         f"{sorted(E4M3_PAGED_LONG_TILES)} and one m16 tile, not the wide tiles; got head_dim "
+                         f"{head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, wide {wide}")
     if wide and not has_wide_variant(head_dim, mt, paged, e4m3, alibi):
         raise ValueError(f"the wide decode variants take e4m3 caches without ALiBi at tile head dims "
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
                          f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
                          f"alibi {alibi}")
-    tile = wide_tiles(paged)[head_dim] if wide else DECODE_TILES[head_dim]
+    tile = wide_tiles(paged)[head_dim] if wide else E4M3_PAGED_LONG_TILES[head_dim] if long else DECODE_TILES[head_dim]
     min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     with_alibi = "true" if alibi else "false"
-    # ROW_HALVES: the 16-row variants' names leave it at its default (2)
-    row_halves = ", 1" if half else ""
+    # ROW_HALVES and BLOCK_N: the names of the 16-row, default-stage variants leave them at their defaults
+    block_n = f", {tile.block_n()}" if tile.long_stage else ""
+    row_halves = ", 1" if half else ", 2" if block_n else ""
     return _jit.KernelSpec(
         "decode.cu",
-        f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}{row_halves}>",
+        f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}{row_halves}{block_n}>",
         threads=_params.constant("kDecodeThreads"),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
@@ -216,6 +251,10 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
+        for d in E4M3_PAGED_LONG_TILES:
+            specs += [decode_spec(dtype, d, 1, paged=True, e4m3=True, long=True),
+                      decode_spec(dtype, d, 1, paged=True, e4m3=True, half=True, long=True),
+                      decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=True, alibi=True, long=True)]
         for paged in (False, True):
             for d, tile in wide_tiles(paged).items() if arch == E4M3_WIDE_DECODE_ARCH else ():
                 for mt in range(1, tile.max_mt + 1):
@@ -624,8 +663,13 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     half = takes_half_tile(rows, mt, with_alibi)
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half)
     ctas = batch * num_kv_heads * row_chunks
-    wide = False
-    if has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi) and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH:
+    wide = long = False
+    if has_long_variant(tile_dim, mt, paged is not None, e4m3):
+        long_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half, long=True)
+        long = use_long_variant(ctas, ctas_per_sm(long_spec), _jit.multiprocessor_count())
+        spec = long_spec if long else spec
+    if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
+            and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH):
         # more CTAs than one wave of the default variant: the wide one's waves end the tail sooner
         wide_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, wide=True)
         wide = use_wide_variant(ctas, ctas_per_sm(spec), lambda: ctas_per_sm(wide_spec), _jit.multiprocessor_count(),
@@ -641,7 +685,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
-    left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + _params.constant("kDecodeBlockN"))
+    left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + _params.constant("kDecodeLongBlockN"))
     part_elems = num_splits * batch * sq_new * num_heads * head_dim_v
     lse_elems = num_splits * batch * num_heads * sq_new
     stream = _jit.stream_ptr(stream)

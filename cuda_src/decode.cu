@@ -3,8 +3,8 @@
 //   decode_kernel   one CTA per (split, kv head, row chunk, sequence): the query heads that share
 //                   a kv head are packed into the rows of one mma tile (GQA packing), so each
 //                   cache byte is read once per step, not once per query head. The 4 warps take
-//                   16 keys each of every 64-key block streamed through a multi-stage cp.async
-//                   ring, then merge their softmax states through shared memory. With one split
+//                   a quarter each of every 64- or 128-key block streamed through a multi-stage
+//                   cp.async ring, then merge their softmax states through shared memory. With one split
 //                   the CTA writes the final output; with several, a float32 partial output and
 //                   lse per split, and (given split_arrivals) the last of a group's split CTAs to
 //                   finish merges them into the output: the split-KV combine without a launch of
@@ -41,8 +41,14 @@ namespace cuattn {
 
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
-constexpr int kKeysPerWarp = 16;                                 // one k16 slice of P V per warp
-constexpr int kDecodeBlockN = kDecodeWarps * kKeysPerWarp;      // keys per pipeline stage
+// Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / kDecodeWarps of
+// them, one k16 slice of P V (the default stage) or two (the long stage). A warp's two slices are
+// independent MMA chains and halve the softmax's reductions, the barrier and the loop per key,
+// which pays where the per-block chain, not memory, sets the pace (the e4m3 cache, DecodeTile in
+// cuattn/decode.py).
+constexpr int kDecodeBlockN = 64;
+constexpr int kDecodeLongBlockN = 128;
+constexpr int kDecodeSliceKeys = 16;  // keys of one k16 slice of P V
 // Q fragments stay in registers when they take at most this many (one m16 tile at D <= 128).
 constexpr int kMaxQFragmentRegisters = 32;
 // Partial-output columns the fused combine merges per thread (one 16-byte load per split).
@@ -52,18 +58,18 @@ static_assert(kCombineVec == 4, "the fused combine reads its columns as one floa
 // shared memory rounded up to whole steps.
 constexpr int kCombineUnroll = 8;
 
-// How the 128 threads copy one stage: each keeps one 16-byte column of a run of kRun consecutive
-// rows (so a paged cache is looked up once per run, not once per row). The runs tile the 64-row
-// stage exactly; with D = 96 (12 chunks a row, 8 runs of 8 rows) a quarter of the threads idle.
+// How the 128 threads copy one stage of BLOCK_N rows: each keeps one 16-byte column of a run of
+// kRun consecutive rows (so a paged cache is looked up once per run, not once per row). The runs
+// tile the stage exactly; with D = 96 (12 chunks a row, 8 runs) a quarter of the threads idle.
 constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 
-template <typename Tkv, int HEAD_DIM>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N>
 struct StageCopy {
   static constexpr int kChunksPerRow = HEAD_DIM * sizeof(Tkv) / kCopyBytes;
   static constexpr int kElemsPerChunk = kCopyBytes / sizeof(Tkv);
   static constexpr int kRuns = floor_pow2(kDecodeThreads / kChunksPerRow);
-  static constexpr int kRun = kDecodeBlockN / kRuns;  // rows a thread copies per stage
-  static_assert(kDecodeBlockN % kRuns == 0, "runs tile the stage");
+  static constexpr int kRun = BLOCK_N / kRuns;  // rows a thread copies per stage
+  static_assert(BLOCK_N % kRuns == 0, "runs tile the stage");
 
   static __device__ __forceinline__ bool active() { return threadIdx.x < kRuns * kChunksPerRow; }
   static __device__ __forceinline__ int first_row() { return threadIdx.x / kChunksPerRow * kRun; }
@@ -189,20 +195,20 @@ struct KvRow {
 };
 
 // Look up where this thread's run of the stage starting at key n0 lives.
-template <typename Tkv, int HEAD_DIM, class KV>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N, class KV>
 __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0, int stop) {
-  using Copy = StageCopy<Tkv, HEAD_DIM>;
+  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N>;
   const int j0 = n0 + Copy::first_row();
   return Copy::active() && j0 < stop ? kv.locate(j0, stop) : typename KV::Cursor{};
 }
 
-// One pipeline stage: keys [n0, n0 + kDecodeBlockN) of K and V into padded shared tiles, rows at
+// One pipeline stage: keys [n0, n0 + BLOCK_N) of K and V into padded shared tiles, rows at
 // or past `stop`, K's columns at or past `head_dim` and V's at or past `head_dim_v` zero-filled
 // (never stale: 0 * NaN would poison the accumulator).
-template <typename Tkv, int HEAD_DIM, class KV>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N, class KV>
 __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop, int head_dim,
                                               int head_dim_v, const typename KV::Cursor& cursor) {
-  using Copy = StageCopy<Tkv, HEAD_DIM>;
+  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N>;
   constexpr int kStride = KvRow<Tkv, HEAD_DIM>::kStride;
   if (!Copy::active()) return;
   const int col = (threadIdx.x % Copy::kChunksPerRow) * Copy::kElemsPerChunk;
@@ -228,13 +234,13 @@ __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, in
 
 // Shared memory of one CTA, in bytes: the Q tile, then the larger of the K/V ring and the
 // buffers the four warps merge through. Python mirrors this (cuattn/decode.py, DecodeTile).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N>
 struct DecodeSmem {
   static constexpr int kRows = 16 * MT;
   static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;       // Q rows, elements of T
   static constexpr int kKvStride = KvRow<Tkv, HEAD_DIM>::kStride;  // K/V rows, elements of Tkv
   static constexpr int kQ = kRows * kStride * sizeof(T);
-  static constexpr int kRing = STAGES * 2 * kDecodeBlockN * kKvStride * sizeof(Tkv);
+  static constexpr int kRing = STAGES * 2 * BLOCK_N * kKvStride * sizeof(Tkv);
   static constexpr int kMerge = kDecodeWarps * kRows * (HEAD_DIM + 2) * sizeof(float);
   static constexpr int kBytes = kQ + (kRing > kMerge ? kRing : kMerge);
 };
@@ -326,7 +332,7 @@ __device__ __forceinline__ void combine_splits(int rows_here, int row_base, int 
 // keep the registers they had before ALiBi existed (the bias pass costs up to 36 more at D = 96).
 // ROW_HALVES: 1 when the call packs at most 8 rows (MT = 1; the host picks it): the softmax then
 // runs on each lane's row g alone, rows 8-15 of the m16 tile being padding (AttentionTile).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int ROW_HALVES, class KV>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int ROW_HALVES, int BLOCK_N, class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -334,8 +340,11 @@ __device__ __forceinline__ void decode_body(
     float* lse, i64 lse_head_stride,              // at (b, hk * G, 0); may be null
     float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G), Dv wide
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
-  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
-  using Tile = AttentionTile<T, MT, kKeysPerWarp / 8, HEAD_DIM / 8, ROW_HALVES>;
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>;
+  constexpr int kWarpKeys = BLOCK_N / kDecodeWarps;     // keys of a stage each warp takes
+  constexpr int kSlices = kWarpKeys / kDecodeSliceKeys;  // its k16 slices of P V
+  static_assert(kSlices * kDecodeSliceKeys * kDecodeWarps == BLOCK_N, "warps take whole k16 slices of the stage");
+  using Tile = AttentionTile<T, MT, kWarpKeys / 8, HEAD_DIM / 8, ROW_HALVES>;
   static_assert(ROW_HALVES == 2 || MT == 1, "a tile of at most 8 rows is one m16 tile");
   // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs, to
   // fp16 whatever q's type: e4m3 widens to fp16 in one instruction on sm_89+ (to bf16 it takes
@@ -357,7 +366,7 @@ __device__ __forceinline__ void decode_body(
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
-  Tkv* sRing = reinterpret_cast<Tkv*>(smem_raw + Smem::kQ);       // [STAGES][2][kDecodeBlockN, D + pad]
+  Tkv* sRing = reinterpret_cast<Tkv*>(smem_raw + Smem::kQ);       // [STAGES][2][BLOCK_N, D + pad]
   float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, HEAD_DIM] (after the ring drains)
   float* sMergeM = sMergeO + kDecodeWarps * kRows * HEAD_DIM;      // [warps, kRows]
   float* sMergeL = sMergeM + kDecodeWarps * kRows;                 // [warps, kRows]
@@ -385,13 +394,13 @@ __device__ __forceinline__ void decode_body(
   // stage, and every thread's run of rows, starts where a page of a multiple of the run starts.
   const int offset = a.seqlen - a.sq_new;
   const int n_end = min(a.seqlen, offset + a.sq_new - 1 + a.mask.window_right + 1);
-  const int n_begin = max(0, offset - a.mask.window_left) / kDecodeBlockN * kDecodeBlockN;
+  const int n_begin = max(0, offset - a.mask.window_left) / BLOCK_N * BLOCK_N;
   const int span = max(0, n_end - n_begin);
-  const int blocks_total = (span + kDecodeBlockN - 1) / kDecodeBlockN;
+  const int blocks_total = (span + BLOCK_N - 1) / BLOCK_N;
   const int blocks_per_split = (blocks_total + a.num_splits - 1) / a.num_splits;
-  const int start = n_begin + a.split * blocks_per_split * kDecodeBlockN;
-  const int stop = min(n_end, start + blocks_per_split * kDecodeBlockN);
-  const int num_blocks = stop > start ? (stop - start + kDecodeBlockN - 1) / kDecodeBlockN : 0;
+  const int start = n_begin + a.split * blocks_per_split * BLOCK_N;
+  const int stop = min(n_end, start + blocks_per_split * BLOCK_N);
+  const int num_blocks = stop > start ? (stop - start + BLOCK_N - 1) / BLOCK_N : 0;
   // Keys every row sees: below the first token's right edge, at or past the last token's left edge.
   const int clean_end = min(stop, offset + a.mask.window_right + 1);
   const int clean_begin = offset + a.sq_new - 1 - a.mask.window_left;
@@ -401,15 +410,15 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
-      Tkv* sK = sRing + (2 * st) * kDecodeBlockN * kKvStride;
-      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM>(kv, start + st * kDecodeBlockN, stop);
-      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + st * kDecodeBlockN, stop, a.head_dim,
+      Tkv* sK = sRing + (2 * st) * BLOCK_N * kKvStride;
+      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + st * BLOCK_N, stop);
+      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N>(sK, sK + BLOCK_N * kKvStride, kv, start + st * BLOCK_N, stop, a.head_dim,
                                    a.head_dim_v, first);
     }
     cp_async_commit();
   }
   typename KV::Cursor cursor{};
-  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (STAGES - 1) * kDecodeBlockN, stop);
+  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + (STAGES - 1) * BLOCK_N, stop);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
@@ -465,48 +474,56 @@ __device__ __forceinline__ void decode_body(
     __syncthreads();
     const int t_next = t + STAGES - 1;
     if (t_next < num_blocks) {
-      Tkv* sK = sRing + (2 * (t_next % STAGES)) * kDecodeBlockN * kKvStride;
-      load_kv_stage<Tkv, HEAD_DIM>(sK, sK + kDecodeBlockN * kKvStride, kv, start + t_next * kDecodeBlockN, stop,
+      Tkv* sK = sRing + (2 * (t_next % STAGES)) * BLOCK_N * kKvStride;
+      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N>(sK, sK + BLOCK_N * kKvStride, kv, start + t_next * BLOCK_N, stop,
                                    a.head_dim, a.head_dim_v, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
-      if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM>(kv, start + (t_next + 1) * kDecodeBlockN, stop);
+      if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + (t_next + 1) * BLOCK_N, stop);
     }
     cp_async_commit();
 
-    // this warp's 16 keys of the block
-    const Tkv* sK = sRing + (2 * (t % STAGES)) * kDecodeBlockN * kKvStride + warp * kKeysPerWarp * kKvStride;
-    const Tkv* sV = sK + kDecodeBlockN * kKvStride;
-    const int n0 = start + t * kDecodeBlockN + warp * kKeysPerWarp;
+    // this warp's kWarpKeys keys of the block, k16 slices kk = 0 .. kSlices - 1
+    const Tkv* sK = sRing + (2 * (t % STAGES)) * BLOCK_N * kKvStride + warp * kWarpKeys * kKvStride;
+    const Tkv* sV = sK + BLOCK_N * kKvStride;
+    const int n0 = start + t * BLOCK_N + warp * kWarpKeys;
 
-    // S = Q K^T: matrices keys 0-7 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 0-7, keys 8-15 | d 8-15
+    // S = Q K^T. Slice kk's matrices: keys 0-7 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 0-7,
+    // keys 8-15 | d 8-15 (keys counted from the slice's first), into n8 tiles 2 kk and 2 kk + 1
     tile.zero_scores();
-    u32 packed[4];  // e4m3 keys of two k16 steps
+    u32 packed[kSlices][4];  // e4m3 keys of two k16 steps, per slice
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      u32 b[4];
-      if (!kFp8) {
-        ldmatrix_x4(b, sK + (lane % 8 + (lane / 16) * 8) * kKvStride + ks * 16 + ((lane / 8) % 2) * 8);
-      } else {
-        // matrices keys 0-7 | d 0-15, keys 8-15 | d 0-15, keys 0-7 | d 16-31, keys 8-15 | d 16-31
-        // of 32 head dims, loaded at even steps: packed[0], packed[1] hold keys g, g + 8, bytes
-        // 4 tq .. 4 tq + 3 of this step; packed[2], packed[3] of the next
-        if (ks % 2 == 0) {
-          ldmatrix_x4(packed, sK + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + ks * 16 + (lane / 16) * 16);
+      u32 b[kSlices][4];
+#pragma unroll
+      for (int kk = 0; kk < kSlices; ++kk) {
+        const Tkv* slice = sK + kk * kDecodeSliceKeys * kKvStride;
+        if (!kFp8) {
+          ldmatrix_x4(b[kk], slice + (lane % 8 + (lane / 16) * 8) * kKvStride + ks * 16 + ((lane / 8) % 2) * 8);
+        } else {
+          // matrices keys 0-7 | d 0-15, keys 8-15 | d 0-15, keys 0-7 | d 16-31, keys 8-15 | d 16-31
+          // of 32 head dims, loaded at even steps: packed[kk][0], [1] hold keys g, g + 8, bytes
+          // 4 tq .. 4 tq + 3 of this step; packed[kk][2], [3] of the next
+          if (ks % 2 == 0) {
+            ldmatrix_x4(packed[kk], slice + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + ks * 16 + (lane / 16) * 16);
+          }
+          e4m3x4_to_half2x2(packed[kk][2 * (ks % 2)], b[kk][0], b[kk][1]);      // key g
+          e4m3x4_to_half2x2(packed[kk][2 * (ks % 2) + 1], b[kk][2], b[kk][3]);  // key g + 8
         }
-        e4m3x4_to_half2x2(packed[2 * (ks % 2)], b[0], b[1]);      // key g
-        e4m3x4_to_half2x2(packed[2 * (ks % 2) + 1], b[2], b[3]);  // key g + 8
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         u32 from_smem[4];
         if (!kQInRegisters) q_fragment(mt, ks, from_smem);
         const u32(&a_frag)[4] = kQInRegisters ? qa[kQInRegisters ? mt : 0][kQInRegisters ? ks : 0] : from_smem;
-        Mm::run(tile.s[mt][0], a_frag, b[0], b[1]);
-        Mm::run(tile.s[mt][1], a_frag, b[2], b[3]);
+#pragma unroll
+        for (int kk = 0; kk < kSlices; ++kk) {
+          Mm::run(tile.s[mt][2 * kk], a_frag, b[kk][0], b[kk][1]);
+          Mm::run(tile.s[mt][2 * kk + 1], a_frag, b[kk][2], b[kk][3]);
+        }
       }
     }
-    if (n0 + kKeysPerWarp > clean_end || n0 < clean_begin) {
+    if (n0 + kWarpKeys > clean_end || n0 < clean_begin) {
       tile.template cap_and_mask<true>(mask, diag_of, n0, lane);
     } else {
       tile.template cap_and_mask<false>(mask, diag_of, n0, lane);
@@ -516,41 +533,49 @@ __device__ __forceinline__ void decode_body(
     if constexpr (ALIBI) tile.add_alibi(diag_of, alibi_of, n0, lane, row_bias);
     tile.softmax_update(mask.softmax_scale(), row_bias);
 
-    // O += P V over the warp's 16 keys: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7, keys 0-7 | d 8-15, keys 8-15 | d 8-15.
+    // O += P V over the warp's keys, slice by slice: matrices keys 0-7 | d 0-7, keys 8-15 | d 0-7,
+    // keys 0-7 | d 8-15, keys 8-15 | d 8-15 of the slice.
     // With an e4m3 cache this GEMM runs in fp16 (see QkType): probabilities in [0, 2^8] keep 3
     // more bits in fp16 than in bf16 (below 2^-24 of the row max they flush, which no sum can see).
-    u32 p[MT][1][4];
+    u32 p[MT][kSlices][4];
     tile.template to_fragments<PvType>(p);
     if (!kFp8) {
 #pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        u32 b[4];
-        ldmatrix_x4_trans(b, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + dp * 16 + (lane / 16) * 8);
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          Mm::run(tile.o[mt][2 * dp], p[mt][0], b[0], b[1]);
-          Mm::run(tile.o[mt][2 * dp + 1], p[mt][0], b[2], b[3]);
+        for (int kk = 0; kk < kSlices; ++kk) {
+          u32 b[4];
+          ldmatrix_x4_trans(b, sV + (kk * kDecodeSliceKeys + lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + dp * 16 +
+                                   (lane / 16) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mm::run(tile.o[mt][2 * dp], p[mt][kk], b[0], b[1]);
+            Mm::run(tile.o[mt][2 * dp + 1], p[mt][kk], b[2], b[3]);
+          }
         }
-      }
     } else {
       // the same four matrices as for K, transposed: r[0] holds keys 2 tq, 2 tq + 1 of the byte
       // pair (2 g, 2 g + 1) of d 0-15, r[1] keys 8 + 2 tq, 9 + 2 tq; r[2], r[3] of d 16-31. Bytes
       // 0, 2 are one head dim's two keys, bytes 1, 3 the next's: one permute puts each head
       // dim's pair in a half, which widens to the operand of one of four n8 tiles (output_column)
 #pragma unroll
-      for (int j = 0; j < HEAD_DIM / 32; ++j) {
-        u32 r[4];
-        ldmatrix_x4_trans(r, sV + (lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + j * 32 + (lane / 16) * 16);
-        u32 even[4], odd[4];  // fp16 pairs of head dims 2 g (then 2 g + 1) of each register's keys
+      for (int j = 0; j < HEAD_DIM / 32; ++j)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) e4m3x4_to_half2x2(__byte_perm(r[x], 0, kPairEvenOdd), even[x], odd[x]);
+        for (int kk = 0; kk < kSlices; ++kk) {
+          u32 r[4];
+          ldmatrix_x4_trans(r, sV + (kk * kDecodeSliceKeys + lane % 8 + ((lane / 8) % 2) * 8) * kKvStride + j * 32 +
+                                   (lane / 16) * 16);
+          u32 even[4], odd[4];  // fp16 pairs of head dims 2 g (then 2 g + 1) of each register's keys
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const u32(&half)[4] = u % 2 == 0 ? even : odd;
+          for (int x = 0; x < 4; ++x) e4m3x4_to_half2x2(__byte_perm(r[x], 0, kPairEvenOdd), even[x], odd[x]);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) PvMm::run(tile.o[mt][4 * j + u], p[mt][0], half[2 * (u / 2)], half[2 * (u / 2) + 1]);
+          for (int u = 0; u < 4; ++u) {
+            const u32(&half)[4] = u % 2 == 0 ? even : odd;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+              PvMm::run(tile.o[mt][4 * j + u], p[mt][kk], half[2 * (u / 2)], half[2 * (u / 2) + 1]);
+          }
         }
-      }
     }
   }
 
@@ -622,10 +647,10 @@ __device__ __forceinline__ float kv_descale(float host, const float* device, int
 // (atomicInc wraps the counter back to 0, ready for the next launch) elects the CTA that merges
 // every split's partials of its rows. Everything is read from the parameter struct here, so the
 // main loop keeps no register for it.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N>
 __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
   if (p.num_splits == 1 || p.split_arrivals == nullptr) return;
-  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES>;
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   u32* is_last = reinterpret_cast<u32*>(smem_raw + Smem::kQ);  // the merge buffers are free again
   __threadfence();
@@ -657,8 +682,10 @@ __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
 // it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
 // e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
 // (cuattn/decode.py, E4M3_WIDE_DECODE_TILES). ROW_HALVES: 1 for calls of at most 8 packed rows
-// (decode_body); its default keeps the names of the 16-row variants.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2>
+// (decode_body); its default keeps the names of the 16-row variants. BLOCK_N: keys a stage,
+// kDecodeBlockN or kDecodeLongBlockN; its default keeps the names of the default stage's variants.
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
+          int BLOCK_N = kDecodeBlockN>
 __global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -681,7 +708,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
+  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
@@ -689,7 +716,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   // partials are contiguous: [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new], Dv = p.head_dim_v
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
@@ -697,11 +724,12 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
   // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
   // their splits with combine_kernel
-  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES>(p);
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>(p);
 }
 
 // The same over a paged cache; grid as decode_kernel.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
+          int BLOCK_N = kDecodeBlockN>
 __global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
@@ -728,7 +756,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
+  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
                       static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
                       FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
@@ -737,7 +765,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
@@ -745,7 +773,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
   // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
   // their splits with combine_kernel
-  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES>(p);
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>(p);
 }
 
 // Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any

@@ -571,8 +571,8 @@ def test_half_tile_variants_take_one_tile_without_alibi(args):
                          ids=["8rows", "4x2rows", "9rows", "mha-8tokens", "16rows"])
 def test_calls_of_at_most_8_rows_run_the_half_tile(rng, launched_kernels, gqa, sq_new, half, paged, e4m3):
     """The dispatcher launches the half-tile variant exactly where the call packs at most 8 rows
-    (its rows 8-15 are padding, their softmax skipped), and its output matches the reference:
-    NaN past each cache length, ragged lengths, several splits."""
+    (its rows 8-15 are padding, their softmax skipped), long-stage or not, and its output matches
+    the reference: NaN past each cache length, ragged lengths, several splits."""
     decode_module = importlib.import_module("cuattn.decode")
     hq, hk = gqa
     s_max, block, lens = 608, 16, [608, 200, 1]
@@ -597,7 +597,10 @@ def test_calls_of_at_most_8_rows_run_the_half_tile(rng, launched_kernels, gqa, s
     else:
         run_decode(rng, BF16, 3, sq_new, hq, hk, 128, s_max, lens, num_splits=3)
     rows = hq // hk * sq_new
-    spec = decode_module.decode_spec(BF16, 128, 1 if rows <= 16 else 2, paged, e4m3, half=half)
+    mt = 1 if rows <= 16 else 2
+    # three sequences fit one wave of the long-stage variant where the call has one (paged e4m3)
+    long = decode_module.has_long_variant(128, mt, paged, e4m3)
+    spec = decode_module.decode_spec(BF16, 128, mt, paged, e4m3, half=half, long=long)
     assert spec.name in launched_kernels, launched_kernels
 
 

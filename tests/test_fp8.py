@@ -6,6 +6,7 @@ dequantised cache, and the quantising writes bit for bit against NumPy.
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 
@@ -241,6 +242,8 @@ def run_fp8_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, per_head, page
     lens = np.asarray(lens, np.int32)
     scales = ({"k_scale": cupy.asarray(k_scale), "v_scale": cupy.asarray(v_scale)} if per_head
               else {"k_scale": float(k_scale[0]), "v_scale": float(v_scale[0])})
+    scales.update({name: cupy.asarray(options.pop(name)) for name in ("sinks", "alibi_slopes") if name in options})
+    host_options = {**options, **{name: scales[name].get() for name in ("sinks", "alibi_slopes") if name in scales}}
     if paged_block is None:
         out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k_bytes), cupy.asarray(v_bytes), cupy.asarray(lens),
                                  return_lse=True, **scales, **options)
@@ -255,8 +258,8 @@ def run_fp8_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, per_head, page
         pages_v[table.reshape(-1)] = v_bytes.reshape(b * per_seq, paged_block, hk, d)
         out, lse = cuattn.paged_attention(cupy.asarray(q), (cupy.asarray(pages_k), cupy.asarray(pages_v)),
                                           cupy.asarray(table), cupy.asarray(lens), return_lse=True, **scales, **options)
-    options.pop("num_splits", None)
-    check_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get(), **options)
+    host_options.pop("num_splits", None)
+    check_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get(), **host_options)
 
 
 @pytest.mark.gpu
@@ -323,6 +326,70 @@ def test_large_batches_over_e4m3_run_the_wide_variant(rng, launched_kernels, pag
                                                           lambda: decode_module.ctas_per_sm(wide), sms, paged)
     assert (wide if expected else default).name in launched, launched
     assert batch * hk > one_wave or one_wave >= 448, "the case should need more than one wave on this GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 7], ids=["pages16", "pages7"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "3splits"])
+@pytest.mark.parametrize("rows", ["gqa4", "gqa16", "alibi"])
+def test_paged_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, num_splits, block_size):
+    """A paged e4m3 call at D = 128 on one m16 tile whose CTAs fit one wave of the long-stage
+    variant (128-key stages, E4M3_PAGED_LONG_TILES) runs it: the half-tile one for 4 packed rows,
+    the 16-row one, the ALiBi one. Ragged lengths that end inside a stage and inside a page, pages
+    shorter than a copy run (7), poisoned bytes past each length; matches the reference."""
+    decode_module = importlib.import_module("cuattn.decode")
+    hq, hk = (16, 1) if rows == "gqa16" else (8, 2)
+    s_max = block_size * (1400 // block_size)
+    options = {"num_splits": num_splits}
+    if rows == "alibi":
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, hq).astype(np.float32)
+    run_fp8_decode(rng, BF16, 3, 1, hq, hk, 128, s_max, [s_max, 1, 411], True, paged_block=block_size, **options)
+    alibi = rows == "alibi"
+    mt = decode_module.ALIBI_DECODE_MT if alibi else 1
+    long = decode_module.decode_spec(BF16, 128, mt, True, True, alibi, half=decode_module.takes_half_tile(hq // hk, mt, alibi),
+                                     long=True)
+    assert long.name.endswith(f", {decode_module.E4M3_PAGED_LONG_TILES[128].block_n()}>")
+    assert [name for name in launched_kernels if "decode_kernel" in name] == [long.name], launched_kernels
+
+
+@pytest.mark.gpu
+def test_paged_e4m3_past_one_long_wave_runs_the_default_stage(rng, launched_kernels):
+    """Past one wave of the long-stage variant (two CTAs an SM at D = 128) a paged e4m3 call runs
+    the default 64-key stages, which hold three an SM, or the wide variant beyond those."""
+    decode_module = importlib.import_module("cuattn.decode")
+    hq, hk = 8, 8
+    sms = _cupy().cuda.Device().attributes["MultiProcessorCount"]
+    long = decode_module.decode_spec(BF16, 128, 1, True, True, half=True, long=True)
+    batch = decode_module.ctas_per_sm(long) * sms // hk + 1
+    s_max = 64
+    run_fp8_decode(rng, BF16, batch, 1, hq, hk, 128, s_max, list(rng.integers(1, s_max + 1, batch)), True,
+                   paged_block=16)
+    decodes = [name for name in launched_kernels if "decode_kernel" in name]
+    assert decodes == [decode_module.decode_spec(BF16, 128, 1, True, True, half=True).name], launched_kernels
+
+
+@pytest.mark.parametrize("ctas, per_sm, expected", [(264, 2, True), (265, 2, False), (1, 2, True), (396, 3, True)])
+def test_long_variant_rule(ctas, per_sm, expected):
+    """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one wave."""
+    decode_module = importlib.import_module("cuattn.decode")
+    assert decode_module.use_long_variant(ctas, per_sm, 132) == expected
+
+
+def test_long_variants_are_listed_and_refused_elsewhere():
+    """The long-stage variants (paged e4m3, one m16 tile: 16-row, half-tile, ALiBi) are in
+    kernel_variants for every dtype; any other call for one is refused, naming what takes them."""
+    decode_module = importlib.import_module("cuattn.decode")
+    listed = {spec.name for spec in decode_module.kernel_variants("sm_90a")}
+    for dtype in ("float16", "bfloat16"):
+        for d in decode_module.E4M3_PAGED_LONG_TILES:
+            for extra in (dict(), dict(half=True), dict(alibi=True)):
+                spec = decode_module.decode_spec(dtype, d, 1, True, True, long=True, **extra)
+                assert spec.name in listed and spec.name != decode_module.decode_spec(dtype, d, 1, True, True, **extra).name
+    for args in (dict(paged=False), dict(e4m3=False), dict(mt=2), dict(head_dim=64), dict(wide=True)):
+        call = {"dtype": "bfloat16", "head_dim": 128, "mt": 1, "paged": True, "e4m3": True, **args}
+        with pytest.raises(ValueError, match=r"the long-stage decode variants take paged e4m3 caches at tile head "
+                                             r"dims \[128\] and one m16 tile, not the wide tiles; got head_dim "):
+            decode_module.decode_spec(**call, long=True)
 
 
 @pytest.mark.gpu
