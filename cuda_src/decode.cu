@@ -43,8 +43,8 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 // Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / kDecodeWarps of
 // them, one k16 slice of P V (the default stage) or two (the long stage). A warp's two slices are
-// independent MMA chains and halve the softmax's reductions, the barrier and the loop per key,
-// which pays where the per-block chain, not memory, sets the pace (the e4m3 cache, DecodeTile in
+// independent MMA chains and halve the softmax's reductions, the barrier, the loop and a paged
+// cache's lookups per key, which pays over paged e4m3 caches (E4M3_PAGED_LONG_TILES in
 // cuattn/decode.py).
 constexpr int kDecodeBlockN = 64;
 constexpr int kDecodeLongBlockN = 128;

@@ -331,18 +331,21 @@ def test_large_batches_over_e4m3_run_the_wide_variant(rng, launched_kernels, pag
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 7], ids=["pages16", "pages7"])
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "3splits"])
-@pytest.mark.parametrize("rows", ["gqa4", "gqa16", "alibi"])
+@pytest.mark.parametrize("rows", ["gqa4", "gqa16", "alibi", "options"])
 def test_paged_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, num_splits, block_size):
     """A paged e4m3 call at D = 128 on one m16 tile whose CTAs fit one wave of the long-stage
-    variant (128-key stages, E4M3_PAGED_LONG_TILES) runs it: the half-tile one for 4 packed rows,
-    the 16-row one, the ALiBi one. Ragged lengths that end inside a stage and inside a page, pages
-    shorter than a copy run (7), poisoned bytes past each length; matches the reference."""
+    variant (128-key stages, E4M3_PAGED_LONG_TILES) runs it: the half-tile one for 4 packed rows
+    (also with a sliding window that starts inside a stage, a softcap and sinks), the 16-row one,
+    the ALiBi one. Ragged lengths that end inside a stage and inside a page, pages shorter than a
+    copy run (7), poisoned bytes past each length; matches the reference."""
     decode_module = importlib.import_module("cuattn.decode")
     hq, hk = (16, 1) if rows == "gqa16" else (8, 2)
     s_max = block_size * (1400 // block_size)
     options = {"num_splits": num_splits}
     if rows == "alibi":
         options["alibi_slopes"] = rng.uniform(0.01, 0.5, hq).astype(np.float32)
+    if rows == "options":
+        options.update(window=(300, 0), softcap=30.0, sinks=rng.standard_normal(hq).astype(np.float32))
     run_fp8_decode(rng, BF16, 3, 1, hq, hk, 128, s_max, [s_max, 1, 411], True, paged_block=block_size, **options)
     alibi = rows == "alibi"
     mt = decode_module.ALIBI_DECODE_MT if alibi else 1
