@@ -93,9 +93,10 @@ DECODE_TILES = {
 # the loop) and give each warp two independent MMA chains. Two such stages hold the bytes three of
 # 64 keys do, and their 78 KB take two CTAs an SM where the default takes three, so they run only
 # where the launch fits one wave of them (use_long_variant). On the H200 (GQA 32/8, one bf16 token,
-# CUDA graphs, BENCHMARKS.md "Thirty-third session"): B = 8, L = 8k 44.9 -> 43.8 us, L = 16k
-# 82.3 -> 79.5, B = 32, L = 4k 79.0 -> 75.9. Over a contiguous cache they measured within 2% either
-# way (8k: 41.4 -> 42.1, 16k: 77.7 -> 76.5) and a bf16 cache 2-10% slower: neither takes them.
+# CUDA graphs, BENCHMARKS.md "Thirty-third session"): B = 8, L = 8k 44.0 -> 43.0 us, L = 16k
+# 78.2 -> 76.7, B = 32, L = 4k 75.3 -> 74.0, MHA with ALiBi at 8k 53.1 -> 42.9. Over a contiguous
+# cache they measured within 2% either way (8k: 41.4 -> 42.1, 16k: 77.7 -> 76.5) and a bf16 cache
+# 2-10% slower: neither takes them.
 E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
 # E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
@@ -685,6 +686,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
+    # an unbounded side's bound: past every key, with the longest stage's slack (the kernels round
+    # the first key down to a stage)
     left, right = _masks.window_bounds(causal, window, max_seqlen + sq_new + _params.constant("kDecodeLongBlockN"))
     part_elems = num_splits * batch * sq_new * num_heads * head_dim_v
     lse_elems = num_splits * batch * num_heads * sq_new
