@@ -287,11 +287,17 @@ class LongKeyTile:
 # 409 / 293; 768: 439-441 / 288 against 385-387 / 263; 512: 358-360 / 223 against 351-353 / 215).
 # The intra-warpgroup overlap fits beside 96-key blocks at D = 64, 80 and 96 (112 at D = 64):
 # 6-25% slower at D = 64 and 96, and at D = 80 within the runs' spread, slower with ALiBi
-# ("Seventeenth session").
+# ("Seventeenth session"). D = 160 takes three warpgroups with its 80-key blocks (160 registers a
+# consumer fit its 80 of O without the overlap; 198 KB of shared memory, O staged in Q's tile):
+# on the H200 (bf16, B * N = 32k, H = 13, three interleaved rounds, "Thirty-third session")
+# without a mask 554-559 against 515-545 TFLOP/s at 2k, 574-578 against 560-570 at 4k, 612-630
+# against 581-589 at 16k, but 481-500 against 493-514 at 1k; under a causal mask 360-363 against
+# 348-356 at 1k and 513-525 against 501-506 at 4k (D = 192's 80-key tile: 0.90-0.98 of it now).
 FWD_SM90_LONG_TILES = {
     (64, 64): LongKeyTile(512, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): LongKeyTile(512, 512, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
     (96, 96): LongKeyTile(768, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
+    (160, 160): LongKeyTile(1024, 2048, FwdSm90Tile(80, 3, 2, overlap=False, pingpong=False)),
 }
 
 

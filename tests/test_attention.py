@@ -528,7 +528,8 @@ def _forward_kernel_logged(caplog, *args, **kwargs) -> str:
 def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d):
     """A call takes its head dim's long-key tile from LongKeyTile.keys keys under a causal or
     window mask and from LongKeyTile.unmasked_keys without one; a key fewer keeps the default
-    tile (the launched kernel's template arguments, from the debug log)."""
+    tile, or without a mask the unmasked one (the launched kernel's template arguments, from the
+    debug log)."""
     if fwd_kernel != "sm90":
         pytest.skip("a flash_fwd_sm90_kernel tile")
     long = attention_module.FWD_SM90_LONG_TILES[d, d]
@@ -539,8 +540,11 @@ def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d
         return _forward_kernel_logged(caplog, q[:, :n], k[:, :n], v[:, :n], **mask)
 
     taken, short = _tile_signature(long.tile), _tile_signature(attention_module.FWD_SM90_TILES[d, d])
+    # a key fewer without a mask: the unmasked tile where the head dims have one
+    short_unmasked = _tile_signature(attention_module.FWD_SM90_UNMASKED_TILES.get((d, d))
+                                     or attention_module.FWD_SM90_TILES[d, d])
     assert taken in logged(long.unmasked_keys)
-    assert short in logged(long.unmasked_keys - 1)
+    assert short_unmasked in logged(long.unmasked_keys - 1)
     for mask in ({"causal": True}, {"window": (long.keys // 2, 0)}):
         assert taken in logged(long.keys, **mask)
         assert short in logged(long.keys - 1, **mask)

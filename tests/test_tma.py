@@ -126,15 +126,20 @@ def test_tiles_without_the_overlap_take_the_bounded_softmax():
 
 def test_calls_without_a_mask_take_the_unmasked_tiles():
     """FWD_SM90_UNMASKED_TILES replaces FWD_SM90_TILES' tile for calls without a causal or window
-    mask at every key count, never under a mask or for paged keys, and is a registered variant."""
+    mask below the long tile's key count (FWD_SM90_LONG_TILES), never under a mask or for paged keys,
+    and is a registered variant."""
     names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
     assert attention_module.FWD_SM90_UNMASKED_TILES
     for dims, tile in attention_module.FWD_SM90_UNMASKED_TILES.items():
         assert tile != attention_module.FWD_SM90_TILES[dims]
+        long = attention_module.FWD_SM90_LONG_TILES.get(dims)
         for keys in (1, 1000, 100000):
-            assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=False) == tile
+            # a long key range takes its long tile first, where its head dims have one
+            unmasked = long.tile if long is not None and long.takes(keys, banded=False) else tile
+            assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=False) == unmasked
             masked = attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=True)
-            assert masked == attention_module.FWD_SM90_TILES[dims]
+            assert masked == (long.tile if long is not None and long.takes(keys, banded=True)
+                              else attention_module.FWD_SM90_TILES[dims])
             assert attention_module.fwd_sm90_tile(dims, paged=True, seqlen_k=keys, banded=False) == \
                 attention_module.fwd_sm90_tile(dims, paged=True)
         for alibi in (False, True):
@@ -143,8 +148,10 @@ def test_calls_without_a_mask_take_the_unmasked_tiles():
 
 def test_long_key_ranges_take_their_tile_from_their_length_and_mask():
     for dims, long in attention_module.FWD_SM90_LONG_TILES.items():
-        short = attention_module.FWD_SM90_TILES[dims]
         for banded, keys in ((True, long.keys), (False, long.unmasked_keys)):
+            # below the count: the tile of the call's mask (FWD_SM90_UNMASKED_TILES' without one)
+            short = (not banded and attention_module.FWD_SM90_UNMASKED_TILES.get(dims)) or \
+                attention_module.FWD_SM90_TILES[dims]
             assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys - 1, banded=banded) == short
             assert attention_module.fwd_sm90_tile(dims, seqlen_k=keys, banded=banded) == long.tile
             # paged prefill keeps its own tile at every length
