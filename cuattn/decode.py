@@ -213,7 +213,8 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
                          f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
                          f"alibi {alibi}")
-    tile = wide_tiles(paged)[head_dim] if wide else E4M3_PAGED_LONG_TILES[head_dim] if long else DECODE_TILES[head_dim]
+    tile = (wide_tiles(paged)[head_dim] if wide else E4M3_PAGED_LONG_TILES[head_dim] if long
+            else DECODE_TILES[head_dim])
     min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
@@ -225,7 +226,8 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
     row_halves = ", 1" if half else ", 2" if block_n else ""
     return _jit.KernelSpec(
         "decode.cu",
-        f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}{row_halves}{block_n}>",
+        f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}"
+        f"{row_halves}{block_n}>",
         threads=_params.constant("kDecodeThreads"),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )

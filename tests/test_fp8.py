@@ -349,8 +349,8 @@ def test_paged_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, r
     run_fp8_decode(rng, BF16, 3, 1, hq, hk, 128, s_max, [s_max, 1, 411], True, paged_block=block_size, **options)
     alibi = rows == "alibi"
     mt = decode_module.ALIBI_DECODE_MT if alibi else 1
-    long = decode_module.decode_spec(BF16, 128, mt, True, True, alibi, half=decode_module.takes_half_tile(hq // hk, mt, alibi),
-                                     long=True)
+    half = decode_module.takes_half_tile(hq // hk, mt, alibi)
+    long = decode_module.decode_spec(BF16, 128, mt, True, True, alibi, half=half, long=True)
     assert long.name.endswith(f", {decode_module.E4M3_PAGED_LONG_TILES[128].block_n()}>")
     assert [name for name in launched_kernels if "decode_kernel" in name] == [long.name], launched_kernels
 
