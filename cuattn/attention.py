@@ -1422,7 +1422,7 @@ class BwdTile:
         if self.wgmma:
             # BLOCK_N keys (flash_bwd.cu's bwd_sm90_block_n), kBwdSm90Stages Q/dO stages, kBwdSm90DsBuffers dS^T
             # buffers and kBwdSm90Barriers mbarriers; rows padded to whole swizzle panels; the
-            # bulk dQ staging parts are BLOCK_M x bwd_dq_cols(D) each, kBwdSm90DqStages a
+            # bulk dQ staging parts are BLOCK_M x bwd_dq_cols(self, D) each, kBwdSm90DqStages a
             # consumer where they fit in kSm90MaxSmem, else one; swizzled tiles start on
             # kSwizzleAtomBytes boundaries, so that much slack rounds the base up
             c = _params.constant
@@ -1437,7 +1437,7 @@ class BwdTile:
             fixed = tiles + ds + stats + overhead
             if not self.bulk_dq:
                 return fixed
-            part = self.block_m * bwd_dq_cols(head_dim) * 4
+            part = self.block_m * bwd_dq_cols(self, head_dim) * 4
             dq_stages = c("kBwdSm90DqStages")
             if fixed + consumers * dq_stages * part > c("kSm90MaxSmem"):
                 dq_stages = 1
@@ -1475,13 +1475,11 @@ def bwd_dq_head_dim(head_dim: int, arch: str) -> int:
     return bwd_tile_dim(head_dim, SM80) if wide else tile_dim
 
 
-def bwd_dq_cols(tile_dim: int) -> int:
+def bwd_dq_cols(tile: "BwdTile", tile_dim: int) -> int:
     """Columns of the dQ tile one consumer of flash_bwd_sm90_kernel computes (flash_bwd.cu's
     bwd_sm90_dq_cols): all of D (D = 64-128, whose consumers take the steps in turn), or half of it
-    in a wide tile (D above kBwdSm90MaxKvCols)."""
-    if tile_dim > _params.constant("kBwdSm90MaxKvCols"):
-        return tile_dim // _params.constant("kBwdSm90Consumers")
-    return tile_dim
+    in a wide tile (bwd_wide)."""
+    return tile_dim // _params.constant("kBwdSm90Consumers") if bwd_wide(tile, tile_dim) else tile_dim
 
 
 # One row per tile head dim, one entry per arch family that has it (a head dim runs its family's

@@ -608,12 +608,13 @@ def test_sm90_backward_picks_bulk_dq():
                 assert names <= listed, (d, deterministic, alibi, other.dq_mode)
             # the staging parts: BLOCK_M x D fp32 each, more shared memory on the bulk path
             cols = d
-            assert attention_module.bwd_dq_cols(d) == cols
+            assert attention_module.bwd_dq_cols(tile, d) == cols
             staging = _params.constant("kBwdSm90Consumers") * staging_parts[d] * tile.block_m * cols * 4
             assert bulk.smem_bytes(d, 2) - atomic.smem_bytes(d, 2) == staging
             assert bulk.smem_bytes(d, 2) <= _params.constant("kSm90MaxSmem")
     # the wide tile's consumers each compute half of D (its dQ goes by float4 atomics)
-    assert attention_module.bwd_dq_cols(256) == 256 // _params.constant("kBwdSm90Consumers")
+    assert attention_module.bwd_dq_cols(attention_module.bwd_tile(256, "sm_90a"), 256) == \
+        256 // _params.constant("kBwdSm90Consumers")
     with pytest.raises(ValueError, match="dq_mode must be one of"):
         attention_module.BwdTile(64, 128, 8, 0, 0, 0, 2, 1, 64, 32, 4, wgmma=True, dq_mode="tma")
 
