@@ -752,7 +752,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ BwdParams<T> p) {
   using SdP = Wgmma<T, kQueries>;  // S^T, dP^T: 64 keys x kQueries queries
   using KV = WgmmaRow<T, kKvCols>;  // dV, dK: 64 keys x D (one n80 or n96 at D = 80, 96), or D / 2
   using DQ = WgmmaRow<T, kDqCols>;   // dQ: 64 queries x kDqCols
-  static_assert(kWide || kDqAlternate, "the consumers of a tile of 128 keys take the steps' dQ in turn");
   // The dQ GEMM is issued once the step's dV and dK GEMMs are done (their A fragments, P^T and dS^T,
   // then free) where the accumulators of dK, dV and a whole-D dQ (192 registers at D = 128) leave
   // no room for those fragments beside them: issued while they were live, ptxas serialised every
