@@ -297,7 +297,9 @@ class LongKeyTile:
 # in Q's tile; no spills): two interleaved runs (four rounds each, "Thirty-fourth session") put
 # it ahead of the two-warpgroup tile with both overlaps from 1k keys, 0.7-1.6% without a mask at
 # 1k (533 against 530), 3-5% at 2k-4k, 7-9% at 8k-16k (683 against 628 at 16k), and under a
-# causal mask 5% at 1k (399 against 381) and 6-7% from 2k.
+# causal mask 5% at 1k (399 against 381) and 6-7% from 2k. With ALiBi it leads as well (525 / 395
+# against 497 / 375 at 1k, 624 / 551 against 575 / 522 at 4k, full / causal) since a warp finds
+# the max of a block holding its diagonals first (flash_fwd_sm90.cu, holds_warp_diagonal).
 FWD_SM90_LONG_TILES = {
     (64, 64): LongKeyTile(512, 1024, FwdSm90Tile(128, 3, 4, overlap=False, pingpong=False)),
     (80, 80): LongKeyTile(512, 512, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
@@ -305,33 +307,15 @@ FWD_SM90_LONG_TILES = {
     (128, 128): LongKeyTile(1024, 1024, FwdSm90Tile(128, 3, 2, overlap=False, pingpong=False)),
     (160, 160): LongKeyTile(1024, 2048, FwdSm90Tile(80, 3, 2, overlap=False, pingpong=False)),
 }
-# The long-key tiles ALiBi calls take in place of FWD_SM90_LONG_TILES' (head dims not listed take
-# that table's). ALiBi's bias is one more multiply-add a score on the softmax's path: at D = 128 the
-# three-warpgroup tile runs it best with 96-key blocks and three stages, which from 4k keys without
-# a mask beat the 128-key long tile by 2-6% with ALiBi (600 against 588 TFLOP/s at 4k, 663 against
-# 625 at 16k) and the two-warpgroup tile by 3-11%; at 1k-2k without a mask the two-warpgroup tile
-# is level or ahead (499 against 468 at 1k), under a causal mask the 96-key tile leads from 1k.
-FWD_SM90_ALIBI_LONG_TILES = {
-    (128, 128): LongKeyTile(1024, 4096, FwdSm90Tile(96, 3, 3, overlap=False, pingpong=False)),
-}
 
 
-def fwd_sm90_long_tile(dims: tuple[int, int], alibi: bool = False) -> LongKeyTile | None:
-    """The long-key tile of tile head dims ``dims`` (FWD_SM90_ALIBI_LONG_TILES' for ALiBi calls
-    where it has one, else FWD_SM90_LONG_TILES'), or None."""
-    if alibi and dims in FWD_SM90_ALIBI_LONG_TILES:
-        return FWD_SM90_ALIBI_LONG_TILES[dims]
-    return FWD_SM90_LONG_TILES.get(dims)
-
-
-def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0, banded: bool = True,
-                  alibi: bool = False) -> FwdSm90Tile:
+def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0, banded: bool = True) -> FwdSm90Tile:
     """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
     paged keys, over at most ``seqlen_k`` keys a sequence, under a causal or window mask
-    (``banded``) or none, with ALiBi or without."""
+    (``banded``) or none."""
     if paged:
         return FWD_SM90_PAGED_TILES.get(dims) or FWD_SM90_TILES[dims]
-    long = fwd_sm90_long_tile(dims, alibi)
+    long = FWD_SM90_LONG_TILES.get(dims)
     if long is not None and long.takes(seqlen_k, banded):
         return long.tile
     return (not banded and FWD_SM90_UNMASKED_TILES.get(dims)) or FWD_SM90_TILES[dims]
@@ -566,8 +550,6 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                  + [(dims, long.tile) for dims, long in FWD_SM90_LONG_TILES.items()])
         forward += [fwd_sm90_spec(dtype, *dims, tile, alibi=alibi) for dtype in _arrays.CUDA_TYPES
                     for dims, tile in dense for alibi in (False, True)]
-        forward += [fwd_sm90_spec(dtype, *dims, long.tile, alibi=True) for dtype in _arrays.CUDA_TYPES
-                    for dims, long in FWD_SM90_ALIBI_LONG_TILES.items()]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
@@ -1176,8 +1158,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif tile is None or isinstance(tile, FwdSm90Tile):
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
-        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded,
-                                                                         alibi[0] is not None)
+        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded)
         # paged keys: rows copied by the producer warpgroup, or boxes of one page (or BLOCK_N rows
         # of a longer one)
         copy_pages = paged is not None and sm90_tile is not None and paged_keys_by_copy(paged.block_size,

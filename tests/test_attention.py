@@ -515,30 +515,25 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     _check_varlen(rng, [300, 1, 0, 193], [300, 7, 9, 500], 4, 1, d, True)
 
 
-@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_ALIBI_LONG_TILES))
-def test_alibi_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
-    """The long-key tiles of ALiBi calls (FWD_SM90_ALIBI_LONG_TILES), forced from 0 keys: ALiBi
-    without a mask, causal, in a window beside sinks and per-sequence slopes, self-attention whose
-    blocks wrap around the diagonal, scores that rise block after block (the bounded softmax's
-    second pass), lengths off every block; the log names the tile, and the same call without
-    ALiBi keeps its own tile."""
+@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_LONG_TILES))
+def test_long_key_tiles_with_alibi(rng, caplog, monkeypatch, fwd_kernel, d):
+    """ALiBi in the long-key tiles (FWD_SM90_LONG_TILES, forced from 0 keys), where a warp finds
+    the max of a block holding its rows' diagonals first (the bounded softmax's exact path without
+    a second S GEMM): without a mask, self-attention whose blocks wrap around the diagonal, causal,
+    in a window beside sinks and per-sequence slopes, scores that rise block after block with
+    slopes of both signs (the second pass), lengths off every block; the log names the tile."""
     if fwd_kernel != "sm90":
         pytest.skip("a flash_fwd_sm90_kernel tile")
-    tile = attention_module.FWD_SM90_ALIBI_LONG_TILES[d, d].tile
-    monkeypatch.setattr(attention_module, "FWD_SM90_ALIBI_LONG_TILES", {
-        dims: attention_module.LongKeyTile(0, 0, long.tile)
-        for dims, long in attention_module.FWD_SM90_ALIBI_LONG_TILES.items()})
+    tile = attention_module.FWD_SM90_LONG_TILES[d, d].tile
+    _long_tiles_from_0_keys(monkeypatch, [(d, d)])
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d, alibi_slopes=_alibi_slopes(4))
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
     assert chosen and _tile_signature(tile) in chosen[-1], chosen
-    cupy = _cupy()
-    q = cupy.asarray(randn(rng, (1, 211, 4, d), DTYPES[0]))
-    assert _tile_signature(tile) not in _forward_kernel_logged(caplog, q, q, q)
+    run_and_check(rng, DTYPES[1], 1, 517, 517, 8, 4, d, alibi_slopes=_alibi_slopes(8))
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True, alibi_slopes=_alibi_slopes(6))
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4, batch=2),
                   sinks=_sinks(rng, 4))
-    run_and_check(rng, DTYPES[1], 1, 517, 517, 8, 4, d, alibi_slopes=_alibi_slopes(8))
     slopes = np.array([0.5, -0.03125, 2.0 ** -8, 0.0], np.float32)
     shape = (1, 290, 291, 4, 2, d)
     for rise in RISES.values():
@@ -578,30 +573,6 @@ def test_calls_take_the_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d
     for mask in ({"causal": True}, {"window": (long.keys // 2, 0)}):
         assert taken in logged(long.keys, **mask)
         assert short in logged(long.keys - 1, **mask)
-
-
-@pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_ALIBI_LONG_TILES))
-def test_alibi_calls_take_their_long_tile_from_its_key_counts(rng, caplog, fwd_kernel, d):
-    """An ALiBi call takes FWD_SM90_ALIBI_LONG_TILES' tile from its key counts (a key fewer: not),
-    and the same call without ALiBi FWD_SM90_LONG_TILES' (the launched kernels, from the debug log)."""
-    if fwd_kernel != "sm90":
-        pytest.skip("a flash_fwd_sm90_kernel tile")
-    long = attention_module.FWD_SM90_ALIBI_LONG_TILES[d, d]
-    cupy = _cupy()
-    n = max(long.keys, long.unmasked_keys)
-    q, k, v = (cupy.asarray(randn(rng, (1, n, 2, d), DTYPES[0])) for _ in range(3))
-    slopes = cupy.asarray(_alibi_slopes(2))
-
-    def logged(keys, **options):
-        return _forward_kernel_logged(caplog, q[:, :keys], k[:, :keys], v[:, :keys], **options)
-
-    taken = _tile_signature(long.tile)
-    assert taken in logged(long.unmasked_keys, alibi_slopes=slopes)
-    assert taken not in logged(long.unmasked_keys - 1, alibi_slopes=slopes)
-    assert taken in logged(long.keys, causal=True, alibi_slopes=slopes)
-    assert taken not in logged(long.keys - 1, causal=True, alibi_slopes=slopes)
-    plain = attention_module.fwd_sm90_tile((d, d), seqlen_k=long.unmasked_keys, banded=False)
-    assert _tile_signature(plain) in logged(long.unmasked_keys)
 
 
 @pytest.mark.parametrize("d", sorted(d for d, _ in attention_module.FWD_SM90_UNMASKED_TILES))

@@ -162,31 +162,6 @@ def test_long_key_ranges_take_their_tile_from_their_length_and_mask():
             assert attention_module.fwd_sm90_spec(np.dtype(BF16), *dims, long.tile, alibi=alibi).name in names
 
 
-def test_alibi_calls_take_their_own_long_tiles():
-    """ALiBi calls at head dims FWD_SM90_ALIBI_LONG_TILES lists take its tile from its key counts
-    (below them the tile of the call's mask, not FWD_SM90_LONG_TILES'), calls without ALiBi never
-    do, other head dims' ALiBi calls take FWD_SM90_LONG_TILES'; each ALiBi long tile is a
-    registered ALIBI variant."""
-    tile_of = attention_module.fwd_sm90_tile
-    names = {spec.name for spec in attention_module.kernel_variants("sm_90a")}
-    assert attention_module.FWD_SM90_ALIBI_LONG_TILES
-    for dims, long in attention_module.FWD_SM90_ALIBI_LONG_TILES.items():
-        assert attention_module.fwd_sm90_long_tile(dims, alibi=True) == long
-        for banded, keys in ((True, long.keys), (False, long.unmasked_keys)):
-            short = (not banded and attention_module.FWD_SM90_UNMASKED_TILES.get(dims)) or \
-                attention_module.FWD_SM90_TILES[dims]
-            assert tile_of(dims, seqlen_k=keys - 1, banded=banded, alibi=True) == short
-            assert tile_of(dims, seqlen_k=keys, banded=banded, alibi=True) == long.tile
-            assert tile_of(dims, seqlen_k=keys, banded=banded) != long.tile
-            assert tile_of(dims, paged=True, seqlen_k=keys, banded=banded, alibi=True) == tile_of(dims, paged=True)
-        for dtype in (np.float16, BF16):
-            assert attention_module.fwd_sm90_spec(np.dtype(dtype), *dims, long.tile, alibi=True).name in names
-    for dims, long in attention_module.FWD_SM90_LONG_TILES.items():
-        if dims not in attention_module.FWD_SM90_ALIBI_LONG_TILES:
-            assert attention_module.fwd_sm90_long_tile(dims, alibi=True) == long
-            assert tile_of(dims, seqlen_k=long.keys, alibi=True) == long.tile
-
-
 def test_causal_row_shift_is_whole_warpgroups_past_the_last_row():
     """fwd_sm90_row_shift (the kernel's FwdSm90Work::row_shift): whole warpgroups of 64 rows, the
     same number of tiles, and no warpgroup of the last tile left without rows."""
@@ -293,7 +268,6 @@ def _every_hopper_forward_tile():
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_UNMASKED_TILES.items())
     yield from ((d, dv, 2, t) for (d, dv), t in attention_module.FWD_SM90_PAGED_TILES.items())
     yield from ((d, dv, 2, long.tile) for (d, dv), long in attention_module.FWD_SM90_LONG_TILES.items())
-    yield from ((d, dv, 2, long.tile) for (d, dv), long in attention_module.FWD_SM90_ALIBI_LONG_TILES.items())
     yield from ((d, d, 1, t) for d, t in attention_module.FWD_SM90_FP8_TILES.items())
 
 
