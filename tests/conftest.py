@@ -129,6 +129,12 @@ def forward_kernel(request, monkeypatch):
     _calls.clear()
 
 
+def forward_kernels(caplog) -> list[str]:
+    """The forward kernels launched while ``caplog`` recorded, in order: the messages of the
+    dispatcher's "attention forward: <kernel>" debug records."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+
+
 def expected_forward_kernel(dtype, head_dim: int, head_dim_v: int) -> str:
     """The start of the kernel name the forward dispatcher logs for these head dims under the
     current tile tables on the current GPU: flash_fwd_sm90_kernel at its tile's (D, Dv), or

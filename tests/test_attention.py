@@ -15,8 +15,8 @@ import pytest
 
 import cuattn
 from cuattn import _calls, _jit, _registry, reference
-from conftest import (DTYPE_IDS, DTYPES, RISES, TILE_ORDER_CHUNK, error_budget, expected_tile_order, randn,
-                      rising_scores)
+from conftest import (DTYPE_IDS, DTYPES, RISES, TILE_ORDER_CHUNK, error_budget, expected_tile_order,
+                      forward_kernels, randn, rising_scores)
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_hopper_kernel_runs_where_it_has_a_tile(rng, caplog, fwd_kernel, head_di
     q = cupy.asarray(randn(rng, (1, 130, 2, head_dim), np.float16))
     with caplog.at_level("DEBUG", logger="cuattn"):
         cuattn.attention(q, q, q)
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     expected = "flash_fwd_sm90_kernel" if fwd_kernel == "sm90" else "flash_fwd_kernel"
     assert chosen and expected in chosen[-1], chosen
     # k and v broadcast over the heads (head stride 0): the TMA needs positive strides, so the
@@ -55,7 +55,7 @@ def test_hopper_kernel_runs_where_it_has_a_tile(rng, caplog, fwd_kernel, head_di
     caplog.clear()
     with caplog.at_level("DEBUG", logger="cuattn"):
         got = cuattn.attention(q, wide, wide)
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen and "flash_fwd_kernel<" in chosen[-1], chosen
     ref = reference.attention(q.get(), wide.get(), wide.get())
     assert np.abs(got.get().astype(np.float64) - ref).max() < 5e-3
@@ -187,7 +187,7 @@ def test_alibi_runs_the_alibi_variant(rng, caplog, fwd_kernel):
         caplog.clear()
         with caplog.at_level("DEBUG", logger="cuattn"):
             cuattn.attention(q, q, q, alibi_slopes=slopes)
-        names.append([r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")][-1])
+        names.append(forward_kernels(caplog)[-1])
     # flash_fwd_sm90_kernel<..., OVERLAP, PINGPONG, ALIBI, PAGED>, flash_fwd_kernel<..., ALIBI, PAGED>
     assert names[0].endswith(", false, false>") and names[1].endswith(", true, false>"), names
     assert ("flash_fwd_sm90_kernel<" in names[1]) == (fwd_kernel == "sm90"), names
@@ -508,7 +508,7 @@ def test_long_key_tiles(rng, caplog, monkeypatch, fwd_kernel, d):
     _long_tiles_from_0_keys(monkeypatch, [(d, d)])
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d)
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen and _tile_signature(tile) in chosen[-1], chosen
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True)
     run_and_check(rng, DTYPES[1], 2, 77, 203, 4, 2, d, window=(40, 3), alibi_slopes=_alibi_slopes(4))
@@ -528,7 +528,7 @@ def test_long_key_tiles_with_alibi(rng, caplog, monkeypatch, fwd_kernel, d):
     _long_tiles_from_0_keys(monkeypatch, [(d, d)])
     with caplog.at_level("DEBUG", logger="cuattn"):
         run_and_check(rng, DTYPES[0], 2, 211, 333, 4, 2, d, alibi_slopes=_alibi_slopes(4))
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen and _tile_signature(tile) in chosen[-1], chosen
     run_and_check(rng, DTYPES[1], 1, 517, 517, 8, 4, d, alibi_slopes=_alibi_slopes(8))
     run_and_check(rng, DTYPES[1], 1, 400, 390, 6, 3, d, causal=True, alibi_slopes=_alibi_slopes(6))
@@ -544,7 +544,7 @@ def _forward_kernel_logged(caplog, *args, **kwargs) -> str:
     with caplog.at_level("DEBUG", logger="cuattn"):
         caplog.clear()
         cuattn.attention(*args, **kwargs)
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen, caplog.records
     return chosen[-1]
 

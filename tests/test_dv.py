@@ -23,7 +23,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, randn
+from conftest import DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, forward_kernels, randn
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
@@ -279,7 +279,7 @@ def test_dense_forward_with_dv_matches_reference(rng, caplog, forward_kernel, dt
     with caplog.at_level("DEBUG", logger="cuattn"):
         got, lse = cuattn.attention(*(cupy.asarray(x) for x in (q, k, v)), out=out, return_lse=True, **options)
     assert got is out
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen and expected_forward_kernel(dtype, d, dv) in chosen[-1], chosen
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
     naive = reference.naive_attention_lowp(q, k, v, dtype=dtype, **options)

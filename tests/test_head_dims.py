@@ -14,7 +14,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import error_budget, expected_forward_kernel, randn
+from conftest import error_budget, expected_forward_kernel, forward_kernels, randn
 
 attention_module = importlib.import_module("cuattn.attention")  # the modules, not the functions
 decode_module = importlib.import_module("cuattn.decode")
@@ -165,7 +165,7 @@ def test_padded_and_new_tile_head_dims_run_their_forward(rng, caplog, forward_ke
     out = cupy.full(q.shape, np.nan, np.float16)
     with caplog.at_level("DEBUG", logger="cuattn"):
         cuattn.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True, out=out)
-    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    chosen = forward_kernels(caplog)
     assert chosen and expected_forward_kernel(np.float16, d, d) in chosen[-1], chosen
     ref = reference.attention(q, k, v, causal=True)
     naive = reference.naive_attention_lowp(q, k, v, causal=True, dtype=np.float16)

@@ -15,7 +15,7 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from conftest import BF16, error_budget, expected_forward_kernel, expected_tile_order, randn
+from conftest import BF16, error_budget, expected_forward_kernel, expected_tile_order, forward_kernels, randn
 
 QUERY_RUNS = (0, 1, 3, 16, 17, 40)  # empty, decode, speculative, one full run, a run and a tail, several
 SEQ_LENS = (5, 300, 2, 64, 17, 129)  # the speculative run is longer than its sequence: early rows see nothing
@@ -302,7 +302,7 @@ def expected_paged_kernel(dtype, head_dim: int, block: int) -> tuple[str, str, s
 def logged_forward(caplog) -> tuple[list[str], list[str]]:
     """The forward kernels and paged-key loads the debug log names."""
     messages = [r.getMessage() for r in caplog.records]
-    return ([m for m in messages if m.startswith("attention forward:")],
+    return (forward_kernels(caplog),
             [m.removeprefix("paged keys: ") for m in messages if m.startswith("paged keys: ")])
 
 
@@ -389,7 +389,7 @@ def test_prefill_only_and_decode_only_batches_on_the_gpu(rng, caplog):
         with caplog.at_level("DEBUG", logger="cuattn"):
             got = cuattn.paged_attention_varlen(cupy.asarray(q), cache, cupy.asarray(table), cu, cupy.asarray(lens),
                                                 max(runs))
-        chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention forward:")]
+        chosen = forward_kernels(caplog)
         assert len(chosen) == forward_launches, chosen
         check_against_reference(rng, got.get().astype(np.float64), None, q, (k_pages, v_pages), table, cu, lens,
                                 np.float16, {})
@@ -462,7 +462,7 @@ def test_e4m3_pages_take_the_decode_path_on_the_gpu(rng, caplog):
         got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
                                                               cupy.asarray(v8.view(np.uint8))),
                                             table, cu, lens, 40, k_scale=0.02, v_scale=0.03)
-    assert not [r for r in caplog.records if r.getMessage().startswith("attention forward:")]
+    assert not forward_kernels(caplog)
     ref = reference.paged_attention_varlen(q, k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03, table, cu,
                                            lens)
     assert np.abs(got.get().astype(np.float64) - ref).max() < 3e-2, f"seed {rng.seed}"
