@@ -824,13 +824,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   u32 alibi_a[1][4] = {};
   constexpr int kWarpRows = kWgmmaM / kWarpsPerWarpgroup;
   constexpr u32 kSignBits16x2 = 0x80008000u;  // the sign bits of a word's two 16-bit values
-  // the diagonal of this warp's first row
+  // the diagonal of this warp's first row, and the first key of the block visited i-th
   const auto warp_first_diagonal = [&](const TileContext& x) { return x.wg_m0 + warp * kWarpRows + x.w.seq.offset; };
+  const auto block_first_key = [&](const TileContext& x, int i) { return x.w.template key_block<kDiagFirst>(i) * BLOCK_N; };
   // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile)
   const auto alibi_side = [&](const TileContext& x, int i) -> int {
     if constexpr (kAlibiGemm) {
       if (!x.alibi_gemm) return 0;
-      const int n0 = x.w.template key_block<kDiagFirst>(i) * BLOCK_N;
+      const int n0 = block_first_key(x, i);
       const int d_first = warp_first_diagonal(x);
       return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
     }
@@ -846,7 +847,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // and made the three-warpgroup tile D = 128's best with ALiBi too.
   const auto holds_warp_diagonal = [&](const TileContext& x, int i) -> bool {
     if constexpr (ALIBI) {
-      const int n0 = x.w.template key_block<kDiagFirst>(i) * BLOCK_N;
+      const int n0 = block_first_key(x, i);
       const int d_first = warp_first_diagonal(x);
       return d_first < n0 + BLOCK_N && d_first + kWarpRows > n0;
     }
