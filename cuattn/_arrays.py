@@ -73,7 +73,8 @@ def dtype_name(dtype) -> str:
 # Which framework an array comes from
 
 
-def array_kind(x) -> str:
+def array_kind(x, name: str | None = None) -> str:
+    """The framework of array ``x`` (argument ``name``, for the error on anything else)."""
     module = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
         return "numpy"
@@ -85,9 +86,10 @@ def array_kind(x) -> str:
         return "jax"
     if hasattr(x, "__dlpack__"):
         return "dlpack"
+    what = "None" if x is None else f"{type(x).__module__}.{type(x).__name__}"
     raise TypeError(
-        f"expected a NumPy, CuPy, torch or JAX array (or any array with __dlpack__), "
-        f"got {type(x).__module__}.{type(x).__name__}"
+        f"{name or 'the argument'} must be a NumPy, CuPy, torch or JAX array (or any array with __dlpack__), "
+        f"got {what}"
     )
 
 
@@ -105,11 +107,24 @@ def check_not_traced(name: str, x) -> None:
         )
 
 
+# Array arguments that may be None (absent) wherever a call names them; any other array argument
+# must be given. The backward functions' `out`, which they require, is checked by them.
+OPTIONAL_ARRAYS = frozenset(("out", "sinks", "alibi_slopes"))
+
+
+def require(**named) -> None:
+    """Refuse None for array arguments that OPTIONAL_ARRAYS lets pass elsewhere (a backward's `out`)."""
+    for name, x in named.items():
+        if x is None:
+            array_kind(x, name)
+
+
 def common_kind(named: dict) -> str:
-    """The one framework all given arrays come from; mixing frameworks is refused."""
+    """The one framework all given arrays come from; mixing frameworks is refused, and so is None
+    for an array argument outside OPTIONAL_ARRAYS."""
     for name, x in named.items():
         check_not_traced(name, x)
-    kinds = {name: array_kind(x) for name, x in named.items() if x is not None}
+    kinds = {name: array_kind(x, name) for name, x in named.items() if x is not None or name not in OPTIONAL_ARRAYS}
     distinct = set(kinds.values())
     if len(distinct) > 1:
         listing = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
@@ -365,6 +380,26 @@ def check_int32(name: str, x) -> None:
         raise TypeError(f"{name}.dtype must be int32, got {dtype_name(x.dtype)}")
 
 
+INT32_RANGE = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
+
+
+def host_int32(name: str, x):
+    """Host ints given as a list or tuple, as an int32 NumPy array: every entry an int that fits
+    in int32 (the kernels' type). Arrays pass through, to be checked as arrays."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    try:
+        values = np.asarray(x)
+    except ValueError as exc:  # ragged nesting
+        raise ValueError(f"{name} must be a rectangular list of ints, got {x!r:.80}") from exc
+    if values.size and (values.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must hold int32 values, got {values.dtype} values")
+    if values.size and (int(values.min()) < INT32_RANGE[0] or int(values.max()) > INT32_RANGE[1]):
+        raise ValueError(f"{name} must hold int32 values (in [{INT32_RANGE[0]}, {INT32_RANGE[1]}]), got "
+                         f"{int(values.min())} .. {int(values.max())}")
+    return values.astype(np.int32)
+
+
 def element_strides(x) -> tuple[int, ...]:
     """Strides in elements (CuPy and NumPy report bytes)."""
     itemsize = x.dtype.itemsize
@@ -457,6 +492,9 @@ def check_kv_dtypes(q, named_kv: dict, host: bool) -> bool:
         check_dtypes({"q": q, k_name: k, v_name: v}, host)
         return False
     (check_host_float_dtype if host else check_float_dtype)("q", q)
+    if is_e4m3(q):
+        raise TypeError("q.dtype is float8_e4m3fn; over an e4m3 cache q stays float16 or bfloat16 (any float but "
+                        "e4m3 on the host), and the output takes its dtype")
     if np.dtype(v.dtype) != np.dtype(k.dtype):
         raise TypeError(f"{v_name}.dtype must equal {k_name}.dtype = {dtype_name(k.dtype)} (an e4m3 cache holds "
                         f"both in e4m3), got {dtype_name(v.dtype)}")

@@ -15,6 +15,12 @@ import numpy as np
 LOG2E = 1.0 / math.log(2.0)
 # The kernels keep window bounds and sequence positions in int32.
 MAX_TOTAL_LENGTH = 1 << 30
+# The kernels take the score multiplier scale * log2(e) (or scale / softcap) and the softcap in
+# float32: scale is refused where that multiplier is not a finite, normal float32.
+MAX_FLOAT32 = float(np.finfo(np.float32).max)
+MIN_SCALE = float(np.finfo(np.float32).tiny) / LOG2E
+MAX_SCALE = MAX_FLOAT32 / LOG2E
+MIN_SOFTCAP, MAX_SOFTCAP = MIN_SCALE, MAX_SCALE
 
 
 def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
@@ -25,14 +31,19 @@ def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
     if (type(window) is tuple and len(window) == 2 and (scale is None or type(scale) is float)
             and type(softcap) is float):
         left, right = window
-        if (type(left) is int and type(right) is int and left >= -1 and right >= -1 and 0.0 <= softcap < math.inf
-                and (scale is None or 0.0 < scale < math.inf)):
+        if (type(left) is int and type(right) is int and -1 <= left < MAX_TOTAL_LENGTH
+                and -1 <= right < MAX_TOTAL_LENGTH and (softcap == 0.0 or MIN_SOFTCAP <= softcap < MAX_SOFTCAP)
+                and (scale is None or (softcap == 0.0 and MIN_SCALE <= scale < MAX_SCALE))):
             for value in flags.values():
                 if value is not True and value is not False:
                     break
             else:
                 return left, right
     return _check_options_generic(window, softcap, scale, flags)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
@@ -42,17 +53,31 @@ def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
+        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) for w in window)
     ):
         raise ValueError(f"window must be a pair (left, right) of ints, -1 meaning unbounded; got {window!r}")
     left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise ValueError(f"window entries must be >= -1 (-1 = unbounded), got window = ({left}, {right})")
-    if not math.isfinite(float(softcap)) or float(softcap) < 0:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap}")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite float > 0, got {scale}")
-    return left, right
+    if not _is_number(softcap):
+        raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__} {softcap!r}")
+    softcap = float(softcap)
+    if not (softcap == 0 or MIN_SOFTCAP <= softcap < MAX_SOFTCAP):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap}; a nonzero softcap lies in "
+                         f"[{MIN_SOFTCAP:.3g}, {MAX_SOFTCAP:.3g}) (softcap * log2(e) finite and normal in float32, "
+                         "the kernels' type)")
+    if scale is not None:
+        if not _is_number(scale):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+        if not MIN_SCALE <= float(scale) < MAX_SCALE:
+            raise ValueError(f"scale must be a finite float > 0, got {scale}; it lies in [{MIN_SCALE:.3g}, "
+                             f"{MAX_SCALE:.3g}) (scale * log2(e) finite and normal in float32, the kernels' type)")
+        if softcap > 0 and not float(scale) / softcap < MAX_FLOAT32:
+            raise ValueError(f"scale / softcap must be finite in float32 (the kernels' score multiplier), got "
+                             f"{scale} / {softcap}")
+    # a side wider than any sequence (Sq + Sk stays below MAX_TOTAL_LENGTH) sees every key: clamped
+    # there, so that no bound overflows an int
+    return min(left, MAX_TOTAL_LENGTH), min(right, MAX_TOTAL_LENGTH)
 
 
 def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:

@@ -607,6 +607,8 @@ def _check_out(out, q, v, v_name: str = "v") -> None:
         raise TypeError(
             f"out.dtype must equal q.dtype = {_arrays.dtype_name(q.dtype)}, got {_arrays.dtype_name(out.dtype)}"
         )
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out must be writable, got a read-only NumPy array")
 
 
 def _check_device_arrays(named: dict) -> None:
@@ -1011,6 +1013,11 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
+        head_dim = int(qv.shape[3])
+        # the host path takes the head dims the e4m3 kernel has, as every other check does
+        if head_dim not in FWD_SM90_FP8_TILES:
+            raise ValueError(f"q.shape[3] (head_dim) = {head_dim} is not supported with FP8 inputs; supported head "
+                             f"dims: {', '.join(map(str, FP8_HEAD_DIMS))}")
         if ctx.on_host:
             real = [reference.dequantize_fp8(x, s.value, rows) for x, s, rows in
                     ((qv, args.q, q_rows), (kv, args.k, k_rows), (vv, args.v, k_rows))]
@@ -1018,16 +1025,12 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
                                          return_lse=True, sinks=sv, alibi_slopes=av)
             return _host_result(result, np.empty(0, dtype), ov, return_lse)
 
-        head_dim = int(qv.shape[3])
         arch = _jit.target_arch()
         if arch != SM90:
             raise NotImplementedError(
                 f"FP8 attention (float8_e4m3fn q, k, v) runs on sm_90a only (e4m3 wgmma); this GPU is {arch}. "
                 f"Supported: sm_90a, dense (B, S, H, D) inputs, head dims {', '.join(map(str, FP8_HEAD_DIMS))}, "
                 "output float16 or bfloat16; elsewhere dequantise to bfloat16 and call attention without scales")
-        if head_dim not in FWD_SM90_FP8_TILES:
-            raise ValueError(f"q.shape[3] (head_dim) = {head_dim} is not supported with FP8 inputs; supported head "
-                             f"dims: {', '.join(map(str, FP8_HEAD_DIMS))}")
         _check_device_arrays({"q": qv, "k": kv, "v": vv, **({"out": ov} if ov is not None else {})})
         batch, seqlen_q, num_heads, _ = map(int, qv.shape)
         lse_shape = (batch, num_heads, seqlen_q)
@@ -1675,6 +1678,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                                   (bool(causal), scale, left, right, softcap, bool(deterministic)))
     if result is not None:
         return result
+    _arrays.require(out=out)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks,
                                alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
@@ -1732,6 +1736,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         (bool(causal), scale, left, right, softcap, bool(deterministic), max_seqlen_q, max_seqlen_k))
     if result is not None:
         return result
+    _arrays.require(out=out)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (

@@ -825,7 +825,10 @@ def _check_states(views, host: bool) -> None:
                 f"{expected_lse}, got {tuple(lse.shape)}"
             )
         if host:
+            # the reference merges in float64: any float dtype, one for every out_i
             _arrays.check_host_float_dtype(f"out_{i}", out)
+            _arrays.check_same_dtype(f"out_{i}", out, "out_0", out0)
+            _arrays.check_host_float_dtype(f"lse_{i}", lse)
             continue
         if np.dtype(out.dtype) not in MERGE_DTYPES:
             raise TypeError(f"out_{i}.dtype is {_arrays.dtype_name(out.dtype)}; merge_states takes float16, bfloat16 or float32")

@@ -663,6 +663,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
     over every rank's queries; each comes back to its owner around the ring.
     """
     _masks.check_options((-1, -1), softcap, scale, causal=causal)
+    _arrays.require(out=out)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
         dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
         _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)

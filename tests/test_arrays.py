@@ -44,8 +44,10 @@ def test_array_kind():
             raise NotImplementedError
 
     assert _arrays.array_kind(Foreign()) == "dlpack"
-    with pytest.raises(TypeError, match="expected a NumPy, CuPy, torch or JAX array"):
+    with pytest.raises(TypeError, match="the argument must be a NumPy, CuPy, torch or JAX array .*got builtins.float"):
         _arrays.array_kind(3.0)
+    with pytest.raises(TypeError, match=r"q must be a NumPy, CuPy, torch or JAX array .*got None"):
+        _arrays.array_kind(None, "q")
 
 
 def test_dtype_table_names_bfloat16():

@@ -59,6 +59,65 @@ def test_option_errors(options, error, message):
         cuattn.attention(*arrays(), **options)
 
 
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        # numbers only: no strings, bools or arrays read as one
+        ({"scale": "1"}, TypeError, r"scale must be a float or None, got str '1'"),
+        ({"scale": True}, TypeError, r"scale must be a float or None, got bool True"),
+        ({"scale": np.ones(2)}, TypeError, r"scale must be a float or None, got ndarray"),
+        ({"softcap": None}, TypeError, r"softcap must be a float \(0 = off\), got NoneType None"),
+        ({"softcap": "2"}, TypeError, r"softcap must be a float \(0 = off\), got str '2'"),
+        ({"softcap": True}, TypeError, r"softcap must be a float \(0 = off\), got bool True"),
+        # the kernels take scale * log2(e) and softcap * log2(e) in float32
+        ({"scale": 1e308}, ValueError, r"scale must be a finite float > 0, got 1e\+308; it lies in \[.*float32"),
+        ({"scale": 1e-45}, ValueError, r"scale must be a finite float > 0, got 1e-45; it lies in"),
+        ({"softcap": 1e300}, ValueError, r"softcap must be a finite float >= 0 \(0 = off\), got 1e\+300; a nonzero"),
+        ({"scale": 1e30, "softcap": 1e-20}, ValueError,
+         r"scale / softcap must be finite in float32 \(the kernels' score multiplier\), got 1e\+30 / 1e-20"),
+    ],
+)
+def test_scale_and_softcap_are_numbers_the_kernels_can_hold(options, error, message):
+    with pytest.raises(error, match=message):
+        cuattn.attention(*arrays(), **options)
+
+
+def test_a_window_wider_than_any_sequence_sees_every_key():
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal(x.shape).astype(np.float32) for x in arrays())
+    wide = cuattn.attention(q, k, v, window=(2**63, 2**70))
+    np.testing.assert_array_equal(wide, cuattn.attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda q, k, v: cuattn.attention(None, k, v), r"q must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.attention(q, k, [0.0]), r"v must be a NumPy, CuPy, torch or JAX array .*got builtins.list"),
+        (lambda q, k, v: cuattn.attention(q, k, v, sinks=1.0), r"sinks must be a NumPy, CuPy, torch or JAX array"),
+        (lambda q, k, v: cuattn.attention_backward(q, q, k, v, None, np.zeros((1, 4, 5), np.float32)),
+         r"out must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.attention_backward(q, q, k, v, q, None), r"lse must be a NumPy, CuPy, torch or JAX array"),
+        (lambda q, k, v: cuattn.decode(q[:, :1], None, v, np.array([7], np.int32)),
+         r"k_cache must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.merge_states(None, np.zeros((1, 4, 5), np.float32), q, np.zeros((1, 4, 5), np.float32)),
+         r"out_0 must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.fp8_scales(None), r"x must be a NumPy, CuPy, torch or JAX array .*got None"),
+    ],
+)
+def test_a_missing_or_foreign_array_is_named(call, message):
+    with pytest.raises(TypeError, match=message):
+        call(*arrays())
+
+
+def test_out_must_be_writable():
+    q, k, v = arrays()
+    out = np.zeros(q.shape, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out must be writable, got a read-only NumPy array"):
+        cuattn.attention(q, k, v, out=out)
+
+
 @pytest.mark.parametrize("name", ["k", "v"])
 def test_host_path_refuses_mixed_dtypes_like_the_device_path(name):
     q, k, v = arrays(dtype=np.float16)
@@ -100,7 +159,7 @@ def test_out_must_match_q():
 
 def test_unknown_array_types_are_refused():
     q, k, v = arrays()
-    with pytest.raises(TypeError, match=r"expected a NumPy, CuPy, torch or JAX array .* got builtins.list"):
+    with pytest.raises(TypeError, match=r"q must be a NumPy, CuPy, torch or JAX array .* got builtins.list"):
         cuattn.attention(q.tolist(), k, v)
 
 
@@ -265,6 +324,13 @@ def test_merge_states_errors():
         cuattn.merge_states([(out, lse)] * 12281)
     with pytest.raises(ValueError, match=r"out_0 must have at least 3 axes \(..., S, H, D\), got shape \(4, 64\)"):
         cuattn.merge_states(np.zeros((4, 64)), np.zeros(4), np.zeros((4, 64)), np.zeros(4))
+    # the host merges in float64, but takes float states of one dtype as the device does
+    with pytest.raises(TypeError, match=r"lse_0.dtype is int32; expected a floating-point dtype"):
+        cuattn.merge_states(out, lse.astype(np.int32), out, lse)
+    with pytest.raises(TypeError, match=r"lse_1.dtype is complex64; expected a floating-point dtype"):
+        cuattn.merge_states(out, lse, out, lse.astype(np.complex64))
+    with pytest.raises(TypeError, match=r"out_1.dtype must equal out_0.dtype = float32, got float16"):
+        cuattn.merge_states(out, lse, out.astype(np.float16), lse)
 
 
 @pytest.mark.gpu
