@@ -8,7 +8,7 @@ arrays run the float64 reference on the CPU.
 __version__ = "0.1.0"
 
 from . import reference
-from ._errors import CompileError, NoDeviceError, OutOfBlocksError
+from ._errors import CompileError, NoDeviceError, OutOfBlocksError, UnknownSequenceError
 from ._tools import build, info
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .cascade import cascade_attention, plan_cascade
@@ -26,6 +26,7 @@ __all__ = [
     "CompileError",
     "NoDeviceError",
     "OutOfBlocksError",
+    "UnknownSequenceError",
     "StepPlan",
     "attention",
     "attention_backward",

@@ -20,3 +20,8 @@ class OutOfBlocksError(RuntimeError):
 class NoDeviceError(RuntimeError):
     """A GPU entry point was called where no CUDA device or driver can be used; the message says
     what is missing and how to run on the CPU instead."""
+
+
+class UnknownSequenceError(KeyError, ValueError):
+    """A BlockManager method named a sequence it does not hold: a KeyError (the lookup failed) and
+    a ValueError (a bad argument), so either catches it."""

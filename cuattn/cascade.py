@@ -95,6 +95,7 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
         result, call_key = _calls.run("cascade_attention", arrays, options)
         if result is not None:
             return result
+    _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=return_lse, check=check)
     prefix_k, prefix_v = _check_prefix(prefix, q, cache)
     _check_suffix_lengths(seq_lens, int(q.shape[1]), check)
     out_prefix, lse_prefix = _prefix_states(q, prefix_k, prefix_v, prefix_splits, scale, softcap)
@@ -263,23 +264,34 @@ def _check_prefix(prefix, q, cache):
     if not (isinstance(prefix, (tuple, list)) and len(prefix) == 2):
         raise TypeError(f"prefix must be a (prefix_k, prefix_v) pair, got {type(prefix).__name__}")
     prefix_k, prefix_v = prefix
+    host = _arrays.common_kind({"q": q, "prefix_k": prefix_k, "prefix_v": prefix_v}) == "numpy"
+    _arrays.check_ndim("q", q, "(B, Sq_new, Hq, D)")
     for name, x, layout in (("prefix_k", prefix_k, "(L, Hk, D)"), ("prefix_v", prefix_v, "(L, Hk, Dv)")):
         _arrays.check_ndim(name, x, layout)
         _arrays.check_positive(name, x, 0, "L")
+    _arrays.check_dtypes({"q": q, "prefix_k": prefix_k, "prefix_v": prefix_v}, host)
     _arrays.check_axis("prefix_k", prefix_k, 2, "head_dim", int(q.shape[3]), "q.shape[3]")
+    _arrays.check_positive("prefix_k", prefix_k, 1, "Hk")
     num_heads, num_kv_heads = int(q.shape[2]), int(prefix_k.shape[1])
     if num_heads % num_kv_heads:
         raise ValueError(f"q.shape[2] (num_heads) = {num_heads} must be a multiple of prefix_k.shape[1] (num_kv_heads) "
                          f"= {num_kv_heads}")
     for axis, axis_name in enumerate(("L", "Hk")):
         _arrays.check_axis("prefix_v", prefix_v, axis, axis_name, int(prefix_k.shape[axis]), f"prefix_k.shape[{axis}]")
-    # v's head dim is its own, and the prefix's and the suffix's outputs merge: the cache's v pages set it
+    # the prefix's keys are the first tokens of every sequence: its kv heads are the cache's; v's
+    # head dim is its own, and the prefix's and the suffix's outputs merge: the cache's v pages set it
     if isinstance(cache, PagedKVCache):
-        head_dim_v, source = cache.head_dim_v, "the cache's head_dim_v"
+        heads, heads_from = cache.num_kv_heads, "the cache's num_kv_heads"
+        head_dim_v, head_dim_v_from = cache.head_dim_v, "the cache's head_dim_v"
     else:
-        v_pages = _cache_pair(cache)[1]
-        head_dim_v, source = int(v_pages.shape[-1]), "v_pages.shape[-1]"
-    _arrays.check_axis("prefix_v", prefix_v, 2, "head_dim_v", head_dim_v, source)
+        k_pages, v_pages = _cache_pair(cache)
+        _arrays.common_kind({"q": q, "k_pages": k_pages, "v_pages": v_pages})
+        _arrays.check_ndim("k_pages", k_pages, "(num_blocks, block_size, Hk, D)")
+        _arrays.check_ndim("v_pages", v_pages, "(num_blocks, block_size, Hk, Dv)")
+        heads, heads_from = int(k_pages.shape[2]), "k_pages.shape[2]"
+        head_dim_v, head_dim_v_from = int(v_pages.shape[-1]), "v_pages.shape[-1]"
+    _arrays.check_axis("prefix_k", prefix_k, 1, "Hk", heads, heads_from)
+    _arrays.check_axis("prefix_v", prefix_v, 2, "head_dim_v", head_dim_v, head_dim_v_from)
     return prefix_k, prefix_v
 
 

@@ -35,7 +35,10 @@ GRANULARITIES = ("tensor", "head", "block")
 def fp8_scales(x, *, per_head: bool = False):
     """The descale that maps ``x``'s largest magnitude to 448 (the background's s = 448 / amax,
     inverted): amax / 448, float32, of shape ``()`` or, with ``per_head``, ``(H,)`` (amax over
-    every axis but -2). An all-zero tensor (or head) gets scale 1. Returns an array of x's framework."""
+    every axis but -2). An all-zero (or empty) tensor (or head) gets scale 1. Returns an array of
+    x's framework."""
+    if not isinstance(per_head, (bool, np.bool_)):
+        raise TypeError(f"per_head must be a bool, got {per_head!r}")
     with _arrays.array_context(x=x) as ctx:
         xv = ctx.view(x)
         if xv.ndim < 2:
@@ -43,7 +46,10 @@ def fp8_scales(x, *, per_head: bool = False):
         (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)("x", xv)
         xp = np if ctx.on_host else __import__("cupy")
         axes = tuple(a for a in range(xv.ndim) if a != xv.ndim - 2) if per_head else None
-        amax = xp.abs(xv.astype(xp.float32)).max(axis=axes)
+        if xv.size:
+            amax = xp.abs(xv.astype(xp.float32)).max(axis=axes)
+        else:  # nothing to scale: the all-zero answer
+            amax = xp.zeros((int(xv.shape[-2]),) if per_head else (), xp.float32)
         scale = xp.where(amax > 0, amax / np.float32(_arrays.E4M3_MAX), np.float32(1)).astype(np.float32)
         if ctx.on_host:
             return np.asarray(scale, np.float32)
@@ -56,6 +62,9 @@ def quantize_fp8(x, scale):
     """``x`` ``(..., H, D)`` (fp16, bf16 or fp32) as e4m3 with descale ``scale`` (a float, or a
     float32 array ``()``, ``(1,)`` or ``(H,)``): round-to-nearest-even(x / scale) saturated to
     +-448, the rule of ``PagedKVCache.write``. Runs the cache write kernel on the GPU."""
+    if scale is None:
+        raise TypeError("scale must be a float or a float32 array of shape (), (1,) or (H,), got None "
+                        "(cuattn.fp8_scales(x) computes one)")
     with _arrays.array_context(x=x, **({"scale": scale} if _arrays.is_array(scale) else {})) as ctx:
         xv = ctx.view(x)
         if xv.ndim < 2:
@@ -63,15 +72,16 @@ def quantize_fp8(x, scale):
         heads, head_dim = int(xv.shape[-2]), int(xv.shape[-1])
         sv = ctx.view(scale) if _arrays.is_array(scale) else scale
         checked = _arrays.check_kv_scale("scale", sv, True, heads, ctx.on_host, "x", xv)
+        # the host path takes the rows the write kernel takes
+        if head_dim % _params.constant("kCopyBytes"):
+            raise ValueError(f"x.shape[-1] (D) must be a multiple of {_params.constant('kCopyBytes')} (the write "
+                             f"kernel stores 16 bytes at a time), got {head_dim}")
         if ctx.on_host:
             _arrays.check_host_float_dtype("x", xv)
             return paged.quantize_e4m3(np.asarray(xv), checked.per_head(heads))
         if np.dtype(xv.dtype) not in paged.QUANTIZED_WRITE_TYPES:
             raise TypeError(f"x.dtype is {_arrays.dtype_name(xv.dtype)}; quantize_fp8 takes float16, bfloat16 or "
                             "float32")
-        if head_dim % _params.constant("kCopyBytes"):
-            raise ValueError(f"x.shape[-1] (D) must be a multiple of {_params.constant('kCopyBytes')} (the write "
-                             f"kernel stores 16 bytes at a time), got {head_dim}")
         out = _quantize_on_device(xv, checked, heads, head_dim, ctx.stream)
         if ctx.kind == "torch":
             import torch

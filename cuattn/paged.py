@@ -32,11 +32,18 @@ import math
 import numpy as np
 
 from . import _arrays, _calls, _jit, _masks, _params, decode as _decode, reference
-from ._errors import OutOfBlocksError
+from ._errors import OutOfBlocksError, UnknownSequenceError
 
 # Padding of block tables past a sequence's last block; never read (positions past seq_lens).
 TABLE_PAD = -1
 MAX_BLOCK_SIZE = 256
+# Token ids the prefix cache's hash chain takes (each hashed as an int64).
+TOKEN_ID_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+
+
+def _check_block_size(block_size) -> None:
+    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,8 +54,9 @@ class BlockManager:
     """Allocates KV blocks to sequences, with reference counts for sharing and copy-on-write.
 
     Sequence ids are any hashable values. Every method that cannot be carried out raises before
-    changing anything: ``OutOfBlocksError`` when the pool is short, ``KeyError`` for an unknown
-    sequence, ``ValueError`` for a bad argument.
+    changing anything: ``OutOfBlocksError`` when the pool is short, ``UnknownSequenceError`` (a
+    ``KeyError`` and a ``ValueError``) for an unknown sequence, ``ValueError`` or ``TypeError`` for
+    a bad argument.
 
     Prefix caching (``enable_prefix_caching=True``, vLLM's automatic prefix caching): a full block
     whose token ids are known is identified by a hash chained over every token id from the
@@ -62,10 +70,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
-        if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+        _arrays.check_int("num_blocks", num_blocks, 1)
+        _check_block_size(block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.num_blocks = int(num_blocks)
@@ -130,6 +136,8 @@ class BlockManager:
 
     def block_table(self, seq_ids) -> tuple[np.ndarray, np.ndarray]:
         """``(table, seq_lens)`` for a batch: int32 ``(B, max_blocks)`` padded with -1, and int32 ``(B,)``."""
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids must be an iterable of sequence ids (a list, say), got {type(seq_ids).__name__}")
         seq_ids = list(seq_ids)
         for seq_id in seq_ids:
             self._require(seq_id)
@@ -234,7 +242,7 @@ class BlockManager:
         """Drop a sequence; blocks no other sequence holds go back to the pool (cached ones stay
         cached, to be shared again or evicted when fresh blocks run out)."""
         if seq_id not in self._tables:
-            raise KeyError(f"cannot free sequence {seq_id!r}: it is not allocated (freed twice?)")
+            raise UnknownSequenceError(f"cannot free sequence {seq_id!r}: it is not allocated (freed twice?)")
         for block in reversed(self._tables.pop(seq_id)):
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
@@ -249,7 +257,7 @@ class BlockManager:
 
     def _require(self, seq_id) -> None:
         if seq_id not in self._tables:
-            raise KeyError(f"unknown sequence {seq_id!r}")
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
 
     def _require_free(self, needed: int, what: str) -> None:
         free = self.num_free_blocks
@@ -263,10 +271,16 @@ class BlockManager:
         """The token ids as ints (None when not given or caching is off)."""
         if token_ids is None or not self.enable_prefix_caching:
             return None
-        ids = np.asarray(token_ids)
+        try:
+            ids = np.asarray(token_ids)
+        except ValueError as exc:  # ragged nesting
+            raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got {token_ids!r:.80}") from exc
         if ids.ndim != 1 or ids.shape[0] != num_tokens or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got "
                              f"{ids.shape[0] if ids.ndim == 1 else ids.shape} of {ids.dtype}")
+        # the hash chain reads each id as an int64
+        if ids.size and (int(ids.min()) < TOKEN_ID_RANGE[0] or int(ids.max()) > TOKEN_ID_RANGE[1]):
+            raise ValueError(f"token_ids must fit in int64, got {int(ids.min())} .. {int(ids.max())}")
         return [int(t) for t in ids]
 
     def _chain(self, hashes: list[bytes], tokens: list[int], start_block: int) -> list[bytes]:
@@ -344,11 +358,10 @@ class PagedKVCache:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
             _arrays.check_int(name, value, 1)
-        if not isinstance(block_size, (int, np.integer)) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        _check_block_size(block_size)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        _arrays.check_head_dim("head_dim", head_dim)
-        _arrays.check_head_dim("head_dim_v", head_dim_v)
+        for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            _arrays.check_head_dim(name, _arrays.check_int(name, value, 0))
         dtype = _cache_dtype(dtype)
         self.e4m3 = dtype == _arrays.FLOAT8_E4M3
         if self.e4m3:
@@ -358,7 +371,8 @@ class PagedKVCache:
             raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16, bfloat16 or "
                             "float8_e4m3fn")
         if device == "cpu":
-            _arrays.check_host_float_dtype("dtype", np.empty(0, dtype))
+            if dtype.kind != "f" and dtype not in (_arrays.BFLOAT16, _arrays.FLOAT8_E4M3):
+                raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; a CPU cache takes a float dtype")
             xp = np
         else:
             _jit.require_gpu()
@@ -377,15 +391,26 @@ class PagedKVCache:
 
     def _scale_per_head(self, name: str, value, xp):
         """A cache scale as float32 ``(Hk,)`` on the pages' device; only an e4m3 cache has scales other than 1."""
-        host = np.asarray(_arrays.to_numpy(value) if hasattr(value, "shape") else value, np.float64)
+        if _arrays.is_array(value):
+            _arrays.check_host_float_dtype(name, _arrays.to_numpy(value))
+            given = _arrays.to_numpy(value)
+        elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+            given = value
+        else:
+            raise TypeError(f"{name} must be a float or an array of shape (), (1,) or (Hk,) = ({self.num_kv_heads},), "
+                            f"got {type(value).__name__}")
+        # checked as the kernels (and the host writes) take it: in float32
+        with np.errstate(over="ignore", under="ignore"):
+            host = np.asarray(given, np.float64).astype(np.float32)
         if host.shape not in ((), (1,), (self.num_kv_heads,)):
             raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({self.num_kv_heads},), got {host.shape}")
         if not (np.isfinite(host).all() and (host > 0).all()):
-            raise ValueError(f"{name} must be positive and finite, got {host.tolist()}")
+            raise ValueError(f"{name} must be positive and finite (and nonzero in float32, the kernels' type), got "
+                             f"{np.asarray(given).tolist()}")
         if not self.e4m3 and (host != 1).any():
             raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds "
                              f"{_arrays.dtype_name(self.dtype)}")
-        return xp.asarray(np.broadcast_to(host.reshape(-1), (self.num_kv_heads,)).astype(np.float32))
+        return xp.asarray(np.broadcast_to(host.reshape(-1), (self.num_kv_heads,)))
 
     @property
     def num_slots(self) -> int:
@@ -416,6 +441,8 @@ class PagedKVCache:
                     if np.dtype(x.dtype) not in QUANTIZED_WRITE_TYPES:
                         raise TypeError(f"{name}.dtype is {_arrays.dtype_name(x.dtype)}; an e4m3 cache takes float16, "
                                         "bfloat16 or float32 tokens and quantises them")
+                    # one write kernel reads both in one type
+                    _arrays.check_same_dtype(name, x, "k", kv_)
                 elif np.dtype(x.dtype) != self.dtype:
                     raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
                                     f"got {_arrays.dtype_name(x.dtype)}")
@@ -436,7 +463,14 @@ class PagedKVCache:
         The copies run in parallel, so each destination appears once and is no pair's source
         (``BlockManager.append`` always hands out fresh destinations).
         """
-        pairs = np.asarray(pairs, np.int32).reshape(-1, 2) if len(pairs) else np.zeros((0, 2), np.int32)
+        pairs = _arrays.host_int32("pairs", list(pairs) if isinstance(pairs, tuple) else pairs)
+        pairs = np.asarray(pairs)
+        if pairs.size == 0:
+            pairs = np.zeros((0, 2), np.int32)
+        if pairs.ndim != 2 or pairs.shape[1] != 2:
+            raise ValueError(f"pairs must be (src, dst) pairs, shape (P, 2), got shape {pairs.shape}")
+        if pairs.dtype.kind not in "iu":
+            raise TypeError(f"pairs must hold block ids (ints), got {pairs.dtype} values")
         if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
             raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got {pairs.tolist()}")
         dst = pairs[:, 1]
@@ -507,11 +541,20 @@ class PagedKVCache:
 QUANTIZED_WRITE_TYPES = {**_arrays.CUDA_TYPES, np.dtype(np.float32): "float"}
 
 
+# What names e4m3 besides ml_dtypes' float8_e4m3fn: its name and torch's dtype (as str() gives them).
+E4M3_NAMES = ("float8_e4m3fn", "torch.float8_e4m3fn")
+
+
 def _cache_dtype(dtype) -> np.dtype:
     """A cache dtype as NumPy's: torch.float8_e4m3fn and "float8_e4m3fn" name e4m3 too."""
-    if "float8_e4m3fn" in str(dtype):
+    if dtype is None:
+        raise TypeError("dtype must be a float dtype (float16, bfloat16, float8_e4m3fn, ...), got None")
+    if str(dtype) in E4M3_NAMES:
         return _arrays.FLOAT8_E4M3
-    return np.dtype(dtype)
+    try:
+        return np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype must be a float dtype (float16, bfloat16, float8_e4m3fn, ...), got {dtype!r}") from exc
 
 
 def quantize_e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -677,9 +720,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
     own_scales = {}  # a PagedKVCache's scales: its own arrays, on its own device
     if isinstance(cache, PagedKVCache):
         k_pages, v_pages = cache.k_pages, cache.v_pages
-        if k_scale is not None or v_scale is not None:
-            raise ValueError("k_scale and v_scale come with a PagedKVCache (its constructor's); pass them only "
-                             "with a (k_pages, v_pages) pair")
+        _check_no_pair_scales(k_scale, v_scale)
         if cache.e4m3:
             k_scale, v_scale = cache.k_scale, cache.v_scale
             if cache.device == "cuda":
@@ -726,7 +767,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
         capacity = int(table.shape[1]) * block_size
-        if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1):
+        if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or isinstance(max_seq_len, bool)
+                                        or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
         k_scale, v_scale = (x if name in own_scales else ctx.view(x) if _arrays.is_array(x) else x
                             for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
@@ -786,6 +828,13 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
                                                           return_lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
+
+
+def _check_no_pair_scales(k_scale, v_scale) -> None:
+    """A PagedKVCache brings its own scales: refuse the ones a (k_pages, v_pages) pair takes."""
+    if k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale and v_scale come with a PagedKVCache (its constructor's); pass them only "
+                         "with a (k_pages, v_pages) pair")
 
 
 def _cache_pair(cache):

@@ -51,8 +51,9 @@ import numpy as np
 
 from . import _arrays, _masks
 from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
-from .decode import MAX_NEW_TOKENS
-from .paged import MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_page_strides, _check_table, paged_attention
+from .decode import MAX_NEW_TOKENS, check_cache_scales
+from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_page_strides, _check_table,
+                    paged_attention)
 
 # The fewest queries a sequence sends through the paged forward; fewer go through paged decode.
 PREFILL_MIN_QUERIES = MAX_NEW_TOKENS + 1
@@ -86,10 +87,10 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
                          "causal=True (window[1] -1 or 0)")
     max_seqlen_q = _arrays.check_int("max_seqlen_q", max_seqlen_q, 0)
     _arrays.check_ndim("q", q, "(total_q, Hq, D)")
-    table_host, lens_host = (isinstance(x, (list, tuple)) or _arrays.array_kind(x) == "numpy"
-                             for x in (block_table, seq_lens))
-    block_table = np.asarray(block_table) if table_host else block_table
-    seq_lens = np.asarray(seq_lens) if lens_host else seq_lens
+    block_table, seq_lens = (_arrays.host_int32(name, x) for name, x in (("block_table", block_table),
+                                                                          ("seq_lens", seq_lens)))
+    table_host, lens_host = (_arrays.array_kind(x, name) == "numpy"
+                             for name, x in (("block_table", block_table), ("seq_lens", seq_lens)))
     cu = _host_prefix_sums(cu_seqlens_q)
     _arrays.check_ndim("cu_seqlens_q", cu, "(B + 1)")
     _arrays.check_int32("cu_seqlens_q", cu)
@@ -109,7 +110,20 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         else:
             kv, vv = ctx.view(pages_named["k_pages"]), ctx.view(pages_named["v_pages"])
             pair = (kv, vv)
-        _arrays.check_ndim("v_pages", vv, "(num_blocks, block_size, Hk, Dv)")
+        # array scales of the caller's framework, as CuPy views beside the viewed pages
+        k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) and _arrays.array_kind(x) == ctx.kind else x
+                            for x in (k_scale, v_scale))
+        # every sequence's arguments, before any plan: the launches below see only the sequences
+        # with queries, and would name their own runs rather than the caller's sequences
+        if isinstance(cache, PagedKVCache):
+            _check_no_pair_scales(k_scale, v_scale)
+            _check_call(qv, kv, vv, table, lens, None, None, ctx.on_host or cache.device == "cpu")
+        else:
+            _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
+        if check or ctx.on_host:
+            _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
+                         int(kv.shape[0]), int(kv.shape[1]))
+            check = False  # every row of the table was just checked
         total_q, num_heads, head_dim = map(int, qv.shape)
         head_dim_v = int(vv.shape[3])
         out_shape = (total_q, num_heads, head_dim_v)
@@ -118,9 +132,6 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             if not ctx.on_host:
                 _arrays.check_kernel_layout("out", ov)
                 _arrays.check_same_device("out", ov, "q", qv)
-        # array scales of the caller's framework, as CuPy views beside the viewed pages
-        k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) and _arrays.array_kind(x) == ctx.kind else x
-                            for x in (k_scale, v_scale))
         lengths = np.diff(cu.astype(np.int64))
         prefill = np.zeros(lengths.shape, bool)
         # long query runs take the paged forward (2-byte pages, any Dv); e4m3 pages run as decode rows
@@ -129,10 +140,6 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
         if prefill.any():
             _check_pages(qv, kv, vv, table, lens)
-            if check:
-                _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
-                             int(kv.shape[0]), int(kv.shape[1]))
-                check = False  # the decode part's rows of the table were just checked
         xp = np if ctx.on_host else __import__("cupy")
         if ov is None:
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
@@ -184,6 +191,30 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         return (ov, lse) if return_lse else ov
 
 
+def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
+    """The pages' shapes against q's, their dtype and descales, the table's and the lengths' shapes
+    and dtypes: what paged_attention checks for its rows, here for every sequence of the call
+    (those without queries too, and a call without any)."""
+    _arrays.check_ndim("k_pages", k, "(num_blocks, block_size, Hk, D)")
+    _arrays.check_ndim("v_pages", v, "(num_blocks, block_size, Hk, Dv)")
+    for axis, axis_name in enumerate(("num_blocks", "block_size", "Hk")):
+        _arrays.check_axis("v_pages", v, axis, axis_name, int(k.shape[axis]), f"k_pages.shape[{axis}]")
+    _arrays.check_axis("k_pages", k, 3, "head_dim", int(q.shape[2]), "q.shape[2]")
+    _arrays.check_positive("k_pages", k, 2, "Hk")
+    if int(q.shape[1]) % int(k.shape[2]):
+        raise ValueError(f"q.shape[1] (num_heads) = {int(q.shape[1])} must be a multiple of k_pages.shape[2] "
+                         f"(num_kv_heads) = {int(k.shape[2])}")
+    _arrays.check_head_dim("q.shape[-1] (head_dim)", int(q.shape[2]))
+    _arrays.check_head_dim("v_pages.shape[3] (head_dim_v)", int(v.shape[3]))
+    if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
+        raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
+    check_cache_scales(q, k, v, k_scale, v_scale, ("k_pages", "v_pages"), host)
+    _arrays.check_int32("block_table", table)
+    _arrays.check_ndim("seq_lens", lens, "(B)")
+    _arrays.check_axis("seq_lens", lens, 0, "batch", int(table.shape[0]), "block_table.shape[0]")
+    _arrays.check_int32("seq_lens", lens)
+
+
 def _check_pages(q, k, v, table, lens) -> None:
     """What the paged forward reads: k pages (num_blocks, block_size, Hk, D) of q's dtype and head dim
     and v pages (num_blocks, block_size, Hk, Dv), Hq a multiple of Hk, the table's and lengths'
@@ -233,9 +264,8 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
 
 def _host_prefix_sums(cu):
     """The prefix sums on the host (a device array is copied: the runs are planned from them)."""
-    if isinstance(cu, (list, tuple)):
-        return np.asarray(cu, np.int32)
-    return cu if _arrays.array_kind(cu) == "numpy" else _arrays.to_numpy(cu)
+    cu = _arrays.host_int32("cu_seqlens_q", cu)
+    return cu if _arrays.array_kind(cu, "cu_seqlens_q") == "numpy" else _arrays.to_numpy(cu)
 
 
 def _one_token_block(lengths: np.ndarray, selected: np.ndarray) -> tuple[int, int] | None:

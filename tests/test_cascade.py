@@ -92,6 +92,20 @@ def test_cascade_argument_errors():
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = 2 counts sequence 1's own tokens, the new ones included, "
                                          r"so it must be at least q.shape\[1\] \(Sq_new\) = 3"):
         cuattn.cascade_attention(q, prefix, pages, table, np.array([5, 2, 40], np.int32))
+    # the prefix's checks come first and run on checked arguments: q's rank, the options, the
+    # prefix's dtype and its kv heads, which are the cache's
+    with pytest.raises(ValueError, match=r"q must be 4-D \(B, Sq_new, Hq, D\), got shape \(3, 8, 64\)"):
+        cuattn.cascade_attention(q[0], prefix, pages, table, lens)
+    with pytest.raises(TypeError, match=r"q must be a NumPy, CuPy, torch or JAX array .*got builtins.list"):
+        cuattn.cascade_attention(q.tolist(), prefix, pages, table, lens)
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got 'yes'"):
+        cuattn.cascade_attention(q, prefix, pages, table, lens, return_lse="yes")
+    with pytest.raises(TypeError, match=r"prefix_k.dtype must equal q.dtype = float32, got float16"):
+        cuattn.cascade_attention(q, tuple(x.astype(np.float16) for x in prefix), pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_k.shape\[1\] \(Hk\) must be at least 1, got 0"):
+        cuattn.cascade_attention(q, tuple(x[:, :0] for x in prefix), pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_k.shape\[1\] \(Hk\) must equal k_pages.shape\[2\] = 2, got 1"):
+        cuattn.cascade_attention(q, tuple(x[:, :1] for x in prefix), pages, table, lens)
 
 
 def test_default_prefix_splits_fill_the_sms(monkeypatch):

@@ -116,6 +116,10 @@ def test_paged_cpu_cache_quantises_writes_and_attends_over_real_values():
     assert cache.k_pages.dtype == E4M3
     k_new, v_new = randn(rng, (9, 2, 32), np.float32), randn(rng, (9, 2, 32), BF16)
     slots = np.array([5, 6, 7, 8, 9, 10, 11, 12, 13], np.int32)
+    # one write kernel reads k and v in one type: the host path refuses a mix as the device's does
+    with pytest.raises(TypeError, match=r"v.dtype must equal k.dtype = float32, got bfloat16"):
+        cache.write(k_new, v_new, slots)
+    v_new = v_new.astype(np.float32)
     cache.write(k_new, v_new, slots)
     expected_k = np.clip(k_new / k_scale[:, None], -448, 448).astype(E4M3)
     np.testing.assert_array_equal(cache.k_pages.reshape(-1, 2, 32)[5:14].view(np.uint8), expected_k.view(np.uint8))
@@ -163,10 +167,46 @@ def test_fp8_argument_errors():
         cache.write(np.zeros((1, 2, 32), np.int32), np.zeros((1, 2, 32), np.int32), [0])
     with pytest.raises(ValueError, match=r"x must be \(..., H, D\) with at least 2 axes, got shape \(5,\)"):
         cuattn.fp8_scales(np.ones(5, np.float32))
+    with pytest.raises(TypeError, match=r"per_head must be a bool, got 'no'"):
+        cuattn.fp8_scales(np.ones((5, 2, 32), np.float32), per_head="no")
+    # the host takes what the device takes: 16-byte rows, a scale, q of 16 bits (any float but e4m3)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] \(D\) must be a multiple of 16 \(the write kernel stores 16 "
+                                         r"bytes at a time\), got 24"):
+        cuattn.quantize_fp8(np.ones((5, 2, 24), np.float32), 0.1)
+    with pytest.raises(TypeError, match=r"scale must be a float or a float32 array of shape \(\), \(1,\) or \(H,\), got "
+                                        r"None \(cuattn.fp8_scales\(x\) computes one\)"):
+        cuattn.quantize_fp8(np.ones((5, 2, 32), np.float32), None)
+    with pytest.raises(TypeError, match=r"q.dtype is float8_e4m3fn; over an e4m3 cache q stays float16 or bfloat16"):
+        cuattn.decode(k8[:, :1].copy(), k8, k8, lens)
+
+
+@pytest.mark.parametrize("per_head, shape", [(False, ()), (True, (2,))])
+def test_scales_of_an_empty_tensor_are_one(per_head, shape):
+    scale = cuattn.fp8_scales(np.zeros((0, 2, 32), np.float32), per_head=per_head)
+    assert scale.shape == shape and scale.dtype == np.float32 and np.all(scale == 1)
+
+
+def test_fp8_attention_takes_the_kernels_head_dims_on_the_host_too():
+    rng = np.random.default_rng()
+    x = cuattn.quantize_fp8(randn(rng, (1, 8, 2, 64)), 0.01)
+    with pytest.raises(ValueError, match=r"q.shape\[3\] \(head_dim\) = 64 is not supported with FP8 inputs; supported "
+                                         r"head dims: 128, 256"):
+        cuattn.attention(x, x, x, q_scale=0.01, k_scale=0.01, v_scale=0.01)
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU
+
+
+@pytest.mark.gpu
+def test_e4m3_write_takes_one_token_dtype_on_the_gpu():
+    """One write kernel reads k and v in one type: a mix is refused before launch, the cache unchanged."""
+    cupy = _cupy()
+    cache = cuattn.PagedKVCache(4, 4, 2, 32, E4M3, k_scale=0.01, v_scale=0.01)
+    k = cupy.ones((3, 2, 32), cupy.float16)
+    with pytest.raises(TypeError, match=r"v.dtype must equal k.dtype = float16, got float32"):
+        cache.write(k, k.astype(cupy.float32), np.array([0, 1, 2], np.int32))
+    assert not cache.k_pages.any() and not cache.v_pages.any()
 
 
 @pytest.mark.gpu

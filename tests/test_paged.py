@@ -278,6 +278,39 @@ def test_block_manager_errors():
         cuattn.BlockManager(4, 300)
     with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got 0"):
         cuattn.BlockManager(0, 16)
+    with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got True"):
+        cuattn.BlockManager(True, 16)
+    with pytest.raises(ValueError, match=r"block_size must be an int from 1 to 256, got True"):
+        cuattn.BlockManager(4, True)
+    with pytest.raises(TypeError, match=r"seq_ids must be an iterable of sequence ids \(a list, say\), got NoneType"):
+        m.block_table(None)
+
+
+def test_an_unknown_sequence_is_a_key_error_and_a_value_error():
+    """DESIGN's rule (a bad argument is a ValueError) and the class's (a lookup that fails is a KeyError) both hold."""
+    m = cuattn.BlockManager(4, 2)
+    for call in (lambda: m.free("x"), lambda: m.append("x"), lambda: m.fork("x", "y"), lambda: m.seq_len("x"),
+                 lambda: m.block_table(["x"])):
+        with pytest.raises(KeyError):
+            call()
+        with pytest.raises(ValueError, match=r"sequence 'x'"):
+            call()
+
+
+def test_token_ids_past_int64_change_nothing():
+    """The prefix cache hashes each id as an int64: larger ids are refused before anything moves,
+    on allocate and on an append that would hash a full block."""
+    m = cuattn.BlockManager(8, 2, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match=r"token_ids must fit in int64, got 1 .. 18446744073709551615"):
+        m.allocate("a", 2, token_ids=np.array([1, 2**64 - 1], np.uint64))
+    assert m.num_free_blocks == 8
+    m.allocate("a", 2, token_ids=[1, 2])
+    before = (m.seq_len("a"), m.num_free_blocks, m.blocks("a"))
+    with pytest.raises(ValueError, match=r"token_ids must fit in int64, got 7 .. 9223372036854775808"):
+        m.append("a", 3, token_ids=np.array([7, 7, 2**63], np.uint64))
+    assert (m.seq_len("a"), m.num_free_blocks, m.blocks("a")) == before
+    slots, _ = m.append("a", 2, token_ids=[3, 4])
+    assert m.seq_len("a") == 4 and len(slots) == 2
 
 
 def test_out_of_blocks_messages_count_in_english():
@@ -392,7 +425,7 @@ def test_paged_cache_and_argument_errors():
         cuattn.PagedKVCache(8, 4, 2, 64, np.float16, device="tpu")
     with pytest.raises(TypeError, match=r"dtype is float32; the paged kernels take float16, bfloat16 or float8_e4m3fn"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.float32)
-    with pytest.raises(ValueError, match=r"block_size must be from 1 to 256, got 0"):
+    with pytest.raises(ValueError, match=r"block_size must be an int from 1 to 256, got 0"):
         cuattn.PagedKVCache(8, 0, 2, 64, np.float16, device="cpu")
     cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
     k = np.zeros((2, 2, 64), np.float32)
@@ -404,13 +437,15 @@ def test_paged_cache_and_argument_errors():
     table, lens = np.array([[0, 1]], np.int32), np.array([5], np.int32)
     with pytest.raises(ValueError, match=r"max_seq_len must be None or an int >= 1, got 0"):
         cuattn.paged_attention(q, cache, table, lens, max_seq_len=0)
+    with pytest.raises(ValueError, match=r"max_seq_len must be None or an int >= 1, got True"):
+        cuattn.paged_attention(q, cache, table, lens, max_seq_len=True)
     pages = np.zeros((4, 300, 2, 64), np.float32)
     with pytest.raises(ValueError, match=r"k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got 300"):
         cuattn.paged_attention(q, (pages, pages), table, lens)
 
 
 def test_cpu_cache_enforces_the_device_caches_rules():
-    with pytest.raises(TypeError, match=r"dtype.dtype is int32; expected a floating-point dtype"):
+    with pytest.raises(TypeError, match=r"dtype is int32; a CPU cache takes a float dtype"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.int32, device="cpu")
     with pytest.raises(ValueError, match=r"num_kv_heads must be an int >= 1, got 0"):
         cuattn.PagedKVCache(8, 4, 0, 64, np.float32, device="cpu")
@@ -426,6 +461,46 @@ def test_cpu_cache_enforces_the_device_caches_rules():
     # -1 marks padding and may repeat
     cache.write(k32, k32, np.array([-1, 1, -1]))
     assert cache.k_pages[0, 1].all() and cache.k_pages.sum() == 2 * 64
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((8, 4, 2, 64, None), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got None"),
+    ((8, 4, 2, 64, "float8_e4m3fnuz"), {}, TypeError, r"dtype is float8_e4m3fnuz; a CPU cache takes a float dtype"),
+    ((8, 4, 2, "64", np.float32), {}, ValueError, r"head_dim must be an int >= 0, got '64'"),
+    ((8, True, 2, 64, np.float32), {}, ValueError, r"block_size must be an int from 1 to 256, got True"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": "0.5"}, TypeError,
+     r"k_scale must be a float or an array of shape \(\), \(1,\) or \(Hk,\) = \(2,\), got str"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": None}, TypeError, r"v_scale must be a float or an array .*got NoneType"),
+    # the scales are float32 on the pages' device: one that rounds to 0 or inf there is refused
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": 1e-50}, ValueError,
+     r"k_scale must be positive and finite \(and nonzero in float32, the kernels' type\), got 1e-50"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": np.array([1.0, 1e50])}, ValueError,
+     r"v_scale must be positive and finite .*got \[1.0, 1e\+50\]"),
+])
+def test_cache_constructor_errors(args, kwargs, error, message):
+    import ml_dtypes
+
+    if args[4] == "float8_e4m3fnuz":
+        args = (*args[:4], ml_dtypes.float8_e4m3fnuz)
+    with pytest.raises(error, match=message):
+        cuattn.PagedKVCache(*args, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("pairs, error, message", [
+    ([(0.5, 1.7)], TypeError, r"pairs must hold int32 values, got float64 values"),
+    ([(0, 2**40)], ValueError, r"pairs must hold int32 values \(in \[-2147483648, 2147483647\]\), got 0 .. 1099511627776"),
+    ([(0, 1, 2)], ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(1, 3\)"),
+    (np.array([0, 1]), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(2,\)"),
+    (np.array([[0, 9]]), ValueError, r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"),
+])
+def test_copy_blocks_errors(pairs, error, message):
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    cache.k_pages[0] = 1.0
+    with pytest.raises(error, match=message):
+        cache.copy_blocks(pairs)
+    assert not cache.k_pages[1:].any(), "a refused copy changed the cache"
+    cache.copy_blocks(np.array([[0, 1]], np.int32))
+    np.testing.assert_array_equal(cache.k_pages[1], cache.k_pages[0])
 
 
 def test_duplicate_host_slot_ids_are_refused_on_the_device_path_too():

@@ -176,6 +176,65 @@ def test_argument_errors():
         cuattn.paged_attention_varlen(q, pages, table, cu.astype(np.int64), lens, 40)
 
 
+@pytest.mark.parametrize("change, error, message", [
+    (lambda lens: lens[:-1], ValueError, r"seq_lens.shape\[0\] \(batch\) must equal block_table.shape\[0\] = 6, got 5"),
+    (lambda lens: np.array(5, np.int32), ValueError, r"seq_lens must be 1-D \(B\), got shape \(\)"),
+    (lambda lens: lens.astype(np.int64) + 2**32, TypeError, r"seq_lens.dtype must be int32, got int64"),
+    (lambda lens: lens + 0.5, TypeError, r"seq_lens.dtype must be int32, got float64"),
+    (lambda lens: np.where(np.arange(6) == 2, -1, lens).astype(np.int32), ValueError, r"seq_lens\[2\] must be >= 0, got -1"),
+    (lambda lens: [5, 300, 2, 64, 17, 2**40], ValueError, r"seq_lens must hold int32 values"),
+])
+def test_seq_lens_errors(change, error, message):
+    """Every sequence's length is checked before any run is planned (the runs index into them)."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    with pytest.raises(error, match=message):
+        cuattn.paged_attention_varlen(q, pages, table, cu, change(lens), 40)
+
+
+def test_lists_are_host_int32_arrays():
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    expected = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40)
+    got = cuattn.paged_attention_varlen(q, pages, table.tolist(), cu.tolist(), lens.tolist(), 40)
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must hold int32 values .*got 0 .. 1099511627776"):
+        cuattn.paged_attention_varlen(q, pages, table, [0, 2**40] + cu.tolist()[2:], lens, 40)
+    with pytest.raises(TypeError, match=r"block_table must hold int32 values, got float64 values"):
+        cuattn.paged_attention_varlen(q, pages, (table + 0.5).tolist(), cu, lens, 40)
+
+
+def test_sequences_without_queries_are_checked_too():
+    """A call checks every sequence it is given: those without queries (which no run reads) and
+    a call without any query, whose arguments are checked all the same; errors name the caller's
+    sequences, not the runs."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    num_blocks = pages[0].shape[0]
+    bad = table.copy()
+    bad[0, 0] = num_blocks  # sequence 0 has no queries
+    with pytest.raises(ValueError, match=rf"block_table\[0, 0\] = {num_blocks} is outside the pool of {num_blocks} "
+                                         r"blocks \(sequence 0 has 5 tokens\)"):
+        cuattn.paged_attention_varlen(q, pages, bad, cu, lens, 40)
+    bad = table.copy()
+    bad[5, 8] = -3  # sequence 5 (40 queries, two runs and a tail) reads its ninth block
+    with pytest.raises(ValueError, match=r"block_table\[5, 8\] = -3 is outside the pool"):
+        cuattn.paged_attention_varlen(q, pages, bad, cu, lens, 40)
+    with pytest.raises(ValueError, match=r"seq_lens\[5\] = 400 exceeds what block_table holds"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, np.where(np.arange(6) == 5, 400, lens).astype(np.int32), 40)
+    empty = np.zeros(7, np.int32)
+    k_pages, v_pages = pages
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \(num_heads\) = 3 must be a multiple of k_pages.shape\[2\] "
+                                         r"\(num_kv_heads\) = 2"):
+        cuattn.paged_attention_varlen(q[:0, :3], pages, table, empty, lens, 0)
+    with pytest.raises(ValueError, match=r"k_scale applies to float8_e4m3fn caches only"):
+        cuattn.paged_attention_varlen(q[:0], pages, table, empty, lens, 0, k_scale=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 12 is not supported"):
+        cuattn.paged_attention_varlen(q[:0, :, :12], (k_pages[..., :12], v_pages[..., :12]), table, empty, lens, 0)
+    out = cuattn.paged_attention_varlen(q[:0], pages, table, empty, lens, 0)
+    assert out.shape == (0, 8, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [16, 7])
 def test_packed_runs_on_the_gpu(rng, block):
