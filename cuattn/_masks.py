@@ -33,7 +33,8 @@ def check_options(window, softcap, scale, **flags) -> tuple[int, int]:
         left, right = window
         if (type(left) is int and type(right) is int and -1 <= left < MAX_TOTAL_LENGTH
                 and -1 <= right < MAX_TOTAL_LENGTH and (softcap == 0.0 or MIN_SOFTCAP <= softcap < MAX_SOFTCAP)
-                and (scale is None or (softcap == 0.0 and MIN_SCALE <= scale < MAX_SCALE))):
+                and (scale is None or (MIN_SCALE <= scale < MAX_SCALE
+                                       and (softcap == 0.0 or scale / softcap < MAX_FLOAT32)))):
             for value in flags.values():
                 if value is not True and value is not False:
                     break
