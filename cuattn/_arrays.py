@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 
 import ml_dtypes
@@ -345,9 +346,14 @@ def check_float_dtype(name: str, x) -> None:
 
 
 def check_host_float_dtype(name: str, x) -> None:
-    """NumPy inputs run the float64 reference, so any float dtype is fine; integers are not."""
+    """NumPy inputs run the float64 reference, so any float dtype is fine; integers are not, nor is
+    e4m3 but where the device path takes it too (FP8 attention's q, k and v, e4m3 caches: their
+    own checks)."""
     dtype = np.dtype(x.dtype)
-    if dtype.kind != "f" and dtype not in (BFLOAT16, FLOAT8_E4M3):
+    if dtype == FLOAT8_E4M3:
+        raise TypeError(f"{name}.dtype is float8_e4m3fn; expected float16, bfloat16, float32 or float64 here (e4m3 "
+                        "is taken by FP8 attention's q, k and v and by e4m3 KV caches)")
+    if dtype.kind != "f" and dtype != BFLOAT16:
         raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected a floating-point dtype")
 
 
@@ -373,6 +379,21 @@ def check_int(name: str, value, minimum: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def as_float(value) -> float:
+    """A Python or NumPy number as a float; an int too large for one is inf (refused as such by
+    the range checks that follow, rather than raising OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def show_number(value) -> str:
+    """A number as an error message shows it: its repr, or for a huge int its float rounding."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{as_float(value):.6g} ({len(text)} digits)"
 
 
 def check_int32(name: str, x) -> None:
@@ -491,10 +512,10 @@ def check_kv_dtypes(q, named_kv: dict, host: bool) -> bool:
     if not is_e4m3(k):
         check_dtypes({"q": q, k_name: k, v_name: v}, host)
         return False
-    (check_host_float_dtype if host else check_float_dtype)("q", q)
     if is_e4m3(q):
         raise TypeError("q.dtype is float8_e4m3fn; over an e4m3 cache q stays float16 or bfloat16 (any float but "
                         "e4m3 on the host), and the output takes its dtype")
+    (check_host_float_dtype if host else check_float_dtype)("q", q)
     if np.dtype(v.dtype) != np.dtype(k.dtype):
         raise TypeError(f"{v_name}.dtype must equal {k_name}.dtype = {dtype_name(k.dtype)} (an e4m3 cache holds "
                         f"both in e4m3), got {dtype_name(v.dtype)}")
@@ -533,10 +554,10 @@ def scalar_scale(name: str, scale, shapes: str) -> float | None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
     with np.errstate(over="ignore", under="ignore"):
-        value = float(np.float32(scale))
+        value = float(np.float32(as_float(scale)))
     if not (np.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive float, finite and nonzero in float32 (the kernels' type), "
-                         f"got {scale!r}")
+                         f"got {show_number(scale)}")
     return value
 
 

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from . import _arrays
+
 LOG2E = 1.0 / math.log(2.0)
 # The kernels keep window bounds and sequence positions in int32.
 MAX_TOTAL_LENGTH = 1 << 30
@@ -62,7 +64,7 @@ def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
         raise ValueError(f"window entries must be >= -1 (-1 = unbounded), got window = ({left}, {right})")
     if not _is_number(softcap):
         raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__} {softcap!r}")
-    softcap = float(softcap)
+    softcap = _arrays.as_float(softcap)
     if not (softcap == 0 or MIN_SOFTCAP <= softcap < MAX_SOFTCAP):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap}; a nonzero softcap lies in "
                          f"[{MIN_SOFTCAP:.3g}, {MAX_SOFTCAP:.3g}) (softcap * log2(e) finite and normal in float32, "
@@ -70,9 +72,10 @@ def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
     if scale is not None:
         if not _is_number(scale):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-        if not MIN_SCALE <= float(scale) < MAX_SCALE:
-            raise ValueError(f"scale must be a finite float > 0, got {scale}; it lies in [{MIN_SCALE:.3g}, "
-                             f"{MAX_SCALE:.3g}) (scale * log2(e) finite and normal in float32, the kernels' type)")
+        if not MIN_SCALE <= _arrays.as_float(scale) < MAX_SCALE:
+            raise ValueError(f"scale must be a finite float > 0, got {_arrays.show_number(scale)}; it lies in "
+                             f"[{MIN_SCALE:.3g}, {MAX_SCALE:.3g}) (scale * log2(e) finite and normal in float32, the "
+                             "kernels' type)")
         if softcap > 0 and not float(scale) / softcap < MAX_FLOAT32:
             raise ValueError(f"scale / softcap must be finite in float32 (the kernels' score multiplier), got "
                              f"{scale} / {softcap}")
@@ -99,6 +102,9 @@ def window_bounds(causal: bool, window, max_len: int) -> tuple[int, int]:
     return left, right
 
 
-def check_total_length(seqlen_q: int, seqlen_k: int) -> None:
+def check_total_length(seqlen_q: int, seqlen_k: int, names: str = "Sq + Sk") -> None:
+    """Positions stay int32 in the kernels (MAX_TOTAL_LENGTH); ``names`` says which arguments the
+    two lengths come from, for the message."""
     if seqlen_q + seqlen_k >= MAX_TOTAL_LENGTH:
-        raise ValueError(f"Sq + Sk must stay below {MAX_TOTAL_LENGTH}, got {seqlen_q} + {seqlen_k}")
+        raise ValueError(f"{names} must stay below {MAX_TOTAL_LENGTH} (positions are int32 in the kernels), got "
+                         f"{seqlen_q} + {seqlen_k}")

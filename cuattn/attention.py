@@ -674,7 +674,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
         qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
         if any(_arrays.is_e4m3(x) for x in (qv, kv, vv)):
-            _check_fp8_dtypes(qv, kv, vv)
+            _check_fp8_dtypes(qv, kv, vv, "an e4m3 input")
             raise ValueError("q_scale is required with float8_e4m3fn q (real value = stored x q_scale); "
                              "so are k_scale and v_scale")
         _check_qkv(qv, kv, vv, packed=False)
@@ -684,6 +684,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
+        _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k.shape[1] (Sq + Sk)")
         if ctx.on_host:
             result = reference.attention(
                 qv, kv, vv, causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True,
@@ -771,6 +772,7 @@ def attention_varlen(
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, int(qv.shape[1]), ctx.on_host, qv)
+        _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
         if ctx.on_host:
             result = reference.attention_varlen(
                 qv, kv, vv, cuq, cuk, max_seqlen_q, max_seqlen_k,
@@ -850,11 +852,12 @@ class Fp8Args:
         return f
 
 
-def _check_fp8_dtypes(q, k, v) -> None:
+def _check_fp8_dtypes(q, k, v, reason: str) -> None:
+    """``reason``: what made the call an FP8 one (its FP8 options, or an e4m3 input), for the message."""
     others = [f"{name}.dtype is {_arrays.dtype_name(x.dtype)}" for name, x in (("q", q), ("k", k), ("v", v))
               if not _arrays.is_e4m3(x)]
     if others:
-        raise TypeError("FP8 attention takes q, k and v all in float8_e4m3fn (CuPy: its uint8 storage); "
+        raise TypeError(f"{reason}: FP8 attention takes q, k and v all in float8_e4m3fn (CuPy: its uint8 storage); "
                         + ", ".join(others))
 
 
@@ -992,7 +995,8 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
         qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
         given = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
         sc = {name: ctx.view(x) if name in scales else x for name, x in given.items()}
-        _check_fp8_dtypes(qv, kv, vv)
+        _check_fp8_dtypes(qv, kv, vv, ", ".join(name for name, x in (*given.items(), ("out_dtype", out_dtype))
+                                                 if x is not None) + " given")
         _check_qkv(qv, kv, vv, packed=False)
         if int(vv.shape[3]) != int(qv.shape[3]):
             raise ValueError(f"v.shape[3] (head_dim_v) must equal q.shape[3] (head_dim) = {int(qv.shape[3])} with FP8 "
@@ -1013,6 +1017,7 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
+        _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k.shape[1] (Sq + Sk)")
         head_dim = int(qv.shape[3])
         # the host path takes the head dims the e4m3 kernel has, as every other check does
         if head_dim not in FWD_SM90_FP8_TILES:
@@ -1689,6 +1694,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, batch, num_heads, ctx.on_host, qv)
+        _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k.shape[1] (Sq + Sk)")
         if ctx.on_host:
             grads = reference.attention_backward(dov, qv, kv, vv, ov, lv, causal=causal, scale=scale,
                                                  window=(left, right), softcap=softcap, sinks=sv, alibi_slopes=av)
@@ -1749,6 +1755,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         if sv is not None:
             _arrays.check_sinks(sv, num_heads, ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, num_heads, ctx.on_host, qv)
+        _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
         if ctx.on_host:
             grads = reference.attention_varlen_backward(dov, qv, kv, vv, ov, lv, cuq, cuk, max_seqlen_q, max_seqlen_k,
                                                         causal=causal, scale=scale, window=(left, right),

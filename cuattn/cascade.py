@@ -97,7 +97,7 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
             return result
     _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=return_lse, check=check)
     prefix_k, prefix_v = _check_prefix(prefix, q, cache)
-    _check_suffix_lengths(seq_lens, int(q.shape[1]), check)
+    seq_lens = _check_suffix_lengths(seq_lens, q, check)
     out_prefix, lse_prefix = _prefix_states(q, prefix_k, prefix_v, prefix_splits, scale, softcap)
     out_own, lse_own = paged_attention(q, cache, block_table, seq_lens, max_seq_len=max_seq_len, causal=causal,
                                        scale=scale, softcap=softcap, sinks=sinks, return_lse=True, check=check,
@@ -295,20 +295,27 @@ def _check_prefix(prefix, q, cache):
     return prefix_k, prefix_v
 
 
-def _check_suffix_lengths(seq_lens, sq_new: int, check: bool) -> None:
+def _check_suffix_lengths(seq_lens, q, check: bool):
     """Each sequence's own tokens include its new ones. Read on the host only where that costs no
-    sync it would not pay anyway: NumPy lengths, or device lengths with ``check``."""
-    if isinstance(seq_lens, (list, tuple)) or _arrays.array_kind(seq_lens) == "numpy":
-        lens = np.asarray(seq_lens)
+    sync it would not pay anyway: NumPy lengths (a list becomes one, which this returns), or
+    device lengths with ``check``."""
+    seq_lens = _arrays.host_int32("seq_lens", seq_lens)
+    if _arrays.array_kind(seq_lens, "seq_lens") == "numpy":
+        lens = seq_lens
     elif check:
         lens = _arrays.to_numpy(seq_lens)
     else:
-        return
+        return seq_lens
+    _arrays.check_ndim("seq_lens", lens, "(B)")
+    _arrays.check_axis("seq_lens", lens, 0, "batch", int(q.shape[0]), "q.shape[0]")
+    _arrays.check_int32("seq_lens", lens)
+    sq_new = int(q.shape[1])
     short = np.flatnonzero(lens < sq_new)
     if short.size:
         b = int(short[0])
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} counts sequence {b}'s own tokens, the new ones included, "
                          f"so it must be at least q.shape[1] (Sq_new) = {sq_new}")
+    return seq_lens
 
 
 # ---------------------------------------------------------------------------------------------

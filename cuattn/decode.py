@@ -429,6 +429,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             if planning:
                 raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
                                 "the CPU reference")
+            _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k_cache.shape[1] (Sq_new + "
+                                                                         "S_max)")
             # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
             lens = np.clip(lens, 0, int(kv.shape[1]))
             if e4m3:

@@ -104,6 +104,7 @@ def zigzag_shard(x, rank: int, world_size: int, axis: int = 1):
     rank = _arrays.check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must be in [0, world_size = {world_size}), got {rank}")
+    _arrays.common_kind({"x": x})
     axis = _check_axis_arg("x", x, axis)
     length, chunks = int(x.shape[axis]), 2 * world_size
     if length % chunks:
@@ -131,6 +132,8 @@ def zigzag_unshard(shards, axis: int = 1):
                 f"shards[{i}].shape must equal shards[0].shape = {tuple(first.shape)}, got {tuple(shard.shape)}: "
                 "every rank's shard has one shape"
             )
+        if shard.dtype != first.dtype:  # any framework's dtypes compare among themselves
+            raise TypeError(f"shards[{i}].dtype must equal shards[0].dtype = {first.dtype}, got {shard.dtype}")
     local = int(first.shape[axis])
     if local % 2:
         raise ValueError(

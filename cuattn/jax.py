@@ -121,13 +121,26 @@ def _mask_options(causal, scale, window, softcap, **flags) -> _Mask:
 
 
 def _as_arrays(**named) -> list:
-    """JAX arrays (or tracers) of the array arguments; NumPy arrays are taken as constants."""
+    """JAX arrays (or tracers) of the array arguments; NumPy arrays are taken as constants, refused
+    where JAX would change their dtype (without jax_enable_x64 it narrows int64 and float64 to 32
+    bits, and a length of 2**32 + 1 would run as 1)."""
     arrays = []
     for name, x in named.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__module__}.{type(x).__name__}")
-        arrays.append(jnp.asarray(x))
+        converted = jnp.asarray(x)
+        if np.dtype(converted.dtype) != np.dtype(x.dtype):
+            wanted = "int32" if np.dtype(x.dtype).kind in "iu" else "float16 or bfloat16"
+            raise TypeError(f"{name}.dtype is {_arrays.dtype_name(x.dtype)}, which JAX would turn into "
+                            f"{_arrays.dtype_name(converted.dtype)}; pass {wanted} (the kernels' type)")
+        arrays.append(converted)
     return arrays
+
+
+def _concrete_on_cpu(*arrays) -> bool:
+    """Whether the arrays hold values on the CPU now (not traced, no device to sync with): then an
+    eager call can check their values before dispatch rather than inside the callback."""
+    return all(not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in x.devices()) for x in arrays)
 
 
 def _check_sinks(sinks, num_heads: int) -> None:
@@ -469,7 +482,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` prefix sums (arrays, may be traced);
     ``max_seqlen_q``, ``max_seqlen_k``: Python ints bounding every sequence's length. On the GPU
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
-    past ``max_seqlen_*`` are left unwritten); on the CPU a bad one raises when the call runs.
+    past ``max_seqlen_*`` are left unwritten); on the CPU concrete ones are checked before the call
+    (ValueError), traced ones when it runs (inside the callback, an XLA runtime error).
     Returns ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k = _as_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
@@ -480,7 +494,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _check_length("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _check_length("max_seqlen_k", max_seqlen_k, 0)
-    _masks.check_total_length(max_seqlen_q, max_seqlen_k)
+    _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
+    if _concrete_on_cpu(cu_seqlens_q, cu_seqlens_k):
+        # values known now: a bad one raises here (as ValueError), not inside the callback
+        _check_host_cu_seqlens(np.asarray(cu_seqlens_q), int(q.shape[0]), max_seqlen_q, "q")
+        _check_host_cu_seqlens(np.asarray(cu_seqlens_k), int(k.shape[0]), max_seqlen_k, "k")
     out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, mask=mask, max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k)
     return (out, lse) if return_lse else out

@@ -41,8 +41,15 @@ MAX_BLOCK_SIZE = 256
 TOKEN_ID_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 
 
+def _check_num_blocks(num_blocks: int) -> None:
+    """Block ids are int32 in block tables and slot ids are block x block_size + offset: int32 counts."""
+    if num_blocks > _arrays.INT32_RANGE[1]:
+        raise ValueError(f"num_blocks must fit in int32 (block tables hold int32 ids), got {num_blocks}")
+
+
 def _check_block_size(block_size) -> None:
-    if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+    if (not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool)
+            or not 1 <= block_size <= MAX_BLOCK_SIZE):
         raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 
@@ -71,6 +78,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
         _arrays.check_int("num_blocks", num_blocks, 1)
+        _check_num_blocks(num_blocks)
         _check_block_size(block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
@@ -157,6 +165,7 @@ class BlockManager:
         With prefix caching, ``token_ids`` (``num_tokens`` ints) lets the sequence share the cached
         blocks of its longest known prefix (see :meth:`cached_tokens`) and makes its own full
         blocks shareable."""
+        _check_seq_id(seq_id)
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already exists; free it first or pick another id")
         num_tokens = _arrays.check_int("num_tokens", num_tokens, minimum=0)
@@ -226,6 +235,7 @@ class BlockManager:
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts + 1, nothing copied)."""
         self._require(parent)
+        _check_seq_id(child)
         if child in self._tables:
             raise ValueError(f"cannot fork onto sequence {child!r}: it already exists")
         blocks = list(self._tables[parent])
@@ -241,6 +251,7 @@ class BlockManager:
     def free(self, seq_id) -> None:
         """Drop a sequence; blocks no other sequence holds go back to the pool (cached ones stay
         cached, to be shared again or evicted when fresh blocks run out)."""
+        _check_seq_id(seq_id)
         if seq_id not in self._tables:
             raise UnknownSequenceError(f"cannot free sequence {seq_id!r}: it is not allocated (freed twice?)")
         for block in reversed(self._tables.pop(seq_id)):
@@ -256,6 +267,7 @@ class BlockManager:
     # -- helpers
 
     def _require(self, seq_id) -> None:
+        _check_seq_id(seq_id)
         if seq_id not in self._tables:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
 
@@ -326,6 +338,14 @@ class BlockManager:
                 + positions % self.block_size).astype(np.int32) if count else np.zeros(0, np.int32)
 
 
+def _check_seq_id(seq_id) -> None:
+    """Sequence ids key dicts: any hashable value."""
+    try:
+        hash(seq_id)
+    except TypeError as exc:
+        raise TypeError(f"seq_id must be hashable (an int or a str, say), got {type(seq_id).__name__}") from exc
+
+
 def _count(n: int, noun: str) -> str:
     """``1 token``, ``2 tokens``: error messages count in English."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
@@ -358,6 +378,7 @@ class PagedKVCache:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
             _arrays.check_int(name, value, 1)
+        _check_num_blocks(num_blocks)
         _check_block_size(block_size)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
@@ -395,7 +416,7 @@ class PagedKVCache:
             _arrays.check_host_float_dtype(name, _arrays.to_numpy(value))
             given = _arrays.to_numpy(value)
         elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
-            given = value
+            given = _arrays.as_float(value)
         else:
             raise TypeError(f"{name} must be a float or an array of shape (), (1,) or (Hk,) = ({self.num_kv_heads},), "
                             f"got {type(value).__name__}")
@@ -476,7 +497,7 @@ class PagedKVCache:
         dst = pairs[:, 1]
         if len(np.unique(dst)) != len(dst) or np.isin(dst, pairs[:, 0]).any():
             # the copies run in parallel: a block both written and read, or written twice, has no order
-            raise ValueError(f"a destination block may appear once and never as a source: {pairs.tolist()}")
+            raise ValueError(f"pairs: a destination block may appear once and never as a source, got {pairs.tolist()}")
         if not pairs.size:
             return
         if self.device == "cpu":
@@ -566,7 +587,7 @@ def quantize_e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def _slot_array(slot_ids, num_tokens: int, num_slots: int):
     """Host slot ids are checked here; device ones pass through unread."""
-    if not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids) != "numpy":
+    if not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids, "slot_ids") != "numpy":
         return slot_ids
     slots = np.asarray(slot_ids)
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
@@ -751,13 +772,16 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
                             "cache with device='cpu'")
         qv = ctx.view(q)
         kv, vv = (k_pages, v_pages) if "k_pages" not in named else (ctx.view(k_pages), ctx.view(v_pages))
-        table_host = _arrays.array_kind(block_table) == "numpy" or isinstance(block_table, (list, tuple))
-        lens_host = _arrays.array_kind(seq_lens) == "numpy" or isinstance(seq_lens, (list, tuple))
+        # host lists become int32 arrays; anything else not an array is named
+        block_table, seq_lens = (_arrays.host_int32(name, x) for name, x in (("block_table", block_table),
+                                                                              ("seq_lens", seq_lens)))
+        table_host = _arrays.array_kind(block_table, "block_table") == "numpy"
+        lens_host = _arrays.array_kind(seq_lens, "seq_lens") == "numpy"
         if planning and not ctx.on_host and (table_host or lens_host):
             raise TypeError("plan_paged_attention reads block_table and seq_lens on the device each run: pass device "
                             "arrays (CuPy or q's framework) that the loop updates in place")
-        table = np.asarray(block_table) if table_host else ctx.view(_same_kind(block_table, ctx))
-        lens = np.asarray(seq_lens) if lens_host else ctx.view(_same_kind(seq_lens, ctx))
+        table = block_table if table_host else ctx.view(_same_kind(block_table, ctx))
+        lens = seq_lens if lens_host else ctx.view(_same_kind(seq_lens, ctx))
         _decode.check_decode_args(qv, kv, vv, lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
         _arrays.check_ndim("block_table", table, "(B, max_blocks)")
         _arrays.check_axis("block_table", table, 0, "batch", int(qv.shape[0]), "q.shape[0]")
@@ -787,6 +811,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             if planning:
                 raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
                                 "cuattn.paged_attention for the CPU reference")
+            _masks.check_total_length(int(qv.shape[1]), capacity, "q.shape[1] + the table's capacity "
+                                                                  "(Sq_new + max_blocks x block_size)")
             if e4m3:
                 kv, vv = _decode.dequantize(kv, ks), _decode.dequantize(vv, vs)
             result = reference.paged_attention(qv, kv, vv, table, lens, causal=causal, scale=scale,

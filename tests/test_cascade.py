@@ -106,6 +106,17 @@ def test_cascade_argument_errors():
         cuattn.cascade_attention(q, tuple(x[:, :0] for x in prefix), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_k.shape\[1\] \(Hk\) must equal k_pages.shape\[2\] = 2, got 1"):
         cuattn.cascade_attention(q, tuple(x[:, :1] for x in prefix), pages, table, lens)
+    # the lengths are checked as lengths before they are read
+    with pytest.raises(ValueError, match=r"seq_lens must be 1-D \(B\), got shape \(3, 1\)"):
+        cuattn.cascade_attention(q, prefix, pages, table, lens[:, None])
+    with pytest.raises(TypeError, match=r"seq_lens.dtype must be int32, got str64"):
+        cuattn.cascade_attention(q, prefix, pages, table, np.array(["5", "17", "40"]))
+    with pytest.raises(ValueError, match=r"seq_lens must be a rectangular list of ints"):
+        cuattn.cascade_attention(q, prefix, pages, table, [[5], 17, 40])
+    with pytest.raises(ValueError, match=r"seq_lens.shape\[0\] \(batch\) must equal q.shape\[0\] = 3, got 2"):
+        cuattn.cascade_attention(q, prefix, pages, table, lens[:2])
+    np.testing.assert_array_equal(cuattn.cascade_attention(q, prefix, pages, table.tolist(), lens.tolist()),
+                                  cuattn.cascade_attention(q, prefix, pages, table, lens))
 
 
 def test_default_prefix_splits_fill_the_sms(monkeypatch):

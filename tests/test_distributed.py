@@ -107,6 +107,14 @@ def test_zigzag_shard_places_chunks_and_unshard_inverts_it(world_size, axis):
     np.testing.assert_array_equal(zigzag_unshard(shards, axis=axis), positions)
 
 
+def test_zigzag_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"x must be a NumPy, CuPy, torch or JAX array .*got None"):
+        zigzag_shard(None, 0, 2)
+    shards = [np.zeros((1, 4)), np.zeros((1, 4), np.float32)]
+    with pytest.raises(TypeError, match=r"shards\[1\].dtype must equal shards\[0\].dtype = float64, got float32"):
+        zigzag_unshard(shards)
+
+
 def test_zigzag_layout_balances_causal_work():
     """Every rank sees the same number of visible (query, key) pairs under the causal mask."""
     world_size, chunk = 4, 5

@@ -75,6 +75,9 @@ def test_option_errors(options, error, message):
         ({"softcap": 1e300}, ValueError, r"softcap must be a finite float >= 0 \(0 = off\), got 1e\+300; a nonzero"),
         ({"scale": 1e30, "softcap": 1e-20}, ValueError,
          r"scale / softcap must be finite in float32 \(the kernels' score multiplier\), got 1e\+30 / 1e-20"),
+        # a Python int past a float's range is out of range, not an OverflowError
+        ({"scale": 10**400}, ValueError, r"scale must be a finite float > 0, got inf \(401 digits\)"),
+        ({"softcap": 10**400}, ValueError, r"softcap must be a finite float >= 0 \(0 = off\), got inf"),
     ],
 )
 def test_scale_and_softcap_are_numbers_the_kernels_can_hold(options, error, message):
@@ -108,6 +111,41 @@ def test_a_window_wider_than_any_sequence_sees_every_key():
 def test_a_missing_or_foreign_array_is_named(call, message):
     with pytest.raises(TypeError, match=message):
         call(*arrays())
+
+
+def test_the_host_keeps_the_kernels_length_limit():
+    """Positions are int32 in the kernels: Sq + Sk stays below 2^30 on the CPU path too."""
+    x, cu = np.zeros((5, 4, 64), np.float32), np.array([0, 2, 5], np.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_q \+ max_seqlen_k must stay below 1073741824 \(positions are "
+                                         r"int32 in the kernels\), got 536870912 \+ 536870912"):
+        cuattn.attention_varlen(x, x[:, :2], x[:, :2], cu, cu, 2**29, 2**29)
+    q = np.zeros((1, 1, 4, 64), np.float32)
+    k = np.broadcast_to(np.zeros((1, 1, 2, 64), np.float32), (1, 2**30, 2, 64))
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \+ k_cache.shape\[1\] \(Sq_new \+ S_max\) must stay below"):
+        cuattn.decode(q, k, k, np.array([3], np.int32))
+
+
+def test_fp8_options_name_themselves_on_16_bit_inputs():
+    with pytest.raises(TypeError, match=r"out_dtype given: FP8 attention takes q, k and v all in float8_e4m3fn"):
+        cuattn.attention(*arrays(), out_dtype=np.float16)
+    with pytest.raises(TypeError, match=r"q_scale, k_scale given: FP8 attention takes q, k and v all in float8_e4m3fn"):
+        cuattn.attention(*arrays(), q_scale=1.0, k_scale=1.0)
+
+
+def test_e4m3_only_where_the_device_takes_it():
+    """The host's any-float rule stops at e4m3, which the kernels take only as FP8 attention's
+    inputs and as KV caches."""
+    import ml_dtypes
+
+    q, k, v = (x.astype(ml_dtypes.float8_e4m3fn) for x in arrays(d=16))
+    lse = np.zeros((1, 4, 5), np.float32)
+    with pytest.raises(TypeError, match=r"q.dtype is float8_e4m3fn; expected float16, bfloat16, float32 or float64 here"):
+        cuattn.attention_backward(q, q, k, v, q, lse)
+    out = np.zeros((1, 5, 4, 16), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"out_0.dtype is float8_e4m3fn; expected float16"):
+        cuattn.merge_states(out, lse, out, lse)
+    with pytest.raises(TypeError, match=r"x.dtype is float8_e4m3fn; expected float16"):
+        cuattn.quantize_fp8(np.zeros((2, 2, 16), ml_dtypes.float8_e4m3fn), 1.0)
 
 
 def test_out_must_be_writable():

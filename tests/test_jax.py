@@ -443,6 +443,27 @@ def test_argument_errors_name_the_argument(call, error, message):
         call()
 
 
+def test_numpy_arrays_jax_would_narrow_are_refused():
+    """Without jax_enable_x64, jnp.asarray makes int64 int32 and float64 float32: a length of
+    2**32 + 1 would run as 1. cuattn.jax refuses them, as the plain functions refuse int64."""
+    q, k, v = _dense()
+    with pytest.raises(TypeError, match=r"cache_seqlens.dtype is int64, which JAX would turn into int32; pass int32"):
+        cuattn.jax.decode(q, k, v, np.array([2**32 + 1], np.int64))
+    with pytest.raises(TypeError, match=r"q.dtype is float64, which JAX would turn into float32; pass float16 or "
+                                        r"bfloat16"):
+        cuattn.jax.attention(np.zeros(q.shape), k, v)
+
+
+def test_concrete_prefix_sums_are_checked_before_the_call_on_the_cpu():
+    """On the CPU their values cost no sync: a bad one raises ValueError before dispatch, not an XLA
+    runtime error from inside the callback."""
+    cpu = jax.devices("cpu")[0]
+    q, k, v = (jax.device_put(x, cpu) for x in _packed())
+    cu_q, cu_k = (jax.device_put(jnp.array(x, jnp.int32), cpu) for x in ([0, 5, 3], [0, 3, 7]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0 and be non-decreasing, got \[0, 5, 3\]"):
+        cuattn.jax.attention_varlen(q, k, v, cu_q, cu_k, 5, 7)
+
+
 # ---------------------------------------------------------------------------------------------
 # ring_attention inside jax.shard_map: P simulated CPU devices in a child process (the device
 # count is fixed when JAX starts)

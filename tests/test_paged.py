@@ -286,6 +286,36 @@ def test_block_manager_errors():
         m.block_table(None)
 
 
+def test_sequence_ids_are_hashable_and_pools_int32():
+    m = cuattn.BlockManager(4, 2)
+    for call in (lambda: m.allocate(["a"], 1), lambda: m.free(["a"]), lambda: m.append({}), lambda: m.seq_len(["a"])):
+        with pytest.raises(TypeError, match=r"seq_id must be hashable \(an int or a str, say\), got (list|dict)"):
+            call()
+    m.allocate("a", 1)
+    with pytest.raises(TypeError, match=r"seq_id must be hashable"):
+        m.fork("a", ["b"])
+    with pytest.raises(ValueError, match=r"num_blocks must fit in int32 \(block tables hold int32 ids\), got 10{30}"):
+        cuattn.BlockManager(10**30, 16)
+    with pytest.raises(ValueError, match=r"num_blocks must fit in int32"):
+        cuattn.PagedKVCache(2**31, 4, 2, 64, np.float16, device="cpu")
+
+
+def test_host_tables_and_lengths_may_be_lists():
+    rng = np.random.default_rng()
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    cache.write(*(rng.standard_normal((20, 2, 64)).astype(np.float32) for _ in range(2)), np.arange(20))
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
+    table, lens = np.array([[0, 1, 2], [3, 4, 0]], np.int32), np.array([9, 6], np.int32)
+    expected = cuattn.paged_attention(q, cache, table, lens)
+    np.testing.assert_array_equal(cuattn.paged_attention(q, cache, table.tolist(), lens.tolist()), expected)
+    with pytest.raises(TypeError, match=r"seq_lens must be a NumPy, CuPy, torch or JAX array .*got None"):
+        cuattn.paged_attention(q, cache, table, None)
+    with pytest.raises(ValueError, match=r"block_table must hold int32 values \(in .*got 0 .. 4294967296"):
+        cuattn.paged_attention(q, cache, [[0, 1, 2], [3, 4, 2**32]], lens)
+    with pytest.raises(TypeError, match=r"slot_ids must be a NumPy, CuPy, torch or JAX array .*got None"):
+        cache.write(np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.float32), None)
+
+
 def test_an_unknown_sequence_is_a_key_error_and_a_value_error():
     """DESIGN's rule (a bad argument is a ValueError) and the class's (a lookup that fails is a KeyError) both hold."""
     m = cuattn.BlockManager(4, 2)
@@ -411,7 +441,7 @@ def test_paged_attention_errors():
         cache.write(np.zeros((1, 3, 64), np.float32), np.zeros((1, 3, 64), np.float32), np.array([0]))
     with pytest.raises(ValueError, match=r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"):
         cache.copy_blocks([(0, 9)])
-    with pytest.raises(ValueError, match=r"a destination block may appear once and never as a source: \[\[0, 1\], \[1, 2\]\]"):
+    with pytest.raises(ValueError, match=r"pairs: a destination block may appear once and never as a source, got \[\[0, 1\], \[1, 2\]\]"):
         cache.copy_blocks([(0, 1), (1, 2)])
     with pytest.raises(ValueError, match=r"a destination block may appear once"):
         cache.copy_blocks([(0, 3), (1, 3)])
