@@ -67,16 +67,27 @@ TORCH_DTYPES = _TorchDtypes()
 
 
 def dtype_name(dtype) -> str:
-    return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
+    """A dtype's name in messages, its byte order too where it is not the machine's (big-endian
+    float32 and native float32 are different dtypes with one name)."""
+    dtype = np.dtype(dtype)
+    name = "bfloat16" if dtype == BFLOAT16 else dtype.name
+    return name if dtype.isnative else f"{name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)"
 
 
 # ---------------------------------------------------------------------------------------------
 # Which framework an array comes from
 
+# DLPack's device type of host memory (kDLCPU)
+DLPACK_CPU = 1
+
 
 def array_kind(x, name: str | None = None) -> str:
     """The framework of array ``x`` (argument ``name``, for the error on anything else)."""
     module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ma.MaskedArray):
+        # its mask would be ignored (the kernels and the reference read the data)
+        raise TypeError(f"{name or 'the argument'} is a masked array; pass {name or 'it'}.filled(value) or the "
+                        "data without a mask")
     if isinstance(x, np.ndarray):
         return "numpy"
     if module == "cupy":
@@ -259,9 +270,12 @@ def array_context(**named):
     if kind == "numpy":
         yield ArrayContext(kind, None, None)
         return
+    first_name, first = next((n, x) for n, x in named.items() if x is not None)
+    if kind in ("jax", "dlpack") and first.__dlpack_device__()[0] == DLPACK_CPU:
+        raise TypeError(f"{first_name} is a {kind} array on the CPU; the plain functions take GPU arrays, or NumPy "
+                        f"arrays for the CPU reference (np.asarray({first_name})); under JAX use cuattn.jax")
     import cupy
 
-    first = next(x for x in named.values() if x is not None)
     if kind == "torch":
         if not first.is_cuda:
             raise ValueError(

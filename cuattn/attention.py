@@ -609,6 +609,12 @@ def _check_out(out, q, v, v_name: str = "v") -> None:
         )
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writable, got a read-only NumPy array")
+    # a zero stride on a longer axis writes one element from several rows: the last one would win
+    strides = _arrays.element_strides(out)
+    shared = [axis for axis, (n, stride) in enumerate(zip(out.shape, strides)) if n > 1 and stride == 0]
+    if shared:
+        raise ValueError(f"out must not overlap itself: out.shape = {tuple(out.shape)} with stride 0 along axis "
+                         f"{shared[0]} (a broadcast view)")
 
 
 def _check_device_arrays(named: dict) -> None:

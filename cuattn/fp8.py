@@ -35,8 +35,8 @@ GRANULARITIES = ("tensor", "head", "block")
 def fp8_scales(x, *, per_head: bool = False):
     """The descale that maps ``x``'s largest magnitude to 448 (the background's s = 448 / amax,
     inverted): amax / 448, float32, of shape ``()`` or, with ``per_head``, ``(H,)`` (amax over
-    every axis but -2). An all-zero (or empty) tensor (or head) gets scale 1. Returns an array of
-    x's framework."""
+    every axis but -2). An all-zero (or empty) tensor (or head) gets scale 1; NaN or inf in x
+    gives a NaN or inf scale (which no descale check accepts). Returns an array of x's framework."""
     if not isinstance(per_head, (bool, np.bool_)):
         raise TypeError(f"per_head must be a bool, got {per_head!r}")
     with _arrays.array_context(x=x) as ctx:
@@ -50,7 +50,8 @@ def fp8_scales(x, *, per_head: bool = False):
             amax = xp.abs(xv.astype(xp.float32)).max(axis=axes)
         else:  # nothing to scale: the all-zero answer
             amax = xp.zeros((int(xv.shape[-2]),) if per_head else (), xp.float32)
-        scale = xp.where(amax > 0, amax / np.float32(_arrays.E4M3_MAX), np.float32(1)).astype(np.float32)
+        # 1 for an all-zero tensor (or head); NaN or inf in x stays NaN or inf in its scale
+        scale = xp.where(amax == 0, np.float32(1), amax / np.float32(_arrays.E4M3_MAX)).astype(np.float32)
         if ctx.on_host:
             return np.asarray(scale, np.float32)
         out = ctx.empty(scale.shape, np.float32)

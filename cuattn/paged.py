@@ -486,7 +486,7 @@ class PagedKVCache:
         """
         pairs = _arrays.host_int32("pairs", list(pairs) if isinstance(pairs, tuple) else pairs)
         pairs = np.asarray(pairs)
-        if pairs.size == 0:
+        if pairs.shape == (0,):  # an empty list
             pairs = np.zeros((0, 2), np.int32)
         if pairs.ndim != 2 or pairs.shape[1] != 2:
             raise ValueError(f"pairs must be (src, dst) pairs, shape (P, 2), got shape {pairs.shape}")

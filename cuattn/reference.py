@@ -116,8 +116,10 @@ def _finite_or_zero(m):
 
 
 def _finalize(acc, m, l):
-    """Normalise the accumulator and form lse; rows with l == 0 give out 0 and lse -inf."""
-    nonempty = l > 0
+    """Normalise the accumulator and form lse; rows with l == 0 give out 0 and lse -inf. A NaN
+    (a NaN score or sink) stays NaN in out and lse, as the kernels give it, rather than reading
+    as a row without keys."""
+    nonempty = ~(l == 0)
     l_safe = np.where(nonempty, l, 1.0)
     out = acc / l_safe
     lse = np.where(nonempty, _finite_or_zero(m) + np.log(l_safe), -np.inf)
@@ -418,10 +420,11 @@ def merge_states(*args):
     # logsumexp over the parts, shifted by the largest lse; all -inf means no part saw a key.
     m = _finite_or_zero(lses.max(axis=0))
     total = np.exp(lses - m).sum(axis=0)
-    nonempty = total > 0
+    # a NaN (or +inf) lse is not an empty part: it stays NaN (or non-finite) in the merge
+    nonempty = ~(total == 0)
     lse = np.where(nonempty, m + np.log(np.where(nonempty, total, 1.0)), -np.inf)
-    # Each part's weight is its share of the merged denominator; empty parts weigh 0.
-    weights = np.where(np.isfinite(lses), np.exp(lses - _finite_or_zero(lse)), 0.0)
+    # Each part's weight is its share of the merged denominator; empty parts (lse -inf) weigh 0.
+    weights = np.where(lses == -np.inf, 0.0, np.exp(lses - _finite_or_zero(lse)))
     out = (weights * np.where(weights > 0, outs, 0.0)).sum(axis=0)
     return out, np.swapaxes(lse[..., 0], -1, -2)
 

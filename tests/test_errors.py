@@ -148,6 +148,52 @@ def test_e4m3_only_where_the_device_takes_it():
         cuattn.quantize_fp8(np.zeros((2, 2, 16), ml_dtypes.float8_e4m3fn), 1.0)
 
 
+def test_masked_arrays_cpu_dlpack_arrays_and_byte_order_are_named():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"q is a masked array; pass q.filled\(value\) or the data without a mask"):
+        cuattn.attention(np.ma.masked_array(q), k, v)
+    with pytest.raises(TypeError, match=r"k.dtype must equal q.dtype = float32, got float32 \(big-endian\)"):
+        cuattn.attention(q, k.astype(">f4"), v)
+    jnp = pytest.importorskip("jax.numpy")
+    cpu = pytest.importorskip("jax").devices("cpu")[0]
+    import jax
+
+    with pytest.raises(TypeError, match=r"q is a jax array on the CPU; the plain functions take GPU arrays, or NumPy "
+                                        r"arrays for the CPU reference \(np.asarray\(q\)\); under JAX use cuattn.jax"):
+        cuattn.attention(*(jax.device_put(jnp.asarray(x), cpu) for x in (q, k, v)))
+
+
+def test_out_must_not_overlap_itself():
+    q, k, v = arrays()
+    out = np.lib.stride_tricks.as_strided(np.zeros(4 * 64, np.float32), q.shape, (0, 0, 64 * 4, 4))
+    with pytest.raises(ValueError, match=r"out must not overlap itself: out.shape = \(1, 5, 4, 64\) with stride 0 "
+                                         r"along axis 1 \(a broadcast view\)"):
+        cuattn.attention(q, k, v, out=out)
+
+
+def test_nan_stays_nan_in_out_lse_and_merges():
+    """A NaN score (here a NaN key) or a NaN sink makes its rows NaN, lse too, as the kernels give it:
+    not a row without keys (lse -inf), which a merge would silently drop."""
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal(x.shape) for x in arrays(sq=3, sk=6))
+    bad = k.copy()
+    bad[0, 1, 0, 0] = np.nan  # key 1 of kv head 0: query heads 0 and 1 see it
+    out, lse = cuattn.attention(q, bad, v, return_lse=True)
+    assert np.isnan(out[0, :, :2]).all() and np.isnan(lse[0, :2]).all()
+    assert np.isfinite(out[0, :, 2:]).all() and np.isfinite(lse[0, 2:]).all()
+    rest_out, rest_lse = cuattn.attention(q, k, v, return_lse=True)
+    merged_out, merged_lse = cuattn.merge_states(out, lse, rest_out, rest_lse)
+    assert np.isnan(merged_out[0, :, :2]).all() and np.isnan(merged_lse[0, :2]).all()
+    sinks = np.array([np.nan, 0.0, 0.0, 0.0])
+    out, lse = cuattn.attention(q, k, v, sinks=sinks, return_lse=True)
+    assert np.isnan(out[0, :, 0]).all() and np.isnan(lse[0, 0]).all() and np.isfinite(lse[0, 1:]).all()
+    # a row without keys is still empty: out 0, lse -inf, and it weighs nothing in a merge
+    out, lse = cuattn.attention(q, k[:, :0], v[:, :0], return_lse=True)
+    assert not out.any() and (lse == -np.inf).all()
+    merged_out, merged_lse = cuattn.merge_states(out, lse, rest_out, rest_lse)
+    np.testing.assert_allclose(merged_out, rest_out, rtol=1e-12)
+
+
 def test_out_must_be_writable():
     q, k, v = arrays()
     out = np.zeros(q.shape, np.float32)

@@ -180,6 +180,17 @@ def test_fp8_argument_errors():
         cuattn.decode(k8[:, :1].copy(), k8, k8, lens)
 
 
+def test_scales_of_non_finite_tensors_are_not_finite():
+    """NaN or inf in x shows in its scale (no descale check accepts it), not as an all-zero tensor's 1."""
+    x = np.ones((4, 3, 32), np.float32)
+    x[1, 0, 5], x[2, 1, 7] = np.nan, np.inf
+    scale = cuattn.fp8_scales(x, per_head=True)
+    assert np.isnan(scale[0]) and np.isinf(scale[1]) and scale[2] == np.float32(1 / 448)
+    assert np.isnan(cuattn.fp8_scales(x))
+    with pytest.raises(ValueError, match=r"scale must be a positive float, finite and nonzero"):
+        cuattn.quantize_fp8(x, float(cuattn.fp8_scales(x[:, 1:2])))
+
+
 @pytest.mark.parametrize("per_head, shape", [(False, ()), (True, (2,))])
 def test_scales_of_an_empty_tensor_are_one(per_head, shape):
     scale = cuattn.fp8_scales(np.zeros((0, 2, 32), np.float32), per_head=per_head)

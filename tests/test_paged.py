@@ -522,6 +522,10 @@ def test_cache_constructor_errors(args, kwargs, error, message):
     ([(0, 1, 2)], ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(1, 3\)"),
     (np.array([0, 1]), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(2,\)"),
     (np.array([[0, 9]]), ValueError, r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"),
+    # empty, but not an empty list of pairs
+    (np.zeros((3, 0), np.int32), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(3, 0\)"),
+    (np.zeros((0, 5), np.int32), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(0, 5\)"),
+    (np.zeros((0, 2)), TypeError, r"pairs must hold block ids \(ints\), got float64 values"),
 ])
 def test_copy_blocks_errors(pairs, error, message):
     cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
