@@ -271,7 +271,8 @@ def array_context(**named):
         yield ArrayContext(kind, None, None)
         return
     first_name, first = next((n, x) for n, x in named.items() if x is not None)
-    if kind in ("jax", "dlpack") and first.__dlpack_device__()[0] == DLPACK_CPU:
+    device_of = getattr(first, "__dlpack_device__", None)
+    if kind in ("jax", "dlpack") and device_of is not None and device_of()[0] == DLPACK_CPU:
         raise TypeError(f"{first_name} is a {kind} array on the CPU; the plain functions take GPU arrays, or NumPy "
                         f"arrays for the CPU reference (np.asarray({first_name})); under JAX use cuattn.jax")
     import cupy
