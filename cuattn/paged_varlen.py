@@ -139,7 +139,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             prefill = lengths >= PREFILL_MIN_QUERIES
         options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
         if prefill.any():
-            _check_pages(qv, kv, vv, table, lens)
+            _check_pages(qv, kv, vv)
         xp = np if ctx.on_host else __import__("cupy")
         if ov is None:
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
@@ -215,29 +215,9 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
     _arrays.check_int32("seq_lens", lens)
 
 
-def _check_pages(q, k, v, table, lens) -> None:
-    """What the paged forward reads: k pages (num_blocks, block_size, Hk, D) of q's dtype and head dim
-    and v pages (num_blocks, block_size, Hk, Dv), Hq a multiple of Hk, the table's and lengths'
-    dtypes and shapes (paged_attention checks the same for the decode rows)."""
-    layout = "(num_blocks, block_size, Hk, D)"
-    _arrays.check_ndim("k_pages", k, layout)
-    _arrays.check_ndim("v_pages", v, "(num_blocks, block_size, Hk, Dv)")
-    for axis, axis_name in enumerate(layout.strip("()").split(", ")[:-1]):
-        _arrays.check_axis("v_pages", v, axis, axis_name, int(k.shape[axis]), f"k_pages.shape[{axis}]")
-    _arrays.check_head_dim("v_pages.shape[3] (head_dim_v)", int(v.shape[3]))
-    _arrays.check_axis("k_pages", k, 3, "head_dim", int(q.shape[2]), "q.shape[2]")
-    _arrays.check_positive("k_pages", k, 2, "Hk")
-    _arrays.check_dtypes({"q": q, "k_pages": k, "v_pages": v}, host=False)
-    if int(q.shape[1]) % int(k.shape[2]):
-        raise ValueError(f"q.shape[1] (num_heads) = {int(q.shape[1])} must be a multiple of k_pages.shape[2] "
-                         f"(num_kv_heads) = {int(k.shape[2])}")
-    _arrays.check_head_dim("q.shape[-1] (head_dim)", int(q.shape[2]))
-    if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
-        raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
-    _arrays.check_int32("block_table", table)
-    _arrays.check_ndim("seq_lens", lens, "(B)")
-    _arrays.check_axis("seq_lens", lens, 0, "batch", int(table.shape[0]), "block_table.shape[0]")
-    _arrays.check_int32("seq_lens", lens)
+def _check_pages(q, k, v) -> None:
+    """What the paged forward reads beyond _check_call's rules (which every call has passed): q and
+    the pages laid out for the kernel on q's device, page strides the kernel's 32-bit offsets hold."""
     for name, x in (("q", q), ("k_pages", k), ("v_pages", v)):
         _arrays.check_kernel_layout(name, x)
         _arrays.check_same_device(name, x, "q", q)
