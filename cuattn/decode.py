@@ -56,16 +56,25 @@ MAX_GRID_Z = 65535
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
     """max_mt: m16 tiles of packed query rows per CTA (more rows take more CTAs); stages: cp.async ring
-    depth; long_stage: stages of kDecodeLongBlockN keys (two k16 slices a warp) instead of
-    kDecodeBlockN (one)."""
+    depth; long_stage: stages of kDecodeLongBlockN keys instead of kDecodeBlockN; warps: the CTA's
+    warps (the kernels' WARPS, None for kDecodeWarps), each taking an equal share of every stage in
+    k16 slices (the default stage gives each of four warps one, the long stage two, or one each to
+    eight warps)."""
 
     max_mt: int
     stages: int
     long_stage: bool = False
+    warps: int | None = None
 
     def block_n(self) -> int:
         """Keys a stage holds (the kernels' BLOCK_N)."""
         return _params.constant("kDecodeLongBlockN" if self.long_stage else "kDecodeBlockN")
+
+    def num_warps(self) -> int:
+        return _params.constant("kDecodeWarps") if self.warps is None else self.warps
+
+    def threads(self) -> int:
+        return self.num_warps() * _params.constant("kWarpSize")
 
     def smem_bytes(self, head_dim: int, itemsize: int, mt: int, kv_itemsize: int) -> int:
         """Mirrors DecodeSmem in decode.cu: Q tile + max(K/V ring, the warps' merge buffers); K/V
@@ -74,7 +83,7 @@ class DecodeTile:
         q_tile = 16 * mt * (head_dim + _params.constant("kPadElems")) * itemsize
         kv_row_bytes = head_dim * kv_itemsize + _params.constant("kCopyBytes")
         ring = self.stages * 2 * self.block_n() * kv_row_bytes
-        merge = 4 * 16 * mt * (head_dim + 2) * 4
+        merge = self.num_warps() * 16 * mt * (head_dim + 2) * 4
         return q_tile + max(ring, merge)
 
 
@@ -98,6 +107,18 @@ DECODE_TILES = {
 # cache they measured within 2% either way (8k: 41.4 -> 42.1, 16k: 77.7 -> 76.5) and a bf16 cache
 # 2-10% slower: neither takes them.
 E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
+# The contiguous e4m3 cache's long-stage variants: eight warps a CTA, one k16 slice each of a
+# 128-key stage, three stages (115 KB at D = 128: one CTA an SM, as many warps as two of the
+# default's). With half the CTAs of the default's two an SM, the launch streams half as many runs
+# of the cache at once, and the same keys stream faster: on the H200 (GQA 32/8, one bf16 token,
+# CUDA graphs, BENCHMARKS.md "Thirty-fifth session") B = 8, L = 8k 41.3 -> 39.2 us, L = 16k 77.6
+# -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k 28.2 -> 24.9, B = 4, L = 8k 25.2 -> 23.7;
+# but B = 8, L = 131k 556 -> 568 (its 128 CTAs leave 4 of the 132 SMs idle, which a long stream
+# pays for), so they run only where each split streams at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS
+# keys (use_long_variant). Over pages they measured 2-8% slower from B = 8 (the paged ones above
+# stay): B = 8, L = 8k 43.3 -> 44.2, L = 131k 582 -> 630.
+E4M3_CONTIGUOUS_LONG_TILES = {128: DecodeTile(max_mt=1, stages=3, long_stage=True, warps=8)}
+E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS = 16384
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
 # E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
 # spills; the paged kernel spills 24 bytes there, so it has none) and a ring shallow enough that
@@ -141,16 +162,26 @@ MERGE_DTYPES = {np.dtype(np.float32): "float", **_arrays.CUDA_TYPES}
 ALIBI_DECODE_MT = 1
 
 
+def long_tiles(paged: bool) -> dict:
+    """The long-stage variants' tiles by tile head dim: E4M3_PAGED_LONG_TILES over pages,
+    E4M3_CONTIGUOUS_LONG_TILES over a contiguous cache."""
+    return E4M3_PAGED_LONG_TILES if paged else E4M3_CONTIGUOUS_LONG_TILES
+
+
 def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
     """Whether a decode of this tile head dim, m16 tiles and cache kind has a long-stage variant
-    (E4M3_PAGED_LONG_TILES: paged e4m3 caches, one m16 tile)."""
-    return paged and e4m3 and mt == 1 and head_dim in E4M3_PAGED_LONG_TILES
+    (long_tiles: e4m3 caches, one m16 tile)."""
+    return e4m3 and mt == 1 and head_dim in long_tiles(paged)
 
 
-def use_long_variant(ctas: int, long_per_sm: int, sms: int) -> bool:
+def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int | None = None) -> bool:
     """Whether a launch of ``ctas`` CTAs takes the long-stage variant (``long_per_sm`` CTAs an SM):
-    where it holds them in one wave (beyond, the default's more CTAs an SM end the tail sooner)."""
-    return ctas <= long_per_sm * sms
+    where it holds them in one wave (beyond, the default's more CTAs an SM end the tail sooner),
+    and over a contiguous cache (``split_keys``: the keys each of its splits would stream) only
+    while that is at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS."""
+    if ctas > long_per_sm * sms:
+        return False
+    return split_keys is None or split_keys <= E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS
 
 
 def wide_tiles(paged: bool) -> dict:
@@ -205,15 +236,16 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
         raise ValueError(f"the half-tile decode variants take one m16 tile, no ALiBi and the default tiles; got mt "
                          f"{mt}, alibi {alibi}, wide {wide}")
     if long and (wide or not has_long_variant(head_dim, mt, paged, e4m3)):
-        raise ValueError(f"the long-stage decode variants take paged e4m3 caches at tile head dims "
-                         f"{sorted(E4M3_PAGED_LONG_TILES)} and one m16 tile, not the wide tiles; got head_dim "
-                         f"{head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, wide {wide}")
+        raise ValueError(f"the long-stage decode variants take e4m3 caches at tile head dims "
+                         f"{sorted(E4M3_PAGED_LONG_TILES)} (paged) and {sorted(E4M3_CONTIGUOUS_LONG_TILES)} "
+                         f"(contiguous) and one m16 tile, not the wide tiles; got head_dim {head_dim}, mt {mt}, "
+                         f"paged {paged}, e4m3 {e4m3}, wide {wide}")
     if wide and not has_wide_variant(head_dim, mt, paged, e4m3, alibi):
         raise ValueError(f"the wide decode variants take e4m3 caches without ALiBi at tile head dims "
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
                          f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
                          f"alibi {alibi}")
-    tile = (wide_tiles(paged)[head_dim] if wide else E4M3_PAGED_LONG_TILES[head_dim] if long
+    tile = (wide_tiles(paged)[head_dim] if wide else long_tiles(paged)[head_dim] if long
             else DECODE_TILES[head_dim])
     min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
@@ -221,14 +253,16 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     with_alibi = "true" if alibi else "false"
-    # ROW_HALVES and BLOCK_N: the names of the 16-row, default-stage variants leave them at their defaults
-    block_n = f", {tile.block_n()}" if tile.long_stage else ""
+    # ROW_HALVES, BLOCK_N and WARPS: the names of the 16-row, default-stage, four-warp variants leave
+    # them at their defaults
+    warps = f", {tile.warps}" if tile.warps is not None else ""
+    block_n = f", {tile.block_n()}" if tile.long_stage or warps else ""
     row_halves = ", 1" if half else ", 2" if block_n else ""
     return _jit.KernelSpec(
         "decode.cu",
         f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}"
-        f"{row_halves}{block_n}>",
-        threads=_params.constant("kDecodeThreads"),
+        f"{row_halves}{block_n}{warps}>",
+        threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
 
@@ -254,10 +288,11 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
             for e4m3 in (False, True):
                 specs += [decode_spec(dtype, d, ALIBI_DECODE_MT, paged=False, e4m3=e4m3, alibi=True),
                           decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=e4m3, alibi=True)]
-        for d in E4M3_PAGED_LONG_TILES:
-            specs += [decode_spec(dtype, d, 1, paged=True, e4m3=True, long=True),
-                      decode_spec(dtype, d, 1, paged=True, e4m3=True, half=True, long=True),
-                      decode_spec(dtype, d, ALIBI_DECODE_MT, paged=True, e4m3=True, alibi=True, long=True)]
+        for paged in (False, True):
+            for d in long_tiles(paged):
+                specs += [decode_spec(dtype, d, 1, paged=paged, e4m3=True, long=True),
+                          decode_spec(dtype, d, 1, paged=paged, e4m3=True, half=True, long=True),
+                          decode_spec(dtype, d, ALIBI_DECODE_MT, paged=paged, e4m3=True, alibi=True, long=True)]
         for paged in (False, True):
             for d, tile in wide_tiles(paged).items() if arch == E4M3_WIDE_DECODE_ARCH else ():
                 for mt in range(1, tile.max_mt + 1):
@@ -671,7 +706,14 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     wide = long = False
     if has_long_variant(tile_dim, mt, paged is not None, e4m3):
         long_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half, long=True)
-        long = use_long_variant(ctas, ctas_per_sm(long_spec), _jit.multiprocessor_count())
+        long_per_sm, sms = ctas_per_sm(long_spec), _jit.multiprocessor_count()
+        split_keys = None
+        if paged is None:
+            # the keys each split of the long variant streams (its CTAs an SM set its splits)
+            length = split_length or max_seqlen
+            split_keys = math.ceil(length / (num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length,
+                                                                             sms, long_per_sm, long_per_sm)))
+        long = use_long_variant(ctas, long_per_sm, sms, split_keys)
         spec = long_spec if long else spec
     if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
             and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH):

@@ -2,9 +2,9 @@
 //
 //   decode_kernel   one CTA per (split, kv head, row chunk, sequence): the query heads that share
 //                   a kv head are packed into the rows of one mma tile (GQA packing), so each
-//                   cache byte is read once per step, not once per query head. The 4 warps take
-//                   a quarter each of every 64- or 128-key block streamed through a multi-stage
-//                   cp.async ring, then merge their softmax states through shared memory. With one split
+//                   cache byte is read once per step, not once per query head. The CTA's warps (4,
+//                   or 8: WARPS) take equal shares of every 64- or 128-key block streamed through a
+//                   multi-stage cp.async ring, then merge their softmax states through shared memory. With one split
 //                   the CTA writes the final output; with several, a float32 partial output and
 //                   lse per split, and (given split_arrivals) the last of a group's split CTAs to
 //                   finish merges them into the output: the split-KV combine without a launch of
@@ -39,13 +39,15 @@
 
 namespace cuattn {
 
+// Warps of a CTA (WARPS in the kernels): kDecodeWarps but for the contiguous e4m3 cache's
+// long-stage variants, whose eight warps make one CTA an SM stream as fast as two of four
+// (E4M3_CONTIGUOUS_LONG_TILES in cuattn/decode.py).
 constexpr int kDecodeWarps = 4;
-constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
-// Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / kDecodeWarps of
-// them, one k16 slice of P V (the default stage) or two (the long stage). A warp's two slices are
-// independent MMA chains and halve the softmax's reductions, the barrier, the loop and a paged
-// cache's lookups per key, which pays over paged e4m3 caches (E4M3_PAGED_LONG_TILES in
-// cuattn/decode.py).
+// Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / WARPS of them,
+// one k16 slice of P V (the default stage; the long stage with eight warps) or two (the long stage
+// with four). A warp's two slices are independent MMA chains and halve the softmax's reductions,
+// the barrier, the loop and a paged cache's lookups per key, which pays over paged e4m3 caches
+// (E4M3_PAGED_LONG_TILES).
 constexpr int kDecodeBlockN = 64;
 constexpr int kDecodeLongBlockN = 128;
 constexpr int kDecodeSliceKeys = 16;  // keys of one k16 slice of P V
@@ -63,11 +65,11 @@ constexpr int kCombineUnroll = 8;
 // tile the stage exactly; with D = 96 (12 chunks a row, 8 runs) a quarter of the threads idle.
 constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 
-template <typename Tkv, int HEAD_DIM, int BLOCK_N>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N, int WARPS>
 struct StageCopy {
   static constexpr int kChunksPerRow = HEAD_DIM * sizeof(Tkv) / kCopyBytes;
   static constexpr int kElemsPerChunk = kCopyBytes / sizeof(Tkv);
-  static constexpr int kRuns = floor_pow2(kDecodeThreads / kChunksPerRow);
+  static constexpr int kRuns = floor_pow2(WARPS * kWarpSize / kChunksPerRow);
   static constexpr int kRun = BLOCK_N / kRuns;  // rows a thread copies per stage
   static_assert(BLOCK_N % kRuns == 0, "runs tile the stage");
 
@@ -195,9 +197,9 @@ struct KvRow {
 };
 
 // Look up where this thread's run of the stage starting at key n0 lives.
-template <typename Tkv, int HEAD_DIM, int BLOCK_N, class KV>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N, int WARPS, class KV>
 __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0, int stop) {
-  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N>;
+  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>;
   const int j0 = n0 + Copy::first_row();
   return Copy::active() && j0 < stop ? kv.locate(j0, stop) : typename KV::Cursor{};
 }
@@ -205,10 +207,10 @@ __device__ __forceinline__ typename KV::Cursor locate_stage(const KV& kv, int n0
 // One pipeline stage: keys [n0, n0 + BLOCK_N) of K and V into padded shared tiles, rows at
 // or past `stop`, K's columns at or past `head_dim` and V's at or past `head_dim_v` zero-filled
 // (never stale: 0 * NaN would poison the accumulator).
-template <typename Tkv, int HEAD_DIM, int BLOCK_N, class KV>
+template <typename Tkv, int HEAD_DIM, int BLOCK_N, int WARPS, class KV>
 __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, int n0, int stop, int head_dim,
                                               int head_dim_v, const typename KV::Cursor& cursor) {
-  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N>;
+  using Copy = StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>;
   constexpr int kStride = KvRow<Tkv, HEAD_DIM>::kStride;
   if (!Copy::active()) return;
   const int col = (threadIdx.x % Copy::kChunksPerRow) * Copy::kElemsPerChunk;
@@ -233,15 +235,15 @@ __device__ __forceinline__ void load_kv_stage(Tkv* sK, Tkv* sV, const KV& kv, in
 }
 
 // Shared memory of one CTA, in bytes: the Q tile, then the larger of the K/V ring and the
-// buffers the four warps merge through. Python mirrors this (cuattn/decode.py, DecodeTile).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N>
+// buffers the warps merge through. Python mirrors this (cuattn/decode.py, DecodeTile).
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N, int WARPS>
 struct DecodeSmem {
   static constexpr int kRows = 16 * MT;
   static constexpr int kStride = SmemRow<HEAD_DIM>::kStride;       // Q rows, elements of T
   static constexpr int kKvStride = KvRow<Tkv, HEAD_DIM>::kStride;  // K/V rows, elements of Tkv
   static constexpr int kQ = kRows * kStride * sizeof(T);
   static constexpr int kRing = STAGES * 2 * BLOCK_N * kKvStride * sizeof(Tkv);
-  static constexpr int kMerge = kDecodeWarps * kRows * (HEAD_DIM + 2) * sizeof(float);
+  static constexpr int kMerge = WARPS * kRows * (HEAD_DIM + 2) * sizeof(float);
   static constexpr int kBytes = kQ + (kRing > kMerge ? kRing : kMerge);
 };
 
@@ -282,14 +284,14 @@ __device__ __forceinline__ int output_column(int dt, int tq, int c) {
 // splits (each normalised split a state with m = its lse in log2 units and l = 1), reading
 // kCombineUnroll splits' lse and columns at once: one round trip to L2 for up to that many
 // splits, and no barrier. A split with lse = -inf saw no key and weighs 0, whatever it holds.
-template <typename T>
+template <typename T, int THREADS>
 __device__ __forceinline__ void combine_splits(int rows_here, int row_base, int group, int num_splits, int head_dim_v,
                                                const float* sinks, const float* parts, i64 part_row_stride,
                                                i64 part_head_stride, i64 part_split_stride, const float* part_lse,
                                                i64 part_lse_head_stride, i64 part_lse_split_stride, T* out,
                                                i64 o_row_stride, i64 o_head_stride, float* lse, i64 lse_head_stride) {
   const int vecs_per_row = head_dim_v / kCombineVec;
-  for (int idx = threadIdx.x; idx < rows_here * vecs_per_row; idx += kDecodeThreads) {
+  for (int idx = threadIdx.x; idx < rows_here * vecs_per_row; idx += THREADS) {
     const int row = idx / vecs_per_row, d = idx % vecs_per_row * kCombineVec;
     const int r = row_base + row, token = r / group, head = r % group;
     const float* lse_row = part_lse + head * part_lse_head_stride + token;
@@ -332,7 +334,8 @@ __device__ __forceinline__ void combine_splits(int rows_here, int row_base, int 
 // keep the registers they had before ALiBi existed (the bias pass costs up to 36 more at D = 96).
 // ROW_HALVES: 1 when the call packs at most 8 rows (MT = 1; the host picks it): the softmax then
 // runs on each lane's row g alone, rows 8-15 of the m16 tile being padding (AttentionTile).
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int ROW_HALVES, int BLOCK_N, class KV>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int ROW_HALVES, int BLOCK_N, int WARPS,
+          class KV>
 __device__ __forceinline__ void decode_body(
     const T* q,  // at (b, token 0, head hk * G)
     i64 q_row_stride, i64 q_head_stride, const KV& kv, const DecodeArgs& a,
@@ -340,10 +343,11 @@ __device__ __forceinline__ void decode_body(
     float* lse, i64 lse_head_stride,              // at (b, hk * G, 0); may be null
     float* part_out, i64 part_row_stride, i64 part_head_stride,  // at (split, b, 0, hk * G), Dv wide
     float* part_lse, i64 part_lse_head_stride) {                 // at (split, b, hk * G, 0)
-  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>;
-  constexpr int kWarpKeys = BLOCK_N / kDecodeWarps;     // keys of a stage each warp takes
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>;
+  constexpr int kThreads = WARPS * kWarpSize;
+  constexpr int kWarpKeys = BLOCK_N / WARPS;             // keys of a stage each warp takes
   constexpr int kSlices = kWarpKeys / kDecodeSliceKeys;  // its k16 slices of P V
-  static_assert(kSlices * kDecodeSliceKeys * kDecodeWarps == BLOCK_N, "warps take whole k16 slices of the stage");
+  static_assert(kSlices * kDecodeSliceKeys * WARPS == BLOCK_N, "warps take whole k16 slices of the stage");
   using Tile = AttentionTile<T, MT, kWarpKeys / 8, HEAD_DIM / 8, ROW_HALVES>;
   static_assert(ROW_HALVES == 2 || MT == 1, "a tile of at most 8 rows is one m16 tile");
   // An e4m3 cache is widened in registers, between its shared-memory load and the GEMMs, to
@@ -368,8 +372,8 @@ __device__ __forceinline__ void decode_body(
   T* sQ = reinterpret_cast<T*>(smem_raw);                         // [kRows, D + pad]
   Tkv* sRing = reinterpret_cast<Tkv*>(smem_raw + Smem::kQ);       // [STAGES][2][BLOCK_N, D + pad]
   float* sMergeO = reinterpret_cast<float*>(smem_raw + Smem::kQ);  // [warps, kRows, HEAD_DIM] (after the ring drains)
-  float* sMergeM = sMergeO + kDecodeWarps * kRows * HEAD_DIM;      // [warps, kRows]
-  float* sMergeL = sMergeM + kDecodeWarps * kRows;                 // [warps, kRows]
+  float* sMergeM = sMergeO + WARPS * kRows * HEAD_DIM;             // [warps, kRows]
+  float* sMergeL = sMergeM + WARPS * kRows;                        // [warps, kRows]
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -378,7 +382,7 @@ __device__ __forceinline__ void decode_body(
   {
     constexpr int kChunksPerRow = HEAD_DIM * sizeof(T) / kCopyBytes;
     constexpr int kElemsPerChunk = kCopyBytes / sizeof(T);
-    for (int idx = threadIdx.x; idx < kRows * kChunksPerRow; idx += kDecodeThreads) {
+    for (int idx = threadIdx.x; idx < kRows * kChunksPerRow; idx += kThreads) {
       const int row = idx / kChunksPerRow;
       const int col = (idx % kChunksPerRow) * kElemsPerChunk;
       const int r = a.row_base + row;
@@ -411,14 +415,14 @@ __device__ __forceinline__ void decode_body(
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
       Tkv* sK = sRing + (2 * st) * BLOCK_N * kKvStride;
-      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + st * BLOCK_N, stop);
-      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N>(sK, sK + BLOCK_N * kKvStride, kv, start + st * BLOCK_N, stop, a.head_dim,
+      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + st * BLOCK_N, stop);
+      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(sK, sK + BLOCK_N * kKvStride, kv, start + st * BLOCK_N, stop, a.head_dim,
                                    a.head_dim_v, first);
     }
     cp_async_commit();
   }
   typename KV::Cursor cursor{};
-  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + (STAGES - 1) * BLOCK_N, stop);
+  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + (STAGES - 1) * BLOCK_N, stop);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
@@ -430,7 +434,7 @@ __device__ __forceinline__ void decode_body(
   if constexpr (kFp8 && !IsSame<QkType, T>::value) {
     // a bf16 q over an e4m3 cache: every pair of sQ [kRows, D + pad] rewritten as fp16 in place
     u32* words = reinterpret_cast<u32*>(sQ);
-    for (int i = threadIdx.x; i < kRows * kStride / 2; i += kDecodeThreads) words[i] = bf16x2_to_half2(words[i]);
+    for (int i = threadIdx.x; i < kRows * kStride / 2; i += kThreads) words[i] = bf16x2_to_half2(words[i]);
     __syncthreads();
   }
   u32 qa[kQInRegisters ? MT : 1][kQInRegisters ? kKSteps : 1][4];
@@ -475,11 +479,11 @@ __device__ __forceinline__ void decode_body(
     const int t_next = t + STAGES - 1;
     if (t_next < num_blocks) {
       Tkv* sK = sRing + (2 * (t_next % STAGES)) * BLOCK_N * kKvStride;
-      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N>(sK, sK + BLOCK_N * kKvStride, kv, start + t_next * BLOCK_N, stop,
+      load_kv_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(sK, sK + BLOCK_N * kKvStride, kv, start + t_next * BLOCK_N, stop,
                                    a.head_dim, a.head_dim_v, cursor);
       // look up the stage after (a paged cache reads its block table): the reads complete
       // while this block's GEMMs run
-      if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N>(kv, start + (t_next + 1) * BLOCK_N, stop);
+      if (t_next + 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + (t_next + 1) * BLOCK_N, stop);
     }
     cp_async_commit();
 
@@ -579,7 +583,7 @@ __device__ __forceinline__ void decode_body(
     }
   }
 
-  // Merge the four warps' states (disjoint keys) through shared memory, which the ring no longer needs.
+  // Merge the warps' states (disjoint keys) through shared memory, which the ring no longer needs.
   cp_async_wait<0>();
   __syncthreads();
   const int g = lane / 4, tq = lane % 4;
@@ -602,7 +606,7 @@ __device__ __forceinline__ void decode_body(
     }
   __syncthreads();
 
-  for (int idx = threadIdx.x; idx < kRows * HEAD_DIM; idx += kDecodeThreads) {
+  for (int idx = threadIdx.x; idx < kRows * HEAD_DIM; idx += kThreads) {
     const int row = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const int r = a.row_base + row;
@@ -611,7 +615,7 @@ __device__ __forceinline__ void decode_body(
     SoftmaxState merged{sMergeM[row], sMergeL[row]};
     float value = sMergeO[row * HEAD_DIM + d];
 #pragma unroll
-    for (int w = 1; w < kDecodeWarps; ++w) {
+    for (int w = 1; w < WARPS; ++w) {
       const SoftmaxState other{sMergeM[w * kRows + row], sMergeL[w * kRows + row]};
       float scale_self, scale_other;
       merged.merge(other, scale_self, scale_other);
@@ -647,10 +651,10 @@ __device__ __forceinline__ float kv_descale(float host, const float* device, int
 // (atomicInc wraps the counter back to 0, ready for the next launch) elects the CTA that merges
 // every split's partials of its rows. Everything is read from the parameter struct here, so the
 // main loop keeps no register for it.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N>
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, int BLOCK_N, int WARPS>
 __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
   if (p.num_splits == 1 || p.split_arrivals == nullptr) return;
-  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>;
+  using Smem = DecodeSmem<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   u32* is_last = reinterpret_cast<u32*>(smem_raw + Smem::kQ);  // the merge buffers are free again
   __threadfence();
@@ -668,7 +672,7 @@ __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
   const int h0 = hk * group;
   const int row_base = chunk * Smem::kRows;
   const i64 sq_heads = static_cast<i64>(p.sq_new) * p.num_heads;  // one sequence's rows of partials
-  combine_splits<T>(min(Smem::kRows, group * p.sq_new - row_base), row_base, group, p.num_splits, p.head_dim_v,
+  combine_splits<T, WARPS * kWarpSize>(min(Smem::kRows, group * p.sq_new - row_base), row_base, group, p.num_splits, p.head_dim_v,
                     p.sinks != nullptr ? p.sinks + h0 : nullptr,
                     p.part_out + (b * sq_heads + h0) * p.head_dim_v, static_cast<i64>(p.num_heads) * p.head_dim_v,
                     p.head_dim_v, p.batch * sq_heads * p.head_dim_v,
@@ -683,10 +687,11 @@ __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
 // e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
 // (cuattn/decode.py, E4M3_WIDE_DECODE_TILES). ROW_HALVES: 1 for calls of at most 8 packed rows
 // (decode_body); its default keeps the names of the 16-row variants. BLOCK_N: keys a stage,
-// kDecodeBlockN or kDecodeLongBlockN; its default keeps the names of the default stage's variants.
+// kDecodeBlockN or kDecodeLongBlockN; WARPS: the CTA's warps (blockDim.x / 32). Their defaults
+// keep the names of the default stage's four-warp variants.
 template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
-          int BLOCK_N = kDecodeBlockN>
-__global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
+          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
+__global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
 decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_cache = p.k;      // [B, S_max, Hk, D]
@@ -708,7 +713,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
+  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
   // a length past the cache's capacity is clamped to it: never read outside the cache
   const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
@@ -716,7 +721,7 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   // partials are contiguous: [splits, B, Sq_new, Hq, Dv] and [splits, B, Hq, Sq_new], Dv = p.head_dim_v
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N, WARPS>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
@@ -724,13 +729,13 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
   // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
   // their splits with combine_kernel
-  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>(p);
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>(p);
 }
 
 // The same over a paged cache; grid as decode_kernel.
 template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
-          int BLOCK_N = kDecodeBlockN>
-__global__ void __launch_bounds__(kDecodeThreads, MIN_CTAS)
+          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
+__global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
   const Tkv* __restrict__ k_pages = p.k;      // [num_blocks, block_size, Hk, D]
@@ -756,7 +761,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
+  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
                       static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
                       FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
   // a length past the block table's capacity is clamped to it: never read outside the table
@@ -765,7 +770,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
   const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N>(
+  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N, WARPS>(
       q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
       out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
       part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
@@ -773,7 +778,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
       part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
   // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
   // their splits with combine_kernel
-  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N>(p);
+  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>(p);
 }
 
 // Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any

@@ -380,18 +380,21 @@ def test_large_batches_over_e4m3_run_the_wide_variant(rng, launched_kernels, pag
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [16, 7], ids=["pages16", "pages7"])
+@pytest.mark.parametrize("block_size", [16, 7, None], ids=["pages16", "pages7", "contiguous"])
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "3splits"])
 @pytest.mark.parametrize("rows", ["gqa4", "gqa16", "alibi", "options"])
-def test_paged_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, num_splits, block_size):
-    """A paged e4m3 call at D = 128 on one m16 tile whose CTAs fit one wave of the long-stage
-    variant (128-key stages, E4M3_PAGED_LONG_TILES) runs it: the half-tile one for 4 packed rows
-    (also with a sliding window that starts inside a stage, a softcap and sinks), the 16-row one,
-    the ALiBi one. Ragged lengths that end inside a stage and inside a page, pages shorter than a
-    copy run (7), poisoned bytes past each length; matches the reference."""
+def test_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, num_splits, block_size):
+    """An e4m3 call at D = 128 on one m16 tile whose CTAs fit one wave of the long-stage variant
+    (128-key stages: E4M3_PAGED_LONG_TILES over pages, two k16 slices a warp;
+    E4M3_CONTIGUOUS_LONG_TILES over a contiguous cache, eight warps of one slice) runs it: the
+    half-tile one for 4 packed rows (also with a sliding window that starts inside a stage, a
+    softcap and sinks), the 16-row one, the ALiBi one. Ragged lengths that end inside a stage and
+    inside a page, pages shorter than a copy run (7), poisoned bytes past each length; matches the
+    reference."""
     decode_module = importlib.import_module("cuattn.decode")
+    paged = block_size is not None
     hq, hk = (16, 1) if rows == "gqa16" else (8, 2)
-    s_max = block_size * (1400 // block_size)
+    s_max = (block_size or 1) * (1400 // (block_size or 1))
     options = {"num_splits": num_splits}
     if rows == "alibi":
         options["alibi_slopes"] = rng.uniform(0.01, 0.5, hq).astype(np.float32)
@@ -401,8 +404,10 @@ def test_paged_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, r
     alibi = rows == "alibi"
     mt = decode_module.ALIBI_DECODE_MT if alibi else 1
     half = decode_module.takes_half_tile(hq // hk, mt, alibi)
-    long = decode_module.decode_spec(BF16, 128, mt, True, True, alibi, half=half, long=True)
-    assert long.name.endswith(f", {decode_module.E4M3_PAGED_LONG_TILES[128].block_n()}>")
+    long = decode_module.decode_spec(BF16, 128, mt, paged, True, alibi, half=half, long=True)
+    tile = decode_module.long_tiles(paged)[128]
+    assert long.name.endswith(f", {tile.block_n()}" + ("" if tile.warps is None else f", {tile.warps}") + ">")
+    assert long.threads == 32 * tile.num_warps()
     assert [name for name in launched_kernels if "decode_kernel" in name] == [long.name], launched_kernels
 
 
@@ -422,27 +427,50 @@ def test_paged_e4m3_past_one_long_wave_runs_the_default_stage(rng, launched_kern
     assert decodes == [decode_module.decode_spec(BF16, 128, 1, True, True, half=True).name], launched_kernels
 
 
-@pytest.mark.parametrize("ctas, per_sm, expected", [(264, 2, True), (265, 2, False), (1, 2, True), (396, 3, True)])
-def test_long_variant_rule(ctas, per_sm, expected):
-    """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one wave."""
+@pytest.mark.gpu
+def test_contiguous_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels):
+    """Where each split would stream more than E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys, a
+    contiguous e4m3 call runs the default stage; one more split brings the long stage back. Both
+    match the reference."""
     decode_module = importlib.import_module("cuattn.decode")
-    assert decode_module.use_long_variant(ctas, per_sm, 132) == expected
+    s_max = decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS + 17
+    for num_splits, long in ((1, False), (2, True)):
+        launched_kernels.clear()
+        run_fp8_decode(rng, BF16, 1, 1, 8, 2, 128, s_max, [s_max], True, paged_block=None, num_splits=num_splits)
+        spec = decode_module.decode_spec(BF16, 128, 1, False, True, half=True, long=long)
+        assert [name for name in launched_kernels if "decode_kernel" in name] == [spec.name], launched_kernels
+
+
+@pytest.mark.parametrize("ctas, per_sm, split_keys, expected", [
+    (264, 2, None, True), (265, 2, None, False), (1, 2, None, True), (396, 3, None, True),
+    (132, 1, 16384, True), (132, 1, 16385, False), (133, 1, 1024, False), (1, 1, 2048, True)])
+def test_long_variant_rule(ctas, per_sm, split_keys, expected):
+    """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one
+    wave, and over a contiguous cache (split_keys given) while each split streams at most
+    E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys."""
+    decode_module = importlib.import_module("cuattn.decode")
+    assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 16384
+    assert decode_module.use_long_variant(ctas, per_sm, 132, split_keys) == expected
 
 
 def test_long_variants_are_listed_and_refused_elsewhere():
-    """The long-stage variants (paged e4m3, one m16 tile: 16-row, half-tile, ALiBi) are in
-    kernel_variants for every dtype; any other call for one is refused, naming what takes them."""
+    """The long-stage variants (e4m3 caches, paged and contiguous, one m16 tile: 16-row, half-tile,
+    ALiBi) are in kernel_variants for every dtype; any other call for one is refused, naming what
+    takes them."""
     decode_module = importlib.import_module("cuattn.decode")
     listed = {spec.name for spec in decode_module.kernel_variants("sm_90a")}
     for dtype in ("float16", "bfloat16"):
-        for d in decode_module.E4M3_PAGED_LONG_TILES:
-            for extra in (dict(), dict(half=True), dict(alibi=True)):
-                spec = decode_module.decode_spec(dtype, d, 1, True, True, long=True, **extra)
-                assert spec.name in listed and spec.name != decode_module.decode_spec(dtype, d, 1, True, True, **extra).name
-    for args in (dict(paged=False), dict(e4m3=False), dict(mt=2), dict(head_dim=64), dict(wide=True)):
+        for paged in (False, True):
+            for d in decode_module.long_tiles(paged):
+                for extra in (dict(), dict(half=True), dict(alibi=True)):
+                    spec = decode_module.decode_spec(dtype, d, 1, paged, True, long=True, **extra)
+                    default = decode_module.decode_spec(dtype, d, 1, paged, True, **extra)
+                    assert spec.name in listed and spec.name != default.name
+    for args in (dict(e4m3=False), dict(e4m3=False, paged=False), dict(mt=2), dict(head_dim=64), dict(wide=True)):
         call = {"dtype": "bfloat16", "head_dim": 128, "mt": 1, "paged": True, "e4m3": True, **args}
-        with pytest.raises(ValueError, match=r"the long-stage decode variants take paged e4m3 caches at tile head "
-                                             r"dims \[128\] and one m16 tile, not the wide tiles; got head_dim "):
+        with pytest.raises(ValueError, match=r"the long-stage decode variants take e4m3 caches at tile head dims "
+                                             r"\[128\] \(paged\) and \[128\] \(contiguous\) and one m16 tile, "
+                                             r"not the wide tiles; got head_dim "):
             decode_module.decode_spec(**call, long=True)
 
 

@@ -84,7 +84,7 @@ def test_an_unmirrorable_member_type_is_named(tmp_path, monkeypatch):
 
 
 # The constants the host sizes launches with; each must equal the compiler's value.
-HOST_CONSTANTS = ["kDecodeThreads", "kDecodeBlockN", "kPadElems", "kCombineThreads", "kCombineUnroll",
+HOST_CONSTANTS = ["kDecodeWarps", "kDecodeBlockN", "kPadElems", "kCombineThreads", "kCombineUnroll",
                   "kCacheThreads", "kPreprocessWarps", "kConvertThreads", "kBwdSm90BlockN", "kBwdSm90Stages",
                   "kSwizzleAtomBytes", "kWarpSize"]
 
