@@ -709,14 +709,17 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     if has_long_variant(tile_dim, mt, paged is not None, e4m3):
         long_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half, long=True)
         long_per_sm, sms = ctas_per_sm(long_spec), _jit.multiprocessor_count()
-        split_keys = None
+        split_keys = long_splits = None
         if paged is None:
-            # the keys each split of the long variant streams (its CTAs an SM set its splits)
+            # the keys each split of the long variant streams: its splits as the launch below would
+            # choose them (its CTAs an SM), kept for it where it runs
             length = split_length or max_seqlen
-            split_keys = math.ceil(length / (num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length,
-                                                                             sms, long_per_sm, long_per_sm)))
+            long_splits = num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length, sms, long_per_sm,
+                                                          E4M3_MIN_CTAS_PER_SM)
+            split_keys = math.ceil(length / long_splits)
         long = use_long_variant(ctas, long_per_sm, sms, split_keys)
-        spec = long_spec if long else spec
+        if long:
+            spec, num_splits = long_spec, num_splits or long_splits
     if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
             and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH):
         # more CTAs than one wave of the default variant: the wide one's waves end the tail sooner
