@@ -193,8 +193,11 @@ def clear() -> None:
 @dataclasses.dataclass
 class Bound:
     """One prepared launch and where its pointer fields come from: ``{field: role}``; a role names
-    an input or output of the call, ``workspace+OFFSET`` (bytes into the stream's workspace), or
-    ``OUTPUT+OFFSET`` (bytes into an output: a call's scratch, allocated with its results)."""
+    an input or output of the call, ``workspace+OFFSET`` (bytes into the stream's workspace),
+    ``OUTPUT+OFFSET`` (bytes into an output: a call's scratch, allocated with its results), or
+    ``step:ITEMSIZE:IN_0,IN_1,...`` (an int64 field, not a pointer: the constant step between the
+    inputs' addresses in elements of ITEMSIZE bytes, 0 for one input, which lets a kernel read
+    several inputs as one strided array; inputs not evenly spaced send the call to the full path)."""
 
     launch: object  # _jit.Launch
     fields: dict[str, str]
@@ -220,13 +223,20 @@ class Plan:
         self.device_id = bound[0].launch.device_id
         if self.inputs[0] in outputs:
             raise ValueError("a plan's first input is the array whose framework and device the call follows")
-        # each launch's pointer words by source: (slot, input index), (slot, output role), (slot, offset)
+        # each launch's words by source: (slot, input index), (slot, output role), (slot, offset),
+        # (slot, input indices, itemsize) of a step between inputs
         self.launches = []
         used = set()
         for b in bound:
-            from_inputs, from_outputs, from_workspace = [], [], []
+            from_inputs, from_outputs, from_workspace, from_steps = [], [], [], []
             for field, role in b.fields.items():
                 slot = b.launch.slot(field)
+                if role.startswith("step:"):
+                    _, itemsize, roles = role.split(":")
+                    indices = tuple(self.inputs.index(r) for r in roles.split(","))
+                    from_steps.append((slot, indices, int(itemsize)))
+                    used.update(indices)
+                    continue
                 name, _, offset = role.partition("+")
                 if name == "workspace":
                     from_workspace.append((slot, int(offset)))
@@ -238,8 +248,12 @@ class Plan:
                 else:
                     from_inputs.append((slot, self.inputs.index(role)))
                     used.add(self.inputs.index(role))
-            self.launches.append((b.launch, tuple(from_inputs), tuple(from_outputs), tuple(from_workspace)))
+            self.launches.append((b.launch, tuple(from_inputs), tuple(from_outputs), tuple(from_workspace),
+                                  tuple(from_steps)))
         self.used = tuple(sorted(used | set(self.aligned)))
+        # the step words' sources by launch, or None when no launch has one (most plans)
+        self._steps = tuple(launch[4] for launch in self.launches)
+        self._steps = self._steps if any(self._steps) else None
 
     def run(self, arrays, readers):
         """Launch over ``arrays`` (read by ``readers``, their frameworks), or None to send the
@@ -282,6 +296,17 @@ class Plan:
         for i in self.aligned:
             if addresses[i] % _arrays.VECTOR_BYTES:
                 return None  # the full path names the misaligned argument
+        steps = None
+        if self._steps is not None:
+            steps = []
+            for launch_steps in self._steps:
+                words = []
+                for slot, indices, itemsize in launch_steps:
+                    word = _step_word([addresses[i] for i in indices], itemsize)
+                    if word is None:
+                        return None  # not evenly spaced: the full path reads them another way
+                    words.append((slot, word))
+                steps.append(words)
         results, out_addresses = {}, {}
         for role, shape, float32, zeroed in self.outputs:
             x = results[role] = (fw.zeros if zeroed else fw.empty)(shape, like, float32)
@@ -289,8 +314,8 @@ class Plan:
         stream = fw.stream(like)
         base = self.workspace_of(self.workspace, stream, self.device_id) if self.workspace else 0
         launches = []
-        for launch, from_inputs, from_outputs, from_workspace in self.launches:
-            pointers = []
+        for k, (launch, from_inputs, from_outputs, from_workspace, _) in enumerate(self.launches):
+            pointers = steps[k] if steps is not None else []
             for slot, i in from_inputs:
                 pointers.append((slot, addresses[i]))
             for slot, role, offset in from_outputs:
@@ -299,6 +324,22 @@ class Plan:
                 pointers.append((slot, base + offset))
             launches.append((launch, pointers))
         return results, stream, launches
+
+
+_WORD_MASK = (1 << 64) - 1
+
+
+def _step_word(addresses, itemsize: int):
+    """The step between evenly spaced addresses in elements, as the int64 word of a parameter
+    struct (two's complement: a later input may lie below the first); None when they are not
+    evenly spaced in whole elements."""
+    step = addresses[1] - addresses[0] if len(addresses) > 1 else 0
+    if step % itemsize:
+        return None
+    for i, address in enumerate(addresses):
+        if address - addresses[0] != i * step:
+            return None
+    return (step // itemsize) & _WORD_MASK
 
 
 class StepPlan:

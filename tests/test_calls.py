@@ -118,6 +118,29 @@ def test_plan_roles_resolve_inputs_outputs_regions_of_outputs_and_nulls():
     assert plan.run([_FakeArray(0x108), _FakeArray(0x200)], [reader, reader]) is None
 
 
+def test_plan_step_roles_write_the_step_between_evenly_spaced_inputs():
+    """A ``step:ITEMSIZE:...`` role writes the constant step between its inputs' addresses in
+    elements (an int64 word, two's complement below the first input, 0 for one input); inputs
+    not evenly spaced in whole elements send the call to the full path."""
+    launch = _RecordingLaunch(["a", "step", "one"])
+    plan = _calls.Plan(inputs=("a", "b", "c"), outputs={},
+                       bound=[_calls.Bound(launch, {"a": "a", "step": "step:2:a,b,c", "one": "step:4:b"})],
+                       finish=lambda results, arrays: "ran", aligned=())
+    reader = _FakeReader()
+
+    def run(*addresses):
+        return plan.run([_FakeArray(x) for x in addresses], [reader] * 3)
+
+    assert run(0x1000, 0x1100, 0x1200) == "ran"
+    assert launch.runs[-1][1] == {0: 0x1000, 1: 0x80, 2: 0}
+    assert run(0x3000, 0x2000, 0x1000) == "ran"
+    assert launch.runs[-1][1][1] == (-0x800) & ((1 << 64) - 1)
+    runs = len(launch.runs)
+    assert run(0x1000, 0x1100, 0x1300) is None  # not evenly spaced
+    assert run(0x1000, 0x1001, 0x1002) is None  # not whole elements
+    assert len(launch.runs) == runs
+
+
 def test_plan_step_writes_pointers_once_and_owns_its_outputs():
     """Plan.step binds every pointer (Launch.bind) and returns a StepPlan whose run() launches
     with no pointers of its own; a plan that uses the per-stream workspace has no step."""
@@ -375,6 +398,44 @@ def test_decode_and_paged_second_call_takes_the_plan(rng, framework, monkeypatch
                                        _as(framework, table), _as(framework, lens), check=False)
         assert np.abs(_host(paged) - ref).max() < 3e-2, f"paged step {step} (seed {rng.seed})"
     assert len(_calls._plans) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_merge_states_second_call_takes_the_plan(rng, framework, parts, monkeypatch):
+    """merge_states over fresh parts each call: the second call's plan reads them in place, its
+    parts at other addresses (the step between them written per call, evenly spaced slices of one
+    array), and matches the float64 merge; parts not evenly spaced go back to the full path."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    b, s, h, d = 2, 37, 4, 64
+
+    def states():
+        # slices of one stacked array: evenly spaced whatever the allocator does
+        outs = randn(rng, (parts, b, s, h, d), BF16)
+        lses = rng.standard_normal((parts, b, h, s)).astype(np.float32)
+        return outs, lses, [(_as(framework, outs)[i], _as(framework, lses)[i]) for i in range(parts)]
+
+    for step in range(2):
+        if step == 1:
+            _full_path_must_not_run(monkeypatch)
+        outs, lses, pairs = states()
+        merged, merged_lse = cuattn.merge_states(pairs)
+        ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in range(parts)])
+        assert np.abs(_host(merged) - ref).max() < 2e-2, f"step {step} (seed {rng.seed})"
+        assert np.abs(_host(merged_lse) - ref_lse).max() < 1e-4, f"step {step} (seed {rng.seed})"
+        assert type(merged) is type(pairs[0][0])
+    assert len(_calls._plans) == 1
+    monkeypatch.undo()
+    if parts == 3:
+        # the first two parts adjacent, the third elsewhere: the plan refuses, the full path copies
+        outs, lses, pairs = states()
+        third = (_as(framework, outs[2].copy()), _as(framework, lses[2].copy()))
+        merged, merged_lse = cuattn.merge_states(pairs[:2] + [third])
+        ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in range(parts)])
+        assert np.abs(_host(merged) - ref).max() < 2e-2 and np.abs(_host(merged_lse) - ref_lse).max() < 1e-4
 
 
 @pytest.mark.gpu
