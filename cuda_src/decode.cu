@@ -89,6 +89,7 @@ struct StageCopy {
 template <typename T, int RUN>
 struct ContiguousKV {
   struct Cursor {};
+  static constexpr bool kReadsTable = false;
   const T* k;  // already offset to (b, hk)
   const T* v;
   i64 k_row_stride, v_row_stride;
@@ -125,6 +126,7 @@ struct PagedKV {
     int next_page;  // the page after it, when the run reaches it
     int slot;       // j0 % block_size
   };
+  static constexpr bool kReadsTable = true;
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
   const T* v;  // [num_blocks, block_size, Hk, Dv]
   // element strides of a page and of a slot; the host checks they fit in 32 bits, so each
@@ -410,19 +412,28 @@ __device__ __forceinline__ void decode_body(
   const int clean_begin = offset + a.sq_new - 1 - a.mask.window_left;
   const MaskParams mask{stop, a.mask.window_left, a.mask.window_right, a.mask.score_scale, a.mask.softcap_out};
 
-  // prologue: fill all but one stage of the ring, then look up the rows of the next one
+  // prologue: fill all but one stage of the ring, then look up the rows of the next one. A policy
+  // that reads a table (KV::kReadsTable) looks up the rows of all STAGES stages first, so that
+  // its reads overlap instead of each waiting behind the copies before it.
+  const auto locate_at = [&](int st) {
+    return st < num_blocks ? locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + st * BLOCK_N, stop)
+                           : typename KV::Cursor{};
+  };
+  typename KV::Cursor first[STAGES];
+  if constexpr (KV::kReadsTable) {
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) first[st] = locate_at(st);
+  }
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < num_blocks) {
       Tkv* sK = sRing + (2 * st) * BLOCK_N * kKvStride;
-      const typename KV::Cursor first = locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + st * BLOCK_N, stop);
       load_kv_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(sK, sK + BLOCK_N * kKvStride, kv, start + st * BLOCK_N, stop, a.head_dim,
-                                   a.head_dim_v, first);
+                                   a.head_dim_v, KV::kReadsTable ? first[st] : locate_at(st));
     }
     cp_async_commit();
   }
-  typename KV::Cursor cursor{};
-  if (STAGES - 1 < num_blocks) cursor = locate_stage<Tkv, HEAD_DIM, BLOCK_N, WARPS>(kv, start + (STAGES - 1) * BLOCK_N, stop);
+  typename KV::Cursor cursor = KV::kReadsTable ? first[STAGES - 1] : locate_at(STAGES - 1);
 
   // Every warp needs every row of Q. Small tiles keep its fragments in registers for the whole
   // loop; larger ones (they would crowd out the accumulator) re-read them from shared memory.
