@@ -404,38 +404,46 @@ def test_decode_and_paged_second_call_takes_the_plan(rng, framework, monkeypatch
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("parts", [2, 3])
 def test_merge_states_second_call_takes_the_plan(rng, framework, parts, monkeypatch):
-    """merge_states over fresh parts each call: the second call's plan reads them in place, its
-    parts at other addresses (the step between them written per call, evenly spaced slices of one
-    array), and matches the float64 merge; parts not evenly spaced go back to the full path."""
+    """merge_states over fresh parts each call, each set slices of one device array: the first call
+    reads them in place through the full path and records a plan; later calls with the same
+    signatures take the plan at other spacings (every other slice, then every third in reverse
+    order: a step that is not the first call's, and one below zero, written per call) and match the
+    float64 merge; parts not evenly spaced go back to the full path."""
     if framework == "torch":
         pytest.importorskip("torch")
     _calls.clear()
     b, s, h, d = 2, 37, 4, 64
 
-    def states():
-        # slices of one stacked array: evenly spaced whatever the allocator does
-        outs = randn(rng, (parts, b, s, h, d), BF16)
-        lses = rng.standard_normal((parts, b, h, s)).astype(np.float32)
-        return outs, lses, [(_as(framework, outs)[i], _as(framework, lses)[i]) for i in range(parts)]
+    def states(spread, reverse=False):
+        # the parts are slices `spread` apart of one device array: evenly spaced whatever the allocator does
+        outs = randn(rng, (parts * spread, b, s, h, d), BF16)
+        lses = rng.standard_normal((parts * spread, b, h, s)).astype(np.float32)
+        dev_outs, dev_lses = _as(framework, outs), _as(framework, lses)
+        order = list(range(0, parts * spread, spread))[::-1 if reverse else 1]
+        return [(outs[i], lses[i]) for i in order], [(dev_outs[i], dev_lses[i]) for i in order]
 
-    for step in range(2):
-        if step == 1:
-            _full_path_must_not_run(monkeypatch)
-        outs, lses, pairs = states()
-        merged, merged_lse = cuattn.merge_states(pairs)
-        ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in range(parts)])
-        assert np.abs(_host(merged) - ref).max() < 2e-2, f"step {step} (seed {rng.seed})"
-        assert np.abs(_host(merged_lse) - ref_lse).max() < 1e-4, f"step {step} (seed {rng.seed})"
-        assert type(merged) is type(pairs[0][0])
+    def merge_and_check(host, dev, what):
+        merged, merged_lse = cuattn.merge_states(dev)
+        ref, ref_lse = reference.merge_states(host)
+        assert np.abs(_host(merged) - ref).max() < 2e-2, f"{what} (seed {rng.seed})"
+        assert np.abs(_host(merged_lse) - ref_lse).max() < 1e-4, f"{what} (seed {rng.seed})"
+        assert type(merged) is type(dev[0][0])
+
+    merge_and_check(*states(1), "the full path")
     assert len(_calls._plans) == 1
+    _full_path_must_not_run(monkeypatch)
+    merge_and_check(*states(2), "the plan, every other slice")
+    merge_and_check(*states(3, reverse=True), "the plan, every third slice in reverse")
     monkeypatch.undo()
     if parts == 3:
-        # the first two parts adjacent, the third elsewhere: the plan refuses, the full path copies
-        outs, lses, pairs = states()
-        third = (_as(framework, outs[2].copy()), _as(framework, lses[2].copy()))
-        merged, merged_lse = cuattn.merge_states(pairs[:2] + [third])
-        ref, ref_lse = reference.merge_states([(outs[i], lses[i]) for i in range(parts)])
-        assert np.abs(_host(merged) - ref).max() < 2e-2 and np.abs(_host(merged_lse) - ref_lse).max() < 1e-4
+        # the first two parts adjacent, the third a copy elsewhere: the plan refuses, the full path copies
+        full_path = _arrays.array_context
+        entered = []
+        monkeypatch.setattr(_arrays, "array_context", lambda **named: entered.append(1) or full_path(**named))
+        host, dev = states(1)
+        third = (_as(framework, host[2][0].copy()), _as(framework, host[2][1].copy()))
+        merge_and_check(host, dev[:2] + [third], "parts not evenly spaced")
+        assert entered, "parts not evenly spaced took the plan"
 
 
 @pytest.mark.gpu
