@@ -109,8 +109,8 @@ DECODE_TILES = {
 # instead (below), the bf16 cache neither.
 E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
 # The contiguous e4m3 cache's long-stage variants: eight warps a CTA, one k16 slice each of a
-# 128-key stage, three stages (115 KB at D = 128: one CTA an SM, as many warps as two of the
-# default's). With half the CTAs of the default's two an SM, the launch streams half as many runs
+# 128-key stage, three stages (115 KB at D = 128; its 156-167 registers a thread hold it to one
+# CTA an SM, as many warps as two of the default's). With half the CTAs of the default's two an SM, the launch streams half as many runs
 # of the cache at once, and the same keys stream faster: on the H200 (GQA 32/8, one bf16 token,
 # CUDA graphs, BENCHMARKS.md "Thirty-fifth session") B = 8, L = 8k 41.3 -> 39.2 us, L = 16k 77.6
 # -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k 28.2 -> 24.9, B = 4, L = 8k 25.2 -> 23.7
@@ -177,9 +177,10 @@ def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
 
 
 def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int | None = None) -> bool:
-    """Whether a launch of ``ctas`` CTAs takes the long-stage variant (``long_per_sm`` CTAs an SM):
-    where it holds them in one wave (beyond, the default's more CTAs an SM end the tail sooner),
-    and over a contiguous cache (``split_keys``: the keys each of its splits would stream) only
+    """Whether a launch of ``ctas`` CTAs (its splits counted) takes the long-stage variant
+    (``long_per_sm`` CTAs an SM): where it holds them in one wave (beyond, the default's more CTAs
+    an SM end the tail sooner, also where the caller's ``num_splits`` asks for more), and over a
+    contiguous cache (``split_keys``: the keys each of its splits would stream) only
     while that is at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS."""
     if ctas > long_per_sm * sms:
         return False
@@ -737,7 +738,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
             long_splits = num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length, sms, long_per_sm,
                                                           E4M3_MIN_CTAS_PER_SM)
             split_keys = math.ceil(length / long_splits)
-        long = use_long_variant(ctas, long_per_sm, sms, split_keys)
+        # the launch's CTAs: with the caller's splits it may span waves, which the default's more
+        # CTAs an SM end sooner
+        long = use_long_variant(ctas * (long_splits or num_splits or 1), long_per_sm, sms, split_keys)
         if long:
             spec, num_splits = long_spec, num_splits or long_splits
     if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)

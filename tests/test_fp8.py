@@ -428,6 +428,28 @@ def test_paged_e4m3_past_one_long_wave_runs_the_default_stage(rng, launched_kern
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, None], ids=["pages16", "contiguous"])
+def test_e4m3_with_splits_past_one_long_wave_runs_the_default_stage(rng, launched_kernels, block_size):
+    """A caller's num_splits that takes the launch past one wave of the long-stage variant (its
+    CTAs counted with their splits) runs the default stage, and a split count within the wave the
+    long stage; both match the reference."""
+    decode_module = importlib.import_module("cuattn.decode")
+    paged = block_size is not None
+    sms = _cupy().cuda.Device().attributes["MultiProcessorCount"]
+    batch, hq, hk = 2, 8, 2
+    long = decode_module.decode_spec(BF16, 128, 1, paged, True, half=True, long=True)
+    wave = decode_module.ctas_per_sm(long) * sms
+    s_max = 16 * 64
+    for num_splits, takes_long in ((wave // (batch * hk), True), (wave // (batch * hk) + 1, False)):
+        launched_kernels.clear()
+        run_fp8_decode(rng, BF16, batch, 1, hq, hk, 128, s_max, [s_max, 333], True, paged_block=block_size,
+                       num_splits=num_splits)
+        spec = decode_module.decode_spec(BF16, 128, 1, paged, True, half=True, long=takes_long)
+        assert [name for name in launched_kernels if "decode_kernel" in name] == [spec.name], (num_splits,
+                                                                                              launched_kernels)
+
+
+@pytest.mark.gpu
 def test_contiguous_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels):
     """Where each split would stream more than E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys, a
     contiguous e4m3 call runs the default stage; one more split brings the long stage back. Both
