@@ -465,13 +465,13 @@ def test_contiguous_e4m3_with_long_splits_runs_the_default_stage(rng, launched_k
 
 @pytest.mark.parametrize("ctas, per_sm, split_keys, expected", [
     (264, 2, None, True), (265, 2, None, False), (1, 2, None, True), (396, 3, None, True),
-    (132, 1, 16384, True), (132, 1, 16385, False), (133, 1, 1024, False), (1, 1, 2048, True)])
+    (132, 1, 8192, True), (132, 1, 8193, False), (133, 1, 1024, False), (1, 1, 2048, True)])
 def test_long_variant_rule(ctas, per_sm, split_keys, expected):
     """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one
     wave, and over a contiguous cache (split_keys given) while each split streams at most
     E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys."""
     decode_module = importlib.import_module("cuattn.decode")
-    assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 16384
+    assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 8192
     assert decode_module.use_long_variant(ctas, per_sm, 132, split_keys) == expected
 
 
