@@ -109,16 +109,17 @@ DECODE_TILES = {
 # instead (below), the bf16 cache neither.
 E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
 # The contiguous e4m3 cache's long-stage variants: eight warps a CTA, one k16 slice each of a
-# 128-key stage, three stages (115 KB at D = 128; its 156-167 registers a thread hold it to one
-# CTA an SM, as many warps as two of the default's). With half the CTAs of the default's two an
-# SM, the launch streams half as many runs of the cache at once, and the same keys stream faster: on the H200 (GQA 32/8, one bf16 token,
-# CUDA graphs, BENCHMARKS.md "Thirty-fifth session") B = 8, L = 8k 41.3 -> 39.2 us, L = 16k 77.6
-# -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k 28.2 -> 24.9, B = 4, L = 8k 25.2 -> 23.7
-# (2k-8k keys a split); but B = 8, L = 131k 556 -> 568 (65k keys a split: its 128 CTAs leave 4 of
-# the 132 SMs idle, which a long stream pays for), so they run only where each split streams at most
-# E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys (use_long_variant): the longest split measured to gain. Over pages they measured 2-8% slower
-# at B = 8 (8k 43.3 -> 44.2, 131k 582 -> 630), level at B = 4 and 16 and faster only at B = 1,
-# L = 32k (30.3 -> 28.2): the paged ones above stay.
+# 128-key stage, three stages (115 KB at D = 128; its 156-167 registers a thread hold it to one CTA
+# an SM, as many warps as two of the default's). With half the CTAs of the default's two an SM, the
+# launch streams half as many runs of the cache at once, and the same keys stream faster: on the
+# H200 (GQA 32/8, one bf16 token, CUDA graphs, BENCHMARKS.md "Thirty-fifth session") B = 8, L = 8k
+# 41.3 -> 39.2 us, L = 16k 77.6 -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k 28.2 -> 24.9,
+# B = 4, L = 8k 25.2 -> 23.7 (2k-8k keys a split); but B = 8, L = 131k 556 -> 568 (65k keys a split:
+# its 128 CTAs leave 4 of the 132 SMs idle, which a long stream pays for), so they run only where
+# each split streams at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys (use_long_variant): the
+# longest split measured to gain. Over pages they measured 2-8% slower at B = 8 (8k 43.3 -> 44.2,
+# 131k 582 -> 630), level at B = 4 and 16 and faster only at B = 1, L = 32k (30.3 -> 28.2): the
+# paged ones above stay.
 E4M3_CONTIGUOUS_LONG_TILES = {128: DecodeTile(max_mt=1, stages=3, long_stage=True, warps=8)}
 E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS = 8192
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
