@@ -445,8 +445,8 @@ def test_e4m3_with_splits_past_one_long_wave_runs_the_default_stage(rng, launche
         run_fp8_decode(rng, BF16, batch, 1, hq, hk, 128, s_max, [s_max, 333], True, paged_block=block_size,
                        num_splits=num_splits)
         spec = decode_module.decode_spec(BF16, 128, 1, paged, True, half=True, long=takes_long)
-        assert [name for name in launched_kernels if "decode_kernel" in name] == [spec.name], (num_splits,
-                                                                                              launched_kernels)
+        decodes = [name for name in launched_kernels if "decode_kernel" in name]
+        assert decodes == [spec.name], (num_splits, launched_kernels)
 
 
 @pytest.mark.gpu
