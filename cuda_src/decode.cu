@@ -60,10 +60,10 @@ static_assert(kCombineVec == 4, "the fused combine reads its columns as one floa
 // shared memory rounded up to whole steps.
 constexpr int kCombineUnroll = 8;
 
-// How the CTA's WARPS * 32 threads copy one stage of BLOCK_N rows: each keeps one 16-byte column of a run of
-// kRun consecutive rows (so a paged cache is looked up once per run, not once per row). The runs
-// tile the stage exactly; with D = 96 and four warps (12 chunks a row, 8 runs) a quarter of the
-// threads idle.
+// How the CTA's WARPS * 32 threads copy one stage of BLOCK_N rows: each keeps one 16-byte column
+// of a run of kRun consecutive rows (so a paged cache is looked up once per run, not once per row).
+// The runs tile the stage exactly; with D = 96 and four warps (12 chunks a row, 8 runs) a quarter
+// of the threads idle.
 constexpr int floor_pow2(int x) { return x < 2 ? 1 : 2 * floor_pow2(x / 2); }
 
 template <typename Tkv, int HEAD_DIM, int BLOCK_N, int WARPS>
