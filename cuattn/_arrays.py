@@ -74,6 +74,14 @@ def dtype_name(dtype) -> str:
     return name if dtype.isnative else f"{name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)"
 
 
+def any_dtype_name(dtype) -> str:
+    """dtype_name of any framework's dtype (torch's too, which NumPy cannot interpret)."""
+    try:
+        return dtype_name(dtype)
+    except TypeError:
+        return str(dtype).removeprefix("torch.")
+
+
 # ---------------------------------------------------------------------------------------------
 # Which framework an array comes from
 
