@@ -390,10 +390,12 @@ def check_dtypes(named: dict, host: bool) -> None:
 
 
 def check_same_dtype(name: str, x, ref_name: str, ref) -> None:
-    if np.dtype(x.dtype) != np.dtype(ref.dtype):
+    """``x`` and ``ref`` (arrays of one framework, any: torch's dtypes compare among themselves,
+    though NumPy cannot read them) hold one dtype."""
+    if x.dtype != ref.dtype:
         raise TypeError(
-            f"{name}.dtype must equal {ref_name}.dtype = {dtype_name(ref.dtype)}, "
-            f"got {dtype_name(x.dtype)}"
+            f"{name}.dtype must equal {ref_name}.dtype = {any_dtype_name(ref.dtype)}, "
+            f"got {any_dtype_name(x.dtype)}"
         )
 
 

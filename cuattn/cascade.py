@@ -274,12 +274,10 @@ def _check_prefix(prefix, q, cache):
     for name, x, layout in (("prefix_k", prefix_k, "(L, Hk, D)"), ("prefix_v", prefix_v, "(L, Hk, Dv)")):
         _arrays.check_ndim(name, x, layout)
         _arrays.check_positive(name, x, 0, "L")
-    # the raw arrays of any framework (not views): their dtypes compare among themselves; q's own
-    # dtype rule is the suffix call's (paged_attention)
+    # the raw arrays of any framework (not views); q's own dtype rule is the suffix call's
+    # (paged_attention)
     for name, x in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must equal q.dtype = {_arrays.any_dtype_name(q.dtype)}, got "
-                            f"{_arrays.any_dtype_name(x.dtype)}")
+        _arrays.check_same_dtype(name, x, "q", q)
     _arrays.check_axis("prefix_k", prefix_k, 2, "head_dim", int(q.shape[3]), "q.shape[3]")
     _arrays.check_positive("prefix_k", prefix_k, 1, "Hk")
     num_heads, num_kv_heads = int(q.shape[2]), int(prefix_k.shape[1])

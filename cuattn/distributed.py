@@ -132,8 +132,7 @@ def zigzag_unshard(shards, axis: int = 1):
                 f"shards[{i}].shape must equal shards[0].shape = {tuple(first.shape)}, got {tuple(shard.shape)}: "
                 "every rank's shard has one shape"
             )
-        if shard.dtype != first.dtype:  # any framework's dtypes compare among themselves
-            raise TypeError(f"shards[{i}].dtype must equal shards[0].dtype = {first.dtype}, got {shard.dtype}")
+        _arrays.check_same_dtype(f"shards[{i}]", shard, "shards[0]", first)
     local = int(first.shape[axis])
     if local % 2:
         raise ValueError(

@@ -413,8 +413,8 @@ class PagedKVCache:
     def _scale_per_head(self, name: str, value, xp):
         """A cache scale as float32 ``(Hk,)`` on the pages' device; only an e4m3 cache has scales other than 1."""
         if _arrays.is_array(value):
-            _arrays.check_host_float_dtype(name, _arrays.to_numpy(value))
             given = _arrays.to_numpy(value)
+            _arrays.check_host_float_dtype(name, given)
         elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
             given = _arrays.as_float(value)
         else:
@@ -484,8 +484,7 @@ class PagedKVCache:
         The copies run in parallel, so each destination appears once and is no pair's source
         (``BlockManager.append`` always hands out fresh destinations).
         """
-        pairs = _arrays.host_int32("pairs", list(pairs) if isinstance(pairs, tuple) else pairs)
-        pairs = np.asarray(pairs)
+        pairs = np.asarray(_arrays.host_int32("pairs", pairs))
         if pairs.shape == (0,):  # an empty list
             pairs = np.zeros((0, 2), np.int32)
         if pairs.ndim != 2 or pairs.shape[1] != 2:
@@ -822,11 +821,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
 
         import cupy
 
-        for name, x in (("k_pages", kv), ("v_pages", vv)):
-            _arrays.check_kernel_layout(name, x)
-            _arrays.check_same_device(name, x, "q", qv)
-            _check_page_strides(name, _arrays.element_strides(x))
-        _arrays.check_kernel_layout("q", qv)
+        check_device_pages(qv, kv, vv)
         if max_seq_len is None:
             max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
         # the kernel reads a table row and the lengths as contiguous int32
@@ -878,6 +873,16 @@ def _same_kind(x, ctx):
 
 # The kernel offsets a row by page * page_stride + slot * slot_stride with 32-bit strides.
 MAX_PAGE_STRIDE = 2**31 - 1
+
+
+def check_device_pages(q, k, v) -> None:
+    """What a paged kernel reads of device pages beyond their shapes and dtypes: the pages on q's
+    device, laid out for the kernels (q too), page strides its 32-bit offsets hold."""
+    for name, x in (("k_pages", k), ("v_pages", v)):
+        _arrays.check_kernel_layout(name, x)
+        _arrays.check_same_device(name, x, "q", q)
+        _check_page_strides(name, _arrays.element_strides(x))
+    _arrays.check_kernel_layout("q", q)
 
 
 def _check_page_strides(name: str, strides) -> None:

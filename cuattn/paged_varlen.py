@@ -52,7 +52,7 @@ import numpy as np
 from . import _arrays, _masks
 from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS, check_cache_scales
-from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_page_strides, _check_table,
+from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_table, check_device_pages,
                     paged_attention)
 
 # The fewest queries a sequence sends through the paged forward; fewer go through paged decode.
@@ -139,7 +139,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             prefill = lengths >= PREFILL_MIN_QUERIES
         options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
         if prefill.any():
-            _check_pages(qv, kv, vv)
+            check_device_pages(qv, kv, vv)
         xp = np if ctx.on_host else __import__("cupy")
         if ov is None:
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
@@ -213,16 +213,6 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
     _arrays.check_ndim("seq_lens", lens, "(B)")
     _arrays.check_axis("seq_lens", lens, 0, "batch", int(table.shape[0]), "block_table.shape[0]")
     _arrays.check_int32("seq_lens", lens)
-
-
-def _check_pages(q, k, v) -> None:
-    """What the paged forward reads beyond _check_call's rules (which every call has passed): q and
-    the pages laid out for the kernel on q's device, page strides the kernel's 32-bit offsets hold."""
-    for name, x in (("q", q), ("k_pages", k), ("v_pages", v)):
-        _arrays.check_kernel_layout(name, x)
-        _arrays.check_same_device(name, x, "q", q)
-    for name, x in (("k_pages", k), ("v_pages", v)):
-        _check_page_strides(name, _arrays.element_strides(x))
 
 
 def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_device, index_device, out, lse, ctx,
