@@ -123,6 +123,11 @@ def test_the_host_keeps_the_kernels_length_limit():
     k = np.broadcast_to(np.zeros((1, 1, 2, 64), np.float32), (1, 2**30, 2, 64))
     with pytest.raises(ValueError, match=r"q.shape\[1\] \+ k_cache.shape\[1\] \(Sq_new \+ S_max\) must stay below"):
         cuattn.decode(q, k, k, np.array([3], np.int32))
+    pages = np.zeros((1, 256, 2, 64), np.float32)
+    table = np.zeros((1, 2**22), np.int32)  # 2^22 blocks of 256 tokens: a 2^30-token capacity
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \+ the table's capacity \(Sq_new \+ max_blocks x block_size\) "
+                                         r"must stay below 1073741824"):
+        cuattn.paged_attention(q, (pages, pages), table, np.array([3], np.int32))
 
 
 def test_fp8_options_name_themselves_on_16_bit_inputs():

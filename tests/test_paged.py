@@ -341,6 +341,8 @@ def test_token_ids_past_int64_change_nothing():
     assert (m.seq_len("a"), m.num_free_blocks, m.blocks("a")) == before
     slots, _ = m.append("a", 2, token_ids=[3, 4])
     assert m.seq_len("a") == 4 and len(slots) == 2
+    with pytest.raises(ValueError, match=r"token_ids must be 2 integers \(one per token\), got \[\[1\], 2\]"):
+        m.allocate("b", 2, token_ids=[[1], 2])
 
 
 def test_out_of_blocks_messages_count_in_english():
@@ -495,6 +497,8 @@ def test_cpu_cache_enforces_the_device_caches_rules():
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
     ((8, 4, 2, 64, None), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got None"),
+    ((8, 4, 2, 64, "float99"), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got "
+                                               r"'float99'"),
     ((8, 4, 2, 64, "float8_e4m3fnuz"), {}, TypeError, r"dtype is float8_e4m3fnuz; a CPU cache takes a float dtype"),
     ((8, 4, 2, "64", np.float32), {}, ValueError, r"head_dim must be an int >= 0, got '64'"),
     ((8, True, 2, 64, np.float32), {}, ValueError, r"block_size must be an int from 1 to 256, got True"),
