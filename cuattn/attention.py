@@ -183,8 +183,8 @@ class FwdSm90Tile:
         the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment
         slack, and an O tile [BLOCK_M, Dv] of the 16-bit output where that still fits (else O is
         staged in Q's). ``alibi``: the ALIBI variant, which with 16-bit inputs and head dims up
-        to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile [2 BLOCK_N, 16 bytes] where it
-        fits beside the rest (the kernel's kAlibiGemm)."""
+        to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile (kAlibiKeyBytes) where it fits
+        beside the rest (the kernel's kAlibiGemm)."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:
@@ -206,7 +206,7 @@ class FwdSm90Tile:
         def with_o(tiles: int) -> int:  # FwdSm90Smem::kBytes: the O tile where it still fits
             return tiles + o_tile if tiles + o_tile <= limit else tiles
 
-        alibi_keys = 2 * self.block_n * _params.constant("kAlibiKeyRowBytes")
+        alibi_keys = _params.constant("kAlibiKeyBytes")
         if (alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim")
                 and with_o(fixed) + alibi_keys <= limit):
             fixed += alibi_keys

@@ -164,14 +164,37 @@ constexpr int kFwdSm90NoTile = -1;
 // other warps through two alternating int32 slots after the ring's (one barrier per hand-over).
 constexpr int kFwdSm90ProducerSlots = 2;
 // ALiBi's bias through the S GEMM (kAlibiGemm in the kernel): one more k16 step multiplies a
-// per-row slope (A, registers) by each key's offset in its block (B, shared memory). B is rows
-// of kAlibiKeyRowBytes, unswizzled (rows16_descriptor): row n < BLOCK_N holds (n, n, n, 0, ...),
-// one per part of the slope (hi + mid + lo, each in T); k columns 8-15 read the next 8 rows,
-// which A's zeros cancel. The tile spans the bytes of a whole [BLOCK_N, 16] operand, 2 BLOCK_N
-// rows (the rows past BLOCK_N zero): compute-sanitizer counts a wgmma read as that many bytes
-// from the descriptor's address.
+// per-row slope (A, registers) by each key's offset in its block (B, shared memory), in pieces
+// of kAlibiPieceKeys keys. B is rows of kAlibiKeyRowBytes, unswizzled (rows16_descriptor): row
+// n holds (n, n, n, 1, 1, 1, 0, 0), and every piece reads rows 0 .. its width - 1. The piece at
+// offset o gets the slope's three parts in T (hi + mid + lo) for k columns 0-2 and o times them
+// for columns 3-5 (exact: o is a power of two), so it adds slope (n + o) to key o + n. Its k
+// columns 8-15 read the 8 rows after each group of 8, which A's zeros cancel: the tile holds
+// kAlibiKeyRows rows. One piece's rows, not a block's, so that the tile fits beside the 128-column
+// tiles' O (D = 80 to 128 leave 1920 bytes; a block's 128 rows took 4096). compute-sanitizer
+// counts a wgmma read as the bytes of a whole [width, 16] operand from the descriptor's address
+// (kAlibiReadBytes): the barriers and the alignment slack after the tile keep those in bounds.
 constexpr int kAlibiKeyRowBytes = 16;
-constexpr int alibi_key_bytes(int block_n) { return 2 * block_n * kAlibiKeyRowBytes; }
+constexpr int kAlibiPieceKeys = 64;
+constexpr int kAlibiKeyRows = kAlibiPieceKeys + 8;
+constexpr int kAlibiKeyBytes = kAlibiKeyRows * kAlibiKeyRowBytes;
+constexpr int kAlibiReadBytes = 2 * kAlibiPieceKeys * kAlibiKeyRowBytes;
+constexpr int alibi_pieces(int block_n) { return (block_n + kAlibiPieceKeys - 1) / kAlibiPieceKeys; }
+
+// The k step over a block of BLOCK_N keys, piece PIECE on: keys [o, o + width) of the block take
+// the scores' accumulators from o / 2 (wgmma.cuh's accumulator layout keeps columns in order),
+// the key tile's rows from 0 and A from the piece's word (rows g and g + 8) and zeros.
+template <typename T, int BLOCK_N, int PIECE = 0>
+struct AlibiKeyStep {
+  static constexpr int kOffset = PIECE * kAlibiPieceKeys;
+  static constexpr int kWidth = BLOCK_N - kOffset < kAlibiPieceKeys ? BLOCK_N - kOffset : kAlibiPieceKeys;
+  static __device__ __forceinline__ void rs(float (&s)[BLOCK_N / 2], const u32 (&words)[alibi_pieces(BLOCK_N)][4],
+                                            u32 keys, int accumulate) {
+    WgmmaRow<T, kWidth>::template rs<0>(*reinterpret_cast<float(*)[kWidth / 2]>(&s[kOffset / 2]), words[PIECE],
+                                        [&](int key) { return rows16_descriptor(keys, key); }, accumulate);
+    if constexpr (kOffset + kWidth < BLOCK_N) AlibiKeyStep<T, BLOCK_N, PIECE + 1>::rs(s, words, keys, accumulate);
+  }
+};
 
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
@@ -198,8 +221,8 @@ struct FwdSm90Smem {
   // slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES + 2 * kFwdSm90TileRing;
   static constexpr int kIndexWords = kFwdSm90TileRing + kFwdSm90ProducerSlots;
-  static constexpr int kAlibiKeyBytes = ALIBI_KEYS ? alibi_key_bytes(BLOCK_N) : 0;
-  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiKeyBytes +
+  static constexpr int kAlibiBytes = ALIBI_KEYS ? kAlibiKeyBytes : 0;
+  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiBytes +
                                 kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes +
                                 kSwizzleAtomBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
@@ -211,29 +234,30 @@ struct FwdSm90Smem {
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
-  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [2 BLOCK_N, 8] 16-bit, unswizzled
-  static constexpr int kBarriers = kAlibiKeys + kAlibiKeyBytes;
+  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [kAlibiKeyRows, 8] 16-bit, unswizzled
+  static constexpr int kBarriers = kAlibiKeys + kAlibiBytes;
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kSm90MaxSmem, "tiles fit in shared memory");
+  static_assert(!ALIBI_KEYS || kAlibiKeys + kAlibiReadBytes <= kBytes, "a wgmma's read of the key tile stays in bounds");
 };
 
 // The shared memory of a variant. ALiBi's bias goes through the S GEMM's extra k step
-// (kAlibiGemm) for 16-bit inputs in the tiles of head dims up to kAlibiGemmMaxHeadDim, where
-// the softmax's issue rate, not the tensor cores, sets the pace (the extra step is an eighth
-// more tensor work at D = 64); else one multiply-add a score (AttentionTile::add_alibi). On the
-// H200 (bf16, time over the plain call, BENCHMARKS.md "Twenty-sixth session") D = 64 went from
-// 1.136 / 1.061 to 1.068 / 1.045 at 4k keys (full / causal) and stayed at 1.15 / 1.06 at 1k,
-// while D = 128 went from 1.078-1.085 / 1.015-1.031 to 1.095-1.107 / 1.027-1.052. e4m3 cannot
-// hold the key offsets.
-constexpr int kAlibiGemmMaxHeadDim = 64;
+// (kAlibiGemm) for 16-bit inputs wherever the key tile fits beside the rest; else one
+// multiply-add a score (AttentionTile::add_alibi). At D = 64, where the softmax's issue rate,
+// not the tensor cores, sets the pace (the extra step is an eighth more tensor work there), on
+// the H200 (bf16, time over the plain call, BENCHMARKS.md "Twenty-sixth session") D = 64 went
+// from 1.136 / 1.061 to 1.068 / 1.045 at 4k keys (full / causal). A whole block's key tile did
+// not fit beside the 128-column tiles' O (D = 80 to 128); staging O in Q's tile to make room
+// cost more at 1k keys than the step saved ("Thirty-eighth session"), so the tile now holds one
+// piece's rows (kAlibiPieceKeys). e4m3 cannot hold the key offsets.
+constexpr int kAlibiGemmMaxHeadDim = 96;
 template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI>
 struct FwdSm90SmemOf {
   static constexpr bool kAlibiKeys =
       ALIBI && ELEM_BYTES == 2 && HEAD_DIM <= kAlibiGemmMaxHeadDim && HEAD_DIM_V <= kAlibiGemmMaxHeadDim &&
-      FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>::kBytes + alibi_key_bytes(BLOCK_N) <=
-          kSm90MaxSmem;
+      FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>::kBytes + kAlibiKeyBytes <= kSm90MaxSmem;
   using type = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiKeys>;
 };
 
@@ -374,6 +398,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
   using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI>;
   constexpr bool kAlibiGemm = SmemOf::kAlibiKeys;
+  constexpr int kAlibiPieces = alibi_pieces(BLOCK_N);
   // key blocks from the one holding the diagonal (the file's opening comment)
   constexpr bool kDiagFirst = BOUNDED || ALIBI;
   using Smem = typename SmemOf::type;
@@ -463,11 +488,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     fence_barrier_init();
   }
   if constexpr (kAlibiGemm) {
-    // the key offsets' tile: row n (n, n, n, 0, ...), the rows past BLOCK_N zero
-    for (int n = threadIdx.x; n < 2 * BLOCK_N; n += blockDim.x) {
-      const float key = n < BLOCK_N ? static_cast<float>(n) : 0.f;
+    // the key offsets' tile: row n (n, n, n, 1, 1, 1, 0, 0)
+    for (int n = threadIdx.x; n < kAlibiKeyRows; n += blockDim.x) {
+      const float key = static_cast<float>(n);
       *reinterpret_cast<uint4*>(base + Smem::kAlibiKeys + n * kAlibiKeyRowBytes) =
-          make_uint4(DType<T>::pack(key, key), DType<T>::pack(key, 0.f), 0u, 0u);
+          make_uint4(DType<T>::pack(key, key), DType<T>::pack(key, 1.f), DType<T>::pack(1.f, 1.f), 0u);
     }
     fence_proxy_async();  // the writes, visible to wgmma
   }
@@ -738,6 +763,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (PINGPONG && !(closing && c == 1)) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
   };
 
+  // a word a piece of the k step
+  struct AlibiWords {
+    u32 piece[kAlibiGemm ? kAlibiPieces : 1];
+  };
   // What one tile's softmax and epilogue read: its work, descales and mask.
   struct TileContext {
     Work w;
@@ -746,7 +775,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     const float* k_block_scale;
     MaskParams mp;
     bool alibi_gemm;  // kAlibiGemm: the slope fits T and no softcap comes between (add to the capped score)
-    u32 alibi_word;   // kAlibiGemm: this lane's A word of the extra k step for +slope (alibi_a)
+    AlibiWords alibi_word;  // kAlibiGemm: this lane's A words of the extra k step for +slope (alibi_a)
   };
   int loads = 0;  // K/V blocks consumed so far, as the producer counts them
   int tiles = 0;  // tiles taken from the ring so far
@@ -788,17 +817,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     const float alibi =
         ALIBI ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale) : 0.f;
     bool alibi_gemm = false;
-    u32 alibi_word = 0;
+    AlibiWords alibi_word{};
     if constexpr (kAlibiGemm) {
-      // the slope as hi + mid + lo in T (exact to fp32's precision): lane t = 0 holds k columns
-      // 0, 1 of its rows (hi, mid), lane t = 1 columns 2, 3 (lo, 0), the others zeros
+      // the slope as hi + mid + lo in T (exact to fp32's precision), and for the piece at offset
+      // o those times o: lane t = 0 holds k columns 0, 1 of its rows (hi, mid), lane t = 1
+      // columns 2, 3 (lo, o hi), lane t = 2 columns 4, 5 (o mid, o lo), lane 3 zeros
       using DT = DType<T>;
       const float hi = DT::to_float(DT::from_float(alibi));
       const float mid = DT::to_float(DT::from_float(alibi - hi));
       const float lo = alibi - hi - mid;
-      alibi_gemm = mp.softcap_out == 0.f && isfinite(hi);
+      constexpr float kLastOffset = (kAlibiPieces - 1) * kAlibiPieceKeys;
+      alibi_gemm = mp.softcap_out == 0.f && isfinite(DT::to_float(DT::from_float(kLastOffset * hi)));
       const int t = lane % 4;
-      alibi_word = t == 0 ? DT::pack(hi, mid) : t == 1 ? DT::pack(lo, 0.f) : 0u;
+#pragma unroll
+      for (int piece = 0; piece < kAlibiPieces; ++piece) {
+        const float o = static_cast<float>(piece * kAlibiPieceKeys);
+        alibi_word.piece[piece] = t == 0 ? DT::pack(hi, mid) : t == 1 ? DT::pack(lo, o * hi) : t == 2 ? DT::pack(o * mid, o * lo) : 0u;
+      }
     }
     return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp, alibi_gemm, alibi_word};
   };
@@ -814,14 +849,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto parity_at = [](int load) { return (load / STAGES) & 1; };
   // ALiBi through the S GEMM (kAlibiGemm): the A operand of the extra k step, [64 rows, 16]
   // (wgmma.cuh's A layout: a[0] row g, a[1] row g + 8, columns 2 t, 2 t + 1; a[2], a[3] columns
-  // 8-15, zero). Where every row of this warp lies on one side of block i's keys, the bias
+  // 8-15, zero): one word a piece for both rows (alibi_a) and one zero, each a register of its
+  // own (four registers a piece spilled D = 128's three-warpgroup tile). Where every row of this warp lies on one side of block i's keys, the bias
   // -slope |d - j| of row diagonal d and key j = n0 + k is linear in k:
   //   left  (d >= every j):  slope k - slope (d - n0)
   //   right (d <= every j): -slope k + slope (d - n0)
   // so the warp's rows take sigma = +slope or -slope (the sign bits of the slope's words), and
   // prepare_scores adds only each row's rest, -sigma (d - n0) (row_bias). A warp whose rows cross
   // block i's keys gives zeros and adds the bias per score (AttentionTile::add_alibi).
-  u32 alibi_a[1][4] = {};
+  u32 alibi_a[kAlibiPieces][4] = {};
   constexpr int kWarpRows = kWgmmaM / kWarpsPerWarpgroup;
   constexpr u32 kSignBits16x2 = 0x80008000u;  // the sign bits of a word's two 16-bit values
   // the diagonal of this warp's first row, and the first key of the block visited i-th
@@ -857,20 +893,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto set_alibi_a = [&](const TileContext& x, int i) {
     if constexpr (kAlibiGemm) {
       const int side = alibi_side(x, i);
-      const u32 word = side == 0 ? 0u : side > 0 ? x.alibi_word : x.alibi_word ^ kSignBits16x2;
-      alibi_a[0][0] = alibi_a[0][1] = word;
+#pragma unroll
+      for (int piece = 0; piece < kAlibiPieces; ++piece) {
+        const u32 word = x.alibi_word.piece[piece];
+        alibi_a[piece][0] = alibi_a[piece][1] = side == 0 ? 0u : side > 0 ? word : word ^ kSignBits16x2;
+      }
       fence_registers(alibi_a);
     }
   };
   const auto issue_s = [&](int stage) {
-    // the first k step overwrites the accumulators: their old values are dead here
+    // the first k step overwrites the accumulators: their old values are dead here. With
+    // ALiBi's step that one comes first, piece by piece
     forget_registers(s_acc);
+    if constexpr (kAlibiGemm) AlibiKeyStep<T, BLOCK_N>::rs(s_acc, alibi_a, smem0 + Smem::kAlibiKeys, 0);
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
       S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
-                           [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, ks > 0);
-    if constexpr (kAlibiGemm)
-      S::template rs<0>(s_acc, alibi_a[0], [&](int key) { return rows16_descriptor(smem0 + Smem::kAlibiKeys, key); }, 1);
+                           [&](int key) { return kmajor_descriptor<KTile>(sK(stage), key, ks); }, kAlibiGemm || ks > 0);
     wgmma_commit();
   };
   const auto issue_pv = [&](int stage) {

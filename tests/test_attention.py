@@ -206,29 +206,37 @@ def test_alibi_with_sinks_and_long_keys(rng):
     run_and_check(rng, DTYPES[1], 1, 203, 4100, 8, 2, 128, alibi_slopes=_alibi_slopes(8), sinks=_sinks(rng, 8))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 160])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 160])
 @pytest.mark.parametrize("rise", list(RISES.values()), ids=list(RISES))
 def test_alibi_on_whole_key_blocks(rng, head_dim, rise):
     """Rows whose diagonal lies past every key of a block, or before every one, take ALiBi's bias
-    through the Hopper kernel's S GEMM in D = 64's tiles (one more k step: the slope times each
-    key's offset in its block; the per-score path's linear branch elsewhere), and only blocks the
-    diagonals cross add it per score. Sq = Sk = 512 and Sk = Sq + 1 put warps' diagonals on and
-    one past block edges; slopes of both signs; scores that rise block after block, so the
-    softmax computes blocks' S again (the extra step with them)."""
+    through the Hopper kernel's S GEMM in the tiles of head dims up to kAlibiGemmMaxHeadDim (one
+    more k step in 64-key pieces: the slope times each key's offset in its block; the per-score
+    path's linear branch elsewhere), and only blocks the diagonals cross add it per score. Sq = Sk
+    and Sk = Sq + 1 put warps' diagonals on and one past block edges; 385 and 1024 keys without a
+    mask run each head dim's tile below and above its long-key tile's threshold
+    (FWD_SM90_LONG_TILES, unmasked: D = 80 from 512 keys, 64 and 96 from 1024); slopes of both
+    signs; scores that rise block after block, so the softmax computes blocks' S again (the extra
+    step with them)."""
     slopes = np.array([0.5, -0.03125, 2.0 ** -8, 0.0], np.float32)
     for dtype, sq, sk, causal in ((DTYPES[1], 512, 512, False), (DTYPES[0], 512, 513, False),
-                                  (DTYPES[1], 512, 513, True)):
+                                  (DTYPES[1], 512, 513, True), (DTYPES[1], 384, 385, False),
+                                  (DTYPES[0], 1024, 1024, False)):
         shape = (1, sq, sk, 4, 2, head_dim)
         run_and_check(rng, dtype, *shape, causal=causal, alibi_slopes=slopes,
                       inputs=rising_scores(rng, *shape, rise, dtype))
 
 
-def test_alibi_slopes_past_fp16_add_the_bias_per_score(rng):
-    """In score units (slope / scale) a slope of 2e4 at D = 64 is past fp16's range, so an fp16
-    call cannot feed it to the S GEMM's extra k step: the kernel adds that tile's bias per score."""
-    slopes = np.array([2e4, -0.25], np.float32)
-    run_and_check(rng, DTYPES[0], 1, 300, 300, 2, 1, 64, alibi_slopes=slopes)
-    run_and_check(rng, DTYPES[0], 1, 300, 300, 2, 1, 64, alibi_slopes=slopes, causal=True)
+@pytest.mark.parametrize("head_dim", [64, 80, 96])
+@pytest.mark.parametrize("slope", [2e4, 500.0], ids=["slope", "piece-offset"])
+def test_alibi_slopes_past_fp16_add_the_bias_per_score(rng, head_dim, slope):
+    """In score units (slope log2(e) / scale) a slope of 2e4 is past fp16's range, and one of 500
+    is within it but not 64 times it (the offset of a block's second 64-key piece), so an fp16
+    call cannot feed either to the S GEMM's extra k step: the kernel adds that tile's bias per
+    score."""
+    slopes = np.array([slope, -0.25], np.float32)
+    run_and_check(rng, DTYPES[0], 1, 300, 300, 2, 1, head_dim, alibi_slopes=slopes)
+    run_and_check(rng, DTYPES[0], 1, 300, 300, 2, 1, head_dim, alibi_slopes=slopes, causal=True)
 
 
 def test_alibi_in_varlen(rng):
