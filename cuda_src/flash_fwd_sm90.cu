@@ -890,9 +890,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     return false;
   };
   // before the fence ahead of block i's S GEMM: its A words, pinned there
-  const auto set_alibi_a = [&](const TileContext& x, int i) {
+  const auto set_alibi_a = [&](const TileContext& x, int side) {
     if constexpr (kAlibiGemm) {
-      const int side = alibi_side(x, i);
 #pragma unroll
       for (int piece = 0; piece < kAlibiPieces; ++piece) {
         const u32 word = x.alibi_word.piece[piece];
@@ -926,7 +925,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // block i's scores (key block key_block<kDiagFirst>(i)) ready for the softmax: a block-quantised
   // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
   // folds away)
-  const auto prepare_scores = [&](const TileContext& x, int i, float (&row_bias)[1][2]) {
+  const auto prepare_scores = [&](const TileContext& x, int i, int side, float (&row_bias)[1][2]) {
     const int n = x.w.template key_block<kDiagFirst>(i);
     const int n0 = n * BLOCK_N;
     if (kFp8 && x.k_block_scale != nullptr) {
@@ -944,7 +943,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     row_bias[0][0] = row_bias[0][1] = 0.f;
     const float slope = x.alibi;
     if constexpr (ALIBI) {
-      const int side = alibi_side(x, i);
       if (side != 0) {
         const float sigma = side > 0 ? slope : -slope;
         row_bias[0][0] = -sigma * static_cast<float>(diag_of(0, 0) - n0);
@@ -958,9 +956,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // (no BOUNDED, and block 0): probabilities into the scores' registers; returns whether the
   // output must be rescaled by `factor` (the caller does it once no GEMM adds into it) before
   // to_fragments
-  const auto softmax = [&](const TileContext& x, int i, float (&factor)[1][2]) {
+  const auto softmax = [&](const TileContext& x, int i, int side, float (&factor)[1][2]) {
     float row_bias[1][2];
-    prepare_scores(x, i, row_bias);
+    prepare_scores(x, i, side, row_bias);
     const bool moved = tile.move_max(x.softmax_scale, factor, row_bias);
     tile.exponentiate(x.softmax_scale, row_bias);
     return moved;
@@ -970,10 +968,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // row_sums (not yet l). Returns whether this warp's sums keep the probabilities within the
   // lazy bound (AttentionTile::softmax_to_fragments' test); a warp with a row that has seen no
   // key moves its max at once (`moved`: rescale the output by `factor` once PV is done).
-  const auto softmax_bounded = [&](const TileContext& x, int i, float (&factor)[1][2], float (&row_sums)[1][2],
-                                   bool& moved) {
+  const auto softmax_bounded = [&](const TileContext& x, int i, int side, float (&factor)[1][2],
+                                   float (&row_sums)[1][2], bool& moved) {
     float row_bias[1][2];
-    prepare_scores(x, i, row_bias);
+    prepare_scores(x, i, side, row_bias);
     moved = tile.any_row_empty();
     if constexpr (ALIBI) moved = moved || holds_warp_diagonal(x, i);
     if (moved) tile.move_max_now(x.softmax_scale, factor, row_bias);
@@ -992,9 +990,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // fragments, the row max found only where the sums ask for it
   // (AttentionTile::softmax_to_fragments: false when the scores must be computed again for its
   // exact path)
-  const auto softmax_to_fragments = [&](const TileContext& x, int i, bool exact, float(&row_sums)[1][2]) {
+  const auto softmax_to_fragments = [&](const TileContext& x, int i, int side, bool exact,
+                                        float(&row_sums)[1][2]) {
     float row_bias[1][2];
-    prepare_scores(x, i, row_bias);
+    prepare_scores(x, i, side, row_bias);
     const auto pack = [&](const float(&ref)[1][2], float(&sums)[1][2]) {
       const auto probs = tile.probs_of(x.softmax_scale, ref, sums);
       if constexpr (kFp8) {
@@ -1011,8 +1010,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (Smem::kOwnO) mbarrier_arrive(q_empty);
   };
   // block i's S GEMM again, outside the turns, for the bounded softmax's exact path (rare)
-  const auto recompute_s = [&](const TileContext& x, int i) {
-    set_alibi_a(x, i);
+  const auto recompute_s = [&](const TileContext& x, int i, int side) {
+    set_alibi_a(x, side);
     wgmma_fence();
     issue_s(stage_at(loads + i));
     wgmma_wait<0>();
@@ -1036,7 +1035,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     float factor[1][2];
     mbarrier_wait(k_full(stage_at(loads)), parity_at(loads));
     open_turns();
-    set_alibi_a(x, 0);
+    const int side = alibi_side(x, 0);
+    set_alibi_a(x, side);
     take_turn();
     wgmma_fence();
     issue_s(stage_at(loads));
@@ -1045,7 +1045,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     fence_registers(s_acc);
     mbarrier_arrive(k_empty(stage_at(loads)));
     if (blocks == 1) release_q();
-    if (softmax(x, 0, factor)) tile.rescale_output(factor);
+    if (softmax(x, 0, side, factor)) tile.rescale_output(factor);
     to_fragments();
   };
   // OVERLAP: blocks 1 .. blocks - 1, block i's S with block i-1's PV and block i's softmax under
@@ -1057,7 +1057,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const int load = loads + i;
       mbarrier_wait(k_full(stage_at(load)), parity_at(load));
       mbarrier_wait(v_full(stage_at(load - 1)), parity_at(load - 1));
-      set_alibi_a(x, i);
+      const int side = alibi_side(x, i);
+      set_alibi_a(x, side);
       take_turn();
       wgmma_fence(o_acc, pa);
       issue_s(stage_at(load));
@@ -1073,7 +1074,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       if (!BOUNDED) release_k();
       float row_sums[1][2];
       bool moved;
-      const bool within = BOUNDED ? softmax_bounded(x, i, factor, row_sums, moved) : (moved = softmax(x, i, factor));
+      const bool within = BOUNDED ? softmax_bounded(x, i, side, factor, row_sums, moved) : (moved = softmax(x, i, side, factor));
       wgmma_wait<0>();
       fence_registers(o_acc);
       fence_registers(pa);
@@ -1084,9 +1085,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         // together: all four warps compute block i again and move every row's max to it.
         // i opaque: the mask's per-column tests of the first pass are not kept live for this one
         if (named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !within)) {
-          recompute_s(x, i);
+          recompute_s(x, i, side);
           float row_bias[1][2];
-          prepare_scores(x, opaque(i), row_bias);
+          prepare_scores(x, opaque(i), side, row_bias);
           tile.move_max_now(x.softmax_scale, factor, row_bias);
           tile.rescale_output(factor);
           tile.exponentiate(x.softmax_scale, row_bias, row_sums);
@@ -1104,10 +1105,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     for (int i = 0; i < blocks; ++i) {
       const int load = loads + i;
       mbarrier_wait(k_full(stage_at(load)), parity_at(load));
+      // this warp's side of block i for the k step, once for both of the softmax's passes and
+      // before the GEMM (computed again behind the opaque i after it, it cost D = 64 about 20
+      // instructions a warp a block)
+      const int side = alibi_side(x, i);
       // block i's S, a second time (outside the turns) where a warp's softmax asks for its exact
       // path: the warpgroup issues its GEMMs together, so all four warps vote, and all go again
       for (bool exact = false;; exact = true) {
-        set_alibi_a(x, i);
+        set_alibi_a(x, side);
         if (!exact) take_turn();
         wgmma_fence();
         issue_s(stage_at(load));
@@ -1119,7 +1124,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         float row_sums[1][2];
         bool max_first = exact;
         if constexpr (ALIBI) max_first = max_first || holds_warp_diagonal(x, i);
-        const bool done = softmax_to_fragments(x, opaque(i), max_first, row_sums);
+        const bool done = softmax_to_fragments(x, opaque(i), side, max_first, row_sums);
         if (!named_barrier_any(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads, !done)) {
           tile.add_row_sums(row_sums);
           break;
