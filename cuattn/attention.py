@@ -183,8 +183,9 @@ class FwdSm90Tile:
         the ring's int32 tile indices and the producer's hand-over slots, an atom of alignment
         slack, and an O tile [BLOCK_M, Dv] of the 16-bit output where that still fits (else O is
         staged in Q's). ``alibi``: the ALIBI variant, which with 16-bit inputs and head dims up
-        to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile (kAlibiKeyBytes) where it fits
-        beside the rest (the kernel's kAlibiGemm)."""
+        to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile for pieces of the whole block, or
+        else of kAlibiMinPieceKeys keys, where it fits beside the rest without taking O's tile
+        (FwdSm90SmemOf, the kernel's kAlibiGemm)."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:
@@ -198,18 +199,24 @@ class FwdSm90Tile:
         ring = _params.constant("kFwdSm90TileRing")
         barriers = 2 + 4 * self.stages + 2 * ring
         index_words = ring + _params.constant("kFwdSm90ProducerSlots")
-        fixed = (q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage)
-                 + _params.constant("kMbarrierBytes") * barriers
-                 + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
+        trailing = (_params.constant("kMbarrierBytes") * barriers
+                    + _params.constant("kFwdSm90TileIndexBytes") * index_words + _params.constant("kSwizzleAtomBytes"))
+        fixed = q_tile + self.stages * (self.block_n * row_bytes(head_dim, itemsize) + v_stage) + trailing
         limit = _params.constant("kSm90MaxSmem")
 
         def with_o(tiles: int) -> int:  # FwdSm90Smem::kBytes: the O tile where it still fits
             return tiles + o_tile if tiles + o_tile <= limit else tiles
 
-        alibi_keys = _params.constant("kAlibiKeyBytes")
-        if (alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim")
-                and with_o(fixed) + alibi_keys <= limit):
-            fixed += alibi_keys
+        def alibi_bytes(piece: int) -> int:  # FwdSm90Smem::kAlibiBytes
+            row = _params.constant("kAlibiKeyRowBytes")
+            return max((piece + 8) * row, 2 * piece * row - trailing)
+
+        if alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim"):
+            own_o = fixed + o_tile <= limit
+            for piece in (self.block_n, _params.constant("kAlibiMinPieceKeys")):
+                tiles = fixed + alibi_bytes(piece)
+                if with_o(tiles) <= limit and (tiles + o_tile <= limit) == own_o:
+                    return with_o(tiles)
         return with_o(fixed)
 
 

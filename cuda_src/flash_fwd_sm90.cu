@@ -165,45 +165,51 @@ constexpr int kFwdSm90NoTile = -1;
 constexpr int kFwdSm90ProducerSlots = 2;
 // ALiBi's bias through the S GEMM (kAlibiGemm in the kernel): one more k16 step multiplies a
 // per-row slope (A, registers) by each key's offset in its block (B, shared memory), in pieces
-// of kAlibiPieceKeys keys. B is rows of kAlibiKeyRowBytes, unswizzled (rows16_descriptor): row
-// n holds (n, n, n, 1, 1, 1, 0, 0), and every piece reads rows 0 .. its width - 1. The piece at
-// offset o gets the slope's three parts in T (hi + mid + lo) for k columns 0-2 and o times them
-// for columns 3-5 (exact: o is a power of two), so it adds slope (n + o) to key o + n. Its k
-// columns 8-15 read the 8 rows after each group of 8, which A's zeros cancel: the tile holds
-// kAlibiKeyRows rows. One piece's rows, not a block's, so that the tile fits beside the 128-column
-// tiles' O (D = 80 to 128 leave 1920 bytes; a block's 128 rows took 4096). compute-sanitizer
-// counts a wgmma read as the bytes of a whole [width, 16] operand from the descriptor's address
-// (kAlibiReadBytes): the barriers and the alignment slack after the tile keep those in bounds.
+// of PIECE keys (the whole block where its tile fits, else kAlibiMinPieceKeys). B is rows of
+// kAlibiKeyRowBytes, unswizzled (rows16_descriptor): row n holds (n, n, n, 1, 1, 1, 0, 0), and
+// every piece reads rows 0 .. its width - 1. The piece at offset o gets the slope's three parts in
+// T (hi + mid + lo) for k columns 0-2 and o times them for columns 3-5 (exact: o is a power of
+// two), so it adds slope (n + o) to key o + n. Its k columns 8-15 read the 8 rows after each group
+// of 8, which A's zeros cancel: the tile holds PIECE + 8 rows. Pieces of 64 keys let the tile fit
+// beside the 128-column tiles' O (D = 80 and 96 leave 1920 bytes, a block's tile takes 4096).
+// compute-sanitizer counts a wgmma read as the bytes of a whole [width, 16] operand from the
+// descriptor's address: the tile takes what more of those the barriers and slack after it do not
+// hold (FwdSm90Smem::kAlibiBytes).
 constexpr int kAlibiKeyRowBytes = 16;
-constexpr int kAlibiPieceKeys = 64;
-constexpr int kAlibiKeyRows = kAlibiPieceKeys + 8;
-constexpr int kAlibiKeyBytes = kAlibiKeyRows * kAlibiKeyRowBytes;
-constexpr int kAlibiReadBytes = 2 * kAlibiPieceKeys * kAlibiKeyRowBytes;
-constexpr int alibi_pieces(int block_n) { return (block_n + kAlibiPieceKeys - 1) / kAlibiPieceKeys; }
+constexpr int kAlibiMinPieceKeys = 64;
+constexpr int alibi_pieces(int block_n, int piece) { return (block_n + piece - 1) / piece; }
+// the key tile's bytes: piece + 8 rows, and as many more as a wgmma read's span (a whole
+// [piece, 16] operand) needs past the `trailing` bytes after the tile
+constexpr int alibi_key_bytes(int piece, int trailing) {
+  return piece == 0 ? 0
+         : (piece + 8) * kAlibiKeyRowBytes > 2 * piece * kAlibiKeyRowBytes - trailing
+             ? (piece + 8) * kAlibiKeyRowBytes
+             : 2 * piece * kAlibiKeyRowBytes - trailing;
+}
 
-// The k step over a block of BLOCK_N keys, piece PIECE on: keys [o, o + width) of the block take
-// the scores' accumulators from o / 2 (wgmma.cuh's accumulator layout keeps columns in order),
-// the key tile's rows from 0 and A from the piece's word (rows g and g + 8) and zeros.
-template <typename T, int BLOCK_N, int PIECE = 0>
+// The k step over a block of BLOCK_N keys in pieces of PIECE, piece P on: keys [o, o + width) of
+// the block take the scores' accumulators from o / 2 (wgmma.cuh's accumulator layout keeps
+// columns in order), the key tile's rows from 0 and A words[P].
+template <typename T, int BLOCK_N, int PIECE, int P = 0>
 struct AlibiKeyStep {
-  static constexpr int kOffset = PIECE * kAlibiPieceKeys;
-  static constexpr int kWidth = BLOCK_N - kOffset < kAlibiPieceKeys ? BLOCK_N - kOffset : kAlibiPieceKeys;
-  static __device__ __forceinline__ void rs(float (&s)[BLOCK_N / 2], const u32 (&words)[alibi_pieces(BLOCK_N)][4],
-                                            u32 keys, int accumulate) {
-    WgmmaRow<T, kWidth>::template rs<0>(*reinterpret_cast<float(*)[kWidth / 2]>(&s[kOffset / 2]), words[PIECE],
+  static constexpr int kOffset = P * PIECE;
+  static constexpr int kWidth = BLOCK_N - kOffset < PIECE ? BLOCK_N - kOffset : PIECE;
+  static __device__ __forceinline__ void rs(float (&s)[BLOCK_N / 2],
+                                            const u32 (&words)[alibi_pieces(BLOCK_N, PIECE)][4], u32 keys,
+                                            int accumulate) {
+    WgmmaRow<T, kWidth>::template rs<0>(*reinterpret_cast<float(*)[kWidth / 2]>(&s[kOffset / 2]), words[P],
                                         [&](int key) { return rows16_descriptor(keys, key); }, accumulate);
-    if constexpr (kOffset + kWidth < BLOCK_N) AlibiKeyStep<T, BLOCK_N, PIECE + 1>::rs(s, words, keys, accumulate);
+    if constexpr (kOffset + kWidth < BLOCK_N) AlibiKeyStep<T, BLOCK_N, PIECE, P + 1>::rs(s, words, keys, accumulate);
   }
 };
-
 
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
 // the output is 16-bit either way. SwizzledTile counts 16-bit columns, so a tile of e4m3 rows
-// of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh). ALIBI_KEYS: the ALiBi key offsets' tile
-// (kAlibiGemm).
+// of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh). ALIBI_PIECE: the keys of a piece of
+// ALiBi's k step, whose key offsets' tile it holds (kAlibiGemm), or 0 (none).
 template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2,
-          bool ALIBI_KEYS = false>
+          int ALIBI_PIECE = 0>
 struct FwdSm90Smem {
   static constexpr bool kFp8 = ELEM_BYTES == 1;
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
@@ -221,10 +227,14 @@ struct FwdSm90Smem {
   // slack to round it up
   static constexpr int kBarrierCount = 2 + 4 * STAGES + 2 * kFwdSm90TileRing;
   static constexpr int kIndexWords = kFwdSm90TileRing + kFwdSm90ProducerSlots;
-  static constexpr int kAlibiBytes = ALIBI_KEYS ? kAlibiKeyBytes : 0;
+  // after the key tile: the barriers, indices and slack
+  static constexpr int kTrailingBytes =
+      kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes + kSwizzleAtomBytes;
+  static constexpr int kAlibiRows = ALIBI_PIECE == 0 ? 0 : ALIBI_PIECE + 8;
+  static constexpr int kAlibiReadBytes = 2 * ALIBI_PIECE * kAlibiKeyRowBytes;
+  static constexpr int kAlibiBytes = alibi_key_bytes(ALIBI_PIECE, kTrailingBytes);
   static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiBytes +
-                                kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes +
-                                kSwizzleAtomBytes;
+                                kTrailingBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (16-bit D = 256, say) in Q's, which is then released after
   // the stores.
@@ -234,13 +244,13 @@ struct FwdSm90Smem {
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
-  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [kAlibiKeyRows, 8] 16-bit, unswizzled
+  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [kAlibiRows, 8] 16-bit, unswizzled
   static constexpr int kBarriers = kAlibiKeys + kAlibiBytes;
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
   static constexpr int kBytes = kFixed + (kOwnO ? OTile::kBytes : 0);
   static_assert(kBytes <= kSm90MaxSmem, "tiles fit in shared memory");
-  static_assert(!ALIBI_KEYS || kAlibiKeys + kAlibiReadBytes <= kBytes, "a wgmma's read of the key tile stays in bounds");
+  static_assert(kAlibiKeys + kAlibiReadBytes <= kBytes, "a wgmma's read of the key tile stays in bounds");
 };
 
 // The shared memory of a variant. ALiBi's bias goes through the S GEMM's extra k step
@@ -250,15 +260,24 @@ struct FwdSm90Smem {
 // the H200 (bf16, time over the plain call, BENCHMARKS.md "Twenty-sixth session") D = 64 went
 // from 1.136 / 1.061 to 1.068 / 1.045 at 4k keys (full / causal). A whole block's key tile did
 // not fit beside the 128-column tiles' O (D = 80 to 128); staging O in Q's tile to make room
-// cost more at 1k keys than the step saved ("Thirty-eighth session"), so the tile now holds one
-// piece's rows (kAlibiPieceKeys). e4m3 cannot hold the key offsets.
+// cost more at 1k keys than the step saved ("Thirty-eighth session"), so there the step goes in
+// pieces of kAlibiMinPieceKeys. Up to kAlibiGemmMaxHeadDim: past it, D = 128's three-warpgroup tile
+// spilled and serialised its wgmma with the step's registers. e4m3 cannot hold the key offsets.
 constexpr int kAlibiGemmMaxHeadDim = 96;
 template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI>
 struct FwdSm90SmemOf {
-  static constexpr bool kAlibiKeys =
-      ALIBI && ELEM_BYTES == 2 && HEAD_DIM <= kAlibiGemmMaxHeadDim && HEAD_DIM_V <= kAlibiGemmMaxHeadDim &&
-      FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>::kBytes + kAlibiKeyBytes <= kSm90MaxSmem;
-  using type = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiKeys>;
+  using Plain = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>;
+  // whether the key tile for pieces of `piece` keys fits beside the rest, O's tile kept
+  static constexpr bool fits(int piece) {
+    const int tiles = Plain::kFixed + alibi_key_bytes(piece, Plain::kTrailingBytes);
+    return Plain::kOwnO ? tiles + Plain::OTile::kBytes <= kSm90MaxSmem : tiles <= kSm90MaxSmem;
+  }
+  static constexpr int kAlibiPiece =
+      !(ALIBI && ELEM_BYTES == 2 && HEAD_DIM <= kAlibiGemmMaxHeadDim && HEAD_DIM_V <= kAlibiGemmMaxHeadDim) ? 0
+      : fits(BLOCK_N)                                                                                         ? BLOCK_N
+      : fits(kAlibiMinPieceKeys)                                                                              ? kAlibiMinPieceKeys
+                                                                                                              : 0;
+  using type = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiPiece>;
 };
 
 // One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.
@@ -397,8 +416,9 @@ __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
   using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI>;
-  constexpr bool kAlibiGemm = SmemOf::kAlibiKeys;
-  constexpr int kAlibiPieces = alibi_pieces(BLOCK_N);
+  constexpr int kAlibiPiece = SmemOf::kAlibiPiece;  // keys of a piece of ALiBi's k step
+  constexpr bool kAlibiGemm = kAlibiPiece > 0;
+  constexpr int kAlibiPieces = kAlibiGemm ? alibi_pieces(BLOCK_N, kAlibiPiece) : 1;
   // key blocks from the one holding the diagonal (the file's opening comment)
   constexpr bool kDiagFirst = BOUNDED || ALIBI;
   using Smem = typename SmemOf::type;
@@ -489,7 +509,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   }
   if constexpr (kAlibiGemm) {
     // the key offsets' tile: row n (n, n, n, 1, 1, 1, 0, 0)
-    for (int n = threadIdx.x; n < kAlibiKeyRows; n += blockDim.x) {
+    for (int n = threadIdx.x; n < Smem::kAlibiRows; n += blockDim.x) {
       const float key = static_cast<float>(n);
       *reinterpret_cast<uint4*>(base + Smem::kAlibiKeys + n * kAlibiKeyRowBytes) =
           make_uint4(DType<T>::pack(key, key), DType<T>::pack(key, 1.f), DType<T>::pack(1.f, 1.f), 0u);
@@ -826,12 +846,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       const float hi = DT::to_float(DT::from_float(alibi));
       const float mid = DT::to_float(DT::from_float(alibi - hi));
       const float lo = alibi - hi - mid;
-      constexpr float kLastOffset = (kAlibiPieces - 1) * kAlibiPieceKeys;
+      constexpr float kLastOffset = (kAlibiPieces - 1) * kAlibiPiece;
       alibi_gemm = mp.softcap_out == 0.f && isfinite(DT::to_float(DT::from_float(kLastOffset * hi)));
       const int t = lane % 4;
 #pragma unroll
       for (int piece = 0; piece < kAlibiPieces; ++piece) {
-        const float o = static_cast<float>(piece * kAlibiPieceKeys);
+        const float o = static_cast<float>(piece * kAlibiPiece);
         alibi_word.piece[piece] = t == 0 ? DT::pack(hi, mid) : t == 1 ? DT::pack(lo, o * hi) : t == 2 ? DT::pack(o * mid, o * lo) : 0u;
       }
     }
@@ -904,7 +924,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     // the first k step overwrites the accumulators: their old values are dead here. With
     // ALiBi's step that one comes first, piece by piece
     forget_registers(s_acc);
-    if constexpr (kAlibiGemm) AlibiKeyStep<T, BLOCK_N>::rs(s_acc, alibi_a, smem0 + Smem::kAlibiKeys, 0);
+    if constexpr (kAlibiGemm) AlibiKeyStep<T, BLOCK_N, kAlibiPiece>::rs(s_acc, alibi_a, smem0 + Smem::kAlibiKeys, 0);
 #pragma unroll
     for (int ks = 0; ks < HEAD_DIM / S::kK; ++ks)
       S::template ss<0, 0>(s_acc, kmajor_descriptor<QTile>(sQ, c * kWgmmaM, ks),
