@@ -53,13 +53,14 @@
 //   scores peak (holds_warp_diagonal).
 // ALIBI adds ALiBi's bias (p.alibi_slopes is set). A template flag, not a runtime test of the
 // pointer: the bias's per-row offsets then fold away in the variants without it, which keep the
-// code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi). In D = 64's
-// tiles with 16-bit inputs the S GEMM adds the bias's per-key part by one more k16 step
-// (kAlibiGemm, alibi_a: the slope in registers times each key's offset in its block, from a
-// small tile in shared memory) wherever a warp's rows all lie on one side of the block's keys,
-// leaving one offset a row to the softmax; only blocks a warp's diagonals cross add it per
-// score. One k step more costs the tensor cores an eighth of the work at D = 64, against a
-// multiply-add a score on the softmax's path, which sets D = 64's pace (FwdSm90SmemOf).
+// code they had before ALiBi existed (a runtime test cost D = 64 2-3% without ALiBi). In the
+// tiles of D = 64 to 96 with 16-bit inputs the S GEMM adds the bias's per-key part by one more
+// k16 step (kAlibiGemm, alibi_a: the slope in registers times each key's offset in its block,
+// from a small tile in shared memory, AlibiKeyStep) wherever a warp's rows all lie on one side of
+// the block's keys, leaving one offset a row to the softmax; only blocks a warp's diagonals
+// cross add it per score. One k step more costs the tensor cores an eighth of the S GEMM's work
+// at D = 64 and a sixth at D = 96, against a multiply-add a score on the softmax's path
+// (FwdSm90SmemOf).
 // Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
 // BOUNDED and ALIBI variants start at the block holding the tile's diagonal instead, go down to
 // the first, then right of it up to the last (FwdSm90Work::key_block; the same under a causal
@@ -171,7 +172,8 @@ constexpr int kFwdSm90ProducerSlots = 2;
 // T (hi + mid + lo) for k columns 0-2 and o times them for columns 3-5 (exact: o is a power of
 // two), so it adds slope (n + o) to key o + n. Its k columns 8-15 read the 8 rows after each group
 // of 8, which A's zeros cancel: the tile holds PIECE + 8 rows. Pieces of 64 keys let the tile fit
-// beside the 128-column tiles' O (D = 80 and 96 leave 1920 bytes, a block's tile takes 4096).
+// beside the three-warpgroup tiles' O at D = 80 and 96 (1920 bytes left; a 128-key block's tile
+// takes 2880, a 64-key piece's 1152).
 // compute-sanitizer counts a wgmma read as the bytes of a whole [width, 16] operand from the
 // descriptor's address: the tile takes what more of those the barriers and slack after it do not
 // hold (FwdSm90Smem::kAlibiBytes).
@@ -254,15 +256,17 @@ struct FwdSm90Smem {
 };
 
 // The shared memory of a variant. ALiBi's bias goes through the S GEMM's extra k step
-// (kAlibiGemm) for 16-bit inputs wherever the key tile fits beside the rest; else one
-// multiply-add a score (AttentionTile::add_alibi). At D = 64, where the softmax's issue rate,
-// not the tensor cores, sets the pace (the extra step is an eighth more tensor work there), on
-// the H200 (bf16, time over the plain call, BENCHMARKS.md "Twenty-sixth session") D = 64 went
-// from 1.136 / 1.061 to 1.068 / 1.045 at 4k keys (full / causal). A whole block's key tile did
-// not fit beside the 128-column tiles' O (D = 80 to 128); staging O in Q's tile to make room
-// cost more at 1k keys than the step saved ("Thirty-eighth session"), so there the step goes in
-// pieces of kAlibiMinPieceKeys. Up to kAlibiGemmMaxHeadDim: past it, D = 128's three-warpgroup tile
-// spilled and serialised its wgmma with the step's registers. e4m3 cannot hold the key offsets.
+// (kAlibiGemm) for 16-bit inputs up to kAlibiGemmMaxHeadDim wherever the key tile fits beside the
+// rest without taking O's tile; else one multiply-add a score (AttentionTile::add_alibi). At
+// D = 64, where the softmax's issue rate, not the tensor cores, sets the pace, on the H200 (bf16,
+// time over the plain call, BENCHMARKS.md "Twenty-sixth session") it took ALiBi from 1.136 /
+// 1.061 to 1.068 / 1.045 at 4k keys (full / causal). A whole block's key tile does not fit beside
+// the three-warpgroup tiles' O at D = 80 and 96; staging O in Q's tile to make room cost more at
+// 1k keys than the step saved ("Thirty-eighth session"), so there the step goes in pieces of
+// kAlibiMinPieceKeys, which took ALiBi at 4k keys from 1.058-1.060 to 1.037-1.039 at D = 80 and
+// from 1.034-1.035 to 1.011-1.015 at D = 96 ("Thirty-ninth session"). Past kAlibiGemmMaxHeadDim,
+// D = 128's three-warpgroup tile spilled and serialised its wgmma with the step's registers, and
+// ALiBi costs it 3-6% per score already. e4m3 cannot hold the key offsets.
 constexpr int kAlibiGemmMaxHeadDim = 96;
 template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI>
 struct FwdSm90SmemOf {
@@ -867,10 +871,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // the stage and phase of K/V block `load` (counted over the CTA's tiles)
   const auto stage_at = [](int load) { return load % STAGES; };
   const auto parity_at = [](int load) { return (load / STAGES) & 1; };
-  // ALiBi through the S GEMM (kAlibiGemm): the A operand of the extra k step, [64 rows, 16]
-  // (wgmma.cuh's A layout: a[0] row g, a[1] row g + 8, columns 2 t, 2 t + 1; a[2], a[3] columns
-  // 8-15, zero): one word a piece for both rows (alibi_a) and one zero, each a register of its
-  // own (four registers a piece spilled D = 128's three-warpgroup tile). Where every row of this warp lies on one side of block i's keys, the bias
+  // ALiBi through the S GEMM (kAlibiGemm): the A operand of the extra k step, [64 rows, 16] a
+  // piece (wgmma.cuh's A layout: a[0] row g, a[1] row g + 8, columns 2 t, 2 t + 1; a[2], a[3]
+  // columns 8-15, zero). Where every row of this warp lies on one side of block i's keys, the bias
   // -slope |d - j| of row diagonal d and key j = n0 + k is linear in k:
   //   left  (d >= every j):  slope k - slope (d - n0)
   //   right (d <= every j): -slope k + slope (d - n0)
@@ -921,8 +924,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
   };
   const auto issue_s = [&](int stage) {
-    // the first k step overwrites the accumulators: their old values are dead here. With
-    // ALiBi's step that one comes first, piece by piece
+    // the first k step overwrites the accumulators: their old values are dead here. ALiBi's
+    // step comes first, so that its pieces (wgmma on parts of the accumulators) open the chain:
+    // after the full-width steps they serialised every wgmma of the tile (ptxas C7511)
     forget_registers(s_acc);
     if constexpr (kAlibiGemm) AlibiKeyStep<T, BLOCK_N, kAlibiPiece>::rs(s_acc, alibi_a, smem0 + Smem::kAlibiKeys, 0);
 #pragma unroll
