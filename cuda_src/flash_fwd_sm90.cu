@@ -856,7 +856,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 #pragma unroll
       for (int piece = 0; piece < kAlibiPieces; ++piece) {
         const float o = static_cast<float>(piece * kAlibiPiece);
-        alibi_word.piece[piece] = t == 0 ? DT::pack(hi, mid) : t == 1 ? DT::pack(lo, o * hi) : t == 2 ? DT::pack(o * mid, o * lo) : 0u;
+        alibi_word.piece[piece] = t == 0   ? DT::pack(hi, mid)
+                                  : t == 1 ? DT::pack(lo, o * hi)
+                                  : t == 2 ? DT::pack(o * mid, o * lo)
+                                           : 0u;
       }
     }
     return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp, alibi_gemm, alibi_word};
@@ -912,7 +915,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     }
     return false;
   };
-  // before the fence ahead of block i's S GEMM: its A words, pinned there
+  // before the fence ahead of a block's S GEMM: its A words for this warp's side of it
+  // (alibi_side), pinned there
   const auto set_alibi_a = [&](const TileContext& x, int side) {
     if constexpr (kAlibiGemm) {
 #pragma unroll
@@ -948,7 +952,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   };
   // block i's scores (key block key_block<kDiagFirst>(i)) ready for the softmax: a block-quantised
   // k's descale, the mask, ALiBi's bias (row_bias: each row's offset, 0 without ALiBi, where it
-  // folds away)
+  // folds away; `side`: this warp's side of the block, alibi_side's, which the callers work out
+  // before the GEMM rather than again behind the opaque i after it)
   const auto prepare_scores = [&](const TileContext& x, int i, int side, float (&row_bias)[1][2]) {
     const int n = x.w.template key_block<kDiagFirst>(i);
     const int n0 = n * BLOCK_N;
