@@ -209,14 +209,15 @@ class FwdSm90Tile:
 
         def alibi_bytes(piece: int) -> int:  # FwdSm90Smem::kAlibiBytes
             row = _params.constant("kAlibiKeyRowBytes")
-            return max((piece + 8) * row, 2 * piece * row - trailing)
+            return max((piece + _params.constant("kAlibiTailRows")) * row, 2 * piece * row - trailing)
 
         if alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim"):
-            own_o = fixed + o_tile <= limit
+            # FwdSm90SmemOf::fits: the key tile beside the rest, O's tile kept where it had one
+            own_o = o_tile if fixed + o_tile <= limit else 0
             for piece in (self.block_n, _params.constant("kAlibiMinPieceKeys")):
                 tiles = fixed + alibi_bytes(piece)
-                if with_o(tiles) <= limit and (tiles + o_tile <= limit) == own_o:
-                    return with_o(tiles)
+                if tiles + own_o <= limit:
+                    return tiles + own_o
         return with_o(fixed)
 
 

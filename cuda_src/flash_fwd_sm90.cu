@@ -171,7 +171,7 @@ constexpr int kFwdSm90ProducerSlots = 2;
 // every piece reads rows 0 .. its width - 1. The piece at offset o gets the slope's three parts in
 // T (hi + mid + lo) for k columns 0-2 and o times them for columns 3-5 (exact: o is a power of
 // two), so it adds slope (n + o) to key o + n. Its k columns 8-15 read the 8 rows after each group
-// of 8, which A's zeros cancel: the tile holds PIECE + 8 rows. Pieces of 64 keys let the tile fit
+// of 8, which A's zeros cancel: the tile holds PIECE + kAlibiTailRows rows. Pieces of 64 keys let the tile fit
 // beside the three-warpgroup tiles' O at D = 80 and 96 (1920 bytes left; a 128-key block's tile
 // takes 2880, a 64-key piece's 1152).
 // compute-sanitizer counts a wgmma read as the bytes of a whole [width, 16] operand from the
@@ -179,14 +179,18 @@ constexpr int kFwdSm90ProducerSlots = 2;
 // hold (FwdSm90Smem::kAlibiBytes).
 constexpr int kAlibiKeyRowBytes = 16;
 constexpr int kAlibiMinPieceKeys = 64;
+constexpr int kAlibiTailRows = 8;  // the rows past a piece's that its k columns 8-15 read
 constexpr int alibi_pieces(int block_n, int piece) { return (block_n + piece - 1) / piece; }
-// the key tile's bytes: piece + 8 rows, and as many more as a wgmma read's span (a whole
-// [piece, 16] operand) needs past the `trailing` bytes after the tile
+// the key tile's rows for pieces of `piece` keys (0: no tile)
+constexpr int alibi_key_rows(int piece) { return piece == 0 ? 0 : piece + kAlibiTailRows; }
+// the bytes compute-sanitizer counts for a piece's wgmma read: a whole [piece, 16] 16-bit operand
+constexpr int alibi_read_bytes(int piece) { return 2 * piece * kAlibiKeyRowBytes; }
+// the key tile's bytes: its rows, and as many more as a read's span needs past the `trailing`
+// bytes after the tile
 constexpr int alibi_key_bytes(int piece, int trailing) {
-  return piece == 0 ? 0
-         : (piece + 8) * kAlibiKeyRowBytes > 2 * piece * kAlibiKeyRowBytes - trailing
-             ? (piece + 8) * kAlibiKeyRowBytes
-             : 2 * piece * kAlibiKeyRowBytes - trailing;
+  return alibi_key_rows(piece) * kAlibiKeyRowBytes > alibi_read_bytes(piece) - trailing
+             ? alibi_key_rows(piece) * kAlibiKeyRowBytes
+             : alibi_read_bytes(piece) - trailing;
 }
 
 // The k step over a block of BLOCK_N keys in pieces of PIECE, piece P on: keys [o, o + width) of
@@ -232,8 +236,8 @@ struct FwdSm90Smem {
   // after the key tile: the barriers, indices and slack
   static constexpr int kTrailingBytes =
       kBarrierCount * kMbarrierBytes + kIndexWords * kFwdSm90TileIndexBytes + kSwizzleAtomBytes;
-  static constexpr int kAlibiRows = ALIBI_PIECE == 0 ? 0 : ALIBI_PIECE + 8;
-  static constexpr int kAlibiReadBytes = 2 * ALIBI_PIECE * kAlibiKeyRowBytes;
+  static constexpr int kAlibiRows = alibi_key_rows(ALIBI_PIECE);
+  static constexpr int kAlibiReadBytes = alibi_read_bytes(ALIBI_PIECE);
   static constexpr int kAlibiBytes = alibi_key_bytes(ALIBI_PIECE, kTrailingBytes);
   static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiBytes +
                                 kTrailingBytes;
@@ -789,7 +793,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
 
   // a word a piece of the k step
   struct AlibiWords {
-    u32 piece[kAlibiGemm ? kAlibiPieces : 1];
+    u32 piece[kAlibiPieces];
   };
   // What one tile's softmax and epilogue read: its work, descales and mask.
   struct TileContext {
