@@ -236,6 +236,16 @@ def test_alibi_slopes_past_fp16_add_the_bias_per_score(rng, head_dim):
     run_and_check(rng, DTYPES[0], 1, 300, 300, 2, 1, head_dim, alibi_slopes=slopes, causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_alibi_slope_whose_far_piece_overflows_fp16_adds_the_bias_per_score(rng, head_dim):
+    """The long-key tiles of D = 80 and 96 take the S GEMM's extra k step in two 64-key pieces,
+    the second with words 64 times the slope's. A slope of 450 is about 4000 in score units
+    (slope / scale): within fp16's range, but 64 times it is not, so an fp16 call adds those
+    tiles' bias per score. 1100 keys without a mask run the long-key tile at both head dims."""
+    slopes = np.array([450.0, -0.25], np.float32)
+    run_and_check(rng, DTYPES[0], 1, 1100, 1100, 2, 1, head_dim, alibi_slopes=slopes)
+
+
 def test_alibi_in_varlen(rng):
     """Each sequence's own lengths and its own row of slopes."""
     cupy = _cupy()
