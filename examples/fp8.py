@@ -77,9 +77,10 @@ def paged_cache_step(rng, gpu: bool) -> bool:
     fp8 = cuattn.PagedKVCache(manager.num_blocks, BLOCK, HK, D, "float8_e4m3fn", device, k_scale=k_scale,
                               v_scale=v_scale)
     slots = np.concatenate([manager.allocate(seq, n) for seq, n in enumerate(lengths)])
-    k_in, v_in, slot_ids = (xp.asarray(x) for x in (all_k.astype(dtype), all_v.astype(dtype), slots))
+    k_in, v_in = (xp.asarray(x.astype(dtype)) for x in (all_k, all_v))
     for cache in (wide, fp8):
-        cache.write(k_in, v_in, slot_ids)  # the e4m3 cache rounds x / scale to nearest even here
+        # host slot ids are checked against the pool; the e4m3 cache rounds x / scale to nearest even
+        cache.write(k_in, v_in, slots)
 
     # one new token per sequence (already in the caches: it is the last of each length)
     q = rng.standard_normal((len(lengths), 1, HQ, D)).astype(np.float32)
