@@ -1,39 +1,47 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py
+python scripts/compare_fp8_decode.py [--pages=ORDER] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
-    block size 16, shuffled blocks, check=False. CUDA-graph step times (20 calls a graph), and
-    the largest difference of each output from the bf16 contiguous decode.
+    block size 16, check=False, blocks shuffled across the pool, or with --pages=in-order or
+    interleaved laid out as cuattn.bench.cases.block_table says. CUDA-graph step times (20 calls
+    a graph), and the largest difference of each output from the bf16 contiguous decode. Shapes
+    default to SHAPES.
 """
+
+import sys
 
 import cupy
 import numpy as np
 
 import cuattn
-from cuattn.bench import timing
+from cuattn.bench import cases as bench_cases, timing
 
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
-def main():
+def main(argv):
+    order = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--pages=")), "shuffled")
+    if order not in bench_cases.PAGE_ORDERS:
+        raise SystemExit(f"--pages must be one of {', '.join(bench_cases.PAGE_ORDERS)}, got {order!r}")
+    shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or SHAPES
     bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng(0)
-    for batch, seqlen in SHAPES:
+    print(f"paged caches: blocks {order}", flush=True)
+    for batch, seqlen in shapes:
         q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
         k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16)
                 for _ in range(2))
         lens = cupy.full((batch,), seqlen, np.int32)
         k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
         k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
-        # the same caches as shuffled pages of BLOCK tokens
+        # the same caches as pages of BLOCK tokens, placed in the pool as `order` says
         num_blocks = batch * seqlen // BLOCK
-        order = cupy.asarray(rng.permutation(num_blocks).astype(np.int32))
-        table = order.reshape(batch, -1)
+        table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
 
         def pages(x):
-            out = cupy.empty((num_blocks, BLOCK, HK, D), x.dtype)
-            out[order] = x.reshape(num_blocks, BLOCK, HK, D)
+            out = cupy.empty((num_blocks, BLOCK, HK, D), x.dtype)  # [num_blocks, BLOCK, Hk, D]
+            out[table.reshape(-1)] = x.reshape(num_blocks, BLOCK, HK, D)
             return out
 
         kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
@@ -58,4 +66,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,9 +1,11 @@
 """Graph-timed paged decode TB/s over num_splits (GQA 32/8, D 128, bf16, block_size 16, shuffled blocks).
 
-python scripts/tune_paged.py [--sequential] [B:L ...]   (default 1:32768 64:2048); each shape is
+python scripts/tune_paged.py [--pages=ORDER] [B:L ...]   (default 1:32768 64:2048); each shape is
 drawn twice with fresh shuffles, to show how much the placement of the blocks moves the figure.
---sequential: each sequence's blocks in pool order instead (a freshly filled pool), to tell the
-cost of scattered pages (TLB reach, DRAM locality) from the cost of the lookup itself.
+--pages=in-order | interleaved: each sequence's blocks one after another (a freshly filled pool),
+or interleaved as sequences that grew in lock step get them (cuattn.bench.cases.block_table), to
+tell the cost of scattered pages (TLB reach, DRAM locality) from the cost of the lookup itself.
+--sequential is --pages=in-order.
 --stages=N: override the D = 128 decode tile's cp.async ring depth for this run (fewer stages,
 less shared memory, more CTAs per SM).
 """
@@ -14,7 +16,7 @@ import cupy
 import numpy as np
 
 import cuattn
-from cuattn.bench import timing
+from cuattn.bench import cases, timing
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
@@ -23,8 +25,10 @@ SPLITS = [None, 1, 2, 4, 8, 16, 24, 33, 48, 64]
 
 
 def main(argv):
-    sequential = "--sequential" in argv
+    order = "in-order" if "--sequential" in argv else "shuffled"
     for arg in argv:
+        if arg.startswith("--pages="):
+            order = arg.split("=", 1)[1]
         if arg.startswith("--stages="):
             tile = decode_module.DECODE_TILES[D]
             decode_module.DECODE_TILES[D] = decode_module.DecodeTile(tile.max_mt, int(arg.split("=")[1]))
@@ -35,8 +39,7 @@ def main(argv):
     for (batch, seqlen), draw in ((shape, draw) for shape in shapes for draw in range(2)):
         blocks = batch * seqlen // BLOCK
         pages = [cupy.random.standard_normal((blocks, BLOCK, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2)]
-        order = np.arange(blocks) if sequential else np.random.default_rng().permutation(blocks)
-        table = cupy.asarray(order.reshape(batch, -1).astype(np.int32))
+        table = cupy.asarray(cases.block_table(batch, blocks // batch, order))
         lens = cupy.full((batch,), seqlen, np.int32)
         q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
         nbytes = timing.kv_bytes(batch, seqlen, HK, D)
@@ -47,7 +50,7 @@ def main(argv):
             ms = timing.time_cupy_graph(lambda: cuattn.paged_attention(
                 q, tuple(pages), table, lens, check=False, max_seq_len=seqlen, num_splits=splits))
             line.append(f"{'auto' if splits is None else splits}:{nbytes / ms / 1e9:.2f}")
-        placement = "sequential" if sequential else f"draw {draw}"
+        placement = f"{order} draw {draw}"
         print(f"B={batch:3d} L={seqlen:7d} {placement}: " + " ".join(line), flush=True)
 
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cuattn.bench import cases as bench_cases
@@ -365,3 +366,23 @@ def test_time_in_turn_interleaves_the_calls_and_reports_medians():
     assert order == ["a", "b", "a", "b", "a", "b"]
     assert seen == order
     assert medians == {"a": 3.0, "b": 4.0}
+
+
+@pytest.mark.parametrize("order", bench_cases.PAGE_ORDERS)
+def test_block_table_uses_every_block_of_the_pool_once(order):
+    batch, blocks = 3, 5
+    table = bench_cases.block_table(batch, blocks, order, np.random.default_rng(1))
+    assert table.shape == (batch, blocks) and table.dtype == np.int32
+    assert sorted(table.reshape(-1).tolist()) == list(range(batch * blocks))
+    if order == "in-order":
+        np.testing.assert_array_equal(table, np.arange(batch * blocks).reshape(batch, blocks))
+    elif order == "interleaved":
+        # block p of sequence b at p * B + b: the sequences took turns as they grew
+        np.testing.assert_array_equal(table, np.arange(blocks)[None, :] * batch + np.arange(batch)[:, None])
+    else:
+        assert not np.array_equal(table, np.arange(batch * blocks).reshape(batch, blocks))
+
+
+def test_block_table_refuses_an_unknown_order():
+    with pytest.raises(ValueError, match="order must be one of shuffled, in-order, interleaved, got 'sorted'"):
+        bench_cases.block_table(2, 2, "sorted")

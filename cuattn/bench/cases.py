@@ -218,6 +218,30 @@ def decode_shape(batch: int, seqlen: int, block_size: int = 0) -> Shape:
     return Shape(batch, seqlen, DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, False, block_size)
 
 
+# Where a paged benchmark's sequences find their blocks in the pool (block_table):
+#   shuffled     anywhere, as after a while of serving (the sweep's and the scripts' default)
+#   in-order     each sequence's blocks one after another (a freshly filled pool)
+#   interleaved  block p of sequence b at p * B + b (sequences that grew in lock step)
+# The three tell the cost of where pages lie (TLB reach, DRAM locality) from the lookup's own.
+PAGE_ORDERS = ("shuffled", "in-order", "interleaved")
+
+
+def block_table(batch: int, blocks_per_seq: int, order: str = "shuffled", rng=None) -> np.ndarray:
+    """int32 ``(batch, blocks_per_seq)``: each sequence's blocks of a pool of ``batch *
+    blocks_per_seq``, every block used once, laid out as ``order`` (PAGE_ORDERS) says; ``rng``
+    (a NumPy Generator, default a fresh one) draws the shuffle."""
+    pool = batch * blocks_per_seq
+    if order == "shuffled":
+        blocks = (rng or np.random.default_rng()).permutation(pool)
+    elif order == "in-order":
+        blocks = np.arange(pool)
+    elif order == "interleaved":
+        blocks = np.arange(pool).reshape(blocks_per_seq, batch).T
+    else:
+        raise ValueError(f"order must be one of {', '.join(PAGE_ORDERS)}, got {order!r}")
+    return blocks.reshape(batch, blocks_per_seq).astype(np.int32)
+
+
 def impl_dtype(impl: str, dtype) -> np.dtype:
     """The dtype an implementation runs in: the sweep's, except naive CuPy's float16."""
     return NAIVE_DTYPE if impl == "naive-cupy" else np.dtype(dtype)
@@ -544,8 +568,7 @@ def _prepare_paged(case: Case, dtype: np.dtype) -> Prepared:
     page_shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)  # [num_blocks, block_size, Hk, D]
     k_pages, v_pages = _randn(page_shape, dtype), _randn(page_shape, dtype)
     # blocks shuffled across the pool, as after a while of serving
-    table = cupy.asarray(np.random.default_rng().permutation(num_blocks).reshape(s.batch, blocks_per_seq)
-                         .astype(np.int32))  # [B, max_blocks]
+    table = cupy.asarray(block_table(s.batch, blocks_per_seq))  # [B, max_blocks]
     lens = cupy.full((s.batch,), s.seqlen, np.int32)
     q = _randn((s.batch, 1, s.q_heads, s.head_dim), dtype)
     # the same cache laid out contiguously, for the baseline: [B, L, Hk, D]

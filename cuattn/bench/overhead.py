@@ -22,6 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from .cases import block_table
+
 # Calls per measured loop: well below the CUDA launch queue's depth (about 1000 launches), so a
 # loop of launches that run faster than the GPU never blocks on a full queue.
 CALLS = 200
@@ -126,7 +128,7 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
 
         def paged_setup(fw=fw):
             pages = dec_b * dec_len // block
-            table = rng.permutation(pages).astype(np.int32).reshape(dec_b, -1)
+            table = block_table(dec_b, pages // dec_b, rng=rng)
             x = _inputs(fw, rng, {"q": ((dec_b, 1, dec_hq, dec_d), "f"), "kp": ((pages, block, dec_hk, dec_d), "f"),
                                   "vp": ((pages, block, dec_hk, dec_d), "f"), "table": (table, "int32"),
                                   "lens": ([dec_len] * dec_b, "int32")}, dtype)
