@@ -20,48 +20,52 @@ HQ, HK, D, BLOCK = 32, 8, 128, 16
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
+def compare(batch: int, seqlen: int, order: str, rng) -> None:
+    """Time the four decode steps of one (B, L) and print them with the e4m3 speedups."""
+    bf16 = cupy.dtype("bfloat16")
+    q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
+    k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
+    lens = cupy.full((batch,), seqlen, np.int32)
+    k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
+    k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
+    # the same caches as pages of BLOCK tokens, placed in the pool as `order` says
+    num_blocks = batch * seqlen // BLOCK
+    table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
+
+    def pages(x):
+        out = cupy.empty((num_blocks, BLOCK, HK, D), x.dtype)  # [num_blocks, BLOCK, Hk, D]
+        out[table.reshape(-1)] = x.reshape(num_blocks, BLOCK, HK, D)
+        return out
+
+    kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
+    steps = {
+        "bf16": lambda: cuattn.decode(q, k, v, lens),
+        "bf16-paged": lambda: cuattn.paged_attention(q, (kp, vp), table, lens, check=False),
+        "e4m3": lambda: cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale),
+        "e4m3-paged": lambda: cuattn.paged_attention(q, (kp8, vp8), table, lens, k_scale=k_scale, v_scale=v_scale,
+                                                     check=False),
+    }
+    reference = steps["bf16"]().astype(cupy.float32)
+    times = {}
+    for name, fn in steps.items():
+        diff = float(cupy.abs(fn().astype(cupy.float32) - reference).max())
+        times[name] = timing.time_cupy_graph(fn)
+        print(f"B={batch:3d} L={seqlen:7d} {name:11s} {times[name] * 1e3:8.1f} us  max diff from bf16 {diff:.3f}",
+              flush=True)
+    print(f"B={batch:3d} L={seqlen:7d} e4m3 speedup: {times['bf16'] / times['e4m3']:.2f}x contiguous, "
+          f"{times['bf16-paged'] / times['e4m3-paged']:.2f}x paged", flush=True)
+
+
 def main(argv):
     order = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--pages=")), "shuffled")
     if order not in bench_cases.PAGE_ORDERS:
         raise SystemExit(f"--pages must be one of {', '.join(bench_cases.PAGE_ORDERS)}, got {order!r}")
     shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or SHAPES
-    bf16 = cupy.dtype("bfloat16")
     rng = np.random.default_rng(0)
     print(f"paged caches: blocks {order}", flush=True)
     for batch, seqlen in shapes:
-        q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
-        k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16)
-                for _ in range(2))
-        lens = cupy.full((batch,), seqlen, np.int32)
-        k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
-        k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
-        # the same caches as pages of BLOCK tokens, placed in the pool as `order` says
-        num_blocks = batch * seqlen // BLOCK
-        table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
-
-        def pages(x):
-            out = cupy.empty((num_blocks, BLOCK, HK, D), x.dtype)  # [num_blocks, BLOCK, Hk, D]
-            out[table.reshape(-1)] = x.reshape(num_blocks, BLOCK, HK, D)
-            return out
-
-        kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
-        cases = {
-            "bf16": lambda: cuattn.decode(q, k, v, lens),
-            "bf16-paged": lambda: cuattn.paged_attention(q, (kp, vp), table, lens, check=False),
-            "e4m3": lambda: cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale),
-            "e4m3-paged": lambda: cuattn.paged_attention(q, (kp8, vp8), table, lens, k_scale=k_scale, v_scale=v_scale,
-                                                         check=False),
-        }
-        reference = cases["bf16"]().astype(cupy.float32)
-        times = {}
-        for name, fn in cases.items():
-            diff = float(cupy.abs(fn().astype(cupy.float32) - reference).max())
-            times[name] = timing.time_cupy_graph(fn)
-            print(f"B={batch:3d} L={seqlen:7d} {name:11s} {times[name] * 1e3:8.1f} us  max diff from bf16 {diff:.3f}",
-                  flush=True)
-        print(f"B={batch:3d} L={seqlen:7d} e4m3 speedup: {times['bf16'] / times['e4m3']:.2f}x contiguous, "
-              f"{times['bf16-paged'] / times['e4m3-paged']:.2f}x paged", flush=True)
-        del k, v, k8, v8, kp, vp, kp8, vp8
+        compare(batch, seqlen, order, rng)
+        # the shape's caches are gone with compare's frame: give their memory back before the next
         cupy.get_default_memory_pool().free_all_blocks()
 
 
