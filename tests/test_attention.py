@@ -497,6 +497,23 @@ def test_few_ctas_walk_many_tiles(rng, monkeypatch, fwd_kernel, schedule, d):
     _check_varlen(rng, [500, 1, 0, 260, 129], [500, 7, 9, 130, 700], 4, 2, d, True)
 
 
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_few_ctas_walk_many_tiles_with_alibi(rng, monkeypatch, fwd_kernel, schedule, d):
+    """ALiBi on a persistent grid of FEW_CTAS CTAs: each walks dozens of tiles of different
+    (sequence, head) pairs, every pair with a slope of its own ((B, Hq) slopes drawn at random, of
+    both signs), so a tile that took another tile's slope would show; the default tiles (333 keys)
+    and the long-key ones (1100), without a mask and causal."""
+    if fwd_kernel != "sm90":
+        pytest.skip("the persistent grid of flash_fwd_sm90_kernel")
+    monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", schedule)
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: FEW_CTAS)
+    slopes = rng.uniform(-0.05, 0.5, (3, 8)).astype(np.float32)
+    run_and_check(rng, DTYPES[0], 3, 700, 333, 8, 2, d, alibi_slopes=slopes)
+    run_and_check(rng, DTYPES[1], 3, 1100, 1100, 8, 4, d, alibi_slopes=slopes)
+    run_and_check(rng, DTYPES[1], 3, 1100, 1100, 8, 4, d, causal=True, alibi_slopes=slopes)
+
+
 def _tile_signature(tile) -> str:
     """How a flash_fwd_sm90_kernel tile appears in the launched kernel's template arguments (the
     debug log's kernel name): block_n, consumers, stages and the overlap / pingpong / bounded flags."""
