@@ -8,13 +8,12 @@ same-precision computation (matmul, softmax, matmul), plus a floor.
 from __future__ import annotations
 
 import importlib
-import math
 
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import _calls, _jit, _registry, reference
+from cuattn import _jit, _registry, reference
 from conftest import (DTYPE_IDS, DTYPES, RISES, TILE_ORDER_CHUNK, error_budget, expected_tile_order,
                       forward_kernels, randn, rising_scores)
 
