@@ -507,10 +507,10 @@ def test_few_ctas_walk_many_tiles_with_alibi(rng, monkeypatch, fwd_kernel, sched
         pytest.skip("the persistent grid of flash_fwd_sm90_kernel")
     monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", schedule)
     monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: FEW_CTAS)
-    slopes = rng.uniform(-0.05, 0.5, (3, 8)).astype(np.float32)
-    run_and_check(rng, DTYPES[0], 3, 700, 333, 8, 2, d, alibi_slopes=slopes)
-    run_and_check(rng, DTYPES[1], 3, 1100, 1100, 8, 4, d, alibi_slopes=slopes)
-    run_and_check(rng, DTYPES[1], 3, 1100, 1100, 8, 4, d, causal=True, alibi_slopes=slopes)
+    slopes = rng.uniform(-0.05, 0.5, (2, 4)).astype(np.float32)
+    run_and_check(rng, DTYPES[0], 2, 700, 333, 4, 2, d, alibi_slopes=slopes)
+    run_and_check(rng, DTYPES[1], 2, 1100, 1100, 4, 2, d, alibi_slopes=slopes)
+    run_and_check(rng, DTYPES[1], 2, 1100, 1100, 4, 2, d, causal=True, alibi_slopes=slopes)
 
 
 def _tile_signature(tile) -> str:
