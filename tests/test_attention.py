@@ -247,13 +247,18 @@ def test_alibi_slope_whose_far_piece_overflows_fp16_adds_the_bias_per_score(rng,
 
 def test_alibi_in_varlen(rng):
     """Each sequence's own lengths and its own row of slopes."""
+    _check_alibi_varlen(rng, [13, 0, 150, 1], [40, 7, 150, 1023])
+
+
+def _check_alibi_varlen(rng, lens_q, lens_k, slopes=None):
+    """Causal attention_varlen (Hq = 4, Hk = 2, D = 64) with (B, Hq) slopes (default ALiBi's, each
+    sequence's halved once more) against the float64 reference, out and lse."""
     cupy = _cupy()
-    lens_q, lens_k = [13, 0, 150, 1], [40, 7, 150, 1023]
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
     q = randn(rng, (cu_q[-1], 4, 64), DTYPES[1])
     k, v = (randn(rng, (cu_k[-1], 2, 64), DTYPES[1]) for _ in range(2))
-    slopes = _alibi_slopes(4, len(lens_q))
+    slopes = _alibi_slopes(4, len(lens_q)) if slopes is None else slopes
     out, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), max(lens_q), max(lens_k),
                                        causal=True, alibi_slopes=cupy.asarray(slopes), return_lse=True)
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
@@ -502,7 +507,7 @@ def test_few_ctas_walk_many_tiles_with_alibi(rng, monkeypatch, fwd_kernel, sched
     """ALiBi on a persistent grid of FEW_CTAS CTAs: each walks dozens of tiles of different
     (sequence, head) pairs, every pair with a slope of its own ((B, Hq) slopes drawn at random, of
     both signs), so a tile that took another tile's slope would show; the default tiles (333 keys)
-    and the long-key ones (1100), without a mask and causal."""
+    and the long-key ones (1100), without a mask and causal; at D = 64 varlen too."""
     if fwd_kernel != "sm90":
         pytest.skip("the persistent grid of flash_fwd_sm90_kernel")
     monkeypatch.setattr(attention_module, "FWD_SM90_SCHEDULE", schedule)
@@ -511,6 +516,10 @@ def test_few_ctas_walk_many_tiles_with_alibi(rng, monkeypatch, fwd_kernel, sched
     run_and_check(rng, DTYPES[0], 2, 700, 333, 4, 2, d, alibi_slopes=slopes)
     run_and_check(rng, DTYPES[1], 2, 1100, 1100, 4, 2, d, alibi_slopes=slopes)
     run_and_check(rng, DTYPES[1], 2, 1100, 1100, 4, 2, d, causal=True, alibi_slopes=slopes)
+    if d == 64:
+        # packed sequences (in a tile order on the dynamic schedule), empty ones among them
+        lens_q, lens_k = [500, 0, 1, 260, 129, 700], [500, 7, 9, 130, 700, 1100]
+        _check_alibi_varlen(rng, lens_q, lens_k, rng.uniform(-0.05, 0.5, (len(lens_q), 4)).astype(np.float32))
 
 
 def _tile_signature(tile) -> str:
