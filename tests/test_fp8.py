@@ -608,7 +608,7 @@ def outlier_inputs(rng, shape):
 
 def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None, p_scale=1.0):
     """The FP8 kernel's arithmetic in NumPy on real float64 q, k, v (B, S, H, D): exact scores
-    (with ALiBi's bias for (Hq,) slopes), probabilities exp(s - rowmax) rounded to e4m3 for the PV
+    (with ALiBi's bias for (Hq,) or (B, Hq) slopes), probabilities exp(s - rowmax) rounded to e4m3 for the PV
     product (as p_scale * p, divided back), the row sums from the unrounded ones. The naive error
     of an FP8 forward, for the tolerance and the RMSE bounds."""
     b, sq, hq, d = q.shape
@@ -619,7 +619,7 @@ def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None, p_scal
     s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
     if alibi_slopes is not None:
         distance = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
-        s = s - np.asarray(alibi_slopes, np.float64).reshape(1, hq, 1, 1) * distance
+        s = s - np.asarray(alibi_slopes, np.float64).reshape(-1, hq, 1, 1) * distance
     mask = reference.visible(sq, sk, causal)
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -903,6 +903,26 @@ def test_fp8_forward_with_alibi(head_dim, causal):
     got = out.get().astype(np.float64)
     assert np.isfinite(got).all()
     assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, causal, BF16, ref, alibi_slopes=slopes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", FP8_HEAD_DIMS)
+def test_fp8_forward_with_alibi_on_few_ctas(monkeypatch, head_dim):
+    """The FP8 kernel's ALIBI variant on a persistent grid of 5 CTAs, each walking several tiles of
+    different (sequence, head) pairs, every pair with a random slope of its own ((B, Hq) slopes)."""
+    _require_sm90()
+    cupy = _cupy()
+    monkeypatch.setattr(_jit, "multiprocessor_count", lambda device_id=None: 5)
+    rng = np.random.default_rng()
+    (q8, k8, v8), scales, real = fp8_inputs(rng, 2, 400, 333, 4, 2, head_dim, "head")
+    slopes = rng.uniform(-0.05, 0.5, (2, 4)).astype(np.float32)
+    ref = reference.attention(*real, alibi_slopes=slopes)
+    out = cuattn.attention(*(cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)),
+                           **{f"{n}_scale": cupy.asarray(sc) for n, sc in zip("qkv", scales)},
+                           alibi_slopes=cupy.asarray(slopes))
+    got = out.get().astype(np.float64)
+    assert np.isfinite(got).all()
+    assert float(np.abs(got - ref).max()) <= fp8_budget(real, got, False, BF16, ref, alibi_slopes=slopes)
 
 
 @pytest.mark.gpu
