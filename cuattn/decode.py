@@ -483,11 +483,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             _arrays.check_same_device(name, x, "q", qv)
         _arrays.check_same_device("cache_seqlens", lens, "q", qv)
         lens, lens_copied = contiguous_rows("cache_seqlens", lens, planning)
-        batch, sq_new, num_heads, _ = map(int, qv.shape)
-        out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
-        out = ctx.empty(out_shape, qv.dtype)
-        lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
-        step = _calls.StepPlan(ctx, out, lse) if planning else None
+        out, lse, step = decode_outputs(ctx, qv, vv, return_lse, planning)
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
             window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv, e4m3=e4m3,
@@ -497,21 +493,32 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             return step
         if not lens_copied:  # a plan reads the caller's lengths in place
             _calls.remember(call_key, decode_plan(("q", "k", "v", "lens", "sinks", "alibi_slopes", "k_scale",
-                                                   "v_scale"), bound, workspace, out_shape, (batch, num_heads, sq_new),
-                                                  return_lse))
+                                                   "v_scale"), bound, workspace, out, lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
 
-def decode_plan(inputs, bound, workspace: int, out_shape, lse_shape, return_lse: bool):
-    """The plan of a decode-like call (decode, paged_attention): new out (and lse), the launches."""
+def decode_outputs(ctx, qv, vv, return_lse: bool, planning: bool):
+    """A decode-like call's (decode, paged_attention) new out (q's shape with v's head dim Dv last,
+    q's dtype), lse ((B, Hq, Sq_new) float32; None unless asked) and, when planning, the step plan
+    that records them (None otherwise)."""
+    batch, sq_new, num_heads, _ = map(int, qv.shape)
+    out = ctx.empty(reference.out_shape(qv, vv), qv.dtype)
+    lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
+    return out, lse, (_calls.StepPlan(ctx, out, lse) if planning else None)
+
+
+def decode_plan(inputs, bound, workspace: int, out, lse):
+    """The plan of a decode-like call (decode, paged_attention) whose first run wrote `out` and
+    `lse` (None unless asked): new arrays of their shapes each run, the launches."""
     if not bound:
         return None
+    return_lse = lse is not None
 
     def finish(results, arrays):
         return (results["out"], results["lse"]) if return_lse else results["out"]
 
-    outputs = {"out": (tuple(out_shape), False), **({"lse": (tuple(lse_shape), True)} if return_lse else {})}
+    outputs = {"out": (tuple(out.shape), False), **({"lse": (tuple(lse.shape), True)} if return_lse else {})}
     return _calls.Plan(inputs=inputs, outputs=outputs, bound=bound, finish=finish, aligned=("q", "k", "v"),
                        workspace=workspace, workspace_of=workspace_address)
 

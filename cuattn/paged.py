@@ -827,11 +827,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         # the kernel reads a table row and the lengths as contiguous int32
         table_d, table_copied = _decode.contiguous_rows("block_table", cupy.asarray(table, dtype=cupy.int32), planning)
         lens_d, lens_copied = _decode.contiguous_rows("seq_lens", cupy.asarray(lens, dtype=cupy.int32), planning)
-        batch, sq_new, num_heads, _ = map(int, qv.shape)
-        out_shape = (batch, sq_new, num_heads, int(vv.shape[3]))  # v's head dim Dv
-        out = ctx.empty(out_shape, qv.dtype)
-        lse = ctx.empty((batch, num_heads, sq_new), np.float32) if return_lse else None
-        step = _calls.StepPlan(ctx, out, lse) if planning else None
+        out, lse, step = _decode.decode_outputs(ctx, qv, vv, return_lse, planning)
         bound, workspace = _decode.launch_decode(
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
@@ -845,8 +841,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
             # can be replayed
             _calls.remember(call_key, _decode.decode_plan(("q", "k", "v", "table", "lens", "sinks", "alibi_slopes",
                                                            "k_scale", "v_scale"),
-                                                          bound, workspace, out_shape, (batch, num_heads, sq_new),
-                                                          return_lse))
+                                                          bound, workspace, out, lse))
         out = ctx.to_caller(out)
         return (out, ctx.to_caller(lse)) if return_lse else out
 
