@@ -60,8 +60,8 @@ PREFILL_MIN_QUERIES = MAX_NEW_TOKENS + 1
 
 
 def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, *, causal=True, scale=None,
-                           window=(-1, -1), softcap=0.0, return_lse=False, max_seq_len=None, check=True, k_scale=None,
-                           v_scale=None, out=None):
+                           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, max_seq_len=None, check=True,
+                           k_scale=None, v_scale=None, out=None):
     """Attention of packed query runs of any lengths (decode rows and prefill chunks) over a paged cache.
 
     Args:
@@ -73,7 +73,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         cu_seqlens_q: int32 ``(B + 1,)`` prefix sums of the query runs (0 allowed), starting at 0
             and ending at total_q; read on the host.
         max_seqlen_q: an int at least the longest run.
-        causal, scale, softcap, return_lse, max_seq_len, check: as in :func:`cuattn.paged_attention`.
+        causal, scale, softcap, sinks, return_lse, max_seq_len, check: as in :func:`cuattn.paged_attention`
+            (sinks: float32 ``(Hq,)`` logits that join every row's softmax denominator).
         window: ``(left, -1)`` or ``(left, 0)`` with ``causal`` (a left window); the default
             ``(-1, -1)`` sees every earlier key.
         out: optional ``(total_q, Hq, Dv)`` array of q's dtype and framework to write into.
@@ -99,10 +100,11 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     _check_host_cu_seqlens(cu, int(q.shape[0]), max_seqlen_q, "q")
     pages_named = {} if isinstance(cache, PagedKVCache) else dict(zip(("k_pages", "v_pages"), _cache_pair(cache)))
     # q, out, the pages of a pair, and the table and lengths when they live on the device, are viewed in one framework
-    named = {"q": q, **({} if out is None else {"out": out}), **pages_named,
-             **({} if table_host else {"block_table": block_table}), **({} if lens_host else {"seq_lens": seq_lens})}
+    named = {"q": q, **({} if out is None else {"out": out}), **({} if sinks is None else {"sinks": sinks}),
+             **pages_named, **({} if table_host else {"block_table": block_table}),
+             **({} if lens_host else {"seq_lens": seq_lens})}
     with _arrays.array_context(**named) as ctx:
-        qv, ov = ctx.view(q), ctx.view(out)
+        qv, ov, sv = ctx.view(q), ctx.view(out), ctx.view(sinks)
         table = block_table if table_host else ctx.view(block_table)
         lens = seq_lens if lens_host else ctx.view(seq_lens)
         if isinstance(cache, PagedKVCache):
@@ -120,6 +122,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             _check_call(qv, kv, vv, table, lens, None, None, ctx.on_host or cache.device == "cpu")
         else:
             _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
+        if sv is not None:
+            _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
         if check or ctx.on_host:
             _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
                          int(kv.shape[0]), int(kv.shape[1]))
@@ -137,7 +141,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         # long query runs take the paged forward (2-byte pages, any Dv); e4m3 pages run as decode rows
         if not ctx.on_host and not _arrays.is_e4m3(kv):
             prefill = lengths >= PREFILL_MIN_QUERIES
-        options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap)
+        options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap, sinks=sv)
         if prefill.any():
             check_device_pages(qv, kv, vv)
         xp = np if ctx.on_host else __import__("cupy")
@@ -216,7 +220,7 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
 
 
 def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_device, index_device, out, lse, ctx,
-                    *, causal, scale, window, softcap) -> None:
+                    *, causal, scale, window, softcap, sinks) -> None:
     """One paged forward launch (the Hopper kernel or flash_fwd_kernel's PAGED variant) over the
     sequences ``index`` (host; ``index_device`` the same on the device, and ``cu_device`` the
     prefix sums): q, out and lse in place (their rows through the full prefix sums), launch entry
@@ -229,7 +233,7 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
                       batch_index=index_device, block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
     _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
                 batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal, scale=scale,
-                window=window, softcap=softcap, stream=ctx.stream, paged=paged)
+                window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, paged=paged)
 
 
 def _host_prefix_sums(cu):

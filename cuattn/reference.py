@@ -446,11 +446,12 @@ def gather_pages(pages, block_table, seq_lens):
 
 
 def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens, *, causal=True, scale=None,
-                           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False):
+                           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
     """Packed queries over a paged cache: sequence b's queries ``q[cu[b]:cu[b+1]]`` are its last
     n tokens, and query i sees key j < seq_lens[b] iff ``j <= seq_lens[b] - n + i`` (causal).
-    ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` may have its own head dim Dv. Returns out
-    ``(total_q, Hq, Dv)`` and, with return_lse, lse ``(Hq, total_q)``."""
+    ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` may have its own head dim Dv; ``sinks``
+    ``(Hq,)`` join every row's denominator. Returns out ``(total_q, Hq, Dv)`` and, with
+    return_lse, lse ``(Hq, total_q)``."""
     q = _f64(q)
     out = np.zeros(q.shape[:-1] + v_pages.shape[-1:], dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
@@ -462,7 +463,7 @@ def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_l
         n_keys = int(seq_lens[bi])
         # A sequence is a dense problem of its n queries over its keys, causal bottom-right.
         out[qs], lse[:, qs] = _one_sequence(q[qs], k_cache[bi, :n_keys], v_cache[bi, :n_keys], causal=causal,
-                                            scale=scale, window=window, softcap=softcap)
+                                            scale=scale, window=window, softcap=softcap, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

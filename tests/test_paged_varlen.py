@@ -92,6 +92,31 @@ def test_e4m3_pages_on_the_cpu():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [{}, {"window": (20, 0)}, {"causal": False}], ids=["causal", "left-window",
+                                                                                   "noncausal"])
+def test_sinks_join_every_row_on_the_cpu(options):
+    """Each row's sink joins its denominator: out is the sinkless output times e^lse0 / (e^lse0 +
+    e^sink), lse is log(e^lse0 + e^sink), and a row that sees no key gives out 0, lse = sinks[h]."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    sinks = (2 * rng.standard_normal(q.shape[1])).astype(np.float32)
+    out0, lse0 = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, return_lse=True, **options)
+    out, lse = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, sinks=sinks, return_lse=True, **options)
+    want_lse = np.logaddexp(lse0, sinks[:, None].astype(np.float64))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    weight = np.exp(lse0 - want_lse).T[..., None]  # [total_q, Hq, 1]; 0 where a row sees no key
+    np.testing.assert_allclose(out, out0 * weight, rtol=1e-5, atol=1e-6)
+    ref, ref_lse = reference.paged_attention_varlen(q, *pages, table, cu, lens, return_lse=True, sinks=sinks,
+                                                    **options)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    empty = np.isneginf(lse0)
+    assert empty.any() == options.get("causal", True)
+    assert (out[empty.T] == 0).all()
+    np.testing.assert_array_equal(lse[empty], np.broadcast_to(sinks[:, None], lse.shape)[empty])
+    with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(Hq\) must equal the number of query heads = 8, got 7"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, sinks=sinks[:7])
+
+
 def test_run_plan_answers_every_selected_row_once():
     """The decode launch's runs cover each selected sequence's rows exactly once (an overlapping last
     run answers only the rows the run before left), and nothing of the other sequences."""
@@ -388,6 +413,30 @@ def test_mixed_decode_and_prefill_on_the_gpu(rng, caplog, forward_kernel, dtype,
     assert chosen[0].endswith(end), (chosen, end)
     assert loads == ([] if load is None else [load]), loads
     check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, dtype, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,block", [(BF16, 16), (np.float16, 7)], ids=["bf16-block16", "fp16-block7"])
+def test_sinks_on_both_paths_on_the_gpu(rng, caplog, dtype, block):
+    """Sinks on a mixed batch: the decode runs' combine and the paged forward's epilogue each add
+    every row's sink once (the short speculative run's empty rows give out 0, lse = sinks[h])."""
+    import cupy
+
+    q, pages, table, cu, lens = make_mixed(rng, dtype, block, hq=32, hk=8, d=128, poison=True)
+    sinks = (2 * rng.standard_normal(32)).astype(np.float32)
+    out = cupy.full(q.shape, np.nan, dtype)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages),
+                                                 cupy.asarray(table), cupy.asarray(cu), cupy.asarray(lens),
+                                                 max(MIXED_RUNS), sinks=cupy.asarray(sinks), return_lse=True, out=out)
+    chosen, _ = logged_forward(caplog)
+    assert len(chosen) == 1, chosen  # the long runs took the paged forward
+    got, lse = got.get().astype(np.float64), lse.get()
+    check_against_reference(rng, got, lse, q, pages, table, cu, lens, dtype, {"sinks": sinks})
+    _, lse0 = reference.paged_attention_varlen(q, *pages, table, cu, lens, return_lse=True)
+    empty = np.isneginf(lse0)
+    assert empty.any() and (got[empty.T] == 0).all()
+    np.testing.assert_allclose(lse[empty], np.broadcast_to(sinks[:, None], lse.shape)[empty], rtol=1e-6)
 
 
 @pytest.mark.gpu
