@@ -66,7 +66,7 @@ from . import _arrays, _masks, reference
 from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
                         check_prefix_sums)
 from .decode import _check_num_splits, check_decode_args, launch_decode
-from .paged import MAX_BLOCK_SIZE
+from .paged import MAX_BLOCK_SIZE, clamp_table
 
 __all__ = ["attention", "attention_varlen", "decode", "paged_attention", "ring_attention"]
 
@@ -591,10 +591,8 @@ def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits:
 
 def _host_paged(mask: _Mask, q, k_pages, v_pages, block_table, seq_lens):
     q, k_pages, v_pages, table, lens = (np.asarray(x) for x in (q, k_pages, v_pages, block_table, seq_lens))
-    num_blocks, block_size = int(k_pages.shape[0]), int(k_pages.shape[1])
     # the kernel clamps lengths to the table's capacity and block ids to the pool: so does the host
-    lens = np.clip(lens, 0, int(table.shape[1]) * block_size)
-    table = np.clip(table, 0, max(num_blocks - 1, 0))
+    table, lens = clamp_table(table, lens, int(k_pages.shape[0]), int(k_pages.shape[1]))
     out, lse = reference.paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, **mask.kwargs())
     return out.astype(q.dtype), lse.astype(np.float32)
 

@@ -706,7 +706,7 @@ def paged_attention(q, cache, block_table, seq_lens, *, max_seq_len=None, num_sp
         check: refuse, before launch, block ids outside the pool and lengths beyond the table's
             capacity. Device tables and lengths are then copied to the host (a sync); pass
             ``check=False`` to skip that (e.g. inside a CUDA graph): lengths are then clamped to
-            the capacity and block ids to the pool on the device.
+            [0, the capacity] and block ids to the pool, on the device and on the CPU path alike.
         num_splits, causal, scale, window, softcap, sinks, alibi_slopes, return_lse: as in
             :func:`cuattn.decode`, with Sk = seq_lens[b].
         k_scale, v_scale: descales of e4m3 pages given as a pair (as in :func:`cuattn.decode`); a
@@ -802,10 +802,12 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         av = ctx.view(alibi_slopes)
         alibi_sb = _decode.check_alibi(av, qv, ctx.on_host)
         host_lens = None
-        if check or ctx.on_host:
+        if check:
             host_table = table if table_host else table.get()
             host_lens = lens if lens_host else lens.get()
             _check_table(host_table, host_lens, num_blocks, block_size)
+        elif ctx.on_host:
+            table, lens = clamp_table(table, lens, num_blocks, block_size)
         if ctx.on_host:
             if planning:
                 raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
@@ -887,6 +889,14 @@ def _check_page_strides(name: str, strides) -> None:
         if abs(int(strides[axis])) > MAX_PAGE_STRIDE:
             raise ValueError(f"{name}: the stride of axis {axis} is {int(strides[axis])} elements; paged_attention "
                              f"needs page and slot strides of at most {MAX_PAGE_STRIDE}")
+
+
+def clamp_table(table, lens, num_blocks: int, block_size: int):
+    """A host table and lengths as the kernels read them unchecked (``check=False``): lengths
+    clamped to [0, the table's capacity], block ids into the pool (clamp_page)."""
+    capacity = int(table.shape[1]) * block_size
+    return (np.clip(table, 0, max(num_blocks - 1, 0)).astype(np.int32, copy=False),
+            np.clip(lens, 0, capacity).astype(np.int32, copy=False))
 
 
 def _check_table(table, lens, num_blocks: int, block_size: int) -> None:

@@ -53,7 +53,7 @@ from . import _arrays, _masks
 from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS, check_cache_scales
 from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_table, check_device_pages,
-                    paged_attention)
+                    clamp_table, paged_attention)
 
 # The fewest queries a sequence sends through the paged forward; fewer go through paged decode.
 PREFILL_MIN_QUERIES = MAX_NEW_TOKENS + 1
@@ -124,10 +124,15 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
-        if check or ctx.on_host:
+        # device lengths left unchecked: a run's key count is its sequence's, clamped as the
+        # kernels clamp it, less the tokens after the run (below)
+        clamp_lens = not check and not ctx.on_host
+        if check:
             _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
                          int(kv.shape[0]), int(kv.shape[1]))
             check = False  # every row of the table was just checked
+        elif ctx.on_host:
+            table, lens = clamp_table(table, lens, int(kv.shape[0]), int(kv.shape[1]))
         total_q, num_heads, head_dim = map(int, qv.shape)
         head_dim_v = int(vv.shape[3])
         out_shape = (total_q, num_heads, head_dim_v)
@@ -180,6 +185,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             run_q = qv[rows_x]
             run_table = table[runs.sequence if table_host else sequence_x]
             run_lens = lens[runs.sequence if lens_host else sequence_x].astype(np.int32)
+            if clamp_lens:
+                run_lens = run_lens.clip(0, int(table.shape[1]) * int(kv.shape[1]))
             if causal:
                 run_lens = run_lens - (runs.tail if lens_host else tail_x)
                 run_lens = (run_lens * (run_lens > 0)).astype(np.int32)  # a run before the first key sees none

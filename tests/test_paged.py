@@ -415,6 +415,75 @@ def test_paged_attention_numpy_matches_reference(rng):
     np.testing.assert_array_equal(lse, ref_lse.astype(np.float32))
 
 
+def unchecked_problem(rng, dtype):
+    """A pair of pages and a table whose rows hold block ids outside the pool (negative and past
+    it), one length past the table's capacity and one negative: what check=False lets through.
+    Returns q, (k_pages, v_pages), the table and lengths, and the same clamped as the kernels
+    clamp them (block ids into the pool, lengths into [0, capacity])."""
+    num_blocks, block, hk, d = 9, 4, 2, 64
+    table = rng.integers(0, num_blocks, (4, 5)).astype(np.int32)
+    table[0, 1], table[1, 0], table[2, 4] = -7, num_blocks, num_blocks + 40
+    lens = np.array([9, 30, 20, -3], np.int32)  # 30 > 5 x 4; -3 < 0
+    pages = (randn(rng, (num_blocks, block, hk, d), dtype), randn(rng, (num_blocks, block, hk, d), dtype))
+    q = randn(rng, (4, 2, 4, d), dtype)
+    clamped_table = np.clip(table, 0, num_blocks - 1).astype(np.int32)
+    clamped_lens = np.clip(lens, 0, table.shape[1] * block).astype(np.int32)
+    return q, pages, table, lens, clamped_table, clamped_lens
+
+
+def test_unchecked_tables_are_clamped_on_the_cpu_as_on_the_gpu(rng):
+    """check=False skips the table check on the CPU path too, which then reads the table and the
+    lengths clamped, as the kernels do; check=True refuses them."""
+    q, pages, table, lens, clamped_table, clamped_lens = unchecked_problem(rng, np.float32)
+    out, lse = cuattn.paged_attention(q, pages, table, lens, check=False, return_lse=True)
+    want, want_lse = cuattn.paged_attention(q, pages, clamped_table, clamped_lens, return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    assert np.isneginf(lse[3]).all()  # the negative length reads no key
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 30 exceeds what block_table holds"):
+        cuattn.paged_attention(q, pages, table, lens)
+    cu = np.arange(0, 9, 2, dtype=np.int32)  # two queries a sequence
+    packed = q.reshape(8, 4, 64)
+    got = cuattn.paged_attention_varlen(packed, pages, table, cu, lens, 2, check=False)
+    np.testing.assert_array_equal(got, cuattn.paged_attention_varlen(packed, pages, clamped_table, cu, clamped_lens, 2))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 30 exceeds what block_table holds"):
+        cuattn.paged_attention_varlen(packed, pages, table, cu, lens, 2)
+
+
+@pytest.mark.gpu
+def test_unchecked_tables_are_clamped_on_the_gpu(rng):
+    """The decode kernel reads an unchecked table's block ids and lengths clamped, as the CPU
+    path does (within the 2x rule of the float64 reference over the clamped table)."""
+    import cupy
+
+    q, pages, table, lens, clamped_table, clamped_lens = unchecked_problem(rng, BF16)
+    out, lse = cuattn.paged_attention(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages), cupy.asarray(table),
+                                      cupy.asarray(lens), check=False, return_lse=True)
+    ref, ref_lse = reference.paged_attention(q, *pages, clamped_table, clamped_lens, return_lse=True)
+    k_cache = reference.gather_pages(pages[0], clamped_table, clamped_lens)
+    v_cache = reference.gather_pages(pages[1], clamped_table, clamped_lens)
+    out = out.get().astype(np.float64)
+    budgets = []
+    for b in range(3):  # the sequences with keys
+        n = int(clamped_lens[b])
+        naive_b = reference.naive_attention_lowp(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], dtype=BF16,
+                                                 causal=True)
+        budgets.append(error_budget(np.abs(naive_b - ref[b:b + 1]).max(), BF16, 2.0, np.abs(ref[b]).max()))
+        assert np.abs(out[b] - ref[b]).max() <= budgets[b], f"sequence {b} (seed {rng.seed})"
+    assert (out[3] == 0).all() and np.isneginf(lse.get()[3]).all()
+    np.testing.assert_allclose(lse.get()[:3], ref_lse[:3], rtol=1e-3, atol=2e-3)
+    # paged_attention_varlen's decode runs (two queries a sequence) read the same clamped table
+    cu = np.arange(0, 9, 2, dtype=np.int32)
+    packed = q.reshape(8, 4, 64)
+    got = cuattn.paged_attention_varlen(cupy.asarray(packed), tuple(cupy.asarray(x) for x in pages), cupy.asarray(table),
+                                        cu, cupy.asarray(lens), 2, check=False)
+    # the same problems as above, each sequence's two rows within its budget of the reference
+    got = got.get().astype(np.float64).reshape(out.shape)
+    for b in range(3):
+        assert np.abs(got[b] - ref[b]).max() <= budgets[b], f"sequence {b} (seed {rng.seed})"
+    assert (got[3] == 0).all()
+
+
 def test_paged_attention_errors():
     cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
     q = np.zeros((2, 1, 4, 64), np.float32)
