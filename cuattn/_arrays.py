@@ -236,6 +236,14 @@ class ArrayContext:
         ends = np.cumsum([x.size for x in flat])
         return tuple(device[end - x.size:end].reshape(np.shape(a)) for a, x, end in zip(arrays, flat, ends))
 
+    def int_view(self, name: str, x, lists: dict):
+        """An int32 argument where the kernels read it: one given as a list (``lists``, from
+        :func:`int_lists`) as its NumPy array on the CPU path, copied onto the device otherwise
+        (pass device arrays to keep a call free of copies); an array as :meth:`view` gives it."""
+        if name not in lists:
+            return self.view(x)
+        return lists[name] if self.on_host else self.ints(lists[name])[0]
+
     def view(self, x):
         """What the checks and kernels work on: NumPy arrays as they are, device arrays as zero-copy CuPy views."""
         if x is None or self.kind in ("numpy", "cupy"):
@@ -444,6 +452,13 @@ def host_int32(name: str, x):
         raise ValueError(f"{name} must hold int32 values (in [{INT32_RANGE[0]}, {INT32_RANGE[1]}]), got "
                          f"{int(values.min())} .. {int(values.max())}")
     return values.astype(np.int32)
+
+
+def int_lists(**named) -> dict:
+    """The arguments given as lists or tuples of host ints, as int32 NumPy arrays (host_int32); the
+    call's framework comes from its arrays (leave these out of array_context), and
+    ArrayContext.int_view puts them where the kernels read them."""
+    return {name: host_int32(name, x) for name, x in named.items() if isinstance(x, (list, tuple))}
 
 
 def element_strides(x) -> tuple[int, ...]:

@@ -757,7 +757,8 @@ def attention_varlen(
     ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k (``(total_k, Hk, D)``) and v (``(total_k, Hk, Dv)``,
     Dv as in :func:`attention`); masks apply per
     sequence with its own lengths. ``cu_seqlens_*`` are int32 ``(B + 1,)`` prefix sums on the
-    same device (their values are not read on the host, so nothing synchronises), and
+    same device (their values are not read on the host, so nothing synchronises; lists of ints are
+    copied there), and
     ``max_seqlen_*`` are host ints bounding every sequence's length: a length above them is
     not processed. ``sinks`` as in :func:`attention`; ``alibi_slopes`` too, ``(B, Hq)`` holding
     one row per sequence, with Sq and Sk each sequence's own lengths. Returns ``out`` ``(total_q, Hq, Dv)``, and
@@ -771,10 +772,13 @@ def attention_varlen(
             (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
         if result is not None:
             return result
-    with _arrays.array_context(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out,
-                               sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
-        qv, kv, vv, ov, cuq, cuk, sv, av = (ctx.view(x) for x in
-                                            (q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
+    lists = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes,
+                               **{n: x for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+                                  if n not in lists}) as ctx:
+        qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
+        cuq, cuk = (ctx.int_view(n, x, lists) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                                           ("cu_seqlens_k", cu_seqlens_k)))
         if any(_arrays.is_e4m3(x) for x in (qv, kv, vv)):
             raise TypeError("attention_varlen takes float16 or bfloat16 q, k, v; FP8 (float8_e4m3fn) inputs run "
                             "through attention (dense (B, S, H, D) inputs, sm_90a, D = 128 or 256)")
@@ -1757,10 +1761,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if result is not None:
         return result
     _arrays.require(out=out)
-    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, sinks=sinks, alibi_slopes=alibi_slopes) as ctx:
-        dov, qv, kv, vv, ov, lv, cuq, cuk, sv, av = (
-            ctx.view(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes))
+    lists = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks, alibi_slopes=alibi_slopes,
+                               **{n: x for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+                                  if n not in lists}) as ctx:
+        dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
+        cuq, cuk = (ctx.int_view(n, x, lists) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                                           ("cu_seqlens_k", cu_seqlens_k)))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)

@@ -286,6 +286,45 @@ def test_varlen_errors(change, error, message):
         cuattn.attention_varlen(**args)
 
 
+def lengths_problem(rng, xp=np, dtype=np.float32):
+    """Random packed q, k, v with their prefix sums, and a decode problem with its lengths, as
+    host int lists; the arrays in ``xp`` (NumPy, or CuPy for the device path)."""
+    cu_q, cu_k = [0, 3, 7], [0, 5, 7]
+    packed = [xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((7, 4, 64), (7, 2, 64), (7, 2, 64))]
+    cache = [xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((2, 1, 4, 64), (2, 9, 2, 64), (2, 9, 2, 64))]
+    return packed, cu_q, cu_k, cache, [3, 9]
+
+
+def check_lists_equal_int32_arrays(rng, xp, dtype):
+    """Host prefix sums and lengths given as lists compute what the same int32 arrays of the call's
+    framework compute (README, "Errors"); a list of non-int32 values is refused by name."""
+    (q, k, v), cu_q, cu_k, (qd, kc, vc), lens = lengths_problem(rng, xp, dtype)
+    host = xp.asnumpy if xp is not np else np.asarray
+
+    def as_array(values):
+        return xp.asarray(np.asarray(values, np.int32))
+
+    out, lse = cuattn.attention_varlen(q, k, v, cu_q, tuple(cu_k), 4, 5, causal=True, return_lse=True)
+    want, want_lse = cuattn.attention_varlen(q, k, v, as_array(cu_q), as_array(cu_k), 4, 5, causal=True,
+                                             return_lse=True)
+    np.testing.assert_array_equal(host(out), host(want))
+    grads = cuattn.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, 4, 5, causal=True)
+    want_grads = cuattn.attention_varlen_backward(out, q, k, v, out, lse, as_array(cu_q), as_array(cu_k), 4, 5,
+                                                  causal=True)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_array_equal(host(got), host(expected))
+    np.testing.assert_array_equal(host(cuattn.decode(qd, kc, vc, lens)), host(cuattn.decode(qd, kc, vc, as_array(lens))))
+    with pytest.raises(TypeError, match=r"cu_seqlens_k must hold int32 values, got float64 values"):
+        cuattn.attention_varlen(q, k, v, cu_q, [0, 5.0, 7.5], 4, 5)
+    with pytest.raises(ValueError, match=r"cache_seqlens must hold int32 values \(in \[-2147483648, 2147483647\]\), "
+                                         r"got 3 .. 4294967296"):
+        cuattn.decode(qd, kc, vc, [3, 2**32])
+
+
+def test_prefix_sums_and_lengths_may_be_lists(rng):
+    check_lists_equal_int32_arrays(rng, np, np.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors only device arrays can trigger
 
@@ -294,6 +333,18 @@ def _device(x):
     import cupy
 
     return cupy.asarray(x)
+
+
+@pytest.mark.gpu
+def test_prefix_sums_and_lengths_may_be_lists_on_the_gpu(rng):
+    """Lists reach the kernels as device copies, with the results of device arrays; plan_decode,
+    which reads the lengths in place each run, refuses a list."""
+    import cupy
+
+    check_lists_equal_int32_arrays(rng, cupy, np.float16)
+    _, _, _, (qd, kc, vc), lens = lengths_problem(rng, cupy, np.float16)
+    with pytest.raises(TypeError, match=r"plan_decode reads cache_seqlens on the device each run: pass a device array"):
+        cuattn.plan_decode(qd, kc, vc, lens)
 
 
 @pytest.mark.gpu
