@@ -407,10 +407,19 @@ def check_same_dtype(name: str, x, ref_name: str, ref) -> None:
         )
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """A host count or length: an int (not a bool) of at least ``minimum``; returned as an int."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def check_int(name: str, value, minimum: int, maximum: int | None = None, *, optional: bool = False,
+              why: str = "") -> int | None:
+    """A host count or length: an int, not a bool (else TypeError), in [minimum, maximum] (else
+    ValueError); returned as an int. ``optional``: None passes (and is returned). ``why`` ends the
+    message (where the bounds come from)."""
+    if optional and value is None:
+        return None
+    bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    message = f"{name} must be {'None or ' if optional else ''}an int {bounds}{why}, got {value!r}"
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(message)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(message)
     return int(value)
 
 

@@ -53,12 +53,12 @@ def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) for w in window)
-    ):
-        raise ValueError(f"window must be a pair (left, right) of ints, -1 meaning unbounded; got {window!r}")
+    message = f"window must be a pair (left, right) of ints, -1 meaning unbounded; got {window!r}"
+    if not isinstance(window, (tuple, list)) or not all(
+            isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) for w in window):
+        raise TypeError(message)
+    if len(window) != 2:
+        raise ValueError(message)
     left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise ValueError(f"window entries must be >= -1 (-1 = unbounded), got window = ({left}, {right})")

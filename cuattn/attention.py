@@ -921,7 +921,8 @@ def _fp8_out_dtype(out_dtype) -> np.dtype:
     except TypeError:
         dtype = None
     if dtype not in _arrays.CUDA_TYPES:
-        raise TypeError(f"out_dtype must be float16 or bfloat16 (FP8 attention's output), got {out_dtype!r}")
+        got = repr(out_dtype) if dtype is None else _arrays.dtype_name(dtype)
+        raise TypeError(f"out_dtype must be float16 or bfloat16 (FP8 attention's output), got {got}")
     return dtype
 
 

@@ -259,10 +259,8 @@ def _tile_rows(head_dim: int, head_dim_v: int) -> int:
 def _check_splits(splits, prefix_len: int) -> int:
     """At most a key per split, and at most as many splits as one merge takes."""
     limit = min(prefix_len, max_merge_parts())
-    if isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or not 1 <= splits <= limit:
-        raise ValueError(f"prefix_splits must be an int from 1 to {limit} (the prefix length L = {prefix_len}, and "
-                         f"at most {max_merge_parts()} parts a merge), got {splits!r}")
-    return int(splits)
+    return _arrays.check_int("prefix_splits", splits, 1, limit, why=f" (the prefix length L = {prefix_len}, and at "
+                                                                     f"most {max_merge_parts()} parts a merge)")
 
 
 def _check_prefix(prefix, q, cache):

@@ -632,10 +632,7 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
 
 
 def _check_num_splits(num_splits) -> None:
-    if num_splits is None:
-        return
-    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be None or an int from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    _arrays.check_int("num_splits", num_splits, 1, MAX_SPLITS, optional=True)
 
 
 def _host_result(result, q, return_lse):

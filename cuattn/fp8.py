@@ -193,7 +193,11 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
     round-to-nearest-even(x / scale) saturated to +-448, as :func:`quantize_fp8`.
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+        error = ValueError if isinstance(granularity, str) else TypeError
+        raise error(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    if not isinstance(incoherent, (bool, np.bool_)):
+        raise TypeError(f"incoherent must be a bool, got {incoherent!r}")
+    seed = _arrays.check_int("seed", seed, 0)
     from .attention import fp8_block_rows
 
     with _arrays.array_context(q=q, k=k, v=v) as ctx:

@@ -48,9 +48,7 @@ def _check_num_blocks(num_blocks: int) -> None:
 
 
 def _check_block_size(block_size) -> None:
-    if (not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool)
-            or not 1 <= block_size <= MAX_BLOCK_SIZE):
-        raise ValueError(f"block_size must be an int from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
+    _arrays.check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,9 +788,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
         capacity = int(table.shape[1]) * block_size
-        if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer)) or isinstance(max_seq_len, bool)
-                                        or max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
+        _arrays.check_int("max_seq_len", max_seq_len, 1, optional=True)
         k_scale, v_scale = (x if name in own_scales else ctx.view(x) if _arrays.is_array(x) else x
                             for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
         e4m3, ks, vs = _decode.check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_pages", "v_pages"), ctx.on_host)

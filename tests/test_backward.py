@@ -507,7 +507,7 @@ def test_varlen_backward_errors():
     cu_q, cu_k = np.array([0, 9], np.int32), np.array([0, 11], np.int32)
     with pytest.raises(ValueError, match=r"cu_seqlens_q.shape\[0\] \(B \+ 1\) must be at least 2, got 1"):
         cuattn.attention_varlen_backward(q, q, k, k, q, lse, cu_q[:1], cu_k[:1], 9, 11)
-    with pytest.raises(ValueError, match=r"max_seqlen_k must be an int >= 0, got None"):
+    with pytest.raises(TypeError, match=r"max_seqlen_k must be an int >= 0, got None"):
         cuattn.attention_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 9, None)
     with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] must equal k.shape\[0\] \(total_k\) = 11, got 10"):
         cuattn.attention_varlen_backward(q, q, k, k, q, lse, cu_q, np.array([0, 10], np.int32), 9, 11)

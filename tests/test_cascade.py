@@ -77,8 +77,8 @@ def test_cascade_argument_errors():
         cuattn.cascade_attention(q, tuple(np.concatenate([x, x[:, :1]], axis=1) for x in prefix), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_k.shape\[2\] \(head_dim\) must equal q.shape\[3\] = 64, got 32"):
         cuattn.cascade_attention(q, (prefix[0][..., :32], prefix[1][..., :32]), pages, table, lens)
-    for splits in (0, 38, 2.0, True):
-        with pytest.raises(ValueError, match=rf"prefix_splits must be an int from 1 to 37 \(the prefix length L = 37, "
+    for splits, error in ((0, ValueError), (38, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=rf"prefix_splits must be an int from 1 to 37 \(the prefix length L = 37, "
                                              rf"and at most \d+ parts a merge\), got {splits!r}"):
             cuattn.cascade_attention(q, prefix, pages, table, lens, prefix_splits=splits)
     # a prefix longer than a merge's parts: the merge's limit bounds the splits

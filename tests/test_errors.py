@@ -46,7 +46,10 @@ def test_shape_errors(shapes, message):
     "options, error, message",
     [
         ({"window": (1, 2, 3)}, ValueError, r"window must be a pair \(left, right\) of ints, -1 meaning unbounded"),
-        ({"window": (1.5, 2)}, ValueError, r"window must be a pair"),
+        ({"window": (1.5, 2)}, TypeError, r"window must be a pair \(left, right\) of ints, -1 meaning unbounded; "
+                                          r"got \(1.5, 2\)"),
+        ({"window": "ab"}, TypeError, r"window must be a pair \(left, right\) of ints, -1 meaning unbounded; got 'ab'"),
+        ({"window": (True, 0)}, TypeError, r"window must be a pair \(left, right\) of ints"),
         ({"window": (-2, 0)}, ValueError, r"window entries must be >= -1 \(-1 = unbounded\), got window = \(-2, 0\)"),
         ({"softcap": -1.0}, ValueError, r"softcap must be a finite float >= 0 \(0 = off\), got -1.0"),
         ({"softcap": float("nan")}, ValueError, r"softcap must be a finite float >= 0"),
@@ -276,6 +279,7 @@ def varlen_arrays(lens_q=(3, 4), lens_k=(5, 2), hq=4, hk=2, d=64):
          r"cu_seqlens_k\[-1\] must equal k.shape\[0\] \(total_k\) = 7, got 6"),
         (lambda a: {**a, "max_seqlen_q": 3}, ValueError, r"max_seqlen_q = 3 is below the longest sequence, 4"),
         (lambda a: {**a, "max_seqlen_k": -1}, ValueError, r"max_seqlen_k must be an int >= 0, got -1"),
+        (lambda a: {**a, "max_seqlen_q": "4"}, TypeError, r"max_seqlen_q must be an int >= 0, got '4'"),
     ],
 )
 def test_varlen_errors(change, error, message):
@@ -426,6 +430,8 @@ def decode_arrays(b=2, sq_new=1, hq=8, hk=2, s_max=50, d=64):
         (lambda a: {**a, "causal": "yes"}, TypeError, r"causal must be a bool, got 'yes'"),
         (lambda a: {**a, "num_splits": 0}, ValueError, r"num_splits must be None or an int from 1 to 128, got 0"),
         (lambda a: {**a, "num_splits": 129}, ValueError, r"num_splits must be None or an int from 1 to 128, got 129"),
+        (lambda a: {**a, "num_splits": "4"}, TypeError, r"num_splits must be None or an int from 1 to 128, got '4'"),
+        (lambda a: {**a, "num_splits": True}, TypeError, r"num_splits must be None or an int from 1 to 128, got True"),
         (lambda a: {**a, "window": (5,)}, ValueError, r"window must be a pair"),
     ],
 )

@@ -754,15 +754,25 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.attention(q8, k8, k8, **{**ok, "k_scale": np.ones(3, np.float32)})
     with pytest.raises(ValueError, match=r"q_scale must be a positive float, finite and nonzero in float32 \(the kernels' type\), got -1.0"):
         cuattn.attention(q8, k8, k8, **{**ok, "q_scale": -1.0})
-    with pytest.raises(TypeError, match="out_dtype must be float16 or bfloat16 .*got 'float32'"):
+    with pytest.raises(TypeError, match=r"out_dtype must be float16 or bfloat16 \(FP8 attention's output\), got float32$"):
         cuattn.attention(q8, k8, k8, **ok, out_dtype="float32")
+    with pytest.raises(TypeError, match=r"out_dtype must be float16 or bfloat16 .*got float32$"):
+        cuattn.attention(q8, k8, k8, **ok, out_dtype=np.float32)
+    with pytest.raises(TypeError, match=r"out_dtype must be float16 or bfloat16 .*got 'fp8'$"):
+        cuattn.attention(q8, k8, k8, **ok, out_dtype="fp8")
     with pytest.raises(TypeError, match="out.dtype must equal out_dtype = bfloat16, got float16"):
         cuattn.attention(q8, k8, k8, **ok, out=np.zeros(q8.shape, np.float16))
     cu = np.array([0, 8], np.int32)
     with pytest.raises(TypeError, match="attention_varlen takes float16 or bfloat16 q, k, v; FP8"):
         cuattn.attention_varlen(q8[0], k8[0, :8], k8[0, :8], cu, cu, 8, 8)
-    with pytest.raises(ValueError, match="granularity must be one of tensor, head, block"):
+    with pytest.raises(ValueError, match="granularity must be one of tensor, head, block, got 'row'"):
         cuattn.fp8.quantize_qkv(q8, k8, k8, granularity="row")
+    with pytest.raises(TypeError, match="granularity must be one of tensor, head, block, got 3"):
+        cuattn.fp8.quantize_qkv(q8, k8, k8, granularity=3)
+    with pytest.raises(TypeError, match="incoherent must be a bool, got 1"):
+        cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=1)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=True, seed=-1)
     with pytest.raises(ValueError, match="must be a power of two for the Hadamard rotation, got 96"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 96), np.float32), np.ones(96))
 

@@ -278,10 +278,14 @@ def test_block_manager_errors():
         cuattn.BlockManager(4, 300)
     with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got 0"):
         cuattn.BlockManager(0, 16)
-    with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got True"):
+    with pytest.raises(TypeError, match=r"num_blocks must be an int >= 1, got True"):
         cuattn.BlockManager(True, 16)
-    with pytest.raises(ValueError, match=r"block_size must be an int from 1 to 256, got True"):
+    with pytest.raises(TypeError, match=r"block_size must be an int from 1 to 256, got True"):
         cuattn.BlockManager(4, True)
+    with pytest.raises(TypeError, match=r"block_size must be an int from 1 to 256, got 4.0"):
+        cuattn.BlockManager(4, 4.0)
+    with pytest.raises(TypeError, match=r"num_blocks must be an int >= 1, got '4'"):
+        cuattn.BlockManager("4", 16)
     with pytest.raises(TypeError, match=r"seq_ids must be an iterable of sequence ids \(a list, say\), got NoneType"):
         m.block_table(None)
 
@@ -538,7 +542,7 @@ def test_paged_cache_and_argument_errors():
     table, lens = np.array([[0, 1]], np.int32), np.array([5], np.int32)
     with pytest.raises(ValueError, match=r"max_seq_len must be None or an int >= 1, got 0"):
         cuattn.paged_attention(q, cache, table, lens, max_seq_len=0)
-    with pytest.raises(ValueError, match=r"max_seq_len must be None or an int >= 1, got True"):
+    with pytest.raises(TypeError, match=r"max_seq_len must be None or an int >= 1, got True"):
         cuattn.paged_attention(q, cache, table, lens, max_seq_len=True)
     pages = np.zeros((4, 300, 2, 64), np.float32)
     with pytest.raises(ValueError, match=r"k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got 300"):
@@ -569,8 +573,8 @@ def test_cpu_cache_enforces_the_device_caches_rules():
     ((8, 4, 2, 64, "float99"), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got "
                                                r"'float99'"),
     ((8, 4, 2, 64, "float8_e4m3fnuz"), {}, TypeError, r"dtype is float8_e4m3fnuz; a CPU cache takes a float dtype"),
-    ((8, 4, 2, "64", np.float32), {}, ValueError, r"head_dim must be an int >= 0, got '64'"),
-    ((8, True, 2, 64, np.float32), {}, ValueError, r"block_size must be an int from 1 to 256, got True"),
+    ((8, 4, 2, "64", np.float32), {}, TypeError, r"head_dim must be an int >= 0, got '64'"),
+    ((8, True, 2, 64, np.float32), {}, TypeError, r"block_size must be an int from 1 to 256, got True"),
     ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": "0.5"}, TypeError,
      r"k_scale must be a float or an array of shape \(\), \(1,\) or \(Hk,\) = \(2,\), got str"),
     ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": None}, TypeError, r"v_scale must be a float or an array .*got NoneType"),
