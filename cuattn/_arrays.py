@@ -505,16 +505,19 @@ def check_same_device(name: str, x, ref_name: str, ref) -> None:
         )
 
 
+def check_float32(name: str, x, what: str = "") -> None:
+    """A float32 argument (sinks, slopes, lse, descales: the kernels' type), on either path."""
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name}.dtype must be float32{what}, got {dtype_name(x.dtype)}")
+
+
 def check_sinks(sinks, num_heads: int, host: bool, ref_name: str, ref) -> None:
-    """Attention-sink logits: ``(Hq,)``, float32 for the kernels (any float on the host), on
-    ``ref``'s device."""
+    """Attention-sink logits: ``(Hq,)`` float32 (on the host too), on ``ref``'s device."""
     check_ndim("sinks", sinks, "(Hq)")
     check_axis("sinks", sinks, 0, "Hq", num_heads, "the number of query heads")
+    check_float32("sinks", sinks)
     if host:
-        check_host_float_dtype("sinks", sinks)
         return
-    if np.dtype(sinks.dtype) != np.float32:
-        raise TypeError(f"sinks.dtype must be float32, got {dtype_name(sinks.dtype)}")
     check_same_device("sinks", sinks, ref_name, ref)
     if sinks.size and element_strides(sinks)[0] != 1:
         raise ValueError(f"sinks must be contiguous, got a stride of {element_strides(sinks)[0]} elements")
@@ -626,29 +629,25 @@ def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, 
         raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({num_kv_heads},) (per tensor or per kv head), "
                          f"got {shape}")
     per_head = shape == (num_kv_heads,) and num_kv_heads > 1
+    check_float32(name, scale)
     if host:
-        check_host_float_dtype(name, scale)
         return KvScale(1.0, np.asarray(scale).reshape(-1), int(per_head))
-    if np.dtype(scale.dtype) != np.float32:
-        raise TypeError(f"{name}.dtype must be float32, got {dtype_name(scale.dtype)}")
     check_same_device(name, scale, ref_name, ref)
     if per_head and element_strides(scale)[0] != 1:
         raise ValueError(f"{name} must be contiguous, got a stride of {element_strides(scale)[0]} elements")
     return KvScale(1.0, scale, int(per_head))
 def check_alibi_slopes(slopes, batch: int, num_heads: int, host: bool, ref_name: str, ref) -> int:
-    """ALiBi slopes: ``(Hq,)`` (every sequence) or ``(B, Hq)`` (per sequence), float32 for the
-    kernels (any float on the host), on ``ref``'s device, contiguous along the heads. Returns the
-    batch stride in elements the kernels read them with: 0 for ``(Hq,)``."""
+    """ALiBi slopes: ``(Hq,)`` (every sequence) or ``(B, Hq)`` (per sequence), float32 (on the host
+    too), on ``ref``'s device, contiguous along the heads. Returns the batch stride in elements the
+    kernels read them with: 0 for ``(Hq,)``."""
     if slopes.ndim not in (1, 2):
         raise ValueError(f"alibi_slopes must be 1-D (Hq) or 2-D (B, Hq), got shape {tuple(slopes.shape)}")
     if slopes.ndim == 2:
         check_axis("alibi_slopes", slopes, 0, "B", batch, "the batch size")
     check_axis("alibi_slopes", slopes, slopes.ndim - 1, "Hq", num_heads, "the number of query heads")
+    check_float32("alibi_slopes", slopes)
     if host:
-        check_host_float_dtype("alibi_slopes", slopes)
         return 0
-    if np.dtype(slopes.dtype) != np.float32:
-        raise TypeError(f"alibi_slopes.dtype must be float32, got {dtype_name(slopes.dtype)}")
     check_same_device("alibi_slopes", slopes, ref_name, ref)
     strides = element_strides(slopes)
     if slopes.size and num_heads > 1 and strides[-1] != 1:

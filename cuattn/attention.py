@@ -881,7 +881,7 @@ def _check_fp8_dtypes(q, k, v, reason: str) -> None:
 
 def _check_fp8_scale(name: str, scale, x, x_name: str, block_rows: int, blocks: bool, host: bool) -> Fp8Scale:
     """``q_scale``, ``k_scale`` or ``v_scale`` of e4m3 ``x`` (B, S, H, D): a positive float, or a
-    float32 array (any float on the host) of shape (), (1,), (H,) or, with ``blocks``,
+    float32 array (on the host too) of shape (), (1,), (H,) or, with ``blocks``,
     (B, H, ceil(S / block_rows)), on x's device."""
     batch, seqlen, heads = int(x.shape[0]), int(x.shape[1]), int(x.shape[2])
     block_shape = (batch, heads, -(-seqlen // block_rows))
@@ -895,11 +895,9 @@ def _check_fp8_scale(name: str, scale, x, x_name: str, block_rows: int, blocks: 
     shape = tuple(int(n) for n in scale.shape)
     if shape not in ((), (1,), (heads,)) and not (blocks and shape == block_shape):
         raise ValueError(f"{name}.shape must be {shapes}, got {shape}")
+    _arrays.check_float32(name, scale)
     if host:
-        _arrays.check_host_float_dtype(name, scale)
         return Fp8Scale(value=np.asarray(scale))
-    if np.dtype(scale.dtype) != np.float32:
-        raise TypeError(f"{name}.dtype must be float32, got {_arrays.dtype_name(scale.dtype)}")
     _arrays.check_same_device(name, scale, x_name, x)
     if len(shape) == 3:
         strides = tuple(s if n > 1 else 0 for s, n in zip(_arrays.element_strides(scale), shape))
@@ -1674,10 +1672,7 @@ def _check_bwd_args(dout, out, lse, q, v, lse_shape: tuple, host: bool) -> None:
         raise ValueError(f"lse.shape must be {lse_shape} (the forward's lse), got {tuple(lse.shape)}")
     _arrays.check_same_dtype("dout", dout, "q", q)
     _arrays.check_same_dtype("out", out, "q", q)
-    if host:
-        _arrays.check_host_float_dtype("lse", lse)
-    elif np.dtype(lse.dtype) != np.float32:
-        raise TypeError(f"lse.dtype must be float32 (the forward's lse), got {_arrays.dtype_name(lse.dtype)}")
+    _arrays.check_float32("lse", lse, " (the forward's lse)")
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=(-1, -1), softcap=0.0,

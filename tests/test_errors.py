@@ -192,7 +192,7 @@ def test_nan_stays_nan_in_out_lse_and_merges():
     rest_out, rest_lse = cuattn.attention(q, k, v, return_lse=True)
     merged_out, merged_lse = cuattn.merge_states(out, lse, rest_out, rest_lse)
     assert np.isnan(merged_out[0, :, :2]).all() and np.isnan(merged_lse[0, :2]).all()
-    sinks = np.array([np.nan, 0.0, 0.0, 0.0])
+    sinks = np.array([np.nan, 0.0, 0.0, 0.0], np.float32)
     out, lse = cuattn.attention(q, k, v, sinks=sinks, return_lse=True)
     assert np.isnan(out[0, :, 0]).all() and np.isnan(lse[0, 0]).all() and np.isfinite(lse[0, 1:]).all()
     # a row without keys is still empty: out 0, lse -inf, and it weighs nothing in a merge
@@ -470,10 +470,12 @@ def test_merge_states_errors():
         cuattn.merge_states([(out, lse)] * 12281)
     with pytest.raises(ValueError, match=r"out_0 must have at least 3 axes \(..., S, H, D\), got shape \(4, 64\)"):
         cuattn.merge_states(np.zeros((4, 64)), np.zeros(4), np.zeros((4, 64)), np.zeros(4))
-    # the host merges in float64, but takes float states of one dtype as the device does
-    with pytest.raises(TypeError, match=r"lse_0.dtype is int32; expected a floating-point dtype"):
+    # the host merges in float64, but takes float32 lse and float out of one dtype as the device does
+    with pytest.raises(TypeError, match=r"lse_0.dtype must be float32, got int32"):
         cuattn.merge_states(out, lse.astype(np.int32), out, lse)
-    with pytest.raises(TypeError, match=r"lse_1.dtype is complex64; expected a floating-point dtype"):
+    with pytest.raises(TypeError, match=r"lse_0.dtype must be float32, got float64"):
+        cuattn.merge_states(out, lse.astype(np.float64), out, lse)
+    with pytest.raises(TypeError, match=r"lse_1.dtype must be float32, got complex64"):
         cuattn.merge_states(out, lse, out, lse.astype(np.complex64))
     with pytest.raises(TypeError, match=r"out_1.dtype must equal out_0.dtype = float32, got float16"):
         cuattn.merge_states(out, lse, out.astype(np.float16), lse)

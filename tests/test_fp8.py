@@ -41,7 +41,7 @@ def quantized_cache(rng, shape, heads_axis_scale):
     """e4m3 bytes of a normal cache with a few outliers, and its float64 real values."""
     x = randn(rng, shape, np.float32)
     x.reshape(-1)[rng.choice(x.size, size=max(1, x.size // 500), replace=False)] *= 20.0
-    stored = cuattn.quantize_fp8(x, heads_axis_scale)
+    stored = cuattn.quantize_fp8(x, np.asarray(heads_axis_scale, np.float32))
     return stored, stored.astype(np.float64) * np.asarray(heads_axis_scale, np.float64).reshape(-1, 1)
 
 

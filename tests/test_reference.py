@@ -544,7 +544,7 @@ def test_sinks_on_the_cpu_path_and_their_errors(rng, seed):
     import cuattn
 
     q, k, v = (x.astype(np.float32) for x in qkv(rng, 1, 6, 6, 4, 4, 32))
-    sinks = rng.standard_normal(4)
+    sinks = rng.standard_normal(4).astype(np.float32)
     got = cuattn.attention(q, k, v, sinks=sinks)
     assert_close(got, _with_sink_column(q, k, v, sinks)[0], seed, atol=1e-6, rtol=1e-6, what="out")
     cu = np.array([0, 2, 6], np.int32)
@@ -553,8 +553,10 @@ def test_sinks_on_the_cpu_path_and_their_errors(rng, seed):
     assert_close(varlen[:2], first, seed, atol=1e-6, rtol=1e-6, what="varlen out")
     with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(Hq\) must equal the number of query heads = 4, got 2"):
         cuattn.attention(q, k, v, sinks=sinks[:2])
-    with pytest.raises(TypeError, match="sinks.dtype is int64; expected a floating-point dtype"):
+    with pytest.raises(TypeError, match="sinks.dtype must be float32, got int64"):
         cuattn.attention(q, k, v, sinks=np.zeros(4, np.int64))
+    with pytest.raises(TypeError, match="sinks.dtype must be float32, got float64"):
+        cuattn.attention(q, k, v, sinks=np.zeros(4))
     grads = cuattn.attention_backward(q, q, k, v, got, cuattn.attention(q, k, v, sinks=sinks, return_lse=True)[1],
                                       sinks=sinks)
     assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (4,)
@@ -692,7 +694,9 @@ def test_alibi_on_the_cpu_path_and_its_errors(rng, seed):
         cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, alibi_slopes=slopes[None])
     with pytest.raises(ValueError, match=r"alibi_slopes must be 1-D \(Hq\) or 2-D \(B, Hq\), got shape \(1, 2, 4\)"):
         cuattn.attention(q, k, v, alibi_slopes=np.zeros((1, 2, 4), np.float32))
-    with pytest.raises(TypeError, match="alibi_slopes.dtype is int32; expected a floating-point dtype"):
+    with pytest.raises(TypeError, match="alibi_slopes.dtype must be float32, got int32"):
         cuattn.attention(q, k, v, alibi_slopes=np.zeros(4, np.int32))
+    with pytest.raises(TypeError, match="alibi_slopes.dtype must be float32, got float64"):
+        cuattn.attention(q, k, v, alibi_slopes=np.zeros(4))
     with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 2, got 5"):
         cuattn.decode(q[:, :1], k, v, np.array([6, 3], np.int32), alibi_slopes=np.zeros((5, 4), np.float32))
