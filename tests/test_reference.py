@@ -598,9 +598,26 @@ def test_sinks_on_the_cpu_path_and_their_errors(rng, seed):
         cuattn.attention(q, k, v, sinks=np.zeros(4, np.int64))
     with pytest.raises(TypeError, match="sinks.dtype must be float32, got float64"):
         cuattn.attention(q, k, v, sinks=np.zeros(4))
-    grads = cuattn.attention_backward(q, q, k, v, got, cuattn.attention(q, k, v, sinks=sinks, return_lse=True)[1],
-                                      sinks=sinks)
+    lse = cuattn.attention(q, k, v, sinks=sinks, return_lse=True)[1]
+    grads = cuattn.attention_backward(q, q, k, v, got, lse, sinks=sinks)
     assert len(grads) == 4 and grads[3].dtype == np.float32 and grads[3].shape == (4,)
+    # the values: the float64 backward's (itself checked against finite differences above)
+    want = reference.attention_backward(q, q, k, v, got, lse, sinks=sinks)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        assert_close(g, w, seed, atol=1e-5, rtol=1e-5, what=name)
+    # varlen: each sequence's gradients, dsinks summed over the sequences
+    varlen, varlen_lse = cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, sinks=sinks, return_lse=True)
+    dout = rng.standard_normal(varlen.shape).astype(np.float32)
+    dq, dk, dv, dsinks = cuattn.attention_varlen_backward(dout, q[0], k[0], v[0], varlen, varlen_lse, cu, cu, 4, 4,
+                                                          sinks=sinks)
+    want_dsinks = np.zeros(4)
+    for rows in (slice(0, 2), slice(2, 6)):
+        one = reference.attention_backward(dout[None, rows], q[:, rows], k[:, rows], v[:, rows], varlen[None, rows],
+                                           varlen_lse[None, :, rows], sinks=sinks)
+        for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), one):
+            assert_close(g[rows], w[0], seed, atol=1e-5, rtol=1e-5, what=f"varlen {name}")
+        want_dsinks += one[3]
+    assert_close(dsinks, want_dsinks, seed, atol=1e-5, rtol=1e-5, what="varlen dsinks")
 
 
 # ------------------------------------------------------------------------------------ ALiBi
@@ -718,7 +735,13 @@ def test_alibi_on_the_cpu_path_and_its_errors(rng, seed):
     got = cuattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
     assert_close(got, _explicit_alibi(q, k, v, slopes, causal=True)[0], seed, atol=1e-6, rtol=1e-6, what="out")
     out, lse = cuattn.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
-    assert len(cuattn.attention_backward(q, q, k, v, out, lse, alibi_slopes=slopes)) == 3
+    grads = cuattn.attention_backward(q, q, k, v, out, lse, alibi_slopes=slopes)
+    want = reference.attention_backward(q, q, k, v, out, lse, alibi_slopes=slopes)
+    assert len(grads) == 3
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(g, w, seed, atol=1e-5, rtol=1e-5, what=name)
+    # against the gradients without ALiBi, which differ (the slopes reach the backward)
+    assert not np.allclose(grads[0], reference.attention_backward(q, q, k, v, out, lse)[0], atol=1e-3)
     cu = np.array([0, 2, 6], np.int32)
     varlen = cuattn.attention_varlen(q[0], k[0], v[0], cu, cu, 4, 4, alibi_slopes=np.stack([slopes, slopes / 2]))
     second = _explicit_alibi(q[:, 2:], k[:, 2:], v[:, 2:], slopes / 2)[0][0]
