@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuattn import _params, _registry
+from cuattn import _params, _registry, reference
 
 # JAX must not grab 75% of GPU memory when a test imports it beside CuPy and torch.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -85,6 +85,48 @@ def error_budget(naive_err: float, dtype, factor: float, ref_max: float) -> floa
     """
     eps = float(ml_dtypes.finfo(dtype).eps)
     return factor * naive_err + eps * max(ref_max, 1.0)
+
+
+def check_decode(rng, dtype, q, k, v, lens, got, got_lse, **options):
+    """A decode output (B, Sq_new, Hq, Dv) over the contiguous cache k, v with ``lens`` keys per row:
+    each row within 2x the naive same-precision error of the float64 reference on its live keys
+    (the tolerance rule); its lse (None: not checked) -inf exactly on empty rows and close elsewhere."""
+    ref, ref_lse = reference.decode(q, k, v, lens, return_lse=True, **options)
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"NaN or unwritten output (seed {rng.seed})"
+    for b, n in enumerate(lens):
+        # the straightforward same-precision computation on this row's live cache
+        row_options = {key: val for key, val in options.items() if key != "causal"}
+        if np.ndim(options.get("alibi_slopes")) == 2:
+            row_options["alibi_slopes"] = options["alibi_slopes"][b]  # (B, Hq): this row's slopes
+        naive = reference.naive_attention_lowp(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], dtype=dtype,
+                                               causal=options.get("causal", True), **row_options)[0]
+        budget = error_budget(np.abs(naive - ref[b]).max(initial=0.0), dtype, 2.0, np.abs(ref[b]).max(initial=0.0))
+        err = np.abs(got[b] - ref[b]).max(initial=0.0)
+        assert err <= budget, f"row {b} (len {n}): error {err:.3g} > {budget:.3g} (seed {rng.seed})"
+    if got_lse is None:
+        return
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty), f"empty rows differ (seed {rng.seed})"
+    np.testing.assert_allclose(got_lse[~empty], ref_lse[~empty], rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+def check_varlen(rng, dtype, q, k, v, cu_q, cu_k, got, **options):
+    """A varlen output (total_q, Hq, Dv): each sequence within 2x the naive same-precision error of
+    the float64 reference (the tolerance rule), every row written."""
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, int(np.diff(cu_q).max(initial=0)),
+                                     int(np.diff(cu_k).max(initial=0)), **options)
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"NaN or unwritten rows (seed {rng.seed})"
+    for i in range(len(cu_q) - 1):
+        rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if rows.stop == rows.start:
+            continue
+        naive = reference.naive_attention_lowp(q[None, rows], k[None, keys], v[None, keys], dtype=dtype, **options)[0]
+        budget = error_budget(np.abs(naive - ref[rows]).max(initial=0.0), dtype, 2.0,
+                              np.abs(ref[rows]).max(initial=0.0))
+        err = np.abs(got[rows] - ref[rows]).max(initial=0.0)
+        assert err <= budget, f"sequence {i}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
 
 
 @pytest.fixture

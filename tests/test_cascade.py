@@ -13,8 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from conftest import BF16, randn
-from test_decode import check_decode
+from conftest import BF16, check_decode, randn
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 

@@ -407,7 +407,8 @@ def test_merge_mixed_empty_rows(rng, seed):
 
 
 def test_merge_rejects_wrong_arity():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"merge_states takes \(out_a, lse_a, out_b, lse_b\) or one list of \(out, lse\) "
+                                        r"pairs, got 2 positional arguments"):
         reference.merge_states(np.zeros(1), np.zeros(1))
 
 
