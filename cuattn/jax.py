@@ -84,6 +84,12 @@ _DENSE, _LSE = 4, 3
 _PACKED, _PACKED_LSE = 3, 2
 _VECTOR, _TABLE = 1, 2
 
+# The optional per-head arrays every function takes after its own: attention-sink logits (Hq,)
+# and ALiBi slopes (Hq,) or (B, Hq), as in the plain functions. A call passes those given, in
+# this order, after its arrays, and names them in _Mask.extras, so that each callback knows its
+# trailing buffers; calls with any run once per vmapped element (one row of them per call).
+EXTRAS = ("sinks", "alibi_slopes")
+
 
 # ---------------------------------------------------------------------------------------------
 # Options and argument checks (at trace time, on shapes and dtypes: the same on every platform)
@@ -97,9 +103,15 @@ class _Mask:
     scale: float | None
     window: tuple[int, int]
     softcap: float
+    extras: tuple[str, ...] = ()  # the EXTRAS the call was given, in order
 
     def kwargs(self) -> dict:
         return {"causal": self.causal, "scale": self.scale, "window": self.window, "softcap": self.softcap}
+
+    def vmap_method(self) -> str:
+        """Without extras every operand folds its vmapped axes into the batch; with them XLA
+        loops over the vmapped axes (one launch per element)."""
+        return LOOP_OVER_VMAPPED_AXES if self.extras else FOLD_VMAPPED_AXES
 
 
 def _check_static(name: str, value) -> None:
@@ -112,12 +124,49 @@ def _check_static(name: str, value) -> None:
         )
 
 
-def _mask_options(causal, scale, window, softcap, **flags) -> _Mask:
+def _mask_options(causal, scale, window, softcap, extras=(), **flags) -> _Mask:
     for name, value in (("causal", causal), ("scale", scale), ("window", window), ("softcap", softcap),
                         *flags.items()):
         _check_static(name, value)
     left, right = _masks.check_options(window, softcap, scale, causal=causal, **flags)
-    return _Mask(bool(causal), None if scale is None else float(scale), (left, right), float(softcap))
+    return _Mask(bool(causal), None if scale is None else float(scale), (left, right), float(softcap), tuple(extras))
+
+
+def _extra_names(sinks, alibi_slopes) -> tuple[str, ...]:
+    """The EXTRAS a call was given (None: left out), in order."""
+    return tuple(name for name, x in zip(EXTRAS, (sinks, alibi_slopes)) if x is not None)
+
+
+def _extras(batch: int, num_heads: int, sinks, alibi_slopes) -> tuple:
+    """The EXTRAS given as checked JAX arrays: float32 sinks ``(Hq,)``, float32 slopes ``(Hq,)``
+    or ``(B, Hq)`` (``batch``: the sequences), on every platform."""
+    named = {name: x for name, x in zip(EXTRAS, (sinks, alibi_slopes)) if x is not None}
+    arrays = _as_arrays(**named)
+    for name, x in zip(named, arrays):
+        if name == "sinks":
+            _check_sinks(x, num_heads)
+        else:
+            _arrays.check_alibi_slopes(x, batch, num_heads, True, "q", None)
+    return tuple(arrays)
+
+
+def _host_extras(mask: _Mask, extras) -> dict:
+    """A host callback's extras by the reference functions' keywords."""
+    return {name: np.asarray(x) for name, x in zip(mask.extras, extras)}
+
+
+def _extra_ranks(extras) -> tuple:
+    """Ranks of the extras' buffers: unbatched (their calls loop over vmapped axes)."""
+    return tuple(len(x.shape) for x in extras)
+
+
+def _device_extras(mask: _Mask, views, batch: int, q) -> dict:
+    """A device callback's extras as launch arguments: ``sinks`` and ``alibi`` (the slopes and
+    their batch stride, as _launch_fwd, _launch_bwd and launch_decode take them)."""
+    named = dict(zip(mask.extras, views))
+    slopes = named.get("alibi_slopes")
+    stride = 0 if slopes is None else _arrays.check_alibi_slopes(slopes, batch, int(q.shape[-2]), False, "q", q)
+    return {"sinks": named.get("sinks"), "alibi": (slopes, stride)}
 
 
 def _as_arrays(**named) -> list:
@@ -278,10 +327,9 @@ def _forward_only(name: str, fn, *arrays):
 # attention: forward and backward
 
 
-def _host_attention(mask: _Mask, q, k, v, *sinks):
+def _host_attention(mask: _Mask, q, k, v, *extras):
     qf, kf, vf = _host_arrays((q, k, v), (_DENSE,) * 3)
-    sv = np.asarray(sinks[0]) if sinks else None
-    out, lse = reference.attention(qf, kf, vf, return_lse=True, sinks=sv, **mask.kwargs())
+    out, lse = reference.attention(qf, kf, vf, return_lse=True, **_host_extras(mask, extras), **mask.kwargs())
     return out.astype(q.dtype).reshape(reference.out_shape(q, v)), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
@@ -290,7 +338,7 @@ def _host_attention(mask: _Mask, q, k, v, *sinks):
 # stream. Under jit the callback runs on XLA's thread while the GPU waits for it, so its host
 # time is not hidden behind earlier kernels as an eager call's is.
 _FWD_LAUNCHES: dict = {}
-_FWD_FIELDS = ("q", "k", "v", "out", "lse", "sinks")
+_FWD_FIELDS = ("q", "k", "v", "out", "lse")  # then the extras, each its own field
 
 
 def _buffer_address(buffer) -> int | None:
@@ -306,10 +354,10 @@ def _stream_handle(ctx) -> int:
     return int(ctx.stream() if callable(ctx.stream) else ctx.stream)
 
 
-def _device_attention(mask: _Mask, ctx, outs, q, k, v, *sinks):
+def _device_attention(mask: _Mask, ctx, outs, q, k, v, *extras):
     import cupy
 
-    buffers = (q, k, v, *outs, *sinks)
+    buffers = (q, k, v, *outs, *extras)
     addresses = [_buffer_address(b) for b in buffers]
     known = None not in addresses and all(a % _arrays.VECTOR_BYTES == 0 for a in addresses[:4])
     if known:
@@ -317,52 +365,47 @@ def _device_attention(mask: _Mask, ctx, outs, q, k, v, *sinks):
         call_key = (mask, device, *((tuple(b.shape), str(b.dtype)) for b in buffers))
         launch = _FWD_LAUNCHES.get(call_key)
         if launch is not None and cupy.cuda.runtime.getDevice() == device:
-            launch.run(_stream_handle(ctx), [(launch.slot(f), a) for f, a in zip(_FWD_FIELDS, addresses)])
+            fields = _FWD_FIELDS + mask.extras
+            launch.run(_stream_handle(ctx), [(launch.slot(f), a) for f, a in zip(fields, addresses)])
             return
-    with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,) + (_VECTOR,) * len(sinks)) as (stream, views):
+    with _xla_stream(ctx, buffers, (_DENSE,) * 4 + (_LSE,) + _extra_ranks(extras)) as (stream, views):
         qv, kv, vv, ov, lv = views[:5]
         _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
         batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
         # the static tile schedule: XLA may record this callback into a command buffer (stream
         # capture), where the dynamic schedule could not allocate a new stream's counters
         launch = _launch_fwd(qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q, schedule="static",
-                             seqlen_k=int(kv.shape[1]), stream=stream, sinks=views[5] if sinks else None,
+                             seqlen_k=int(kv.shape[1]), stream=stream, **_device_extras(mask, views[5:], batch, qv),
                              **mask.kwargs())
     if known and launch is not None:
         _FWD_LAUNCHES[call_key] = launch
 
 
-def _vmap_method(sinks) -> str:
-    """Without sinks every operand folds its vmapped axes into the batch; sinks are one row of
-    Hq logits per call, so with them XLA loops over the vmapped axes (one launch per element)."""
-    return FOLD_VMAPPED_AXES if sinks is None else LOOP_OVER_VMAPPED_AXES
-
-
-def _attention_forward(q, k, v, sinks, mask: _Mask):
+def _attention_forward(q, k, v, extras, mask: _Mask):
     shapes = _result_shapes(q, v)
-    method = _vmap_method(sinks)
+    method = mask.vmap_method()
     return _per_platform(
-        (q, k, v) + ((sinks,) if sinks is not None else ()),
+        (q, k, v, *extras),
         host=_host_call(functools.partial(_host_attention, mask), shapes, method),
         device=_device_call(functools.partial(_device_attention, mask), shapes, method, graph_safe=True),
     )
 
 
-def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse, *sinks):
+def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse, *extras):
     arrays = _host_arrays((dout, q, k, v, out, lse), (_DENSE,) * 5 + (_LSE,))
-    sv = np.asarray(sinks[0]) if sinks else None
-    grads = reference.attention_backward(*arrays, sinks=sv, **mask.kwargs())
+    grads = reference.attention_backward(*arrays, **_host_extras(mask, extras), **mask.kwargs())
     cast = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v)))
-    return cast + ((grads[3].astype(np.float32),) if sinks else ())
+    return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
 
 
-def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *sinks):
-    buffers = (dout, q, k, v, out, lse, *sinks, *outs)
-    ranks = (_DENSE,) * 5 + (_LSE,) + (_VECTOR,) * len(sinks) + (_DENSE,) * 3 + (_VECTOR,) * len(sinks)
+def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *extras):
+    buffers = (dout, q, k, v, out, lse, *extras, *outs)
+    with_sinks = "sinks" in mask.extras
+    ranks = (_DENSE,) * 5 + (_LSE,) + _extra_ranks(extras) + (_DENSE,) * 3 + (_VECTOR,) * with_sinks
     with _xla_stream(ctx, buffers, ranks) as (stream, views):
         dov, qv, kv, vv, ov, lv = views[:6]
-        sv = views[6] if sinks else None
-        dq, dk, dv = views[6 + len(sinks):9 + len(sinks)]
+        launch_extras = _device_extras(mask, views[6:6 + len(extras)], int(qv.shape[0]), qv)
+        dq, dk, dv = views[6 + len(extras):9 + len(extras)]
         _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
         left, right = mask.window
         batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
@@ -372,17 +415,18 @@ def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout
             grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
                                 seqlen_k=int(kv.shape[1]), causal=mask.causal, scale=mask.scale,
                                 window=(left, right), softcap=mask.softcap, deterministic=deterministic,
-                                ctx=arrays, sinks=sv, grads=(dq, dk, dv))
-        if sinks:
+                                ctx=arrays, grads=(dq, dk, dv), **launch_extras)
+        if with_sinks:
             views[-1][...] = grads[3]
 
 
-def _attention_backward(dout, q, k, v, out, lse, sinks, mask: _Mask, deterministic: bool):
-    grads_of = (q, k, v) + ((sinks,) if sinks is not None else ())
+def _attention_backward(dout, q, k, v, out, lse, extras, mask: _Mask, deterministic: bool):
+    # dq, dk, dv, and dsinks with sinks (the slopes get no gradient)
+    grads_of = (q, k, v) + tuple(x for name, x in zip(mask.extras, extras) if name == "sinks")
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
-    method = _vmap_method(sinks)
+    method = mask.vmap_method()
     return _per_platform(
-        (dout, q, k, v, out, lse) + ((sinks,) if sinks is not None else ()),
+        (dout, q, k, v, out, lse, *extras),
         host=_host_call(functools.partial(_host_attention_backward, mask), shapes, method),
         # the backward allocates its workspace with CuPy: not recordable in a graph
         device=_device_call(functools.partial(_device_attention_backward, mask, deterministic), shapes,
@@ -391,21 +435,23 @@ def _attention_backward(dout, q, k, v, out, lse, sinks, mask: _Mask, determinist
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _differentiable_attention(q, k, v, sinks, mask: _Mask, deterministic: bool):
-    return _attention_forward(q, k, v, sinks, mask)
+def _differentiable_attention(q, k, v, extras, mask: _Mask, deterministic: bool):
+    return _attention_forward(q, k, v, extras, mask)
 
 
-def _differentiable_attention_fwd(q, k, v, sinks, mask: _Mask, deterministic: bool):
-    out, lse = _attention_forward(q, k, v, sinks, mask)
-    return (out, lse), (q, k, v, sinks, out, lse)
+def _differentiable_attention_fwd(q, k, v, extras, mask: _Mask, deterministic: bool):
+    out, lse = _attention_forward(q, k, v, extras, mask)
+    return (out, lse), (q, k, v, extras, out, lse)
 
 
 def _differentiable_attention_bwd(mask: _Mask, deterministic: bool, residuals, cotangents):
     # lse leaves attention() through stop_gradient, so its cotangent is zero
     dout, _ = cotangents
-    q, k, v, sinks, out, lse = residuals
-    grads = _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, sinks, mask, deterministic)
-    return tuple(grads) if sinks is not None else (*grads, None)
+    q, k, v, extras, out, lse = residuals
+    grads = _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, extras, mask, deterministic)
+    # sinks take dsinks; the slopes get none (None: a zero cotangent)
+    extra_grads = tuple(grads[3] if name == "sinks" else None for name in mask.extras)
+    return (*grads[:3], extra_grads)
 
 
 _differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_attention_bwd)
@@ -416,8 +462,8 @@ _differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_
 _attention_call = jax.jit(_differentiable_attention, static_argnums=(4, 5))
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-              deterministic=False):
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
+              return_lse=False, deterministic=False):
     """Differentiable :func:`cuattn.attention` for JAX arrays, under ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
 
     Args:
@@ -427,7 +473,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         causal, scale, window, softcap: as in :func:`cuattn.attention` (Python values).
         sinks: optional float32 ``(Hq,)`` attention-sink logits, as in :func:`cuattn.attention`;
             differentiable (their gradient is ``dsinks`` of :func:`cuattn.attention_backward`).
-            Under ``jax.vmap`` a call with sinks runs once per vmapped element.
+        alibi_slopes: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes, as in
+            :func:`cuattn.attention`; no gradient. Under ``jax.vmap`` a call with sinks or slopes
+            runs once per vmapped element.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)`` (natural log), through
             ``jax.lax.stop_gradient``: gradients flow through ``out`` only.
         deterministic: a bit-reproducible backward (see :func:`cuattn.attention_backward`).
@@ -436,14 +484,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         ``out`` ``(B, Sq, Hq, Dv)``, or ``(out, lse)``.
     """
     q, k, v = _as_arrays(q=q, k=k, v=v)
-    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse, deterministic=deterministic)
+    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse,
+                         deterministic=deterministic)
     _check_qkv(q, k, v, packed=False)
     _check_dtypes({"q": q, "k": k, "v": v})
     _masks.check_total_length(int(q.shape[1]), int(k.shape[1]))
-    if sinks is not None:
-        (sinks,) = _as_arrays(sinks=sinks)
-        _check_sinks(sinks, int(q.shape[2]))
-    out, lse = _attention_call(q, k, v, sinks, mask, bool(deterministic))
+    extras = _extras(int(q.shape[0]), int(q.shape[2]), sinks, alibi_slopes)
+    out, lse = _attention_call(q, k, v, extras, mask, bool(deterministic))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -451,30 +498,33 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 # attention_varlen (forward)
 
 
-def _host_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _host_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras):
     q, k, v, cuq, cuk = (np.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     # the prefix sums' values are known only now: a bad one raises here (an XLA runtime error)
     _check_host_cu_seqlens(cuq, int(q.shape[0]), max_seqlen_q, "q")
     _check_host_cu_seqlens(cuk, int(k.shape[0]), max_seqlen_k, "k")
     out, lse = reference.attention_varlen(q, k, v, cuq, cuk, max_seqlen_q, max_seqlen_k, return_lse=True,
-                                          **mask.kwargs())
+                                          **_host_extras(mask, extras), **mask.kwargs())
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
 def _device_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, ctx, outs, q, k, v, cu_seqlens_q,
-                   cu_seqlens_k):
+                   cu_seqlens_k, *extras):
     # vmap loops here ("sequential"): every buffer is one unbatched problem
-    buffers = (q, k, v, cu_seqlens_q, cu_seqlens_k, *outs)
-    with _xla_stream(ctx, buffers, (_PACKED,) * 3 + (_VECTOR,) * 2 + (_PACKED, _PACKED_LSE)) as (stream, views):
-        qv, kv, vv, cuq, cuk, ov, lv = views
+    buffers = (q, k, v, cu_seqlens_q, cu_seqlens_k, *outs, *extras)
+    ranks = (_PACKED,) * 3 + (_VECTOR,) * 2 + (_PACKED, _PACKED_LSE) + _extra_ranks(extras)
+    with _xla_stream(ctx, buffers, ranks) as (stream, views):
+        qv, kv, vv, cuq, cuk, ov, lv = views[:7]
         _check_layouts({"q": qv, "k": kv, "v": vv, "out": ov})
-        _launch_fwd(qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=int(cuq.shape[0]) - 1,
+        batch = int(cuq.shape[0]) - 1
+        _launch_fwd(qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=batch,
                     schedule="static",  # as in _device_attention
-                    seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, stream=stream, **mask.kwargs())
+                    seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, stream=stream,
+                    **_device_extras(mask, views[7:], batch, qv), **mask.kwargs())
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                     scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """:func:`cuattn.attention_varlen` for JAX arrays (forward only): a packed batch of sequences of
     different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v``
     ``(total_k, Hk, Dv)`` (Dv as in :func:`cuattn.attention`).
@@ -484,14 +534,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
     past ``max_seqlen_*`` are left unwritten); on the CPU concrete ones are checked before the call
     (ValueError), traced ones when it runs (inside the callback, an XLA runtime error).
-    Returns ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
+    ``sinks`` (float32 ``(Hq,)``) and ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``) as in the
+    plain function. Returns ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k = _as_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                                                      cu_seqlens_k=cu_seqlens_k)
-    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse)
     _check_qkv(q, k, v, packed=True)
     _check_dtypes({"q": q, "k": k, "v": v})
     check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
+    extras = _extras(int(cu_seqlens_q.shape[0]) - 1, int(q.shape[1]), sinks, alibi_slopes)
     max_seqlen_q = _check_length("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = _check_length("max_seqlen_k", max_seqlen_k, 0)
     _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
@@ -499,13 +551,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         # values known now: a bad one raises here (as ValueError), not inside the callback
         _check_host_cu_seqlens(np.asarray(cu_seqlens_q), int(q.shape[0]), max_seqlen_q, "q")
         _check_host_cu_seqlens(np.asarray(cu_seqlens_k), int(k.shape[0]), max_seqlen_k, "k")
-    out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, mask=mask, max_seqlen_q=max_seqlen_q,
+    out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *extras, mask=mask, max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k)
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("mask", "max_seqlen_q", "max_seqlen_k"))
-def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *extras, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
     shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v), q.dtype),
               jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
 
@@ -518,56 +570,57 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, mask: _Mask, max_seqlen
                                 LOOP_OVER_VMAPPED_AXES, graph_safe=True),
         )
 
-    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras)
 
 
 # ---------------------------------------------------------------------------------------------
 # decode (forward)
 
 
-def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens):
+def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens, *extras):
     qf, kf, vf, lens = _host_arrays((q, k_cache, v_cache, cache_seqlens), (_DENSE,) * 3 + (_VECTOR,))
     # the kernel reads min(max(cache_seqlens[b], 0), S_max) keys: the host does the same
     lens = np.clip(lens, 0, int(kf.shape[1]))
-    out, lse = reference.decode(qf, kf, vf, lens, return_lse=True, **mask.kwargs())
+    out, lse = reference.decode(qf, kf, vf, lens, return_lse=True, **_host_extras(mask, extras), **mask.kwargs())
     # out takes v's head dim Dv, over q's (possibly vmapped) leading axes
     out_shape = reference.out_shape(q, v_cache)
     return out.astype(q.dtype).reshape(out_shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
-def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cache_seqlens):
-    buffers = (q, k_cache, v_cache, cache_seqlens, *outs)
-    with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_VECTOR, _DENSE, _LSE)) as (stream, views):
-        qv, kv, vv, lens, ov, lv = views
+def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cache_seqlens, *extras):
+    buffers = (q, k_cache, v_cache, cache_seqlens, *outs, *extras)
+    with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_VECTOR, _DENSE, _LSE) + _extra_ranks(extras)) as (stream, views):
+        qv, kv, vv, lens, ov, lv = views[:6]
         _check_layouts({"q": qv, "k_cache": kv, "v_cache": vv, "out": ov})
         launch_decode(qv, kv, vv, lens, ov, lv, None, int(kv.shape[1]), num_splits=num_splits, stream=stream,
-                      **mask.kwargs())
+                      **_device_extras(mask, views[6:], int(qv.shape[0]), qv), **mask.kwargs())
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None, window=(-1, -1),
-           softcap=0.0, return_lse=False):
+           softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """:func:`cuattn.decode` for JAX arrays (forward only): ``Sq_new`` (1 to 16) new tokens per
     sequence over a KV cache ``(B, S_max, Hk, D)`` (v ``(B, S_max, Hk, Dv)``, Dv may differ from
     D) holding ``cache_seqlens[b]`` keys (int32 ``(B,)``, new tokens included; clamped to ``[0,
-    S_max]`` on every platform).
+    S_max]`` on every platform). ``sinks`` and ``alibi_slopes`` as in the plain function.
 
     Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
     q, k_cache, v_cache, cache_seqlens = _as_arrays(q=q, k_cache=k_cache, v_cache=v_cache,
                                                     cache_seqlens=cache_seqlens)
-    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse)
     check_decode_args(q, k_cache, v_cache, cache_seqlens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
+    extras = _extras(int(q.shape[0]), int(q.shape[2]), sinks, alibi_slopes)
     _check_static("num_splits", num_splits)
     _check_num_splits(num_splits)
     _check_dtypes({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     _masks.check_total_length(int(q.shape[1]), int(k_cache.shape[1]))
-    out, lse = _decode_call(q, k_cache, v_cache, cache_seqlens, mask=mask,
+    out, lse = _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask=mask,
                             num_splits=None if num_splits is None else int(num_splits))
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("mask", "num_splits"))
-def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits: int | None):
+def _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask: _Mask, num_splits: int | None):
     # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
     shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v_cache), q.dtype),
               jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
@@ -575,43 +628,47 @@ def _decode_call(q, k_cache, v_cache, cache_seqlens, *, mask: _Mask, num_splits:
     def forward(*arrays):
         return _per_platform(
             arrays,
-            host=_host_call(functools.partial(_host_decode, mask), shapes, FOLD_VMAPPED_AXES),
+            host=_host_call(functools.partial(_host_decode, mask), shapes, mask.vmap_method()),
             # split partials live in cuattn's per-stream workspace, which may be reallocated
             # between calls: not recordable in a graph
-            device=_device_call(functools.partial(_device_decode, mask, num_splits), shapes, FOLD_VMAPPED_AXES,
+            device=_device_call(functools.partial(_device_decode, mask, num_splits), shapes, mask.vmap_method(),
                                 graph_safe=False),
         )
 
-    return _forward_only("decode", forward, q, k_cache, v_cache, cache_seqlens)
+    return _forward_only("decode", forward, q, k_cache, v_cache, cache_seqlens, *extras)
 
 
 # ---------------------------------------------------------------------------------------------
 # paged_attention (forward)
 
 
-def _host_paged(mask: _Mask, q, k_pages, v_pages, block_table, seq_lens):
+def _host_paged(mask: _Mask, q, k_pages, v_pages, block_table, seq_lens, *extras):
     q, k_pages, v_pages, table, lens = (np.asarray(x) for x in (q, k_pages, v_pages, block_table, seq_lens))
     # the kernel clamps lengths to the table's capacity and block ids to the pool: so does the host
     table, lens = clamp_table(table, lens, int(k_pages.shape[0]), int(k_pages.shape[1]))
-    out, lse = reference.paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, **mask.kwargs())
+    out, lse = reference.paged_attention(q, k_pages, v_pages, table, lens, return_lse=True,
+                                         **_host_extras(mask, extras), **mask.kwargs())
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
-def _device_paged(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_pages, v_pages, block_table, seq_lens):
+def _device_paged(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_pages, v_pages, block_table, seq_lens,
+                  *extras):
     # vmap loops here ("sequential"): every buffer is one unbatched problem
-    buffers = (q, k_pages, v_pages, block_table, seq_lens, *outs)
-    with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_TABLE, _VECTOR, _DENSE, _LSE)) as (stream, views):
-        qv, kv, vv, table, lens, ov, lv = views
+    buffers = (q, k_pages, v_pages, block_table, seq_lens, *outs, *extras)
+    ranks = (_DENSE,) * 3 + (_TABLE, _VECTOR, _DENSE, _LSE) + _extra_ranks(extras)
+    with _xla_stream(ctx, buffers, ranks) as (stream, views):
+        qv, kv, vv, table, lens, ov, lv = views[:7]
         _check_layouts({"q": qv, "k_pages": kv, "v_pages": vv, "out": ov})
         num_blocks, block_size = int(kv.shape[0]), int(kv.shape[1])
         capacity = int(table.shape[1]) * block_size
         split_length = capacity if max_seq_len is None else min(max_seq_len, capacity)
         launch_decode(qv, kv, vv, lens, ov, lv, (table, block_size, num_blocks), capacity, num_splits=num_splits,
-                      stream=stream, split_length=split_length, **mask.kwargs())
+                      stream=stream, split_length=split_length, **_device_extras(mask, views[7:], int(qv.shape[0]), qv),
+                      **mask.kwargs())
 
 
 def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=None, num_splits=None, causal=True,
-                    scale=None, window=(-1, -1), softcap=0.0, return_lse=False):
+                    scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """:func:`cuattn.paged_attention` for JAX arrays (forward only), over page pools ``k_pages``
     ``(num_blocks, block_size, Hk, D)`` and ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` (Dv
     may differ from D).
@@ -621,12 +678,13 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
     function's ``check=True`` does: lengths are clamped to the table's capacity and block ids to
     the pool, on every platform (the plain function's ``check=False``). ``max_seq_len``: optional
     Python int bounding the lengths the split count plans for (default the table's capacity).
-    Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
+    ``sinks`` and ``alibi_slopes`` as in the plain function. Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
     q, k_pages, v_pages, block_table, seq_lens = _as_arrays(q=q, k_pages=k_pages, v_pages=v_pages,
                                                             block_table=block_table, seq_lens=seq_lens)
-    mask = _mask_options(causal, scale, window, softcap, return_lse=return_lse)
+    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse)
     check_decode_args(q, k_pages, v_pages, seq_lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
+    extras = _extras(int(q.shape[0]), int(q.shape[2]), sinks, alibi_slopes)
     _arrays.check_ndim("block_table", block_table, "(B, max_blocks)")
     _arrays.check_axis("block_table", block_table, 0, "batch", int(q.shape[0]), "q.shape[0]")
     _arrays.check_int32("block_table", block_table)
@@ -639,13 +697,13 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
         max_seq_len = _check_length("max_seq_len", max_seq_len, 1)
     _check_dtypes({"q": q, "k_pages": k_pages, "v_pages": v_pages})
     _masks.check_total_length(int(q.shape[1]), int(block_table.shape[1]) * block_size)
-    out, lse = _paged_call(q, k_pages, v_pages, block_table, seq_lens, mask=mask,
+    out, lse = _paged_call(q, k_pages, v_pages, block_table, seq_lens, *extras, mask=mask,
                            num_splits=None if num_splits is None else int(num_splits), max_seq_len=max_seq_len)
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("mask", "num_splits", "max_seq_len"))
-def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_splits: int | None,
+def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *extras, mask: _Mask, num_splits: int | None,
                 max_seq_len: int | None):
     # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
     shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v_pages), q.dtype),
@@ -660,7 +718,7 @@ def _paged_call(q, k_pages, v_pages, block_table, seq_lens, *, mask: _Mask, num_
                                 LOOP_OVER_VMAPPED_AXES, graph_safe=False),
         )
 
-    return _forward_only("paged_attention", forward, q, k_pages, v_pages, block_table, seq_lens)
+    return _forward_only("paged_attention", forward, q, k_pages, v_pages, block_table, seq_lens, *extras)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -717,17 +775,17 @@ def _pad_rows(x, rows: int, before: bool, fill, axis: int = 1):
 def _ring_step_forward(q, k, v, mask: _Mask, step: int, rank, size: int):
     """This step's partial (out, lse) over the local queries: full shape, rows not seen empty."""
     if step == 0:
-        return _attention_forward(q, k, v, None, mask)
+        return _attention_forward(q, k, v, (), mask)
     if not mask.causal:
-        return _attention_forward(q, k, v, None, mask)
+        return _attention_forward(q, k, v, (), mask)
     half = q.shape[1] // 2
     unmasked = dataclasses.replace(mask, causal=False)
 
     def earlier(q, k, v):  # every query, the sender's first chunk
-        return _attention_forward(q, k[:, :half], v[:, :half], None, unmasked)
+        return _attention_forward(q, k[:, :half], v[:, :half], (), unmasked)
 
     def later(q, k, v):  # the second local chunk, all of the sender's keys
-        out, lse = _attention_forward(q[:, half:], k, v, None, unmasked)
+        out, lse = _attention_forward(q[:, half:], k, v, (), unmasked)
         return _pad_rows(out, half, True, 0), _pad_rows(lse, half, True, -jnp.inf, axis=2)
 
     source = (rank - step) % size
@@ -738,16 +796,16 @@ def _ring_step_backward(dout, q, k, v, out, lse, mask: _Mask, step: int, rank, s
     """This step's share of (dq, dk, dv) for the held K/V: full shapes, unseen rows zero."""
     deterministic = False
     if step == 0 or not mask.causal:
-        return _attention_backward(dout, q, k, v, out, lse, None, mask, deterministic)
+        return _attention_backward(dout, q, k, v, out, lse, (), mask, deterministic)
     half = q.shape[1] // 2
     unmasked = dataclasses.replace(mask, causal=False)
 
     def earlier(dout, q, k, v, out, lse):
-        dq, dk, dv = _attention_backward(dout, q, k[:, :half], v[:, :half], out, lse, None, unmasked, deterministic)
+        dq, dk, dv = _attention_backward(dout, q, k[:, :half], v[:, :half], out, lse, (), unmasked, deterministic)
         return dq, _pad_rows(dk, half, False, 0), _pad_rows(dv, half, False, 0)
 
     def later(dout, q, k, v, out, lse):
-        dq, dk, dv = _attention_backward(dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:], None, unmasked,
+        dq, dk, dv = _attention_backward(dout[:, half:], q[:, half:], k, v, out[:, half:], lse[..., half:], (), unmasked,
                                          deterministic)
         return _pad_rows(dq, half, True, 0), dk, dv
 

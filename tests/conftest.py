@@ -122,7 +122,11 @@ def check_varlen(rng, dtype, q, k, v, cu_q, cu_k, got, **options):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         if rows.stop == rows.start:
             continue
-        naive = reference.naive_attention_lowp(q[None, rows], k[None, keys], v[None, keys], dtype=dtype, **options)[0]
+        sequence_options = dict(options)
+        if np.ndim(options.get("alibi_slopes")) == 2:
+            sequence_options["alibi_slopes"] = options["alibi_slopes"][i]  # (B, Hq): this sequence's slopes
+        naive = reference.naive_attention_lowp(q[None, rows], k[None, keys], v[None, keys], dtype=dtype,
+                                               **sequence_options)[0]
         budget = error_budget(np.abs(naive - ref[rows]).max(initial=0.0), dtype, 2.0,
                               np.abs(ref[rows]).max(initial=0.0))
         err = np.abs(got[rows] - ref[rows]).max(initial=0.0)

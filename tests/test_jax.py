@@ -20,7 +20,7 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, error_budget, randn
 
 jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
 import jax.numpy as jnp  # noqa: E402
@@ -173,6 +173,47 @@ def test_sinks_under_vmap_run_per_element(device, rng):
         check_forward(rng, BF16, qs[i], k, v, outs[0][i], outs[1][i], sinks=sinks[i])
 
 
+def _alibi_slopes(rng, *shape):
+    """Random positive ALiBi slopes around the usual 2^(-8 h / H) range, float32."""
+    return (2.0 ** -rng.uniform(0.5, 8.0, shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("extras", ["alibi", "alibi-per-sequence", "alibi-and-sinks"])
+def test_alibi_forward_and_gradients_under_jit(device, rng, extras):
+    """ALiBi slopes ((Hq,) or (B, Hq)), alone or beside sinks: out and lse under the 2x rule, dq,
+    dk, dv through jax.grad under the 3x rule, and no gradient for the slopes (zeros)."""
+    q, k, v = qkv(rng, BF16, 2, 41, 67, 4, 2, 64)
+    slopes = _alibi_slopes(rng, *((2, 4) if extras == "alibi-per-sequence" else (4,)))
+    options = {"causal": True, "alibi_slopes": slopes}
+    if extras == "alibi-and-sinks":
+        options["sinks"] = (rng.standard_normal(4) * 2).astype(np.float32)
+    given = {name: jnp.asarray(x) for name, x in options.items() if name != "causal"}
+    dout = randn(rng, q.shape, BF16)
+    args = put(device, q, k, v, given["alibi_slopes"])
+    sinks = given.get("sinks")
+
+    def call(q, k, v, slopes, **flags):
+        return cuattn.jax.attention(q, k, v, causal=True, alibi_slopes=slopes, sinks=sinks, **flags)
+
+    out, lse = jax.jit(lambda *a: call(*a, return_lse=True))(*args)
+    check_forward(rng, BF16, q, k, v, out, lse, **options)
+    weights = jnp.asarray(dout).astype(jnp.float32)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(call(*a).astype(jnp.float32) * weights), argnums=(0, 1, 2, 3)))(*args)
+    check_gradients(rng, BF16, dout, q, k, v, grads[:3], **options)
+    assert grads[3].shape == slopes.shape and not np.asarray(grads[3]).any()
+
+
+def test_alibi_under_vmap_runs_per_element(device, rng):
+    """vmap over q and the slopes together: each element uses its own slopes."""
+    q, k, v = qkv(rng, BF16, 1, 17, 21, 4, 4, 64)
+    qs = np.stack([q, randn(rng, q.shape, BF16)])
+    slopes = _alibi_slopes(rng, 2, 4)
+    qd, kd, vd, sd = put(device, qs, k, v, slopes)
+    outs = jax.jit(jax.vmap(lambda q, s: cuattn.jax.attention(q, kd, vd, alibi_slopes=s, return_lse=True)))(qd, sd)
+    for i in range(2):
+        check_forward(rng, BF16, qs[i], k, v, outs[0][i], outs[1][i], alibi_slopes=slopes[i])
+
+
 def test_value_and_grad_agrees_with_the_forward_and_grad(device, rng):
     q, k, v = qkv(rng, BF16, 1, 33, 33, 2, 2, 64)
     dout = randn(rng, q.shape, BF16)
@@ -313,6 +354,41 @@ def test_paged_attention_under_jit_matches_reference(device, rng, block_size):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
 
 
+def test_forward_only_functions_take_sinks_and_alibi(device, rng):
+    """attention_varlen, decode and paged_attention with sinks and per-sequence ALiBi slopes, as
+    the plain functions: each sequence under the 2x rule."""
+    hq, hk, d = 4, 2, 64
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+    # varlen: three sequences, one of them without queries
+    lengths_q, lengths_k = [5, 0, 17], [9, 3, 17]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    q, k, v = randn(rng, (int(cu_q[-1]), hq, d), BF16), *(randn(rng, (int(cu_k[-1]), hk, d), BF16) for _ in range(2))
+    slopes = _alibi_slopes(rng, 3, hq)
+    out = jax.jit(lambda *a: cuattn.jax.attention_varlen(*a[:5], 17, 17, causal=True, sinks=a[5], alibi_slopes=a[6]))(
+        *put(device, q, k, v, cu_q, cu_k, sinks, slopes))
+    check_varlen(rng, BF16, q, k, v, cu_q, cu_k, np.asarray(out), causal=True, sinks=sinks, alibi_slopes=slopes)
+    # decode: two new tokens over ragged lengths
+    lens = np.array([0, 40, 301], np.int32)
+    q = randn(rng, (3, 2, hq, d), BF16)
+    k_cache, v_cache = (randn(rng, (3, 301, hk, d), BF16) for _ in range(2))
+    out, lse = jax.jit(lambda *a: cuattn.jax.decode(*a[:4], sinks=a[4], alibi_slopes=a[5], return_lse=True))(
+        *put(device, q, k_cache, v_cache, lens, sinks, slopes))
+    check_decode(rng, BF16, q, k_cache, v_cache, lens, np.asarray(out), np.asarray(lse), sinks=sinks,
+                 alibi_slopes=slopes)
+    # paged: the same cache in shuffled 16-token pages
+    block = 16
+    pages = rng.permutation(3 * 301 // block + 3)[:3 * (-(-301 // block))].reshape(3, -1).astype(np.int32)
+    k_pages, v_pages = (np.zeros((3 * 301 // block + 3, block, hk, d), BF16) for _ in range(2))
+    for row in range(3):
+        for j, page in enumerate(pages[row]):
+            keys = slice(j * block, min((j + 1) * block, 301))
+            k_pages[page, :keys.stop - keys.start] = k_cache[row, keys]
+            v_pages[page, :keys.stop - keys.start] = v_cache[row, keys]
+    out = jax.jit(lambda *a: cuattn.jax.paged_attention(*a[:5], sinks=a[5], alibi_slopes=a[6]))(
+        *put(device, q, k_pages, v_pages, pages, lens, sinks, slopes))
+    check_decode(rng, BF16, q, k_cache, v_cache, lens, np.asarray(out), None, sinks=sinks, alibi_slopes=slopes)
+
+
 def test_forward_only_functions_refuse_differentiation():
     q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
     lens = jnp.ones((1,), jnp.int32)
@@ -412,6 +488,11 @@ def _packed():
          r"sinks.dtype must be float32, got bfloat16"),
         (lambda: cuattn.jax.attention(*_dense(), sinks=jnp.zeros((1, 4), jnp.float32)), ValueError,
          r"sinks must be 1-D \(Hq\)"),
+        (lambda: cuattn.jax.attention(*_dense(), alibi_slopes=jnp.zeros((2, 4), jnp.float32)), ValueError,
+         r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 1, got 2"),
+        (lambda: cuattn.jax.decode(*_dense(), jnp.ones((1,), jnp.int32), alibi_slopes=jnp.zeros(4, jnp.float16)),
+         TypeError,
+         r"alibi_slopes.dtype must be float32, got float16"),
         (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 7], jnp.float32), 5, 7),
          TypeError, r"cu_seqlens_k.dtype must be int32, got float32"),
         (lambda: cuattn.jax.attention_varlen(*_packed(), jnp.array([0, 5]), jnp.array([0, 2, 7]), 5, 7),
@@ -435,7 +516,7 @@ def _packed():
          r"max_seq_len must be an int >= 1, got 0"),
     ],
     ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "causal-int",
-         "window", "softcap", "traced-scale", "sinks-heads", "sinks-dtype", "sinks-ndim", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
+         "window", "softcap", "traced-scale", "sinks-heads", "sinks-dtype", "sinks-ndim", "alibi-batch", "alibi-dtype", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
          "num-splits", "table-batch", "block-size", "max-seq-len"],
 )
 def test_argument_errors_name_the_argument(call, error, message):
