@@ -476,16 +476,29 @@ def element_strides(x) -> tuple[int, ...]:
     return tuple(s // itemsize for s in x.strides)
 
 
+def check_last_axis(name: str, x) -> None:
+    """Any strides but a contiguous last axis (head_dim): the layout rule of every path, the CPU
+    reference's too (the kernels' alignment rules, check_kernel_layout, are the device's)."""
+    if x.size and x.shape[-1] > 1 and element_strides(x)[-1] != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last axis (head_dim): {name}.strides[-1] is "
+            f"{element_strides(x)[-1]} elements, expected 1; pass {name}.copy() or a view with a contiguous last axis"
+        )
+
+
+def check_last_axes(named: dict) -> None:
+    """check_last_axis of every array in ``named`` (None: not given)."""
+    for name, x in named.items():
+        if x is not None:
+            check_last_axis(name, x)
+
+
 def check_kernel_layout(name: str, x) -> None:
     """The kernels read rows of 16 bytes: the last axis must be contiguous and every row aligned."""
     if x.size == 0:
         return
+    check_last_axis(name, x)
     strides = element_strides(x)
-    if x.shape[-1] > 1 and strides[-1] != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last axis (head_dim): {name}.strides[-1] is "
-            f"{strides[-1]} elements, expected 1; pass {name}.copy() or a view with a contiguous last axis"
-        )
     per_vector = VECTOR_BYTES // x.dtype.itemsize
     for axis, stride in enumerate(strides[:-1]):
         if x.shape[axis] > 1 and stride % per_vector:

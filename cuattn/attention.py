@@ -700,6 +700,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         alibi_sb = _check_alibi(av, int(qv.shape[0]), int(qv.shape[2]), ctx.on_host, qv)
         _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k.shape[1] (Sq + Sk)")
         if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k": kv, "v": vv, "out": ov})
             result = reference.attention(
                 qv, kv, vv, causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True,
                 sinks=sv, alibi_slopes=av,
@@ -792,6 +793,7 @@ def attention_varlen(
         alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, int(qv.shape[1]), ctx.on_host, qv)
         _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
         if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k": kv, "v": vv, "out": ov})
             result = reference.attention_varlen(
                 qv, kv, vv, cuq, cuk, max_seqlen_q, max_seqlen_k,
                 causal=causal, scale=scale, window=(left, right), softcap=softcap, return_lse=True, sinks=sv,
@@ -1041,6 +1043,7 @@ def _attention_fp8(q, k, v, *, causal, scale, window, softcap, sinks, alibi_slop
             raise ValueError(f"q.shape[3] (head_dim) = {head_dim} is not supported with FP8 inputs; supported head "
                              f"dims: {', '.join(map(str, FP8_HEAD_DIMS))}")
         if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k": kv, "v": vv, "out": ov})
             real = [reference.dequantize_fp8(x, s.value, rows) for x, s, rows in
                     ((qv, args.q, q_rows), (kv, args.k, k_rows), (vv, args.v, k_rows))]
             result = reference.attention(*real, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -1710,6 +1713,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         alibi_sb = _check_alibi(av, batch, num_heads, ctx.on_host, qv)
         _masks.check_total_length(int(qv.shape[1]), int(kv.shape[1]), "q.shape[1] + k.shape[1] (Sq + Sk)")
         if ctx.on_host:
+            _arrays.check_last_axes({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
             grads = reference.attention_backward(dov, qv, kv, vv, ov, lv, causal=causal, scale=scale,
                                                  window=(left, right), softcap=softcap, sinks=sv, alibi_slopes=av)
             return _host_grads(grads, (qv, kv, vv))
@@ -1774,6 +1778,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         alibi_sb = _check_alibi(av, int(cuq.shape[0]) - 1, num_heads, ctx.on_host, qv)
         _masks.check_total_length(max_seqlen_q, max_seqlen_k, "max_seqlen_q + max_seqlen_k")
         if ctx.on_host:
+            _arrays.check_last_axes({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov})
             grads = reference.attention_varlen_backward(dov, qv, kv, vv, ov, lv, cuq, cuk, max_seqlen_q, max_seqlen_k,
                                                         causal=causal, scale=scale, window=(left, right),
                                                         softcap=softcap, sinks=sv, alibi_slopes=av)

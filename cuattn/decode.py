@@ -470,6 +470,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
         alibi_sb = check_alibi(av, qv, ctx.on_host)
         if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k_cache": kv, "v_cache": vv})
             if planning:
                 raise TypeError("plan_decode plans GPU launches and got NumPy arrays; call cuattn.decode for "
                                 "the CPU reference")

@@ -805,6 +805,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         elif ctx.on_host:
             table, lens = clamp_table(table, lens, num_blocks, block_size)
         if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k_pages": kv, "v_pages": vv})
             if planning:
                 raise TypeError("plan_paged_attention plans GPU launches and got NumPy arrays; call "
                                 "cuattn.paged_attention for the CPU reference")

@@ -136,6 +136,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         total_q, num_heads, head_dim = map(int, qv.shape)
         head_dim_v = int(vv.shape[3])
         out_shape = (total_q, num_heads, head_dim_v)
+        if ctx.on_host:
+            _arrays.check_last_axes({"q": qv, "k_pages": kv, "v_pages": vv, "out": ov})
         if ov is not None:
             _check_out(ov, qv, vv, "v_pages")
             if not ctx.on_host:

@@ -240,6 +240,32 @@ def test_integer_inputs_are_refused_on_the_host():
         cuattn.attention(q, k, v)
 
 
+def _strided(x):
+    """x's values in a view whose last axis has a stride of 2 elements."""
+    wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda q, k, v: cuattn.attention(_strided(q), k, v), "q"),
+    (lambda q, k, v: cuattn.attention(q, k, v, out=_strided(np.zeros_like(q))), "out"),
+    (lambda q, k, v: cuattn.attention_varlen(q[0], _strided(k[0]), v[0], [0, 5], [0, 7], 5, 7), "k"),
+    (lambda q, k, v: cuattn.attention_backward(q, q, k, _strided(v), q, np.zeros((1, 4, 5), np.float32)), "v"),
+    (lambda q, k, v: cuattn.decode(_strided(q), k, v, np.array([7], np.int32)), "q"),
+    (lambda q, k, v: cuattn.paged_attention(q, (_strided(k), v), np.zeros((1, 1), np.int32), np.array([7], np.int32)),
+     "k_pages"),
+    (lambda q, k, v: cuattn.paged_attention_varlen(q[0], (k, _strided(v)), np.zeros((1, 1), np.int32), [0, 5],
+                                                   np.array([7], np.int32), 5), "v_pages"),
+], ids=["attention", "out", "varlen", "backward", "decode", "paged", "paged-varlen"])
+def test_the_host_path_keeps_the_contiguous_last_axis_rule(call, name):
+    """Any strides but a contiguous last axis, on the CPU as on the GPU (README, "Errors")."""
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=rf"{name} must be contiguous in its last axis \(head_dim\): {name}.strides\[-1\] "
+                                         r"is 2 elements, expected 1"):
+        call(q, k, v)
+
+
 def test_out_must_match_q():
     q, k, v = arrays()
     with pytest.raises(ValueError, match=r"out.shape must equal q.shape\[:-1\] \+ v.shape\[-1:\] \(v's head dim Dv "
