@@ -385,7 +385,8 @@ def check_host_float_dtype(name: str, x) -> None:
         raise TypeError(f"{name}.dtype is float8_e4m3fn; expected float16, bfloat16, float32 or float64 here (e4m3 "
                         "is taken by FP8 attention's q, k and v and by e4m3 KV caches)")
     if dtype.kind != "f" and dtype != BFLOAT16:
-        raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected a floating-point dtype")
+        raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected float16, bfloat16, float32 or float64 (the "
+                        "CPU reference computes in float64)")
 
 
 def check_dtypes(named: dict, host: bool) -> None:
