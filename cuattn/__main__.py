@@ -1,19 +1,22 @@
 """Command line: ``python -m cuattn info``, ``python -m cuattn build --arch sm_80,sm_90a`` and
-``python -m cuattn bench [forward|backward|decode|paged|all] [--dtype bf16|fp16] [--json FILE]
-[--plot FILE.png] [--quick]``."""
+``python -m cuattn bench [forward|backward|decode|paged|overhead|all] [--dtype bf16|fp16] [--json FILE]
+[--from-json FILE] [--plot FILE.png] [--quick]``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from . import _tools
 from .bench import cli as bench_cli
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuattn", description=__doc__)
+    # the console script `cuattn` and `python -m cuattn` take the same commands
+    parser = argparse.ArgumentParser(prog="cuattn" if Path(sys.argv[0]).name == "cuattn" else "python -m cuattn",
+                                     description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, device, arch, cache directory, cached kernels")
     build = commands.add_parser(
@@ -42,6 +45,9 @@ def main(argv=None) -> int:
         rows = _tools.build(args.arch, args.kernels, use_cache=not args.no_cache)
     except ValueError as exc:
         parser.error(str(exc))
+    except (ImportError, FileNotFoundError) as exc:  # no CuPy / NVRTC, or no kernel sources: one line
+        print(f"python -m cuattn build: {exc}", file=sys.stderr)
+        return 1
     print(_tools.format_build_table(rows))
     failed = [r for r in rows if not r.ok]
     for row in failed:

@@ -106,6 +106,9 @@ def source_dir() -> Path:
     """
     override = os.environ.get("CUATTN_SOURCE_DIR")
     if override:
+        if not (Path(override) / "common.cuh").is_file():
+            raise FileNotFoundError(f"CUATTN_SOURCE_DIR = {override} holds no common.cuh: point it at a copy of "
+                                    "cuattn's cuda_src/ folder, or unset it to use the installed sources")
         return Path(override)
     package = Path(__file__).resolve().parent
     for candidate in (package / "cuda_src", package.parent / "cuda_src"):
@@ -176,12 +179,14 @@ def compile_options(arch: str) -> tuple[str, ...]:
     )
 
 
+def cache_root() -> Path:
+    """$CUATTN_CACHE_DIR, or ~/.cache/cuattn: the kernel cache, one folder per NVRTC version."""
+    return Path(os.environ.get("CUATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cuattn"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("CUATTN_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "cuattn"
-    )
     major, minor = nvrtc_version()
-    return Path(root) / f"nvrtc-{major}.{minor}"
+    return cache_root() / f"nvrtc-{major}.{minor}"
 
 
 def cache_key(spec: KernelSpec, arch: str, src_hash: str | None = None) -> str:

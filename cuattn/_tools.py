@@ -139,9 +139,12 @@ def info() -> dict:
         "cupy": _version("cupy"),
         "torch": _version("torch"),
         "jax": _version("jax"),
-        "kernel sources": str(_jit.source_dir()),
-        "sources hash": _jit.sources_hash()[:16],
     }
+    try:
+        report["kernel sources"] = str(_jit.source_dir())
+        report["sources hash"] = _jit.sources_hash()[:16]
+    except FileNotFoundError as exc:  # a wrong CUATTN_SOURCE_DIR, or a broken install
+        report["kernel sources"] = f"missing ({exc})"
     try:
         report["nvrtc"] = ".".join(map(str, _jit.nvrtc_version()))
         report["cuda headers"] = _jit.cuda_include_dir() or "not found"
@@ -149,6 +152,7 @@ def info() -> dict:
         report["cached kernels"] = len(_jit.cached_kernels())
     except ImportError as exc:
         report["nvrtc"] = f"unavailable ({exc})"
+        report["cache directory"] = f"{_jit.cache_root()} (one folder per NVRTC version)"
     report["device"] = _device_report()
     report["forward kernels"] = _forward_report()
     return report

@@ -10,10 +10,13 @@ the same initial parameters must follow the same loss curve; both curves are pri
     python examples/jax_attention.py
 """
 
+import importlib.util
 import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+if importlib.util.find_spec("jax") is None:
+    sys.exit("examples/jax_attention.py needs jax (not found): pip install jax (jax[cuda12] or jax[cuda13] for a GPU)")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -7,11 +7,19 @@ exits non-zero if they drift apart. Needs torch with a CUDA GPU.
     python examples/torch_training.py
 """
 
+import importlib.util
 import sys
 
-import torch
+if importlib.util.find_spec("torch") is None:
+    sys.exit("examples/torch_training.py needs torch with a CUDA GPU (torch not found)")
 
-import cuattn.torch
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    sys.exit("examples/torch_training.py needs a CUDA GPU (torch sees none): it trains the same model on "
+             "cuattn's kernels and on torch SDPA's; examples/quickstart.py runs the CPU reference")
+
+import cuattn.torch  # noqa: E402
 
 VOCAB, DIM, HEADS, SEQ, BATCH, STEPS = 64, 128, 4, 128, 16, 300
 

@@ -32,9 +32,10 @@ DTYPES = {"bf16": BFLOAT16, "fp16": FLOAT16}
 PROGRESS_WIDTH = 24
 DESCRIPTION = """\
 Measure this GPU's copy bandwidth and GEMM rate, then run the standard sweep
-(the cases of tests/bench) and print one table per family: TFLOP/s or TB/s of each
-implementation (cuattn; torch SDPA's flash and cuDNN backends when torch is
-installed; naive CuPy) and cuattn's ratio to each. A progress bar goes to stderr."""
+(the cases of cuattn/bench/cases.py, which tests/bench also runs) and print one
+table per family: TFLOP/s or TB/s of each implementation (cuattn; torch SDPA's
+flash and cuDNN backends when torch is installed; naive CuPy) and cuattn's
+ratio to each. A progress bar goes to stderr."""
 EPILOG = """examples:
   python -m cuattn bench                          # every family, bf16
   python -m cuattn bench decode --quick           # a few small shapes: a smoke test
