@@ -386,3 +386,16 @@ def test_block_table_uses_every_block_of_the_pool_once(order):
 def test_block_table_refuses_an_unknown_order():
     with pytest.raises(ValueError, match="order must be one of shuffled, in-order, interleaved, got 'sorted'"):
         bench_cases.block_table(2, 2, "sorted")
+
+
+def test_build_and_info_answer_a_missing_source_folder_in_one_line(tmp_path, monkeypatch, capsys):
+    """A CUATTN_SOURCE_DIR without the kernel sources: `build` exits 1 with one line naming the
+    variable, `info` reports it and still prints the rest."""
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(tmp_path))
+    assert main(["build", "--arch", "sm_80", "--kernels", "cache_write"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m cuattn build: CUATTN_SOURCE_DIR = {tmp_path} holds no "
+                                               "common.cuh"), err
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"kernel sources   missing (CUATTN_SOURCE_DIR = {tmp_path} holds no common.cuh" in out and "device" in out

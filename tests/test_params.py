@@ -118,8 +118,12 @@ def test_constants_are_evaluated_in_dependency_order_and_conflicts_refused(tmp_p
 def test_constant_lookup_errors_name_the_constant(tmp_path, monkeypatch):
     with pytest.raises(KeyError, match=r"kNoSuchConstant is not a constant the host can evaluate in "):
         _params.constant("kNoSuchConstant")
+    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=rf"CUATTN_SOURCE_DIR = {tmp_path} holds no common.cuh: point it at a "
+                                                r"copy of cuattn's cuda_src/ folder"):
+        _params.constant("kTwice")
+    (tmp_path / "common.cuh").write_text("")
     (tmp_path / "a.cuh").write_text("constexpr int kTwice = 1;\n")
     (tmp_path / "b.cuh").write_text("constexpr int kTwice = 2;\n")
-    monkeypatch.setenv("CUATTN_SOURCE_DIR", str(tmp_path))
     with pytest.raises(KeyError, match=r"kTwice is declared with two values in "):
         _params.constant("kTwice")
