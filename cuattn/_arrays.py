@@ -613,23 +613,24 @@ NO_SCALE = KvScale()
 def scalar_scale(name: str, scale, shapes: str) -> float | None:
     """A descale given as a number (an e4m3 cache's k_scale / v_scale, the FP8 forward's q, k and
     v scales): its value rounded to float32, the type the kernels take it in, so that the CPU path
-    computes with the same number; checked positive and finite there. None when ``scale`` is an
-    array. ``shapes`` lists the array shapes the caller takes, for the error on anything else."""
+    computes with the same number; checked positive, finite and normal there (a subnormal descale
+    would lose bits in the kernels' products). None when ``scale`` is an array. ``shapes`` lists
+    the array shapes the caller takes, for the error on anything else."""
     if is_array(scale):
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
     with np.errstate(over="ignore", under="ignore"):
         value = float(np.float32(as_float(scale)))
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive float, finite and nonzero in float32 (the kernels' type), "
+    if not (np.isfinite(value) and value >= np.finfo(np.float32).tiny):
+        raise ValueError(f"{name} must be a positive float, finite and normal in float32 (the kernels' type), "
                          f"got {show_number(scale)}")
     return value
 
 
 def check_kv_scale(name: str, scale, e4m3: bool, num_kv_heads: int, host: bool, ref_name: str, ref) -> KvScale:
-    """``k_scale`` / ``v_scale``: None (1), a positive finite float, or a float32 array of shape
-    ``()``, ``(1,)`` or ``(Hk,)`` on ``ref``'s device (any float dtype on the host); only with an
+    """``k_scale`` / ``v_scale``: None (1), a positive, finite, normal float, or a float32 array of
+    shape ``()``, ``(1,)`` or ``(Hk,)`` on ``ref``'s device (float32 on the host too); only with an
     e4m3 cache, whose real values are stored x scale."""
     if scale is None:
         return NO_SCALE

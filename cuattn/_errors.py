@@ -25,3 +25,7 @@ class NoDeviceError(RuntimeError):
 class UnknownSequenceError(KeyError, ValueError):
     """A BlockManager method named a sequence it does not hold: a KeyError (the lookup failed) and
     a ValueError (a bad argument), so either catches it."""
+
+    def __str__(self) -> str:
+        # the message as given: KeyError's str() would quote it as a missing key
+        return str(self.args[0]) if self.args else ""

@@ -41,10 +41,12 @@ MAX_BLOCK_SIZE = 256
 TOKEN_ID_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
 
 
-def _check_num_blocks(num_blocks: int) -> None:
-    """Block ids are int32 in block tables and slot ids are block x block_size + offset: int32 counts."""
-    if num_blocks > _arrays.INT32_RANGE[1]:
-        raise ValueError(f"num_blocks must fit in int32 (block tables hold int32 ids), got {num_blocks}")
+def _check_pool(num_blocks: int, block_size: int) -> None:
+    """Block ids are int32 in block tables and slot ids are block x block_size + offset: both int32
+    counts (block ids and slots below 2^31)."""
+    if num_blocks * block_size > _arrays.INT32_RANGE[1] + 1:
+        raise ValueError(f"num_blocks x block_size must fit in int32 (slot ids are int32): {num_blocks} x "
+                         f"{block_size} = {num_blocks * block_size} slots, more than 2^31")
 
 
 def _check_block_size(block_size) -> None:
@@ -76,8 +78,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
         _arrays.check_int("num_blocks", num_blocks, 1)
-        _check_num_blocks(num_blocks)
         _check_block_size(block_size)
+        _check_pool(num_blocks, block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.num_blocks = int(num_blocks)
@@ -145,8 +147,8 @@ class BlockManager:
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids must be an iterable of sequence ids (a list, say), got {type(seq_ids).__name__}")
         seq_ids = list(seq_ids)
-        for seq_id in seq_ids:
-            self._require(seq_id)
+        for index, seq_id in enumerate(seq_ids):
+            self._require(seq_id, f"seq_ids[{index}]")
         width = max([len(self._tables[s]) for s in seq_ids] + [1])
         table = np.full((len(seq_ids), width), TABLE_PAD, np.int32)
         for row, seq_id in enumerate(seq_ids):
@@ -202,9 +204,11 @@ class BlockManager:
         tokens came once without ids caches no further blocks).
         """
         self._require(seq_id)
-        num_tokens = _arrays.check_int("num_tokens", num_tokens, minimum=1)
+        num_tokens = _arrays.check_int("num_tokens", num_tokens, minimum=0)
         new_tokens = self._check_token_ids(token_ids, num_tokens)
         blocks, length = self._tables[seq_id], self._lengths[seq_id]
+        if num_tokens == 0:  # nothing to write: no copy-on-write either (as allocate of 0 tokens)
+            return np.zeros(0, np.int32), []
         partial = length % self.block_size != 0
         copy_on_write = partial and self.refcount[blocks[-1]] > 1
         needed = self._blocks_for(length + num_tokens) - len(blocks) + int(copy_on_write)
@@ -232,7 +236,7 @@ class BlockManager:
 
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts + 1, nothing copied)."""
-        self._require(parent)
+        self._require(parent, "parent")
         _check_seq_id(child)
         if child in self._tables:
             raise ValueError(f"cannot fork onto sequence {child!r}: it already exists")
@@ -264,10 +268,11 @@ class BlockManager:
 
     # -- helpers
 
-    def _require(self, seq_id) -> None:
+    def _require(self, seq_id, name: str = "seq_id") -> None:
         _check_seq_id(seq_id)
         if seq_id not in self._tables:
-            raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
+            raise UnknownSequenceError(f"{name} = {seq_id!r} is not an allocated sequence (allocate it first, or "
+                                       "was it freed?)")
 
     def _require_free(self, needed: int, what: str) -> None:
         free = self.num_free_blocks
@@ -285,6 +290,10 @@ class BlockManager:
             ids = np.asarray(token_ids)
         except ValueError as exc:  # ragged nesting
             raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got {token_ids!r:.80}") from exc
+        if (ids.dtype == object and ids.ndim == 1 and ids.shape[0] == num_tokens
+                and all(isinstance(t, (int, np.integer)) for t in ids)):
+            big = [int(t) for t in ids]  # Python ints past int64, which NumPy keeps as objects
+            raise ValueError(f"token_ids must fit in int64, got {min(big)} .. {max(big)}")
         if ids.ndim != 1 or ids.shape[0] != num_tokens or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got "
                              f"{ids.shape[0] if ids.ndim == 1 else ids.shape} of {ids.dtype}")
@@ -331,9 +340,14 @@ class BlockManager:
 
     def _slots(self, blocks: list[int], start: int, count: int) -> np.ndarray:
         """Slot ids of tokens start .. start + count - 1: block * block_size + offset."""
+        if not count:
+            return np.zeros(0, np.int32)
+        # only the blocks these tokens fall in (a long sequence's append stays O(count))
+        first = start // self.block_size
+        written = np.asarray(blocks[first:self._blocks_for(start + count)], np.int64)
         positions = np.arange(start, start + count)
-        return (np.asarray(blocks, np.int64)[positions // self.block_size] * self.block_size
-                + positions % self.block_size).astype(np.int32) if count else np.zeros(0, np.int32)
+        return (written[positions // self.block_size - first] * self.block_size
+                + positions % self.block_size).astype(np.int32)
 
 
 def _check_seq_id(seq_id) -> None:
@@ -376,8 +390,8 @@ class PagedKVCache:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
             _arrays.check_int(name, value, 1)
-        _check_num_blocks(num_blocks)
         _check_block_size(block_size)
+        _check_pool(num_blocks, block_size)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
             _arrays.check_head_dim(name, _arrays.check_int(name, value, 0))
@@ -412,7 +426,7 @@ class PagedKVCache:
         """A cache scale as float32 ``(Hk,)`` on the pages' device; only an e4m3 cache has scales other than 1."""
         if _arrays.is_array(value):
             given = _arrays.to_numpy(value)
-            _arrays.check_host_float_dtype(name, given)
+            _arrays.check_float32(name, given)
         elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
             given = _arrays.as_float(value)
         else:
@@ -423,8 +437,8 @@ class PagedKVCache:
             host = np.asarray(given, np.float64).astype(np.float32)
         if host.shape not in ((), (1,), (self.num_kv_heads,)):
             raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({self.num_kv_heads},), got {host.shape}")
-        if not (np.isfinite(host).all() and (host > 0).all()):
-            raise ValueError(f"{name} must be positive and finite (and nonzero in float32, the kernels' type), got "
+        if not (np.isfinite(host).all() and (host >= np.finfo(np.float32).tiny).all()):
+            raise ValueError(f"{name} must be positive, finite and normal in float32 (the kernels' type), got "
                              f"{np.asarray(given).tolist()}")
         if not self.e4m3 and (host != 1).any():
             raise ValueError(f"{name} applies to float8_e4m3fn caches only; this cache holds "
@@ -466,6 +480,7 @@ class PagedKVCache:
                     raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
                                     f"got {_arrays.dtype_name(x.dtype)}")
             if self.device == "cpu" or ctx.on_host:
+                _arrays.check_last_axes({"k": kv_, "v": vv_})  # the device's layout rule, kept on the CPU
                 self._write_host(kv_, vv_, slots)
                 return
             import cupy
@@ -482,6 +497,9 @@ class PagedKVCache:
         The copies run in parallel, so each destination appears once and is no pair's source
         (``BlockManager.append`` always hands out fresh destinations).
         """
+        if pairs is None or not (isinstance(pairs, (list, tuple)) or _arrays.is_array(pairs)):
+            raise TypeError(f"pairs must be a list of (src, dst) block ids or an int array (P, 2), got "
+                            f"{type(pairs).__name__}")
         pairs = np.asarray(_arrays.host_int32("pairs", pairs))
         if pairs.shape == (0,):  # an empty list
             pairs = np.zeros((0, 2), np.int32)
@@ -489,12 +507,25 @@ class PagedKVCache:
             raise ValueError(f"pairs must be (src, dst) pairs, shape (P, 2), got shape {pairs.shape}")
         if pairs.dtype.kind not in "iu":
             raise TypeError(f"pairs must hold block ids (ints), got {pairs.dtype} values")
-        if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
-            raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got {pairs.tolist()}")
+        outside = (pairs < 0) | (pairs >= self.num_blocks)
+        if outside.any():
+            i, j = map(int, np.argwhere(outside)[0])
+            raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got pairs[{i}] = "
+                             f"{tuple(pairs[i].tolist())} ({'src' if j == 0 else 'dst'} {int(pairs[i, j])})")
         dst = pairs[:, 1]
-        if len(np.unique(dst)) != len(dst) or np.isin(dst, pairs[:, 0]).any():
-            # the copies run in parallel: a block both written and read, or written twice, has no order
-            raise ValueError(f"pairs: a destination block may appear once and never as a source, got {pairs.tolist()}")
+        unique, first, counts = np.unique(dst, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            # the copies run in parallel: a block written twice has no order
+            twice = int(unique[counts > 1][0])
+            rows = np.flatnonzero(dst == twice)[:2].tolist()
+            raise ValueError(f"pairs: each destination block may appear once; block {twice} is the destination of "
+                             f"pairs[{rows[0]}] and pairs[{rows[1]}]")
+        read = np.flatnonzero(np.isin(dst, pairs[:, 0]))
+        if read.size:
+            # a block both written and read has no order either
+            i = int(read[0])
+            raise ValueError(f"pairs: a destination block is never a source; pairs[{i}] = {tuple(pairs[i].tolist())} "
+                             f"writes block {int(dst[i])}, which another pair reads")
         if not pairs.size:
             return
         if self.device == "cpu":
@@ -586,14 +617,16 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int):
     """Host slot ids are checked here; device ones pass through unread."""
     if not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids, "slot_ids") != "numpy":
         return slot_ids
-    slots = np.asarray(slot_ids)
+    slots = np.asarray(_arrays.host_int32("slot_ids", slot_ids))
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
         raise ValueError(f"slot_ids must be 1-D (N,) with N = k.shape[0] = {num_tokens}, got shape {slots.shape}")
     if slots.dtype.kind not in "iu":
         raise TypeError(f"slot_ids.dtype must be an integer type, got {slots.dtype}")
     bad = (slots < -1) | (slots >= num_slots)
     if bad.any():
-        raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1 (padding); got {slots[bad][:8].tolist()}")
+        at = np.flatnonzero(bad)[:8]
+        raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1 (padding); got "
+                         + ", ".join(f"slot_ids[{i}] = {int(slots[i])}" for i in at))
     written = slots[slots >= 0]
     unique, counts = np.unique(written, return_counts=True)
     if (counts > 1).any():

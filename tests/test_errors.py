@@ -258,7 +258,9 @@ def _strided(x):
      "k_pages"),
     (lambda q, k, v: cuattn.paged_attention_varlen(q[0], (k, _strided(v)), np.zeros((1, 1), np.int32), [0, 5],
                                                    np.array([7], np.int32), 5), "v_pages"),
-], ids=["attention", "out", "varlen", "backward", "decode", "paged", "paged-varlen"])
+    (lambda q, k, v: cuattn.PagedKVCache(2, 4, 2, 64, np.float32, device="cpu").write(k[0, :3], _strided(v[0, :3]),
+                                                                                     [0, 1, 2]), "v"),
+], ids=["attention", "out", "varlen", "backward", "decode", "paged", "paged-varlen", "cache-write"])
 def test_the_host_path_keeps_the_contiguous_last_axis_rule(call, name):
     """Any strides but a contiguous last axis, on the CPU as on the GPU (README, "Errors")."""
     q, k, v = arrays()

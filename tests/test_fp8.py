@@ -148,8 +148,8 @@ def test_fp8_argument_errors():
     with pytest.raises(ValueError, match=r"k_scale.shape must be \(\), \(1,\) or \(Hk,\) = \(2,\) \(per tensor or "
                                          r"per kv head\), got \(4,\)"):
         cuattn.decode(q, k8, k8, lens, k_scale=np.ones(4, np.float32))
-    for bad in (-1.0, 1e-50, 1e39):  # negative; zero and infinite in float32
-        with pytest.raises(ValueError, match=rf"v_scale must be a positive float, finite and nonzero in float32 "
+    for bad in (-1.0, 1e-50, 1e-40, 1e39):  # negative; zero, subnormal and infinite in float32
+        with pytest.raises(ValueError, match=rf"v_scale must be a positive float, finite and normal in float32 "
                                              rf"\(the kernels' type\), got {re.escape(repr(bad))}"):
             cuattn.decode(q, k8, k8, lens, v_scale=bad)
     with pytest.raises(TypeError, match=r"k_scale must be a float or a float32 array"):
@@ -157,8 +157,8 @@ def test_fp8_argument_errors():
     with pytest.raises(ValueError, match=r"k_scale applies to float8_e4m3fn caches only; this cache holds float16"):
         cuattn.PagedKVCache(4, 4, 2, 32, np.float16, device="cpu", k_scale=0.5)
     with pytest.raises(ValueError, match=r"v_scale.shape must be \(\), \(1,\) or \(Hk,\) = \(2,\), got \(3,\)"):
-        cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu", v_scale=np.ones(3))
-    with pytest.raises(ValueError, match=r"k_scale must be positive and finite"):
+        cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu", v_scale=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"k_scale must be positive, finite and normal in float32"):
         cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu", k_scale=0.0)
     cache = cuattn.PagedKVCache(4, 4, 2, 32, E4M3, device="cpu")
     with pytest.raises(ValueError, match=r"k_scale and v_scale come with a PagedKVCache"):
@@ -187,7 +187,7 @@ def test_scales_of_non_finite_tensors_are_not_finite():
     scale = cuattn.fp8_scales(x, per_head=True)
     assert np.isnan(scale[0]) and np.isinf(scale[1]) and scale[2] == np.float32(1 / 448)
     assert np.isnan(cuattn.fp8_scales(x))
-    with pytest.raises(ValueError, match=r"scale must be a positive float, finite and nonzero"):
+    with pytest.raises(ValueError, match=r"scale must be a positive float, finite and normal"):
         cuattn.quantize_fp8(x, float(cuattn.fp8_scales(x[:, 1:2])))
 
 
@@ -752,7 +752,7 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.attention(q8, k8, k8, **{**ok, "v_scale": np.ones((1, 2, 1), np.float32)})
     with pytest.raises(ValueError, match=r"k_scale.shape must be .* or \(B, H, ceil\(S / 128\)\) = \(1, 2, 1\), got \(3,\)"):
         cuattn.attention(q8, k8, k8, **{**ok, "k_scale": np.ones(3, np.float32)})
-    with pytest.raises(ValueError, match=r"q_scale must be a positive float, finite and nonzero in float32 \(the kernels' type\), got -1.0"):
+    with pytest.raises(ValueError, match=r"q_scale must be a positive float, finite and normal in float32 \(the kernels' type\), got -1.0"):
         cuattn.attention(q8, k8, k8, **{**ok, "q_scale": -1.0})
     with pytest.raises(TypeError, match=r"out_dtype must be float16 or bfloat16 \(FP8 attention's output\), got float32$"):
         cuattn.attention(q8, k8, k8, **ok, out_dtype="float32")

@@ -251,7 +251,8 @@ def test_prefix_caching_errors_and_out_of_blocks_change_nothing():
         m.allocate("b", 7, token_ids=[1, 2, 9, 9, 9, 9, 9])
     assert (m.refcount.tolist(), list(m._free), list(m._evictable), dict(m._block_of_hash)) == before
     assert "b" not in m
-    with pytest.raises(KeyError, match="unknown sequence 'zz'"):
+    with pytest.raises(KeyError, match=r"^seq_id = 'zz' is not an allocated sequence \(allocate it first, or was it "
+                                       r"freed\?\)$"):
         m.cached_tokens("zz")
 
 
@@ -263,14 +264,16 @@ def test_block_manager_errors():
     with pytest.raises(cuattn.OutOfBlocksError, match=r"cannot allocate 5 tokens for sequence 'b': needs 3 free blocks, 2 of 4 are free"):
         m.allocate("b", 5)
     assert "b" not in m and m.num_free_blocks == 2
-    with pytest.raises(KeyError, match=r"unknown sequence 'zzz'"):
+    with pytest.raises(KeyError, match=r"seq_id = 'zzz' is not an allocated sequence"):
         m.append("zzz")
     with pytest.raises(ValueError, match=r"cannot fork onto sequence 'a': it already exists"):
         m.fork("a", "a")
-    with pytest.raises(KeyError, match=r"unknown sequence 'nope'"):
+    with pytest.raises(KeyError, match=r"parent = 'nope' is not an allocated sequence"):
         m.fork("nope", "c")
-    with pytest.raises(ValueError, match=r"num_tokens must be an int >= 1, got 0"):
-        m.append("a", 0)
+    with pytest.raises(KeyError, match=r"seq_ids\[1\] = 'nope' is not an allocated sequence"):
+        m.block_table(["a", "nope"])
+    with pytest.raises(ValueError, match=r"num_tokens must be an int >= 0, got -1"):
+        m.append("a", -1)
     m.free("a")
     with pytest.raises(KeyError, match=r"cannot free sequence 'a': it is not allocated \(freed twice\?\)"):
         m.free("a")
@@ -290,6 +293,33 @@ def test_block_manager_errors():
         m.block_table(None)
 
 
+def test_appending_no_tokens_and_writing_no_slots_do_nothing():
+    """append(seq, 0) returns no slots and no copies (as allocate(seq, 0) does), even onto a
+    shared partial block; an empty list of slot ids writes nothing."""
+    m = cuattn.BlockManager(4, 4)
+    m.allocate("a", 3)
+    m.fork("a", "b")
+    before = (m.refcount.tolist(), list(m._free), m.blocks("a"), m.seq_len("a"))
+    slots, copies = m.append("a", 0)
+    assert slots.dtype == np.int32 and slots.shape == (0,) and copies == []
+    assert (m.refcount.tolist(), list(m._free), m.blocks("a"), m.seq_len("a")) == before
+    cache = cuattn.PagedKVCache(4, 4, 2, 16, np.float32, device="cpu")
+    cache.write(np.zeros((0, 2, 16), np.float32), np.zeros((0, 2, 16), np.float32), [])
+    assert not cache.k_pages.any()
+
+
+def test_append_slots_of_a_long_sequence_are_its_own():
+    """The slots append returns are block x block_size + offset of the sequence's blocks at those
+    positions (computed from the blocks written only), past many blocks and across a block edge."""
+    m = cuattn.BlockManager(600, 4)
+    m._free = list(np.random.default_rng().permutation(600))
+    m.allocate("s", 2001)
+    slots, _ = m.append("s", 6)  # tokens 2001 .. 2006: the rest of block 500 and into block 501
+    blocks = m.blocks("s")
+    want = [blocks[t // 4] * 4 + t % 4 for t in range(2001, 2007)]
+    assert slots.tolist() == want
+
+
 def test_sequence_ids_are_hashable_and_pools_int32():
     m = cuattn.BlockManager(4, 2)
     for call in (lambda: m.allocate(["a"], 1), lambda: m.free(["a"]), lambda: m.append({}), lambda: m.seq_len(["a"])):
@@ -298,10 +328,14 @@ def test_sequence_ids_are_hashable_and_pools_int32():
     m.allocate("a", 1)
     with pytest.raises(TypeError, match=r"seq_id must be hashable"):
         m.fork("a", ["b"])
-    with pytest.raises(ValueError, match=r"num_blocks must fit in int32 \(block tables hold int32 ids\), got 10{30}"):
+    with pytest.raises(ValueError, match=r"num_blocks x block_size must fit in int32 \(slot ids are int32\): 10{30} x 16 "):
         cuattn.BlockManager(10**30, 16)
-    with pytest.raises(ValueError, match=r"num_blocks must fit in int32"):
+    with pytest.raises(ValueError, match=r"num_blocks x block_size must fit in int32"):
         cuattn.PagedKVCache(2**31, 4, 2, 64, np.float16, device="cpu")
+    # a pool whose last slot id is 2^31 - 1 fits; one block more does not (slots would wrap negative)
+    assert cuattn.BlockManager(2**23, 256).num_blocks == 2**23
+    with pytest.raises(ValueError, match=r"8388609 x 256 = 2147483904 slots, more than 2\^31"):
+        cuattn.BlockManager(2**23 + 1, 256)
 
 
 def test_host_tables_and_lengths_may_be_lists():
@@ -327,7 +361,7 @@ def test_an_unknown_sequence_is_a_key_error_and_a_value_error():
                  lambda: m.block_table(["x"])):
         with pytest.raises(KeyError):
             call()
-        with pytest.raises(ValueError, match=r"sequence 'x'"):
+        with pytest.raises(ValueError, match=r"'x'(: it is| is) not (an )?allocated"):
             call()
 
 
@@ -337,6 +371,8 @@ def test_token_ids_past_int64_change_nothing():
     m = cuattn.BlockManager(8, 2, enable_prefix_caching=True)
     with pytest.raises(ValueError, match=r"token_ids must fit in int64, got 1 .. 18446744073709551615"):
         m.allocate("a", 2, token_ids=np.array([1, 2**64 - 1], np.uint64))
+    with pytest.raises(ValueError, match=r"token_ids must fit in int64, got 1 .. 1180591620717411303424"):
+        m.allocate("a", 2, token_ids=[1, 2**70])  # Python ints NumPy keeps as objects
     assert m.num_free_blocks == 8
     m.allocate("a", 2, token_ids=[1, 2])
     before = (m.seq_len("a"), m.num_free_blocks, m.blocks("a"))
@@ -510,16 +546,22 @@ def test_paged_attention_errors():
         cuattn.paged_attention(q, cache, table[:1], lens)
     with pytest.raises(TypeError, match=r"cache must be a PagedKVCache or a \(k_pages, v_pages\) pair, got int"):
         cuattn.paged_attention(q, 3, table, lens)
-    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 32\) or be -1 \(padding\); got \[32\]"):
+    with pytest.raises(ValueError, match=r"slot_ids must lie in \[0, 32\) or be -1 \(padding\); got slot_ids\[0\] = 32"):
         cache.write(np.zeros((1, 2, 64), np.float32), np.zeros((1, 2, 64), np.float32), np.array([32]))
     with pytest.raises(ValueError, match=r"k.shape\[1\] \(Hk\) must equal the cache's num_kv_heads = 2, got 3"):
         cache.write(np.zeros((1, 3, 64), np.float32), np.zeros((1, 3, 64), np.float32), np.array([0]))
-    with pytest.raises(ValueError, match=r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"):
+    with pytest.raises(ValueError, match=r"block ids in pairs must lie in \[0, num_blocks = 8\), got pairs\[0\] = \(0, 9\) "
+                                         r"\(dst 9\)"):
         cache.copy_blocks([(0, 9)])
-    with pytest.raises(ValueError, match=r"pairs: a destination block may appear once and never as a source, got \[\[0, 1\], \[1, 2\]\]"):
+    with pytest.raises(ValueError, match=r"pairs: a destination block is never a source; pairs\[0\] = \(0, 1\) writes "
+                                         r"block 1, which another pair reads"):
         cache.copy_blocks([(0, 1), (1, 2)])
-    with pytest.raises(ValueError, match=r"a destination block may appear once"):
-        cache.copy_blocks([(0, 3), (1, 3)])
+    with pytest.raises(ValueError, match=r"pairs: each destination block may appear once; block 3 is the destination of "
+                                         r"pairs\[1\] and pairs\[2\]"):
+        cache.copy_blocks([(0, 2), (0, 3), (1, 3)])
+    with pytest.raises(TypeError, match=r"pairs must be a list of \(src, dst\) block ids or an int array \(P, 2\), got "
+                                        r"NoneType"):
+        cache.copy_blocks(None)
     with pytest.raises(ValueError, match=r"head_dim = 84 is not supported: head_dim must be a multiple of 8 from 8 "
                                          r"to 256"):
         cuattn.PagedKVCache(8, 4, 2, 84, np.float16, device="cpu")
@@ -580,9 +622,13 @@ def test_cpu_cache_enforces_the_device_caches_rules():
     ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": None}, TypeError, r"v_scale must be a float or an array .*got NoneType"),
     # the scales are float32 on the pages' device: one that rounds to 0 or inf there is refused
     ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": 1e-50}, ValueError,
-     r"k_scale must be positive and finite \(and nonzero in float32, the kernels' type\), got 1e-50"),
-    ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": np.array([1.0, 1e50])}, ValueError,
-     r"v_scale must be positive and finite .*got \[1.0, 1e\+50\]"),
+     r"k_scale must be positive, finite and normal in float32 \(the kernels' type\), got 1e-50"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": 1e-40}, ValueError,
+     r"k_scale must be positive, finite and normal in float32 \(the kernels' type\), got 1e-40"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": np.array([10.0, np.inf], np.float32)}, ValueError,
+     r"v_scale must be positive, finite and normal .*got \[10.0, inf\]"),
+    ((8, 4, 2, 64, "float8_e4m3fn"), {"v_scale": np.array([1.0, 2.0])}, TypeError,
+     r"v_scale.dtype must be float32, got float64"),
 ])
 def test_cache_constructor_errors(args, kwargs, error, message):
     import ml_dtypes
@@ -598,7 +644,8 @@ def test_cache_constructor_errors(args, kwargs, error, message):
     ([(0, 2**40)], ValueError, r"pairs must hold int32 values \(in \[-2147483648, 2147483647\]\), got 0 .. 1099511627776"),
     ([(0, 1, 2)], ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(1, 3\)"),
     (np.array([0, 1]), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(2,\)"),
-    (np.array([[0, 9]]), ValueError, r"block ids in pairs must lie in \[0, num_blocks = 8\), got \[\[0, 9\]\]"),
+    (np.array([[0, 9]]), ValueError, r"block ids in pairs must lie in \[0, num_blocks = 8\), got pairs\[0\] = \(0, 9\) "
+                                     r"\(dst 9\)"),
     # empty, but not an empty list of pairs
     (np.zeros((3, 0), np.int32), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(3, 0\)"),
     (np.zeros((0, 5), np.int32), ValueError, r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(0, 5\)"),
