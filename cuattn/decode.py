@@ -886,6 +886,9 @@ def _parse_states(args):
         if not states or not all(isinstance(s, (list, tuple)) and len(s) == 2 for s in states):
             raise TypeError("merge_states([(out, lse), ...]) needs a non-empty list of (out, lse) pairs")
         return states
+    if len(args) == 1:
+        raise TypeError(f"merge_states takes one list (or tuple) of (out, lse) pairs, got a {type(args[0]).__name__}; "
+                        "pass list(...) of it")
     raise TypeError(
         f"merge_states takes (out_a, lse_a, out_b, lse_b) or one list of (out, lse) pairs, "
         f"got {len(args)} positional arguments"
@@ -908,6 +911,8 @@ def _check_states(views, host: bool) -> None:
                 f"{expected_lse}, got {tuple(lse.shape)}"
             )
         _arrays.check_float32(f"lse_{i}", lse)
+        # the combine reads each row's D values contiguously (every other stride is the caller's)
+        _arrays.check_last_axis(f"out_{i}", out)
         if host:
             # the reference merges in float64: any float dtype of out (float64 out of a float64
             # reference call too), one for every out_i

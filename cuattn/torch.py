@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from . import _masks
 from .attention import attention as _forward, attention_backward as _backward_kernels
 
 _LIB = "cuattn"
@@ -104,8 +105,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     fixed bias that gets no gradient. ``deterministic=True`` makes the backward bit-reproducible (see
     :func:`cuattn.attention_backward`).
     """
+    # the options are checked (by name, as the plain function does) before the op's typed schema
+    # converts them: bool("False") or int(1.9) would otherwise pass
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor (cuattn.torch.attention), got {type(x).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, int(window[0]), int(window[1]), float(softcap),
+    out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap),
                             bool(deterministic))
     return out
 
@@ -139,4 +146,5 @@ def ring_attention(q, k, v, group, *, causal=False, scale=None, softcap=0.0):
     group or a ``cuattn.distributed.NcclGroup``. Returns ``out``; ``backward`` gives this rank's
     q.grad and the grads of its k and v summed over every rank's queries (every rank must call
     backward, as every rank called forward)."""
+    _masks.check_options((-1, -1), softcap, scale, causal=causal)
     return _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap))

@@ -491,6 +491,13 @@ def test_merge_states_errors():
         cuattn.merge_states(out, lse, out)
     with pytest.raises(TypeError, match=r"needs a non-empty list of \(out, lse\) pairs"):
         cuattn.merge_states([])
+    with pytest.raises(TypeError, match=r"merge_states takes one list \(or tuple\) of \(out, lse\) pairs, got a generator"):
+        cuattn.merge_states((out, lse) for _ in range(2))
+    # the combine reads D contiguously: a strided last axis is refused on the host as on the device
+    wide = np.zeros((2, 5, 4, 128), np.float32)
+    with pytest.raises(ValueError, match=r"out_1 must be contiguous in its last axis \(head_dim\): out_1.strides\[-1\] is "
+                                         r"2 elements, expected 1"):
+        cuattn.merge_states(out, lse, wide[..., ::2], lse)
     with pytest.raises(ValueError, match=r"lse_1.shape must be out's shape without D with its last two axes swapped, \(2, 4, 5\), got \(2, 5, 4\)"):
         cuattn.merge_states(out, lse, out, np.zeros((2, 5, 4), np.float32))
     with pytest.raises(ValueError, match=r"out_1.shape must equal out_0.shape = \(2, 5, 4, 64\), got \(2, 5, 4, 32\)"):
@@ -508,6 +515,18 @@ def test_merge_states_errors():
         cuattn.merge_states(out, lse, out, lse.astype(np.complex64))
     with pytest.raises(TypeError, match=r"out_1.dtype must equal out_0.dtype = float32, got float16"):
         cuattn.merge_states(out, lse, out.astype(np.float16), lse)
+
+
+@pytest.mark.gpu
+def test_merge_states_refuses_evenly_spaced_parts_with_a_strided_last_axis():
+    """Parts read in place as one strided array must have D contiguous (the combine reads it so):
+    evenly spaced views with a last-axis stride of 2 are refused, not merged as if contiguous."""
+    import cupy
+
+    wide = cupy.zeros((2, 2, 5, 4, 128), np.float32)  # [part, B, S, H, 2 D]
+    lse = cupy.zeros((2, 4, 5), np.float32)
+    with pytest.raises(ValueError, match=r"out_0 must be contiguous in its last axis"):
+        cuattn.merge_states([(wide[0, ..., ::2], lse), (wide[1, ..., ::2], lse)])
 
 
 @pytest.mark.gpu

@@ -131,3 +131,23 @@ def test_learnable_sinks_get_their_gradient(rng):
         *compiled)
     out.backward(dout)
     assert torch.allclose(compiled[3].grad, sinks.grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"causal": "False"}, TypeError, r"causal must be a bool, got 'False'"),
+    ({"window": (1.9, 0)}, TypeError, r"window must be a pair \(left, right\) of ints"),
+    ({"scale": "0.5"}, TypeError, r"scale must be"),
+    ({"softcap": True}, TypeError, r"softcap must be a float"),
+    ({"deterministic": 1}, TypeError, r"deterministic must be a bool, got 1"),
+])
+def test_options_are_checked_by_name_before_the_op_converts_them(options, error, message):
+    """The custom op's schema would turn "False" into True and 1.9 into 1: the options are checked
+    as the plain function checks them first."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    q = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(error, match=message):
+        cuattn.torch.attention(q, q, q, **options)
+    with pytest.raises(TypeError, match=r"k must be a torch tensor \(cuattn.torch.attention\), got NoneType"):
+        cuattn.torch.attention(q, None, q)
