@@ -225,7 +225,7 @@ class _Hub:
         try:
             item = self.inboxes[rank].get(timeout=LOCAL_TIMEOUT_S)
         except queue.Empty:
-            raise RuntimeError(f"LocalGroup rank {rank} received nothing from rank {rank - 1} in "
+            raise RuntimeError(f"LocalGroup rank {rank} received nothing from rank {(rank - 1) % len(self.inboxes)} in "
                                f"{LOCAL_TIMEOUT_S:.0f} s: the ranks' calls do not match") from None
         if item is self._ABORT:
             raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised")
@@ -474,14 +474,28 @@ def _rows(x, rows: slice, axis: int = 1):
     return _take(x, axis, rows.start, rows.stop)
 
 
-def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float) -> None:
-    """All-gather what every rank must agree on; a difference raises the same error on every rank."""
-    dtype = _arrays.dtype_name(q.dtype)
-    scale_bits = np.float64(-1.0 if scale is None else scale).view(np.int64)
-    mine = np.array([call, *map(int, q.shape[:3]), int(k.shape[2]), int(q.shape[3]),
-                     _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1, int(bool(causal)), scale_bits,
-                     np.float64(softcap).view(np.int64)], dtype=np.int64)
-    every = group.all_gather(mine)
+def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float, refused: Exception | None) -> None:
+    """All-gather what every rank must agree on; a difference raises the same error on every rank.
+
+    ``refused``: this rank's own check failed with that error. The rank still meets the others
+    here, so that every rank raises (this one its own error, the others one naming it) instead of
+    the others waiting in the ring for a rank that has left."""
+    if refused is None:
+        dtype = _arrays.dtype_name(q.dtype)
+        scale_bits = np.float64(-1.0 if scale is None else scale).view(np.int64)
+        fields = [call, *map(int, q.shape[:3]), int(k.shape[2]), int(q.shape[3]),
+                  _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1, int(bool(causal)), scale_bits,
+                  np.float64(softcap).view(np.int64)]
+    else:
+        fields = [call] + [-1] * (len(_HANDSHAKE_FIELDS) - 1)
+    every = group.all_gather(np.array([int(refused is None), *fields], dtype=np.int64))
+    if refused is not None:
+        raise refused
+    if not every[:, 0].all():
+        rank = int(np.argmin(every[:, 0]))
+        raise ValueError(f"rank {rank} of the ring refused its inputs (its own error says why), so this rank stops "
+                         "too: every rank of the ring must call with valid shards and options")
+    every = every[:, 1:]
     for field, name in enumerate(_HANDSHAKE_FIELDS):
         values = every[:, field]
         if (values != values[0]).any():
@@ -491,12 +505,24 @@ def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float) -> N
                              "every rank of the ring must call with shards of one shape and dtype and the same options")
 
 
+def _refusal(check) -> Exception | None:
+    """The error of this rank's own checks (``check()``), or None: handed to _handshake, which
+    raises it after meeting the other ranks."""
+    try:
+        check()
+    except (ValueError, TypeError) as exc:
+        return exc
+    return None
+
+
 def _shown(field: str, value) -> str:
     if field == "q.dtype":
         return _DTYPE_CODES[value] if 0 <= value < len(_DTYPE_CODES) else "another dtype"
     if field in ("scale", "softcap"):
         number = float(np.int64(value).view(np.float64))
         return "None (1/sqrt(D))" if field == "scale" and number == -1.0 else repr(number)
+    if field == "causal":
+        return str(bool(value))
     return str(int(value))
 
 
@@ -646,12 +672,15 @@ def ring_attention(q, k, v, group, *, causal=False, scale=None, softcap=0.0, ret
         ``out`` ``(B, S_local, Hq, D)`` in q's dtype and framework (queued on the caller's
         stream), or ``(out, lse)``. Every rank must call with the same shapes and options.
     """
-    _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=return_lse)
     with _arrays.array_context(q=q, k=k, v=v) as ctx:
         qv, kv, vv = (ctx.view(x) for x in (q, k, v))
-        _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
         ring = _as_group(group, ctx.kind, qv)
-        _handshake(ring, 0, qv, kv, causal, scale, softcap)
+
+        def check():
+            _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=return_lse)
+            _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
+
+        _handshake(ring, 0, qv, kv, causal, scale, softcap, _refusal(check))
         out_acc, lse = _forward(ring, ctx.stream, qv, kv, vv, causal=causal, scale=scale, softcap=softcap)
         out = _result(ctx, out_acc, qv.dtype)
         return (out, _result(ctx, lse, np.float32)) if return_lse else out
@@ -664,20 +693,24 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
     forward; options must match it. dk and dv are the gradients of this rank's k and v summed
     over every rank's queries; each comes back to its owner around the ring.
     """
-    _masks.check_options((-1, -1), softcap, scale, causal=causal)
     _arrays.require(out=out)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
         dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
-        _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
-        batch, local, num_heads, _ = map(int, qv.shape)
-        for name, x in (("dout", dov), ("out", ov)):
-            if tuple(x.shape) != tuple(qv.shape):
-                raise ValueError(f"{name}.shape must equal q.shape = {tuple(qv.shape)}, got {tuple(x.shape)}")
-            _arrays.check_same_dtype(name, x, "q", qv)
-        if tuple(lv.shape) != (batch, num_heads, local):
-            raise ValueError(f"lse.shape must be {(batch, num_heads, local)} (the forward's lse), got {tuple(lv.shape)}")
         ring = _as_group(group, ctx.kind, qv)
-        _handshake(ring, 1, qv, kv, causal, scale, softcap)
+
+        def check():
+            _masks.check_options((-1, -1), softcap, scale, causal=causal)
+            _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
+            batch, local, num_heads, _ = map(int, qv.shape)
+            for name, x in (("dout", dov), ("out", ov)):
+                if tuple(x.shape) != tuple(qv.shape):
+                    raise ValueError(f"{name}.shape must equal q.shape = {tuple(qv.shape)}, got {tuple(x.shape)}")
+                _arrays.check_same_dtype(name, x, "q", qv)
+            if tuple(lv.shape) != (batch, num_heads, local):
+                raise ValueError(f"lse.shape must be {(batch, num_heads, local)} (the forward's lse), got "
+                                 f"{tuple(lv.shape)}")
+
+        _handshake(ring, 1, qv, kv, causal, scale, softcap, _refusal(check))
         grads = _backward(ring, ctx.stream, dov, qv, kv, vv, ov, lv, causal=causal, scale=scale, softcap=softcap)
         return tuple(_result(ctx, g, x.dtype) for g, x in zip(grads, (qv, kv, vv)))
 

@@ -191,7 +191,7 @@ def _run_each(world_size, body):
     (lambda g: ring_attention(*_inputs(4 + 2 * g.rank), g), ValueError,
      r"q.shape\[1\] \(S_local\) differs between ranks: rank 0 has 4, rank 1 has 6"),
     (lambda g: ring_attention(*_inputs(), g, causal=g.rank == 0), ValueError,
-     r"causal differs between ranks: rank 0 has 1, rank 1 has 0"),
+     r"causal differs between ranks: rank 0 has True, rank 1 has False"),
     (lambda g: ring_attention(*_inputs(dtype=(np.float64, np.float32)[g.rank]), g), ValueError,
      r"q.dtype differs between ranks: rank 0 has float64, rank 1 has float32"),
     (lambda g: ring_attention(*_inputs(), g, scale=(None, 0.5)[g.rank]), ValueError,
@@ -203,6 +203,39 @@ def _run_each(world_size, body):
 def test_ring_refuses_bad_input_on_every_rank(body, error, match):
     with pytest.raises(error, match=match):
         _run_each(2, body)
+
+
+@pytest.mark.parametrize("call", ["forward", "backward"])
+def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, call):
+    """Ranks that call on their own (no LocalGroup.run to abort the others): the rank whose shard is
+    bad raises its own error, and its peer, which met it in the handshake, raises one naming it,
+    rather than waiting in the ring until the timeout."""
+    import threading
+
+    monkeypatch.setattr(distributed, "LOCAL_TIMEOUT_S", 20.0)
+    groups = LocalGroup.create(2)
+    errors = [None, None]
+
+    def body(group):
+        try:
+            q, k, v = _inputs(4 + group.rank)  # rank 1's S_local is odd
+            if call == "forward":
+                ring_attention(q, k, v, group, causal=True)
+            else:
+                out, lse = np.zeros_like(q), np.zeros((1, 2, q.shape[1]))
+                distributed.ring_attention_backward(q, q, k, v, out, lse.astype(np.float32), group, causal=True)
+        except Exception as error:  # noqa: BLE001 - each rank's error is the test's result
+            errors[group.rank] = error
+
+    threads = [threading.Thread(target=body, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=15)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting for its peer"
+    assert isinstance(errors[1], ValueError) and "must be even with causal=True" in str(errors[1]), errors
+    assert isinstance(errors[0], ValueError) and str(errors[0]).startswith(
+        "rank 1 of the ring refused its inputs (its own error says why), so this rank stops too"), errors
 
 
 def test_local_group_is_for_numpy_and_numpy_for_local_group():
