@@ -165,6 +165,8 @@ def _prefix_states(q, prefix_k, prefix_v, splits, scale, softcap):
     with _arrays.array_context(q=q, prefix_k=prefix_k, prefix_v=prefix_v) as ctx:
         splits, per_split = _split_ranges(splits, prefix_len, packed, num_kv_heads, head_dim, head_dim_v,
                                           None if ctx.on_host else ctx.device_id)
+        # the prefix's layout rule by its own names (the varlen call below would name k and v)
+        _arrays.check_last_axes({"prefix_k": ctx.view(prefix_k), "prefix_v": ctx.view(prefix_v)})
         # [S, R, G, Hk, D]: query r's head k * G + g is row (r, g) of KV head k, once per split
         grouped = ctx.view(q).reshape(rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3)
         shape = (splits, rows, group, num_kv_heads, head_dim)
@@ -273,7 +275,10 @@ def _check_prefix(prefix, q, cache):
         _arrays.check_ndim(name, x, layout)
         _arrays.check_positive(name, x, 0, "L")
     # the raw arrays of any framework (not views); q's own dtype rule is the suffix call's
-    # (paged_attention)
+    # (paged_attention), but the prefix runs through the 16-bit forward: no e4m3 q or prefix
+    if _arrays.is_e4m3(q):
+        raise TypeError("q.dtype is float8_e4m3fn; cascade_attention takes float16 or bfloat16 q (an e4m3 cache "
+                        "is fine: its suffix is read by paged decode)")
     for name, x in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         _arrays.check_same_dtype(name, x, "q", q)
     _arrays.check_axis("prefix_k", prefix_k, 2, "head_dim", int(q.shape[3]), "q.shape[3]")
@@ -284,6 +289,7 @@ def _check_prefix(prefix, q, cache):
                          f"= {num_kv_heads}")
     for axis, axis_name in enumerate(("L", "Hk")):
         _arrays.check_axis("prefix_v", prefix_v, axis, axis_name, int(prefix_k.shape[axis]), f"prefix_k.shape[{axis}]")
+    _arrays.check_head_dim("prefix_v.shape[2] (head_dim_v)", int(prefix_v.shape[2]))
     # the prefix's keys are the first tokens of every sequence: its kv heads are the cache's; v's
     # head dim is its own, and the prefix's and the suffix's outputs merge: the cache's v pages set it
     if isinstance(cache, PagedKVCache):

@@ -67,6 +67,16 @@ def test_cascade_argument_errors():
     q, prefix, pages, table, lens, *_ = make_batch(rng, np.float32, sq_new=3)
     with pytest.raises(TypeError, match=r"prefix must be a \(prefix_k, prefix_v\) pair, got ndarray"):
         cuattn.cascade_attention(q, prefix[0], pages, table, lens)
+    # the prefix's own names, not those of the varlen call that reads it
+    wide = np.zeros(prefix[1].shape[:-1] + (2 * prefix[1].shape[-1],), np.float32)
+    with pytest.raises(ValueError, match=r"prefix_v must be contiguous in its last axis \(head_dim\): prefix_v.strides\[-1\] "
+                                         r"is 2 elements, expected 1"):
+        cuattn.cascade_attention(q, (prefix[0], wide[..., ::2]), pages, table, lens)
+    with pytest.raises(ValueError, match=r"prefix_v.shape\[2\] \(head_dim_v\) = 12 is not supported"):
+        cuattn.cascade_attention(q, (prefix[0], prefix[1][..., :12]), (pages[0], pages[1][..., :12]), table, lens)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    with pytest.raises(TypeError, match=r"q.dtype is float8_e4m3fn; cascade_attention takes float16 or bfloat16 q"):
+        cuattn.cascade_attention(q.astype(e4m3), tuple(x.astype(e4m3) for x in prefix), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_k must be 3-D \(L, Hk, D\), got shape \(1, 37, 2, 64\)"):
         cuattn.cascade_attention(q, (prefix[0][None], prefix[1]), pages, table, lens)
     with pytest.raises(ValueError, match=r"prefix_v.shape\[0\] \(L\) must equal prefix_k.shape\[0\] = 37, got 36"):
