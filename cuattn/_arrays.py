@@ -236,12 +236,12 @@ class ArrayContext:
         ends = np.cumsum([x.size for x in flat])
         return tuple(device[end - x.size:end].reshape(np.shape(a)) for a, x, end in zip(arrays, flat, ends))
 
-    def int_view(self, name: str, x, lists: dict):
-        """An int32 argument where the kernels read it: one given as a list (``lists``, from
-        :func:`int_lists`) as its NumPy array on the CPU path, copied onto the device otherwise
-        (pass device arrays to keep a call free of copies); an array as :meth:`view` gives it."""
+    def int_view(self, name: str, lists: dict, arrays: dict):
+        """Int32 argument ``name`` (split by :func:`int_lists`) where the kernels read it: one given
+        as a list as its NumPy array on the CPU path, copied onto the device otherwise (pass device
+        arrays to keep a call free of copies); an array as :meth:`view` gives it."""
         if name not in lists:
-            return self.view(x)
+            return self.view(arrays[name])
         return lists[name] if self.on_host else self.ints(lists[name])[0]
 
     def view(self, x):
@@ -464,11 +464,12 @@ def host_int32(name: str, x):
     return values.astype(np.int32)
 
 
-def int_lists(**named) -> dict:
-    """The arguments given as lists or tuples of host ints, as int32 NumPy arrays (host_int32); the
-    call's framework comes from its arrays (leave these out of array_context), and
-    ArrayContext.int_view puts them where the kernels read them."""
-    return {name: host_int32(name, x) for name, x in named.items() if isinstance(x, (list, tuple))}
+def int_lists(**named) -> tuple[dict, dict]:
+    """Int arguments split in two: those given as lists or tuples of host ints, as int32 NumPy
+    arrays (host_int32), and the others, arrays that join array_context (the call's framework
+    comes from its arrays alone); ArrayContext.int_view puts each where the kernels read it."""
+    lists = {name: host_int32(name, x) for name, x in named.items() if isinstance(x, (list, tuple))}
+    return lists, {name: x for name, x in named.items() if name not in lists}
 
 
 def element_strides(x) -> tuple[int, ...]:

@@ -773,13 +773,10 @@ def attention_varlen(
             (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seqlen_k))
         if result is not None:
             return result
-    lists = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes,
-                               **{n: x for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-                                  if n not in lists}) as ctx:
+    lists, ints = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    with _arrays.array_context(q=q, k=k, v=v, out=out, sinks=sinks, alibi_slopes=alibi_slopes, **ints) as ctx:
         qv, kv, vv, ov, sv, av = (ctx.view(x) for x in (q, k, v, out, sinks, alibi_slopes))
-        cuq, cuk = (ctx.int_view(n, x, lists) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                                           ("cu_seqlens_k", cu_seqlens_k)))
+        cuq, cuk = (ctx.int_view(name, lists, ints) for name in ("cu_seqlens_q", "cu_seqlens_k"))
         if any(_arrays.is_e4m3(x) for x in (qv, kv, vv)):
             raise TypeError("attention_varlen takes float16 or bfloat16 q, k, v; FP8 (float8_e4m3fn) inputs run "
                             "through attention (dense (B, S, H, D) inputs, sm_90a, D = 128 or 256)")
@@ -1761,13 +1758,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if result is not None:
         return result
     _arrays.require(out=out)
-    lists = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    lists, ints = _arrays.int_lists(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks, alibi_slopes=alibi_slopes,
-                               **{n: x for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-                                  if n not in lists}) as ctx:
+                               **ints) as ctx:
         dov, qv, kv, vv, ov, lv, sv, av = (ctx.view(x) for x in (dout, q, k, v, out, lse, sinks, alibi_slopes))
-        cuq, cuk = (ctx.int_view(n, x, lists) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                                           ("cu_seqlens_k", cu_seqlens_k)))
+        cuq, cuk = (ctx.int_view(name, lists, ints) for name in ("cu_seqlens_q", "cu_seqlens_k"))
         _check_qkv(qv, kv, vv, packed=True)
         _check_dtypes(qv, kv, vv, ctx.on_host)
         total_q, num_heads, _ = map(int, qv.shape)

@@ -454,14 +454,14 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
             (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse), scale_options(k_scale, v_scale)))
         if result is not None:
             return result
-    lists = _arrays.int_lists(cache_seqlens=cache_seqlens)
+    lists, ints = _arrays.int_lists(cache_seqlens=cache_seqlens)
     if planning and lists:
         raise TypeError("plan_decode reads cache_seqlens on the device each run: pass a device array (CuPy or q's "
                         "framework) that the loop updates in place, not a list")
     with _arrays.array_context(q=q, k_cache=k_cache, v_cache=v_cache, sinks=sinks, alibi_slopes=alibi_slopes,
-                               **({} if lists else {"cache_seqlens": cache_seqlens}), **scales) as ctx:
+                               **ints, **scales) as ctx:
         qv, kv, vv, sv, av = (ctx.view(x) for x in (q, k_cache, v_cache, sinks, alibi_slopes))
-        lens = ctx.int_view("cache_seqlens", cache_seqlens, lists)
+        lens = ctx.int_view("cache_seqlens", lists, ints)
         k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) else x for x in (k_scale, v_scale))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)

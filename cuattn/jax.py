@@ -144,7 +144,7 @@ def _extras(batch: int, num_heads: int, sinks, alibi_slopes) -> tuple:
     arrays = _as_arrays(**named)
     for name, x in zip(named, arrays):
         if name == "sinks":
-            _check_sinks(x, num_heads)
+            _arrays.check_sinks(x, num_heads, True, "q", None)
         else:
             _arrays.check_alibi_slopes(x, batch, num_heads, True, "q", None)
     return tuple(arrays)
@@ -190,14 +190,6 @@ def _concrete_on_cpu(*arrays) -> bool:
     """Whether the arrays hold values on the CPU now (not traced, no device to sync with): then an
     eager call can check their values before dispatch rather than inside the callback."""
     return all(not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in x.devices()) for x in arrays)
-
-
-def _check_sinks(sinks, num_heads: int) -> None:
-    """Attention-sink logits: float32 ``(Hq,)`` on every platform (the kernels' type)."""
-    _arrays.check_ndim("sinks", sinks, "(Hq)")
-    _arrays.check_axis("sinks", sinks, 0, "Hq", num_heads, "the number of query heads")
-    if np.dtype(sinks.dtype) != np.float32:
-        raise TypeError(f"sinks.dtype must be float32, got {_arrays.dtype_name(sinks.dtype)}")
 
 
 def _check_dtypes(named: dict) -> None:

@@ -513,7 +513,7 @@ class PagedKVCache:
             raise ValueError(f"block ids in pairs must lie in [0, num_blocks = {self.num_blocks}), got pairs[{i}] = "
                              f"{tuple(pairs[i].tolist())} ({'src' if j == 0 else 'dst'} {int(pairs[i, j])})")
         dst = pairs[:, 1]
-        unique, first, counts = np.unique(dst, return_index=True, return_counts=True)
+        unique, counts = np.unique(dst, return_counts=True)
         if (counts > 1).any():
             # the copies run in parallel: a block written twice has no order
             twice = int(unique[counts > 1][0])
