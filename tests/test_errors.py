@@ -356,6 +356,11 @@ def check_lists_equal_int32_arrays(rng, xp, dtype):
 
 def test_prefix_sums_and_lengths_may_be_lists(rng):
     check_lists_equal_int32_arrays(rng, np, np.float32)
+    # a plan reads its lengths in place each run: a list is refused first, on any input
+    _, _, _, (qd, kc, vc), lens = lengths_problem(rng)
+    with pytest.raises(TypeError, match=r"plan_decode reads cache_seqlens on the device each run: pass a device array "
+                                        r"\(CuPy or q's framework\) that the loop updates in place, not a list"):
+        cuattn.plan_decode(qd, kc, vc, lens)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -205,6 +205,18 @@ def test_fp8_attention_takes_the_kernels_head_dims_on_the_host_too():
         cuattn.attention(x, x, x, q_scale=0.01, k_scale=0.01, v_scale=0.01)
 
 
+def test_descale_arrays_are_float32_on_the_host_too():
+    """The kernels take descale arrays in float32: the CPU path refuses float64 ones as the device does."""
+    rng = np.random.default_rng()
+    x = cuattn.quantize_fp8(randn(rng, (1, 8, 2, 128)), 0.01)
+    with pytest.raises(TypeError, match=r"q_scale.dtype must be float32, got float64"):
+        cuattn.attention(x, x, x, q_scale=np.full(2, 0.01), k_scale=0.01, v_scale=0.01)
+    q = randn(rng, (1, 1, 4, 32), np.float32)
+    k8 = cuattn.quantize_fp8(randn(rng, (1, 8, 2, 32)), 0.01)
+    with pytest.raises(TypeError, match=r"k_scale.dtype must be float32, got float64"):
+        cuattn.decode(q, k8, k8, np.array([8], np.int32), k_scale=np.full(2, 0.01), v_scale=0.01)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
