@@ -544,8 +544,9 @@ def is_array(x) -> bool:
 
 
 def is_e4m3(x) -> bool:
-    """Whether a KV array holds e4m3: float8_e4m3fn (NumPy), or its uint8 storage (CuPy, NumPy)."""
-    return np.dtype(x.dtype) in (FLOAT8_E4M3, E4M3_STORAGE)
+    """Whether an array holds e4m3: float8_e4m3fn, or its uint8 storage (CuPy). Any framework's
+    array, a caller's raw one too: torch's dtypes are told by name, as NumPy cannot read them."""
+    return any_dtype_name(x.dtype) in (dtype_name(FLOAT8_E4M3), dtype_name(E4M3_STORAGE))
 
 
 def as_e4m3(x):

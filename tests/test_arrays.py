@@ -56,6 +56,32 @@ def test_dtype_table_names_bfloat16():
     assert _arrays.dtype_name(BF16) == "bfloat16"
 
 
+class _ForeignDtype:
+    """A dtype NumPy cannot read, printed as torch prints its own (torch.bfloat16, ...)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+@pytest.mark.parametrize("name, expected", [("bfloat16", False), ("float16", False), ("float8_e4m3fn", True),
+                                            ("uint8", True)])
+def test_is_e4m3_reads_a_dtype_numpy_cannot(name, expected):
+    """cascade_attention asks it of the caller's raw q: a torch tensor's dtype must not raise (it
+    did, failing every torch call of cascade_attention on the GPU)."""
+
+    class Raw:
+        dtype = _ForeignDtype(name)
+
+    with pytest.raises(TypeError):
+        np.dtype(Raw.dtype)
+    assert _arrays.is_e4m3(Raw()) is expected
+    assert _arrays.is_e4m3(np.zeros(1, np.uint8)) and _arrays.is_e4m3(np.zeros(1, _arrays.FLOAT8_E4M3))
+    assert not _arrays.is_e4m3(np.zeros(1, BF16))
+
+
 @pytest.mark.gpu
 def test_cupy_in_cupy_out(rng):
     import cupy
