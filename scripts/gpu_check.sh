@@ -7,6 +7,8 @@
 #   4. the benchmarks (pytest-benchmark, JSON),
 # writing one log per stage to $OUT (a temporary folder when unset). Exit 1 if any stage failed.
 # Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench] [extra pytest args]
+# SHARD=I/N runs shard I of N of the test stage (pytest --shard, tests/conftest.py): the whole GPU
+# suite outlasts a 10-minute job, so N jobs can each take one shard.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -34,7 +36,7 @@ run info "$PY" -m cuattn info
 # the machine's own NVRTC may allocate registers differently from CI's: check spills here too
 run build "$PY" -m cuattn build --arch sm_90a
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
-    run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench "$@"
+    run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench ${SHARD:+--shard "$SHARD"} "$@"
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = sanitizer ]; then
     run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \

@@ -27,7 +27,29 @@ def gpu_unavailable_reason() -> str | None:
     return _jit.gpu_unavailable_reason()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard", default=None, metavar="I/N",
+        help="run only shard I of N (0 <= I < N): every Nth test of the collection, from the Ith, so that N "
+             "runs (one after another, or at once on one machine) cover the suite once with a like mix of tests")
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """``--shard``'s ``I/N`` as (I, N), refusing anything but 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes I/N (two ints, e.g. 0/3), got {value!r}") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"--shard I/N needs 0 <= I < N, got {value!r}")
+    return index, count
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--shard") is not None:
+        index, count = parse_shard(config.getoption("--shard"))
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+        items[:] = items[index::count]
     reason = gpu_unavailable_reason()
     if reason is None:
         return

@@ -134,3 +134,26 @@ def test_readme_states_the_requirements():
     for fact in ("compute capability 8.0", "sm_80", "sm_90a", "H200", "cuattn[cuda12]", "cuattn[cuda13]",
                  "pip install .", "NoDeviceError", 'pytest -m "not compile_all"'):
         assert fact in text, f"Requirements does not say {fact!r}"
+
+
+def _collected(*args: str) -> list[str]:
+    """Test ids ``pytest --collect-only`` lists for ``args``, run from the checkout's root."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [line for line in result.stdout.splitlines() if "::" in line]
+
+
+def test_shards_split_the_suite_once_over():
+    """--shard I/N (tests/conftest.py): N runs that together hold every test once, none twice, in
+    a like mix (interleaved, so no shard takes one file's slow tests alone)."""
+    target = "tests/test_params.py"
+    whole = _collected(target)
+    shards = [_collected(target, "--shard", f"{i}/3") for i in range(3)]
+    assert len(whole) >= 6 and all(shards)
+    assert sorted(sum(shards, [])) == sorted(whole)
+    assert shards[1] == whole[1::3]
+    for bad, message in (("3/3", "needs 0 <= I < N"), ("1", "takes I/N")):
+        result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 target, "--shard", bad], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
