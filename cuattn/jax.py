@@ -175,7 +175,9 @@ def _as_arrays(**named) -> list:
     bits, and a length of 2**32 + 1 would run as 1)."""
     arrays = []
     for name, x in named.items():
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        # (a torch or CuPy array has a shape and a dtype too, but NumPy cannot read torch's dtypes)
+        if not hasattr(x, "shape") or not hasattr(x, "dtype") or (
+                _arrays.is_array(x) and _arrays.array_kind(x, name) in ("torch", "cupy")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__module__}.{type(x).__name__}")
         converted = jnp.asarray(x)
         if np.dtype(converted.dtype) != np.dtype(x.dtype):

@@ -287,7 +287,8 @@ class BlockManager:
         if token_ids is None or not self.enable_prefix_caching:
             return None
         try:
-            ids = np.asarray(token_ids)
+            # the block manager lives on the host: a device array of ids is copied there
+            ids = np.asarray(_arrays.to_numpy(token_ids) if _arrays.is_array(token_ids) else token_ids)
         except ValueError as exc:  # ragged nesting
             raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got {token_ids!r:.80}") from exc
         if (ids.dtype == object and ids.ndim == 1 and ids.shape[0] == num_tokens
@@ -500,7 +501,8 @@ class PagedKVCache:
         if pairs is None or not (isinstance(pairs, (list, tuple)) or _arrays.is_array(pairs)):
             raise TypeError(f"pairs must be a list of (src, dst) block ids or an int array (P, 2), got "
                             f"{type(pairs).__name__}")
-        pairs = np.asarray(_arrays.host_int32("pairs", pairs))
+        # the pairs are checked on the host: a device array is copied there first
+        pairs = np.asarray(_arrays.to_numpy(_arrays.host_int32("pairs", pairs)))
         if pairs.shape == (0,):  # an empty list
             pairs = np.zeros((0, 2), np.int32)
         if pairs.ndim != 2 or pairs.shape[1] != 2:
@@ -594,12 +596,20 @@ QUANTIZED_WRITE_TYPES = {**_arrays.CUDA_TYPES, np.dtype(np.float32): "float"}
 E4M3_NAMES = ("float8_e4m3fn", "torch.float8_e4m3fn")
 
 
+# torch's dtypes a cache takes, by the name str() gives them (NumPy cannot read torch's dtypes)
+TORCH_CACHE_DTYPES = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": _arrays.BFLOAT16,
+                      "torch.float32": np.dtype(np.float32)}
+
+
 def _cache_dtype(dtype) -> np.dtype:
-    """A cache dtype as NumPy's: torch.float8_e4m3fn and "float8_e4m3fn" name e4m3 too."""
+    """A cache dtype as NumPy's: torch.float8_e4m3fn and "float8_e4m3fn" name e4m3 too, and
+    torch.float16, torch.bfloat16 (TORCH_CACHE_DTYPES) their NumPy twins."""
     if dtype is None:
         raise TypeError("dtype must be a float dtype (float16, bfloat16, float8_e4m3fn, ...), got None")
     if str(dtype) in E4M3_NAMES:
         return _arrays.FLOAT8_E4M3
+    if str(dtype) in TORCH_CACHE_DTYPES:
+        return TORCH_CACHE_DTYPES[str(dtype)]
     try:
         return np.dtype(dtype)
     except TypeError as exc:

@@ -76,14 +76,6 @@ def build_model(dtype, device, seed: int = 0):
     return model.to(device=device, dtype=dtype)
 
 
-def _page_dtype(torch_dtype):
-    """The cache's NumPy dtype for the model's torch dtype."""
-    import ml_dtypes
-    import torch
-
-    return {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}[torch_dtype]
-
-
 class PagedLlama:
     """A LlamaForCausalLM's modules run over packed tokens, with every layer's K/V in a paged cache.
 
@@ -102,8 +94,9 @@ class PagedLlama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers = model.model.layers
         # [num_blocks, block_size, Hk, D] keys and values, one cache per layer: the model's dtype on
-        # the GPU; float32 NumPy pages on the CPU (they hold float16 and bfloat16 values exactly)
-        page_dtype = _page_dtype(parameter.dtype) if self.on_gpu else np.float32
+        # the GPU (a cache takes torch's dtype); float32 NumPy pages on the CPU (they hold float16
+        # and bfloat16 values exactly)
+        page_dtype = parameter.dtype if self.on_gpu else np.float32
         self.caches = [cuattn.PagedKVCache(manager.num_blocks, manager.block_size, self.num_kv_heads, self.head_dim,
                                            page_dtype, device="cuda" if self.on_gpu else "cpu")
                        for _ in layers]

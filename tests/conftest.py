@@ -59,6 +59,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class ForeignDtype:
+    """A dtype NumPy cannot read, printed as torch prints its own (torch.bfloat16, ...)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+class Tensor:
+    """Stands in for a torch CPU tensor where torch is not installed (CI): what cuattn reads of one
+    before it converts it (its module, shape, dtype, device)."""
+
+    __module__ = "torch"
+
+    def __init__(self, shape, dtype="float16"):
+        self.shape, self.dtype = tuple(shape), ForeignDtype(dtype)
+        self.is_cuda, self.device = False, "cpu"
+
+
+class DeviceInts:
+    """Stands in for a CuPy device array of ints: NumPy may not read it (CuPy refuses the implicit
+    copy), only its .get() reaches the host."""
+
+    __module__ = "cupy"
+
+    def __init__(self, values):
+        self._values = np.asarray(values)
+        self.shape, self.dtype = self._values.shape, self._values.dtype
+
+    def get(self):
+        return self._values
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
 class SeededRng:
     """A NumPy Generator that remembers its seed, so a failure message can name it."""
 

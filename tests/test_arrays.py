@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 import cuattn
 from cuattn import _arrays, reference
-from conftest import BF16, randn
+from conftest import BF16, ForeignDtype, Tensor, randn
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64], ids=str)
@@ -56,16 +58,6 @@ def test_dtype_table_names_bfloat16():
     assert _arrays.dtype_name(BF16) == "bfloat16"
 
 
-class _ForeignDtype:
-    """A dtype NumPy cannot read, printed as torch prints its own (torch.bfloat16, ...)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __str__(self):
-        return f"torch.{self.name}"
-
-
 @pytest.mark.parametrize("name, expected", [("bfloat16", False), ("float16", False), ("float8_e4m3fn", True),
                                             ("uint8", True)])
 def test_is_e4m3_reads_a_dtype_numpy_cannot(name, expected):
@@ -73,13 +65,22 @@ def test_is_e4m3_reads_a_dtype_numpy_cannot(name, expected):
     did, failing every torch call of cascade_attention on the GPU)."""
 
     class Raw:
-        dtype = _ForeignDtype(name)
+        dtype = ForeignDtype(name)
 
     with pytest.raises(TypeError):
         np.dtype(Raw.dtype)
     assert _arrays.is_e4m3(Raw()) is expected
     assert _arrays.is_e4m3(np.zeros(1, np.uint8)) and _arrays.is_e4m3(np.zeros(1, _arrays.FLOAT8_E4M3))
     assert not _arrays.is_e4m3(np.zeros(1, BF16))
+
+
+def test_torch_cpu_tensors_are_refused_before_cupy_is_needed(monkeypatch):
+    """The answer to a CPU tensor is the same on a machine without CuPy (it was its ImportError)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(ValueError, match=r"torch tensors must be on a CUDA device, got cpu; for CPU work pass "
+                                         r"NumPy arrays \(x.numpy\(\)\)"):
+        with _arrays.array_context(q=Tensor((1, 4, 2, 64)), k=Tensor((1, 4, 2, 64))):
+            pass
 
 
 @pytest.mark.gpu

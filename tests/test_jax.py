@@ -20,7 +20,7 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, error_budget, Tensor, randn
 
 jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
 import jax.numpy as jnp  # noqa: E402
@@ -477,6 +477,9 @@ def _packed():
          r"q must be 4-D \(B, Sq, Hq, D\), got shape \(5, 4, 64\)"),
         (lambda: cuattn.jax.attention([[1.0]], *_dense()[1:]), TypeError,
          r"q must be a JAX or NumPy array, got builtins.list"),
+        # a torch tensor has a shape and a dtype too: refused by name, not by NumPy reading its dtype
+        (lambda: cuattn.jax.attention(Tensor((2, 5, 4, 64)), *_dense()[1:]), TypeError,
+         r"q must be a JAX or NumPy array, got torch.Tensor"),
         (lambda: cuattn.jax.attention(*_dense(), causal=1), TypeError, r"causal must be a bool, got 1"),
         (lambda: cuattn.jax.attention(*_dense(), window=(-2, 0)), ValueError, r"window entries must be >= -1"),
         (lambda: cuattn.jax.attention(*_dense(), softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
@@ -515,7 +518,7 @@ def _packed():
                                             jnp.zeros((1,), jnp.int32), max_seq_len=0), ValueError,
          r"max_seq_len must be an int >= 1, got 0"),
     ],
-    ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "causal-int",
+    ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "torch-tensor", "causal-int",
          "window", "softcap", "traced-scale", "sinks-heads", "sinks-dtype", "sinks-ndim", "alibi-batch", "alibi-dtype", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
          "num-splits", "table-batch", "block-size", "max-seq-len"],
 )

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cuattn
 from cuattn import _arrays, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, check_decode, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, check_decode, error_budget, randn
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 
@@ -291,6 +291,33 @@ def test_block_manager_errors():
         cuattn.BlockManager("4", 16)
     with pytest.raises(TypeError, match=r"seq_ids must be an iterable of sequence ids \(a list, say\), got NoneType"):
         m.block_table(None)
+
+
+@pytest.mark.parametrize("name, expected", [("float16", np.dtype(np.float16)), ("bfloat16", BF16),
+                                            ("float32", np.dtype(np.float32))])
+def test_cache_takes_torchs_dtypes(name, expected):
+    """torch.float16 / torch.bfloat16 name a cache's dtype as NumPy's do (NumPy cannot read them:
+    they were refused, only torch.float8_e4m3fn was taken)."""
+    cache = cuattn.PagedKVCache(4, 4, 2, 16, ForeignDtype(name), device="cpu")
+    assert cache.dtype == expected and cache.k_pages.dtype == expected
+
+
+def test_device_arrays_of_pairs_and_token_ids_are_read_on_the_host():
+    """copy_blocks' pairs and the block manager's token ids are checked on the host: a device array
+    of them is copied there (NumPy could not read one: CuPy refuses the implicit copy)."""
+    cache = cuattn.PagedKVCache(4, 4, 2, 16, np.float32, device="cpu")
+    cache.k_pages[1] = 1.0
+    cache.copy_blocks(DeviceInts([[1, 3]]))
+    assert (cache.k_pages[3] == 1.0).all() and not cache.k_pages[2].any()
+    with pytest.raises(ValueError, match=r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(3,\)"):
+        cache.copy_blocks(DeviceInts([1, 2, 3]))
+    m = cuattn.BlockManager(8, 4, enable_prefix_caching=True)
+    m.allocate("a", 9, token_ids=DeviceInts(np.arange(9)))
+    m.allocate("b", 9, token_ids=np.arange(9))
+    # both full blocks before the last token's found by the ids' hashes
+    assert m.blocks("b")[:2] == m.blocks("a")[:2] and m.blocks("b")[2] != m.blocks("a")[2]
+    with pytest.raises(ValueError, match=r"token_ids must be 4 integers \(one per token\), got 3 of int64"):
+        m.allocate("c", 4, token_ids=DeviceInts(np.arange(3, dtype=np.int64)))
 
 
 def test_appending_no_tokens_and_writing_no_slots_do_nothing():
