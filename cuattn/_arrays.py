@@ -291,12 +291,14 @@ def array_context(**named):
     if kind in ("jax", "dlpack") and device_of is not None and device_of()[0] == DLPACK_CPU:
         raise TypeError(f"{first_name} is a {kind} array on the CPU; the plain functions take GPU arrays, or NumPy "
                         f"arrays for the CPU reference (np.asarray({first_name})); under JAX use cuattn.jax")
-    if kind == "torch" and not first.is_cuda:
-        # before CuPy is imported: a machine without it gets this answer too
-        raise ValueError(
-            f"torch tensors must be on a CUDA device, got {first.device}; "
-            "for CPU work pass NumPy arrays (x.numpy())"
-        )
+    # every tensor, not the first alone (a CPU k beside a CUDA q would reach CuPy's DLPack import),
+    # and before CuPy is imported: a machine without it gets this answer too
+    for name, x in named.items() if kind == "torch" else ():
+        if x is not None and not x.is_cuda:
+            raise ValueError(
+                f"torch tensors must be on a CUDA device, got {x.device}{'' if x is first else f' for {name}'}; "
+                "for CPU work pass NumPy arrays (x.numpy())"
+            )
     import cupy
 
     if kind == "torch":

@@ -81,6 +81,12 @@ def test_torch_cpu_tensors_are_refused_before_cupy_is_needed(monkeypatch):
                                          r"NumPy arrays \(x.numpy\(\)\)"):
         with _arrays.array_context(q=Tensor((1, 4, 2, 64)), k=Tensor((1, 4, 2, 64))):
             pass
+    # a CPU tensor after a CUDA one is refused by name, not handed to CuPy
+    cuda_q = Tensor((1, 4, 2, 64))
+    cuda_q.is_cuda, cuda_q.device = True, "cuda:0"
+    with pytest.raises(ValueError, match=r"torch tensors must be on a CUDA device, got cpu for v; "):
+        with _arrays.array_context(q=cuda_q, k=cuda_q, v=Tensor((1, 4, 2, 64))):
+            pass
 
 
 @pytest.mark.gpu
