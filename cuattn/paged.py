@@ -458,8 +458,10 @@ class PagedKVCache:
         round-to-nearest-even(x / scale) saturated to +-448. Each slot id appears at most once (the tokens are written
         in parallel, so two writes to one slot have no order). Host slot ids (NumPy, lists) are
         checked for both rules against the pool before launch, on either device; device slot ids
+        (any framework's) are checked for their shape, integer dtype and device but their values
         are not read on the host (no sync): the kernel skips any outside the pool, and duplicates
-        are the caller's to avoid.
+        are the caller's to avoid. A write on the host (a CPU cache, or NumPy tokens) copies
+        device slot ids there and checks them in full.
         """
         with _arrays.array_context(k=k, v=v) as ctx:
             kv_, vv_ = ctx.view(k), ctx.view(v)
@@ -469,7 +471,10 @@ class PagedKVCache:
                 _arrays.check_axis(name, x, 1, "Hk", self.num_kv_heads, "the cache's num_kv_heads")
                 _arrays.check_axis(name, x, 2, dim_name, dim, f"the cache's {dim_field}")
             _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
-            slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots)
+            host_path = self.device == "cpu" or ctx.on_host
+            slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots, host_path)
+            if not host_path and _is_device_array(slot_ids):
+                _arrays.check_same_device("slot_ids", slots, "k", kv_)
             for name, x in (("k", kv_), ("v", vv_)):
                 if self.e4m3:
                     if np.dtype(x.dtype) not in QUANTIZED_WRITE_TYPES:
@@ -480,7 +485,7 @@ class PagedKVCache:
                 elif np.dtype(x.dtype) != self.dtype:
                     raise TypeError(f"{name}.dtype must equal the cache's dtype = {_arrays.dtype_name(self.dtype)}, "
                                     f"got {_arrays.dtype_name(x.dtype)}")
-            if self.device == "cpu" or ctx.on_host:
+            if host_path:
                 _arrays.check_last_axes({"k": kv_, "v": vv_})  # the device's layout rule, kept on the CPU
                 self._write_host(kv_, vv_, slots)
                 return
@@ -623,15 +628,32 @@ def quantize_e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.clip(ratio, -_arrays.E4M3_MAX, _arrays.E4M3_MAX).astype(_arrays.FLOAT8_E4M3)
 
 
-def _slot_array(slot_ids, num_tokens: int, num_slots: int):
-    """Host slot ids are checked here; device ones pass through unread."""
-    if not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids, "slot_ids") != "numpy":
-        return slot_ids
-    slots = np.asarray(_arrays.host_int32("slot_ids", slot_ids))
+def _is_device_array(x) -> bool:
+    """Slot ids given as a device array (of any framework), not as host ints."""
+    return not isinstance(x, (list, tuple)) and _arrays.array_kind(x, "slot_ids") != "numpy"
+
+
+def _check_slot_layout(slots, num_tokens: int) -> None:
+    """One integer slot id per token: the kernel reads slot_ids[n] for every token n < N."""
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
         raise ValueError(f"slot_ids must be 1-D (N,) with N = k.shape[0] = {num_tokens}, got shape {slots.shape}")
     if slots.dtype.kind not in "iu":
-        raise TypeError(f"slot_ids.dtype must be an integer type, got {slots.dtype}")
+        raise TypeError(f"slot_ids.dtype must be an integer type, got {_arrays.dtype_name(slots.dtype)}")
+
+
+def _slot_array(slot_ids, num_tokens: int, num_slots: int, host: bool):
+    """Slot ids where the write reads them. A write on the host checks them in full (device ones
+    are copied there first); one by the kernel checks a device array's layout and device only,
+    never its values (no sync: the kernel skips slots outside the pool)."""
+    device = _is_device_array(slot_ids)
+    if device and not host:
+        import cupy
+
+        slots = cupy.asarray(slot_ids)  # any framework's device array, zero-copy (CUDA array interface)
+        _check_slot_layout(slots, num_tokens)
+        return slots
+    slots = np.asarray(_arrays.to_numpy(slot_ids) if device else _arrays.host_int32("slot_ids", slot_ids))
+    _check_slot_layout(slots, num_tokens)
     bad = (slots < -1) | (slots >= num_slots)
     if bad.any():
         at = np.flatnonzero(bad)[:8]

@@ -303,14 +303,23 @@ def test_cache_takes_torchs_dtypes(name, expected):
 
 
 def test_device_arrays_of_pairs_and_token_ids_are_read_on_the_host():
-    """copy_blocks' pairs and the block manager's token ids are checked on the host: a device array
-    of them is copied there (NumPy could not read one: CuPy refuses the implicit copy)."""
+    """copy_blocks' pairs, the block manager's token ids and a host write's slot ids are checked on
+    the host: a device array of them is copied there (NumPy could not read one: CuPy refuses the
+    implicit copy)."""
     cache = cuattn.PagedKVCache(4, 4, 2, 16, np.float32, device="cpu")
     cache.k_pages[1] = 1.0
     cache.copy_blocks(DeviceInts([[1, 3]]))
     assert (cache.k_pages[3] == 1.0).all() and not cache.k_pages[2].any()
     with pytest.raises(ValueError, match=r"pairs must be \(src, dst\) pairs, shape \(P, 2\), got shape \(3,\)"):
         cache.copy_blocks(DeviceInts([1, 2, 3]))
+    # a write on the host reads device slot ids there, under the host rules
+    cache = cuattn.PagedKVCache(4, 4, 2, 16, np.float32, device="cpu")
+    cache.write(np.ones((2, 2, 16), np.float32), np.ones((2, 2, 16), np.float32), DeviceInts([0, 5]))
+    assert cache.k_pages[0, 0].all() and cache.k_pages[1, 1].all() and cache.k_pages.sum() == 2 * 2 * 16
+    with pytest.raises(ValueError, match=r"slot_ids must be 1-D \(N,\) with N = k.shape\[0\] = 2, got shape \(1,\)"):
+        cache.write(np.ones((2, 2, 16), np.float32), np.ones((2, 2, 16), np.float32), DeviceInts([3]))
+    with pytest.raises(ValueError, match=r"slot_ids must not repeat a slot"):
+        cache.write(np.ones((2, 2, 16), np.float32), np.ones((2, 2, 16), np.float32), DeviceInts([3, 3]))
     m = cuattn.BlockManager(8, 4, enable_prefix_caching=True)
     m.allocate("a", 9, token_ids=DeviceInts(np.arange(9)))
     m.allocate("b", 9, token_ids=np.arange(9))
@@ -866,6 +875,26 @@ def test_cache_write_reads_strided_device_slot_ids_by_value(rng, framework):
     gpu.copy_blocks(pairs)
     cpu.copy_blocks(pairs)
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_device_slot_ids_of_the_wrong_shape_or_dtype_are_refused(framework):
+    """The kernel reads slot_ids[n] for every token n: a shorter device array would be read past its
+    end, and float ids were cast silently. Both are refused before launch (values unread)."""
+    import cupy
+
+    dev = (lambda x: x) if framework == "cupy" else pytest.importorskip("torch").from_dlpack
+    cache = cuattn.PagedKVCache(4, 4, 2, 64, np.float16)
+    k = cupy.zeros((3, 2, 64), cupy.float16)
+    with pytest.raises(ValueError, match=r"slot_ids must be 1-D \(N,\) with N = k.shape\[0\] = 3, got shape \(2,\)"):
+        cache.write(k, k, dev(cupy.arange(2, dtype=cupy.int32)))
+    with pytest.raises(ValueError, match=r"slot_ids must be 1-D \(N,\) with N = k.shape\[0\] = 3, got shape \(3, 1\)"):
+        cache.write(k, k, dev(cupy.arange(3, dtype=cupy.int32).reshape(3, 1)))
+    with pytest.raises(TypeError, match=r"slot_ids.dtype must be an integer type, got float32"):
+        cache.write(k, k, dev(cupy.arange(3, dtype=cupy.float32)))
+    cache.write(k + 1, k + 1, dev(cupy.asarray([0, 5, 15], cupy.int64)))
+    assert int(cache.k_pages.astype(cupy.float32).sum()) == 3 * 2 * 64
 
 
 def check_paged_against_decode(rng, dtype, block_size, d, **options):
