@@ -248,6 +248,10 @@ class ArrayContext:
         """What the checks and kernels work on: NumPy arrays as they are, device arrays as zero-copy CuPy views."""
         if x is None or self.kind in ("numpy", "cupy"):
             return x
+        if self.kind == "torch" and not x.is_cuda:
+            # an array beside the named ones (a scale) that array_context did not see
+            raise ValueError(f"torch tensors must be on a CUDA device, got {x.device}; for CPU work pass NumPy "
+                             "arrays (x.numpy())")
         import cupy
 
         if self.kind == "torch":

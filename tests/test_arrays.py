@@ -87,6 +87,9 @@ def test_torch_cpu_tensors_are_refused_before_cupy_is_needed(monkeypatch):
     with pytest.raises(ValueError, match=r"torch tensors must be on a CUDA device, got cpu for v; "):
         with _arrays.array_context(q=cuda_q, k=cuda_q, v=Tensor((1, 4, 2, 64))):
             pass
+    # an array viewed beside them (a scale) is held to the same rule
+    with pytest.raises(ValueError, match=r"torch tensors must be on a CUDA device, got cpu; "):
+        _arrays.ArrayContext("torch", None, 0).view(Tensor((2,), "float32"))
 
 
 @pytest.mark.gpu
