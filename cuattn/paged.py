@@ -473,7 +473,7 @@ class PagedKVCache:
             _arrays.check_axis("v", vv_, 0, "N", int(kv_.shape[0]), "k.shape[0]")
             host_path = self.device == "cpu" or ctx.on_host
             slots = _slot_array(slot_ids, int(kv_.shape[0]), self.num_slots, host_path)
-            if not host_path and _is_device_array(slot_ids):
+            if not isinstance(slots, np.ndarray):  # a device array, bound for the kernel
                 _arrays.check_same_device("slot_ids", slots, "k", kv_)
             for name, x in (("k", kv_), ("v", vv_)):
                 if self.e4m3:
@@ -628,11 +628,6 @@ def quantize_e4m3(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.clip(ratio, -_arrays.E4M3_MAX, _arrays.E4M3_MAX).astype(_arrays.FLOAT8_E4M3)
 
 
-def _is_device_array(x) -> bool:
-    """Slot ids given as a device array (of any framework), not as host ints."""
-    return not isinstance(x, (list, tuple)) and _arrays.array_kind(x, "slot_ids") != "numpy"
-
-
 def _check_slot_layout(slots, num_tokens: int) -> None:
     """One integer slot id per token: the kernel reads slot_ids[n] for every token n < N."""
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
@@ -645,7 +640,7 @@ def _slot_array(slot_ids, num_tokens: int, num_slots: int, host: bool):
     """Slot ids where the write reads them. A write on the host checks them in full (device ones
     are copied there first); one by the kernel checks a device array's layout and device only,
     never its values (no sync: the kernel skips slots outside the pool)."""
-    device = _is_device_array(slot_ids)
+    device = not isinstance(slot_ids, (list, tuple)) and _arrays.array_kind(slot_ids, "slot_ids") != "numpy"
     if device and not host:
         import cupy
 
