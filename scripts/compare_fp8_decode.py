@@ -1,11 +1,14 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py [--pages=ORDER] [B:L ...]
+python scripts/compare_fp8_decode.py [--pages=ORDER] [--paged-tile=WARPS:STAGES] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
     block size 16, check=False, blocks shuffled across the pool, or with --pages=in-order or
     interleaved laid out as cuattn.bench.cases.block_table says. CUDA-graph step times (20 calls
     a graph), and the largest difference of each output from the bf16 contiguous decode. Shapes
     default to SHAPES.
+    --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
+    D = 128) with this many warps a CTA and ring stages, for this run: the experiment of whether
+    the contiguous cache's eight-warp stage helps over pages too (compiled on first use).
 """
 
 import sys
@@ -56,10 +59,26 @@ def compare(batch: int, seqlen: int, order: str, rng) -> None:
           f"{times['bf16-paged'] / times['e4m3-paged']:.2f}x paged", flush=True)
 
 
+def set_paged_tile(value: str) -> None:
+    """--paged-tile=WARPS:STAGES: the paged e4m3 long-stage tile at D = 128, for this process."""
+    decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
+    try:
+        warps, stages = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise SystemExit(f"--paged-tile takes WARPS:STAGES (e.g. 8:3), got {value!r}") from None
+    decode_module.E4M3_PAGED_LONG_TILES[D] = decode_module.DecodeTile(max_mt=1, stages=stages, long_stage=True,
+                                                                      warps=warps)
+    decode_module.decode_spec.cache_clear()
+    print(f"paged e4m3 long tile: {warps} warps, {stages} stages", flush=True)
+
+
 def main(argv):
     order = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--pages=")), "shuffled")
     if order not in bench_cases.PAGE_ORDERS:
         raise SystemExit(f"--pages must be one of {', '.join(bench_cases.PAGE_ORDERS)}, got {order!r}")
+    tile = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--paged-tile=")), None)
+    if tile is not None:
+        set_paged_tile(tile)
     shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or SHAPES
     rng = np.random.default_rng(0)
     print(f"paged caches: blocks {order}", flush=True)
