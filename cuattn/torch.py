@@ -15,8 +15,8 @@ breaking the graph. ``ring_attention`` (context parallelism over a process group
 ``torch.compile`` breaks the graph around it. torch is imported only when this module is.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: torch 2.4's custom_op reads the annotations as types
+# to build the schema, and strings (postponed annotations) only from a later release
 import math
 from typing import Optional
 

@@ -157,3 +157,15 @@ def test_shards_split_the_suite_once_over():
         result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                  target, "--shard", bad], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_torch_adapter_keeps_its_annotations_as_types():
+    """torch.library.custom_op builds the ops' schemas from the annotations; torch 2.4 (the oldest
+    torch the serving extra takes) reads them only as types, so cuattn/torch.py must not postpone
+    them (with the future import its import failed on 2.4: "Parameter q has unsupported type")."""
+    import ast
+
+    tree = ast.parse((ROOT / "cuattn" / "torch.py").read_text())
+    postponed = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module == "__future__" and any(alias.name == "annotations" for alias in node.names)]
+    assert postponed == [], f"cuattn/torch.py postpones annotations at line {postponed}"
