@@ -39,6 +39,7 @@ same ValueError on every rank instead of hanging the ring. torch and CuPy are im
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -505,6 +506,38 @@ def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float, refu
                              "every rank of the ring must call with shards of one shape and dtype and the same options")
 
 
+@contextlib.contextmanager
+def _ring_call(group, call: int, **named):
+    """One ring call's array context, its arrays' views (in ``named``'s order) and its group. A rank
+    whose arrays are refused here, before its ring exists, still meets its peers in the handshake
+    (_meet_refused), so that they raise at once naming it instead of waiting until their timeout."""
+    stack = contextlib.ExitStack()
+    with stack:
+        try:
+            _arrays.require(**{name: x for name, x in named.items() if name == "out"})
+            ctx = stack.enter_context(_arrays.array_context(**named))
+            views = tuple(ctx.view(x) for x in named.values())
+        except (ValueError, TypeError) as refused:
+            _meet_refused(group, call, refused)
+        ring = _as_group(group, ctx.kind, views[list(named).index("q")])
+        entered = stack.pop_all()
+    with entered:
+        yield ctx, views, ring
+
+
+def _meet_refused(group, call: int, refused: Exception) -> None:
+    """Raise ``refused``, this rank's error from before its ring existed, after meeting the other
+    ranks in the handshake where its group can gather without the call's arrays (a LocalGroup or an
+    NcclGroup; a torch.distributed group needs them for its device)."""
+    if isinstance(group, (LocalGroup, NcclGroup)):
+        try:
+            _handshake(group, call, None, None, False, None, 0.0, refused)  # raises `refused`
+        except Exception as met:  # noqa: BLE001 - whatever stops the gather, this rank's error stands
+            if met is not refused:  # the group could not gather (no NCCL, a peer gone)
+                raise refused from None
+    raise refused
+
+
 def _refusal(check) -> Exception | None:
     """The error of this rank's own checks (``check()``), or None: handed to _handshake, which
     raises it after meeting the other ranks."""
@@ -672,9 +705,7 @@ def ring_attention(q, k, v, group, *, causal=False, scale=None, softcap=0.0, ret
         ``out`` ``(B, S_local, Hq, D)`` in q's dtype and framework (queued on the caller's
         stream), or ``(out, lse)``. Every rank must call with the same shapes and options.
     """
-    with _arrays.array_context(q=q, k=k, v=v) as ctx:
-        qv, kv, vv = (ctx.view(x) for x in (q, k, v))
-        ring = _as_group(group, ctx.kind, qv)
+    with _ring_call(group, 0, q=q, k=k, v=v) as (ctx, (qv, kv, vv), ring):
 
         def check():
             _masks.check_options((-1, -1), softcap, scale, causal=causal, return_lse=return_lse)
@@ -693,10 +724,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
     forward; options must match it. dk and dv are the gradients of this rank's k and v summed
     over every rank's queries; each comes back to its owner around the ring.
     """
-    _arrays.require(out=out)
-    with _arrays.array_context(dout=dout, q=q, k=k, v=v, out=out, lse=lse) as ctx:
-        dov, qv, kv, vv, ov, lv = (ctx.view(x) for x in (dout, q, k, v, out, lse))
-        ring = _as_group(group, ctx.kind, qv)
+    with _ring_call(group, 1, dout=dout, q=q, k=k, v=v, out=out, lse=lse) as (ctx, views, ring):
+        dov, qv, kv, vv, ov, lv = views
 
         def check():
             _masks.check_options((-1, -1), softcap, scale, causal=causal)

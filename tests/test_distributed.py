@@ -205,25 +205,32 @@ def test_ring_refuses_bad_input_on_every_rank(body, error, match):
         _run_each(2, body)
 
 
+@pytest.mark.parametrize("bad", ["odd-length", "missing-array"])
 @pytest.mark.parametrize("call", ["forward", "backward"])
-def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, call):
+def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, call, bad):
     """Ranks that call on their own (no LocalGroup.run to abort the others): the rank whose shard is
     bad raises its own error, and its peer, which met it in the handshake, raises one naming it,
-    rather than waiting in the ring until the timeout."""
+    rather than waiting in the ring until the timeout. So too for an argument refused before the
+    ring exists (None for v or out: array_context's own check)."""
     import threading
 
     monkeypatch.setattr(distributed, "LOCAL_TIMEOUT_S", 20.0)
     groups = LocalGroup.create(2)
     errors = [None, None]
+    own_error = {"odd-length": (ValueError, "must be even with causal=True"),
+                 "missing-array": (TypeError, f"{'v' if call == 'forward' else 'out'} must be a NumPy, CuPy, torch "
+                                              "or JAX array")}[bad]
 
     def body(group):
         try:
-            q, k, v = _inputs(4 + group.rank)  # rank 1's S_local is odd
+            q, k, v = _inputs(4 + group.rank if bad == "odd-length" else 4)  # rank 1's S_local is odd
+            missing = bad == "missing-array" and group.rank == 1
             if call == "forward":
-                ring_attention(q, k, v, group, causal=True)
+                ring_attention(q, k, None if missing else v, group, causal=True)
             else:
                 out, lse = np.zeros_like(q), np.zeros((1, 2, q.shape[1]))
-                distributed.ring_attention_backward(q, q, k, v, out, lse.astype(np.float32), group, causal=True)
+                distributed.ring_attention_backward(q, q, k, v, None if missing else out, lse.astype(np.float32),
+                                                    group, causal=True)
         except Exception as error:  # noqa: BLE001 - each rank's error is the test's result
             errors[group.rank] = error
 
@@ -233,7 +240,7 @@ def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, 
     for t in threads:
         t.join(timeout=15)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting for its peer"
-    assert isinstance(errors[1], ValueError) and "must be even with causal=True" in str(errors[1]), errors
+    assert isinstance(errors[1], own_error[0]) and own_error[1] in str(errors[1]), errors
     assert isinstance(errors[0], ValueError) and str(errors[0]).startswith(
         "rank 1 of the ring refused its inputs (its own error says why), so this rank stops too"), errors
 
