@@ -514,7 +514,8 @@ def _ring_call(group, call: int, **named):
     stack = contextlib.ExitStack()
     with stack:
         try:
-            _arrays.require(**{name: x for name, x in named.items() if name == "out"})
+            if "out" in named:  # the backward's out, which array_context would let be None
+                _arrays.require(out=named["out"])
             ctx = stack.enter_context(_arrays.array_context(**named))
             views = tuple(ctx.view(x) for x in named.values())
         except (ValueError, TypeError) as refused:

@@ -1,5 +1,6 @@
-"""Shared test machinery: the `gpu` marker, random inputs, the tolerance rule (README, "Tests") and
-the tile order a varlen forward launch should list."""
+"""Shared test machinery: the `gpu` marker, `--shard I/N`, random inputs, the tolerance rule
+(README, "Tests"), the tile order a varlen forward launch should list, and stand-ins for a torch
+tensor, a torch dtype and a CuPy device array where neither torch nor a GPU is at hand (CI)."""
 
 from __future__ import annotations
 
