@@ -619,6 +619,12 @@ class KvScale:
 NO_SCALE = KvScale()
 
 
+def positive_normal_float32(values) -> bool:
+    """Whether every value (float32 already) is finite, positive and normal in float32: a descale
+    the kernels can multiply by without losing bits."""
+    return bool(np.all(np.isfinite(values)) and np.all(np.asarray(values) >= np.finfo(np.float32).tiny))
+
+
 def scalar_scale(name: str, scale, shapes: str) -> float | None:
     """A descale given as a number (an e4m3 cache's k_scale / v_scale, the FP8 forward's q, k and
     v scales): its value rounded to float32, the type the kernels take it in, so that the CPU path
@@ -631,7 +637,7 @@ def scalar_scale(name: str, scale, shapes: str) -> float | None:
         raise TypeError(f"{name} must be a float or a float32 array of shape {shapes}, got {type(scale).__name__}")
     with np.errstate(over="ignore", under="ignore"):
         value = float(np.float32(as_float(scale)))
-    if not (np.isfinite(value) and value >= np.finfo(np.float32).tiny):
+    if not positive_normal_float32(value):
         raise ValueError(f"{name} must be a positive float, finite and normal in float32 (the kernels' type), "
                          f"got {show_number(scale)}")
     return value

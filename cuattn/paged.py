@@ -438,7 +438,7 @@ class PagedKVCache:
             host = np.asarray(given, np.float64).astype(np.float32)
         if host.shape not in ((), (1,), (self.num_kv_heads,)):
             raise ValueError(f"{name}.shape must be (), (1,) or (Hk,) = ({self.num_kv_heads},), got {host.shape}")
-        if not (np.isfinite(host).all() and (host >= np.finfo(np.float32).tiny).all()):
+        if not _arrays.positive_normal_float32(host):
             raise ValueError(f"{name} must be positive, finite and normal in float32 (the kernels' type), got "
                              f"{np.asarray(given).tolist()}")
         if not self.e4m3 and (host != 1).any():
