@@ -597,24 +597,19 @@ class PagedKVCache:
 QUANTIZED_WRITE_TYPES = {**_arrays.CUDA_TYPES, np.dtype(np.float32): "float"}
 
 
-# What names e4m3 besides ml_dtypes' float8_e4m3fn: its name and torch's dtype (as str() gives them).
-E4M3_NAMES = ("float8_e4m3fn", "torch.float8_e4m3fn")
-
-
-# torch's dtypes a cache takes, by the name str() gives them (NumPy cannot read torch's dtypes)
-TORCH_CACHE_DTYPES = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": _arrays.BFLOAT16,
-                      "torch.float32": np.dtype(np.float32)}
+# Cache dtypes given by name (as str() gives them) that NumPy cannot read or would not take as
+# e4m3: torch's dtypes, and e4m3's own name.
+CACHE_DTYPE_NAMES = {"float8_e4m3fn": _arrays.FLOAT8_E4M3, "torch.float8_e4m3fn": _arrays.FLOAT8_E4M3,
+                     "torch.float16": np.dtype(np.float16), "torch.bfloat16": _arrays.BFLOAT16,
+                     "torch.float32": np.dtype(np.float32)}
 
 
 def _cache_dtype(dtype) -> np.dtype:
-    """A cache dtype as NumPy's: torch.float8_e4m3fn and "float8_e4m3fn" name e4m3 too, and
-    torch.float16, torch.bfloat16 (TORCH_CACHE_DTYPES) their NumPy twins."""
+    """A cache dtype as NumPy's: NumPy's own, or one CACHE_DTYPE_NAMES names."""
     if dtype is None:
         raise TypeError("dtype must be a float dtype (float16, bfloat16, float8_e4m3fn, ...), got None")
-    if str(dtype) in E4M3_NAMES:
-        return _arrays.FLOAT8_E4M3
-    if str(dtype) in TORCH_CACHE_DTYPES:
-        return TORCH_CACHE_DTYPES[str(dtype)]
+    if str(dtype) in CACHE_DTYPE_NAMES:
+        return CACHE_DTYPE_NAMES[str(dtype)]
     try:
         return np.dtype(dtype)
     except TypeError as exc:
