@@ -447,8 +447,10 @@ def show_number(value) -> str:
 
 
 def check_int32(name: str, x) -> None:
-    if np.dtype(x.dtype) != np.int32:
-        raise TypeError(f"{name}.dtype must be int32, got {dtype_name(x.dtype)}")
+    """An int32 argument (lengths, tables, prefix sums), any framework's array: its dtype is read by
+    name, so a caller's torch array is checked before it is copied to the host (to_numpy)."""
+    if any_dtype_name(x.dtype) != "int32":
+        raise TypeError(f"{name}.dtype must be int32, got {any_dtype_name(x.dtype)}")
 
 
 INT32_RANGE = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
@@ -528,9 +530,10 @@ def check_same_device(name: str, x, ref_name: str, ref) -> None:
 
 
 def check_float32(name: str, x, what: str = "") -> None:
-    """A float32 argument (sinks, slopes, lse, descales: the kernels' type), on either path."""
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"{name}.dtype must be float32{what}, got {dtype_name(x.dtype)}")
+    """A float32 argument (sinks, slopes, lse, descales: the kernels' type), on either path; its
+    dtype read by name, as check_int32's."""
+    if any_dtype_name(x.dtype) != "float32":
+        raise TypeError(f"{name}.dtype must be float32{what}, got {any_dtype_name(x.dtype)}")
 
 
 def check_sinks(sinks, num_heads: int, host: bool, ref_name: str, ref) -> None:

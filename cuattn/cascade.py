@@ -315,6 +315,8 @@ def _check_suffix_lengths(seq_lens, q, check: bool):
     if _arrays.array_kind(seq_lens, "seq_lens") == "numpy":
         lens = seq_lens
     elif check:
+        # the dtype first: a torch dtype NumPy lacks would fail the copy with torch's own message
+        _arrays.check_int32("seq_lens", seq_lens)
         lens = _arrays.to_numpy(seq_lens)
     else:
         return seq_lens

@@ -426,8 +426,9 @@ class PagedKVCache:
     def _scale_per_head(self, name: str, value, xp):
         """A cache scale as float32 ``(Hk,)`` on the pages' device; only an e4m3 cache has scales other than 1."""
         if _arrays.is_array(value):
+            # the dtype before the copy, which a torch dtype NumPy lacks would fail
+            _arrays.check_float32(name, value)
             given = _arrays.to_numpy(value)
-            _arrays.check_float32(name, given)
         elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
             given = _arrays.as_float(value)
         else:

@@ -248,7 +248,11 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
 def _host_prefix_sums(cu):
     """The prefix sums on the host (a device array is copied: the runs are planned from them)."""
     cu = _arrays.host_int32("cu_seqlens_q", cu)
-    return cu if _arrays.array_kind(cu, "cu_seqlens_q") == "numpy" else _arrays.to_numpy(cu)
+    if _arrays.array_kind(cu, "cu_seqlens_q") == "numpy":
+        return cu
+    # the dtype before the copy: a torch dtype NumPy lacks would fail it with torch's own message
+    _arrays.check_int32("cu_seqlens_q", cu)
+    return _arrays.to_numpy(cu)
 
 
 def _one_token_block(lengths: np.ndarray, selected: np.ndarray) -> tuple[int, int] | None:

@@ -74,6 +74,18 @@ def test_is_e4m3_reads_a_dtype_numpy_cannot(name, expected):
     assert not _arrays.is_e4m3(np.zeros(1, BF16))
 
 
+@pytest.mark.parametrize("check, wanted", [(_arrays.check_int32, "int32"), (_arrays.check_float32, "float32")])
+def test_int32_and_float32_checks_read_a_dtype_numpy_cannot(check, wanted):
+    """The callers check a caller's raw array before copying it to the host, where a torch dtype
+    NumPy lacks (float8_e5m2) failed with torch's message, not the argument's."""
+    check("x", Tensor((2,), wanted))
+    check("x", np.zeros(2, wanted))
+    with pytest.raises(TypeError, match=rf"^x.dtype must be {wanted}, got float8_e5m2$"):
+        check("x", Tensor((2,), "float8_e5m2"))
+    with pytest.raises(TypeError, match=rf"^x.dtype must be {wanted}, got {wanted} \(big-endian\)$"):
+        check("x", np.zeros(2, np.dtype(wanted).newbyteorder(">")))
+
+
 def test_torch_cpu_tensors_are_refused_before_cupy_is_needed(monkeypatch):
     """The answer to a CPU tensor is the same on a machine without CuPy (it was its ImportError)."""
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError

@@ -128,6 +128,20 @@ def test_cascade_argument_errors():
                                   cuattn.cascade_attention(q, prefix, pages, table, lens))
 
 
+def test_device_seq_lens_are_checked_before_their_copy():
+    """With check=True device lengths are copied to the host; their dtype is checked first, so a
+    torch dtype NumPy lacks gets seq_lens' message, not torch's (the copy's)."""
+    from cuattn import cascade as cascade_module
+    from conftest import Tensor
+
+    q = np.zeros((2, 1, 4, 64), np.float32)
+    lens = Tensor((2,), "float8_e5m2")
+    lens.is_cuda, lens.device = True, "cuda:0"
+    with pytest.raises(TypeError, match=r"^seq_lens.dtype must be int32, got float8_e5m2$"):
+        cascade_module._check_suffix_lengths(lens, q, True)
+    assert cascade_module._check_suffix_lengths(lens, q, False) is lens, "without check nothing is read"
+
+
 def test_default_prefix_splits_fill_the_sms(monkeypatch):
     from cuattn import _jit, cascade
 

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cuattn
 from cuattn import _arrays, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, check_decode, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, Tensor, check_decode, error_budget, randn
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 
@@ -695,6 +695,15 @@ def test_copy_blocks_errors(pairs, error, message):
     assert not cache.k_pages[1:].any(), "a refused copy changed the cache"
     cache.copy_blocks(np.array([[0, 1]], np.int32))
     np.testing.assert_array_equal(cache.k_pages[1], cache.k_pages[0])
+
+
+def test_a_scale_of_a_dtype_numpy_lacks_is_refused_by_name():
+    """A torch scale is checked before its copy to the host: float8_e5m2 (which NumPy cannot hold)
+    failed there with torch's message, not the argument's."""
+    with pytest.raises(TypeError, match=r"^k_scale.dtype must be float32, got float8_e5m2$"):
+        cuattn.PagedKVCache(8, 4, 2, 64, "float8_e4m3fn", device="cpu", k_scale=Tensor((2,), "float8_e5m2"))
+    with pytest.raises(TypeError, match=r"^v_scale.dtype must be float32, got float16$"):
+        cuattn.PagedKVCache(8, 4, 2, 64, "float8_e4m3fn", device="cpu", v_scale=Tensor((2,), "float16"))
 
 
 def test_duplicate_host_slot_ids_are_refused_on_the_device_path_too():

@@ -229,6 +229,17 @@ def test_lists_are_host_int32_arrays():
         cuattn.paged_attention_varlen(q, pages, (table + 0.5).tolist(), cu, lens, 40)
 
 
+def test_device_prefix_sums_are_checked_before_their_copy():
+    """cu_seqlens_q on the device is copied to the host (the runs are planned from it); its dtype
+    is checked first, so a torch dtype NumPy lacks gets the argument's message, not torch's."""
+    from conftest import Tensor
+
+    cu = Tensor((3,), "float8_e5m2")
+    cu.is_cuda, cu.device = True, "cuda:0"
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q.dtype must be int32, got float8_e5m2$"):
+        importlib.import_module("cuattn.paged_varlen")._host_prefix_sums(cu)
+
+
 def test_sequences_without_queries_are_checked_too():
     """A call checks every sequence it is given: those without queries (which no run reads) and
     a call without any query, whose arguments are checked all the same; errors name the caller's
