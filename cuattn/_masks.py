@@ -84,9 +84,14 @@ def _check_options_generic(window, softcap, scale, flags) -> tuple[int, int]:
     return min(left, MAX_TOTAL_LENGTH), min(right, MAX_TOTAL_LENGTH)
 
 
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale a call uses: ``scale``, or 1/sqrt(head_dim) for None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
 def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
     """(score_scale, softcap_out) of MaskParams: scale * log2(e) and 0, or scale / softcap and softcap * log2(e)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = resolve_scale(scale, head_dim)
     if softcap > 0:
         return scale / softcap, softcap * LOG2E
     return scale * LOG2E, 0.0

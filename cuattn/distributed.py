@@ -483,10 +483,12 @@ def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float, refu
     the others waiting in the ring for a rank that has left."""
     if refused is None:
         dtype = _arrays.dtype_name(q.dtype)
-        scale_bits = np.float64(-1.0 if scale is None else scale).view(np.int64)
+        # scale and softcap as the kernels hold them (float32, the default scale resolved, -0.0 as
+        # 0.0): scale=None and an explicit 1/sqrt(D) are one option
+        scale_used = np.float32(_masks.resolve_scale(scale, int(q.shape[3])))
         fields = [call, *map(int, q.shape[:3]), int(k.shape[2]), int(q.shape[3]),
-                  _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1, int(bool(causal)), scale_bits,
-                  np.float64(softcap).view(np.int64)]
+                  _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1, int(bool(causal)),
+                  *(np.float64(x + np.float32(0.0)).view(np.int64) for x in (scale_used, np.float32(softcap)))]
     else:
         fields = [call] + [-1] * (len(_HANDSHAKE_FIELDS) - 1)
     every = group.all_gather(np.array([int(refused is None), *fields], dtype=np.int64))
@@ -553,8 +555,7 @@ def _shown(field: str, value) -> str:
     if field == "q.dtype":
         return _DTYPE_CODES[value] if 0 <= value < len(_DTYPE_CODES) else "another dtype"
     if field in ("scale", "softcap"):
-        number = float(np.int64(value).view(np.float64))
-        return "None (1/sqrt(D))" if field == "scale" and number == -1.0 else repr(number)
+        return str(np.float32(np.int64(value).view(np.float64)))
     if field == "causal":
         return str(bool(value))
     return str(int(value))

@@ -17,7 +17,6 @@ breaking the graph. ``ring_attention`` (context parallelism over a process group
 
 # no `from __future__ import annotations`: torch 2.4's custom_op reads the annotations as types
 # to build the schema, and strings (postponed annotations) only from a later release
-import math
 from typing import Optional
 
 import torch
@@ -111,7 +110,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor (cuattn.torch.attention), got {type(x).__name__}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _masks.resolve_scale(scale, q.shape[-1])
     out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap),
                             bool(deterministic))
     return out

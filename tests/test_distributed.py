@@ -195,7 +195,9 @@ def _run_each(world_size, body):
     (lambda g: ring_attention(*_inputs(dtype=(np.float64, np.float32)[g.rank]), g), ValueError,
      r"q.dtype differs between ranks: rank 0 has float64, rank 1 has float32"),
     (lambda g: ring_attention(*_inputs(), g, scale=(None, 0.5)[g.rank]), ValueError,
-     r"scale differs between ranks: rank 0 has None \(1/sqrt\(D\)\), rank 1 has 0.5"),
+     r"scale differs between ranks: rank 0 has 0.17677669, rank 1 has 0.5"),
+    (lambda g: ring_attention(*_inputs(), g, softcap=(0.0, 30.0)[g.rank]), ValueError,
+     r"softcap differs between ranks: rank 0 has 0.0, rank 1 has 30.0"),
     # one rank's bad input stops its peers too (they raise PeerFailedError; the bad rank's error wins)
     (lambda g: ring_attention(*_inputs(4 + g.rank), g, causal=True), ValueError,
      r"q.shape\[1\] \(S_local\) = 5 must be even with causal=True"),
@@ -203,6 +205,17 @@ def _run_each(world_size, body):
 def test_ring_refuses_bad_input_on_every_rank(body, error, match):
     with pytest.raises(error, match=match):
         _run_each(2, body)
+
+
+def test_ranks_agree_on_options_spelled_differently(rng):
+    """The handshake compares the options the kernels use: scale=None on one rank and an explicit
+    1/sqrt(D) on another, or softcap 0.0 and -0.0 (both: no cap), are one call (they were refused
+    as different)."""
+    q, k, v = (randn(rng, (1, 4 * CHUNK, 2, HEAD_DIM), np.float64) for _ in range(3))
+    got = _run_each(2, lambda g: ring_attention(*(_shard(x, g.rank, 2, True) for x in (q, k, v)), g, causal=True,
+                                                scale=(None, 1 / np.sqrt(HEAD_DIM))[g.rank],
+                                                softcap=(0.0, -0.0)[g.rank]))
+    _close("out", _unshard(got, True, axis=1), reference.attention(q, k, v, causal=True), rng.seed)
 
 
 @pytest.mark.parametrize("bad", ["odd-length", "missing-array"])
