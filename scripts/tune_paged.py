@@ -1,8 +1,8 @@
 """Graph-timed paged decode TB/s (and us) over num_splits (GQA 32/8, D 128, bf16, block_size 16, shuffled blocks).
 
-python scripts/tune_paged.py [--pages=ORDER] [--e4m3] [--paged-tile=W:S] [B:L ...]   (default 1:32768
-64:2048); each shape is
-drawn twice with fresh shuffles, to show how much the placement of the blocks moves the figure.
+python scripts/tune_paged.py [--pages=ORDER] [--e4m3] [--paged-tile=W:S] [B:L ...]
+    (default 1:32768 64:2048); each shape is drawn twice with fresh shuffles, to show how much the
+    placement of the blocks moves the figure.
 --pages=in-order | interleaved: each sequence's blocks one after another (a freshly filled pool),
 or interleaved as sequences that grew in lock step get them (cuattn.bench.cases.block_table), to
 tell the cost of scattered pages (TLB reach, DRAM locality) from the cost of the lookup itself.
