@@ -248,10 +248,9 @@ class ArrayContext:
         """What the checks and kernels work on: NumPy arrays as they are, device arrays as zero-copy CuPy views."""
         if x is None or self.kind in ("numpy", "cupy"):
             return x
-        if self.kind == "torch" and not x.is_cuda:
+        if self.kind == "torch":
             # an array beside the named ones (a scale) that array_context did not see
-            raise ValueError(f"torch tensors must be on a CUDA device, got {x.device}; for CPU work pass NumPy "
-                             "arrays (x.numpy())")
+            check_torch_on_cuda(x)
         import cupy
 
         if self.kind == "torch":
@@ -279,6 +278,14 @@ class ArrayContext:
         return jnp.from_dlpack(x)
 
 
+def check_torch_on_cuda(x, name: str | None = None) -> None:
+    """A torch tensor the kernels can read: on a CUDA device (``name``, where given, says which
+    argument is not)."""
+    if not x.is_cuda:
+        raise ValueError(f"torch tensors must be on a CUDA device, got {x.device}{f' for {name}' if name else ''}; "
+                         "for CPU work pass NumPy arrays (x.numpy())")
+
+
 @contextlib.contextmanager
 def array_context(**named):
     """Enter a call: pick the framework and device of ``named`` arrays and make the caller's stream current.
@@ -298,11 +305,8 @@ def array_context(**named):
     # every tensor, not the first alone (a CPU k beside a CUDA q would reach CuPy's DLPack import),
     # and before CuPy is imported: a machine without it gets this answer too
     for name, x in named.items() if kind == "torch" else ():
-        if x is not None and not x.is_cuda:
-            raise ValueError(
-                f"torch tensors must be on a CUDA device, got {x.device}{'' if x is first else f' for {name}'}; "
-                "for CPU work pass NumPy arrays (x.numpy())"
-            )
+        if x is not None:
+            check_torch_on_cuda(x, None if x is first else name)
     import cupy
 
     if kind == "torch":
