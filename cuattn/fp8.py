@@ -52,7 +52,7 @@ def fp8_scales(x, *, per_head: bool = False):
             amax = xp.zeros((int(xv.shape[-2]),) if per_head else (), xp.float32)
         # 1 for an all-zero tensor (or head); NaN or inf in x stays NaN or inf in its scale
         scale = xp.where(amax == 0, np.float32(1), amax / np.float32(_arrays.E4M3_MAX)).astype(np.float32)
-        return _scale_to_caller(scale, ctx)
+        return _float32_to_caller(scale, ctx)
 
 
 def quantize_fp8(x, scale):
@@ -143,9 +143,29 @@ def _fwht(x, xp):
 
 def hadamard_rotate(x, signs):
     """``x`` (..., D) times diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix, D a power of
-    two), in float32: an orthogonal map, so rotating q and k by it leaves q k^T unchanged. NumPy or
-    CuPy arrays (torch through ``quantize_qkv``); ``signs`` (D,) of +-1."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    two), in float32: an orthogonal map, so rotating q and k by it leaves q k^T unchanged (rotate a
+    decode step's q by the signs its cache's keys were rotated with). ``x`` of any framework
+    (fp16, bf16, fp32; float64 too on the CPU path); ``signs`` (D,) of +-1, a NumPy array or list,
+    or an array of x's framework (:func:`random_signs` draws them). Returns a float32 array of x's
+    framework."""
+    named = {"x": x}
+    if _arrays.is_array(signs) and not isinstance(signs, np.ndarray):
+        named["signs"] = signs  # on x's device, in x's framework
+    with _arrays.array_context(**named) as ctx:
+        xv = ctx.view(x)
+        if xv.ndim < 1:
+            raise ValueError(f"x must be (..., D) with at least 1 axis, got shape {tuple(xv.shape)}")
+        (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)("x", xv)
+        sv = ctx.view(signs) if "signs" in named else np.asarray(signs)
+        d = int(xv.shape[-1])
+        if tuple(sv.shape) != (d,):
+            raise ValueError(f"signs must have shape (D,) = ({d},) (x.shape[-1]), got {tuple(sv.shape)}")
+        xp = np if ctx.on_host else __import__("cupy")
+        return _float32_to_caller(_rotate(xv, sv, xp), ctx)
+
+
+def _rotate(x, signs, xp):
+    """hadamard_rotate on checked arrays of one module (NumPy or CuPy)."""
     d = int(x.shape[-1])
     if d & (d - 1) or d == 0:
         raise ValueError(f"x.shape[-1] (D) must be a power of two for the Hadamard rotation, got {d}")
@@ -212,12 +232,12 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
         for name, rows in (("q", q_rows), ("k", k_rows), ("v", k_rows)):
             x = views[name].astype(xp.float32)
             if signs is not None and name != "v":
-                x = hadamard_rotate(x, signs)
+                x = _rotate(x, signs, xp)
             level = "head" if name == "v" and granularity == "block" else granularity
             scale, ratio = _scales_and_ratio(x, level, rows, xp)
             scales.append(scale)
             results.append(_quantize_ratio(xp.ascontiguousarray(ratio, xp.float32), ctx))
-        return (*results, *(_scale_to_caller(sc, ctx) for sc in scales))
+        return (*results, *(_float32_to_caller(sc, ctx) for sc in scales))
 
 
 def _quantize_ratio(ratio, ctx):
@@ -233,9 +253,10 @@ def _quantize_ratio(ratio, ctx):
     return ctx.to_caller(out)
 
 
-def _scale_to_caller(scale, ctx):
+def _float32_to_caller(x, ctx):
+    """A float32 result (NumPy or CuPy) in the caller's framework, in memory of its allocator."""
     if ctx.on_host:
-        return np.asarray(scale, np.float32)
-    out = ctx.empty(scale.shape, np.float32)
-    out[...] = scale
+        return np.asarray(x, np.float32)
+    out = ctx.empty(x.shape, np.float32)
+    out[...] = x
     return ctx.to_caller(out)

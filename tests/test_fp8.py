@@ -584,6 +584,28 @@ def test_torch_float8_caches(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_hadamard_rotate_on_the_gpu_matches_the_host(rng, kind):
+    x_host = outlier_inputs(rng, (3, 5, 2, 128)).astype(BF16)
+    signs = cuattn.fp8.random_signs(128, 7)
+    expected = cuattn.fp8.hadamard_rotate(x_host, signs)
+    if kind == "cupy":
+        cupy = _cupy()
+        x, device_signs = cupy.asarray(x_host), cupy.asarray(signs)
+    else:
+        torch = pytest.importorskip("torch")
+        x = torch.from_numpy(x_host.astype(np.float32)).to("cuda").bfloat16()
+        device_signs = torch.from_numpy(signs).to("cuda")
+    for given in (signs, list(signs), device_signs):  # host signs, or x's framework's
+        out = cuattn.fp8.hadamard_rotate(x, given)
+        assert _arrays.array_kind(out) == kind and str(out.dtype).endswith("float32")
+        np.testing.assert_allclose(_arrays.to_numpy(out), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="x.dtype is int32; expected float16, bfloat16 or float32"):
+        cuattn.fp8.hadamard_rotate(x[..., 0:64].int() if kind == "torch" else x[..., 0:64].astype(np.int32),
+                                   np.ones(64))
+
+
+@pytest.mark.gpu
 def test_fp8_device_argument_errors():
     cupy = _cupy()
     q = cupy.zeros((1, 1, 4, 32), BF16)
@@ -787,6 +809,12 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=True, seed=-1)
     with pytest.raises(ValueError, match="must be a power of two for the Hadamard rotation, got 96"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 96), np.float32), np.ones(96))
+    with pytest.raises(ValueError, match=r"signs must have shape \(D,\) = \(64,\) \(x.shape\[-1\]\), got \(32,\)"):
+        cuattn.fp8.hadamard_rotate(np.zeros((2, 64), np.float32), np.ones(32))
+    with pytest.raises(ValueError, match=r"x must be \(..., D\) with at least 1 axis, got shape \(\)"):
+        cuattn.fp8.hadamard_rotate(np.ones((), np.float32), np.ones(1))
+    with pytest.raises(TypeError, match="x.dtype is int32; expected float16, bfloat16, float32 or float64"):
+        cuattn.fp8.hadamard_rotate(np.zeros((2, 64), np.int32), np.ones(64))
 
 
 def _require_sm90():
