@@ -39,6 +39,8 @@ TABLE_PAD = -1
 MAX_BLOCK_SIZE = 256
 # Token ids the prefix cache's hash chain takes (each hashed as an int64).
 TOKEN_ID_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+# dtypes of token-id arrays, by name (any framework's)
+INTEGER_DTYPE_NAMES = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64))
 
 
 def _check_pool(num_blocks: int, block_size: int) -> None:
@@ -286,6 +288,11 @@ class BlockManager:
         """The token ids as ints (None when not given or caching is off)."""
         if token_ids is None or not self.enable_prefix_caching:
             return None
+        if _arrays.is_array(token_ids) and _arrays.any_dtype_name(token_ids.dtype) not in INTEGER_DTYPE_NAMES:
+            # told by name before any copy: a framework's dtype NumPy lacks (torch.float8_e5m2)
+            shape = tuple(token_ids.shape)
+            raise ValueError(f"token_ids must be {num_tokens} integers (one per token), got "
+                             f"{shape[0] if len(shape) == 1 else shape} of {_arrays.any_dtype_name(token_ids.dtype)}")
         try:
             # the block manager lives on the host: a device array of ids is copied there
             ids = np.asarray(_arrays.to_numpy(token_ids) if _arrays.is_array(token_ids) else token_ids)

@@ -243,6 +243,9 @@ def test_prefix_caching_errors_and_out_of_blocks_change_nothing():
         m.allocate("a", 3, token_ids=np.array([1, 2], np.int64))
     with pytest.raises(ValueError, match=r"token_ids must be 2 integers \(one per token\), got 2 of float64"):
         m.allocate("a", 2, token_ids=[1.5, 2.0])
+    # a framework's dtype NumPy cannot read is refused by name, before any copy
+    with pytest.raises(ValueError, match=r"token_ids must be 2 integers \(one per token\), got 2 of float8_e5m2"):
+        m.allocate("a", 2, token_ids=Tensor((2,), "float8_e5m2"))
     m.allocate("a", 4, token_ids=[1, 2, 3, 4])
     m.free("a")  # both blocks cached and free
     before = (m.refcount.tolist(), list(m._free), list(m._evictable), dict(m._block_of_hash))
