@@ -110,6 +110,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor (cuattn.torch.attention), got {type(x).__name__}")
+    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch tensor or None (cuattn.torch.attention), got "
+                            f"{type(x).__name__}")
     scale = _masks.resolve_scale(scale, q.shape[-1])
     out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap),
                             bool(deterministic))

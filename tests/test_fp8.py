@@ -809,7 +809,8 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=True, seed=-1)
     with pytest.raises(ValueError, match="must be a power of two for the Hadamard rotation, got 96"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 96), np.float32), np.ones(96))
-    with pytest.raises(ValueError, match=r"signs must have shape \(D,\) = \(64,\) \(x.shape\[-1\]\), got \(32,\)"):
+    with pytest.raises(ValueError, match=r"signs must have shape \(D,\) = \(64,\) \(x.shape\[-1\]\), got "
+                                         r"\(32,\)"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 64), np.float32), np.ones(32))
     with pytest.raises(ValueError, match=r"x must be \(..., D\) with at least 1 axis, got shape \(\)"):
         cuattn.fp8.hadamard_rotate(np.ones((), np.float32), np.ones(1))

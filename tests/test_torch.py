@@ -151,3 +151,8 @@ def test_options_are_checked_by_name_before_the_op_converts_them(options, error,
         cuattn.torch.attention(q, q, q, **options)
     with pytest.raises(TypeError, match=r"k must be a torch tensor \(cuattn.torch.attention\), got NoneType"):
         cuattn.torch.attention(q, None, q)
+    # the op's schema would refuse them in its own words
+    for name in ("sinks", "alibi_slopes"):
+        message = rf"{name} must be a float32 torch tensor or None \(cuattn.torch.attention\), got ndarray"
+        with pytest.raises(TypeError, match=message):
+            cuattn.torch.attention(q, q, q, **{name: np.zeros(2, np.float32)})
