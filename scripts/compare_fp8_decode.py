@@ -1,9 +1,10 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py [--pages=ORDER] [--paged-tile=WARPS:STAGES] [B:L ...]
+python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--paged-tile=WARPS:STAGES] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
-    block size 16, check=False, blocks shuffled across the pool, or with --pages=in-order or
-    interleaved laid out as cuattn.bench.cases.block_table says. CUDA-graph step times (20 calls
+    block size 16 (or --block-size, which must divide each L), check=False, blocks shuffled across
+    the pool, or with --pages=in-order or interleaved laid out as cuattn.bench.cases.block_table
+    says. CUDA-graph step times (20 calls
     a graph), and the largest difference of each output from the bf16 contiguous decode. Shapes
     default to SHAPES.
     --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
@@ -19,11 +20,12 @@ import numpy as np
 import cuattn
 from cuattn.bench import cases as bench_cases, timing
 
-HQ, HK, D, BLOCK = 32, 8, 128, 16
+HQ, HK, D = 32, 8, 128
+DEFAULT_BLOCK = 16
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
-def compare(batch: int, seqlen: int, order: str, rng) -> None:
+def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
     """Time the four decode steps of one (B, L) and print them with the e4m3 speedups."""
     bf16 = cupy.dtype("bfloat16")
     q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
@@ -31,13 +33,13 @@ def compare(batch: int, seqlen: int, order: str, rng) -> None:
     lens = cupy.full((batch,), seqlen, np.int32)
     k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
     k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
-    # the same caches as pages of BLOCK tokens, placed in the pool as `order` says
-    num_blocks = batch * seqlen // BLOCK
+    # the same caches as pages of `block` tokens, placed in the pool as `order` says
+    num_blocks = batch * seqlen // block
     table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
 
     def pages(x):
-        out = cupy.empty((num_blocks, BLOCK, HK, D), x.dtype)  # [num_blocks, BLOCK, Hk, D]
-        out[table.reshape(-1)] = x.reshape(num_blocks, BLOCK, HK, D)
+        out = cupy.empty((num_blocks, block, HK, D), x.dtype)  # [num_blocks, block, Hk, D]
+        out[table.reshape(-1)] = x.reshape(num_blocks, block, HK, D)
         return out
 
     kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
@@ -79,11 +81,18 @@ def main(argv):
     tile = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--paged-tile=")), None)
     if tile is not None:
         set_paged_tile(tile)
+    block_arg = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--block-size=")), str(DEFAULT_BLOCK))
+    if not block_arg.isdigit():
+        raise SystemExit(f"--block-size takes a positive int, got {block_arg!r}")
+    block = int(block_arg)
     shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or SHAPES
-    rng = np.random.default_rng(0)
-    print(f"paged caches: blocks {order}", flush=True)
     for batch, seqlen in shapes:
-        compare(batch, seqlen, order, rng)
+        if block < 1 or seqlen % block:
+            raise SystemExit(f"--block-size must divide each L, got {block} for L = {seqlen}")
+    rng = np.random.default_rng(0)
+    print(f"paged caches: {block}-token blocks {order}", flush=True)
+    for batch, seqlen in shapes:
+        compare(batch, seqlen, order, block, rng)
         # the shape's caches are gone with compare's frame: give their memory back before the next
         cupy.get_default_memory_pool().free_all_blocks()
 
