@@ -4,9 +4,8 @@ python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--paged-t
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
     block size 16 (or --block-size, which must divide each L), check=False, blocks shuffled across
     the pool, or with --pages=in-order or interleaved laid out as cuattn.bench.cases.block_table
-    says. CUDA-graph step times (20 calls
-    a graph), and the largest difference of each output from the bf16 contiguous decode. Shapes
-    default to SHAPES.
+    says. CUDA-graph step times (20 calls a graph), and the largest difference of each output from
+    the bf16 contiguous decode. Shapes default to SHAPES.
     --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
     D = 128) with this many warps a CTA and ring stages, for this run: the experiment of whether
     the contiguous cache's eight-warp stage helps over pages too (compiled on first use).
