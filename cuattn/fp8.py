@@ -110,8 +110,8 @@ def _quantize_on_device(x, scale: _arrays.KvScale, heads: int, head_dim: int, st
     pages = out.reshape(1, num_tokens, heads, head_dim)
     ts, ps = _arrays.element_strides(tokens), _arrays.element_strides(pages)
     params = _params.pack(
-        "CacheParams", k=tokens, v=tokens, slot_ids=None, pairs=None, k_pages=pages, v_pages=pages,
-        k_scale=per_head, v_scale=per_head, k_sn=ts[0], k_sh=ts[1], v_sn=ts[0], v_sh=ts[1],
+        "CacheParams", k=tokens, v=tokens, slot_ids=None, slot_ids_wide=None, pairs=None, k_pages=pages,
+        v_pages=pages, k_scale=per_head, v_scale=per_head, k_sn=ts[0], k_sh=ts[1], v_sn=ts[0], v_sh=ts[1],
         kp_sp=ps[0], kp_ss=ps[1], kp_sh=ps[2], vp_sp=ps[0], vp_ss=ps[1], vp_sh=ps[2],
         num_tokens=num_tokens, num_kv_heads=heads, head_dim=head_dim, head_dim_v=head_dim, block_size=num_tokens,
         num_blocks=1,

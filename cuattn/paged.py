@@ -501,9 +501,7 @@ class PagedKVCache:
 
             for name, x in (("k", kv_), ("v", vv_)):
                 _arrays.check_kernel_layout(name, x)
-            # the kernel reads slot n at slot_ids[n]: a strided view is copied first
-            slots = cupy.ascontiguousarray(cupy.asarray(slots, dtype=cupy.int32))
-            self._launch_write(kv_, vv_, slots, ctx.stream)
+            self._launch_write(kv_, vv_, _kernel_slots(cupy.asarray(slots)), ctx.stream)
 
     def copy_blocks(self, pairs) -> None:
         """Run ``(src, dst)`` page copies (both K and V) in one launch; an empty list does nothing.
@@ -553,7 +551,7 @@ class PagedKVCache:
         spec = cache_spec("copy_blocks_kernel", self.dtype)
         chunks = self.block_size * self.num_kv_heads * self._chunks_per_row()
         pairs_d = cupy.ascontiguousarray(cupy.asarray(pairs, dtype=cupy.int32))  # [P, 2], read as 2 P ints
-        params = self._cache_params(k=None, v=None, slot_ids=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
+        params = self._cache_params(k=None, v=None, slot_ids=None, slot_ids_wide=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
                                     num_tokens=0)
         with cupy.cuda.Device(self.k_pages.device.id):
             _jit.prepare(spec, (len(pairs), math.ceil(chunks / _params.constant("kCacheThreads")), 1), params).run(_jit.stream_ptr(None))
@@ -587,15 +585,16 @@ class PagedKVCache:
         self.k_pages[pages, offsets] = k
         self.v_pages[pages, offsets] = v
 
-    def _launch_write(self, k, v, slots, stream) -> None:
+    def _launch_write(self, k, v, slots: tuple, stream) -> None:
+        """The write kernel over ``slots``, _kernel_slots' (int32 ids, int64 ids): one is None."""
         num_tokens = int(k.shape[0])
         if num_tokens == 0:
             return
         spec = cache_spec("cache_write_kernel", self.dtype, k.dtype)
         ks, vs = _arrays.element_strides(k), _arrays.element_strides(v)
         chunks = num_tokens * self.num_kv_heads * self._chunks_per_row()
-        params = self._cache_params(k=k, v=v, slot_ids=slots, pairs=None, k_sn=ks[0], k_sh=ks[1], v_sn=vs[0],
-                                    v_sh=vs[1], num_tokens=num_tokens)
+        params = self._cache_params(k=k, v=v, slot_ids=slots[0], slot_ids_wide=slots[1], pairs=None, k_sn=ks[0],
+                                    k_sh=ks[1], v_sn=vs[0], v_sh=vs[1], num_tokens=num_tokens)
         _jit.prepare(spec, (math.ceil(chunks / _params.constant("kCacheThreads")), 1, 1), params).run(_jit.stream_ptr(stream))
 
 
@@ -637,6 +636,19 @@ def _check_slot_layout(slots, num_tokens: int) -> None:
         raise ValueError(f"slot_ids must be 1-D (N,) with N = k.shape[0] = {num_tokens}, got shape {slots.shape}")
     if slots.dtype.kind not in "iu":
         raise TypeError(f"slot_ids.dtype must be an integer type, got {_arrays.dtype_name(slots.dtype)}")
+
+
+def _kernel_slots(slots) -> tuple:
+    """Device slot ids as the write kernel reads them, ``(int32 ids, None)`` or ``(None, int64
+    ids)``, contiguous (a strided view is copied). int32 and int64 ids are read as they are (no
+    cast kernel for the int64 slot mappings serving engines keep); uint32 and uint64 ones widen to
+    int64 and narrower ones to int32, so that no id wraps into the pool: the kernel skips every id
+    outside it at full width."""
+    import cupy
+
+    if slots.dtype == np.int32 or slots.dtype.itemsize < np.dtype(np.int32).itemsize:
+        return cupy.ascontiguousarray(slots, dtype=cupy.int32), None
+    return None, cupy.ascontiguousarray(slots, dtype=cupy.int64)
 
 
 def _slot_array(slot_ids, num_tokens: int, num_slots: int, host: bool):

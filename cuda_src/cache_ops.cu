@@ -3,7 +3,8 @@
 //   cache_write_kernel  new tokens' keys k [N, Hk, D] and values v [N, Hk, Dv] into their slots
 //                       of k_pages [num_blocks, block_size, Hk, D] and v_pages [..., Dv]; slot s
 //                       is offset s % block_size of page s / block_size. Slot -1 marks padding and
-//                       is skipped (as is any slot outside the pool). One thread writes 16 bytes
+//                       is skipped (as is any slot outside the pool, read at its own width: int32
+//                       slot_ids or int64 slot_ids_wide, so no id wraps into the pool). One thread writes 16 bytes
 //                       of k and the same 16 bytes of v. Pages of e4m3 take
 //                       round-to-nearest-even(x / scale[h]), saturated to +-448 (fp8.cuh), from
 //                       fp16, bf16 or fp32 tokens.
@@ -52,6 +53,7 @@ cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
   const T* __restrict__ k = p.k;
   const T* __restrict__ v = p.v;
   const int* __restrict__ slot_ids = p.slot_ids;
+  const i64* __restrict__ slot_ids_wide = p.slot_ids_wide;
   Tcache* __restrict__ k_pages = p.k_pages;
   Tcache* __restrict__ v_pages = p.v_pages;
   const i64 k_sn = p.k_sn, k_sh = p.k_sh, v_sn = p.v_sn, v_sh = p.v_sh;
@@ -66,9 +68,11 @@ cache_write_kernel(const __grid_constant__ CacheParams<T, Tcache> p) {
   const int col = static_cast<int>(idx % chunks_per_row) * kElemsPerChunk;
   const int h = static_cast<int>((idx / chunks_per_row) % num_kv_heads);
   const int n = static_cast<int>(idx / (static_cast<i64>(chunks_per_row) * num_kv_heads));
-  const int slot = slot_ids != nullptr ? slot_ids[n] : n;  // no slot ids: token n into slot n
-  if (slot < 0 || slot >= num_blocks * block_size) return;  // padding
-  const int page = slot / block_size, offset = slot % block_size;
+  // no slot ids: token n into slot n
+  const i64 slot = slot_ids_wide != nullptr ? slot_ids_wide[n] : slot_ids != nullptr ? slot_ids[n] : n;
+  if (slot < 0 || slot >= static_cast<i64>(num_blocks) * block_size) return;  // padding
+  const int in_pool = static_cast<int>(slot);  // below num_blocks * block_size, an int (the host checks)
+  const int page = in_pool / block_size, offset = in_pool % block_size;
   if (col < head_dim) {
     store_chunk(k_pages + page * kp_sp + offset * kp_ss + h * kp_sh + col, k + n * k_sn + h * k_sh + col, p.k_scale, h);
   }

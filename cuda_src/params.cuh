@@ -318,7 +318,8 @@ template <typename T, typename Tcache>
 struct CacheParams {
   const T* k;              // [N, Hk, D] new tokens (write)
   const T* v;              // [N, Hk, Dv]
-  const int* slot_ids;     // [N] (write)
+  const int* slot_ids;     // [N] (write), int32; or null
+  const i64* slot_ids_wide;  // [N] (write), int64 ids as the caller holds them (no cast); or null
   const int* pairs;        // [P, 2] (src, dst) pages (copy)
   Tcache* k_pages;         // [num_blocks, block_size, Hk, D]
   Tcache* v_pages;         // [num_blocks, block_size, Hk, Dv]

@@ -889,6 +889,29 @@ def test_cache_write_reads_strided_device_slot_ids_by_value(rng, framework):
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
 
 
+# device slot ids of a wide integer type, some past int32 (and past the pool)
+WIDE_SLOT_IDS = [("int64", [2**32 + 5, 7, -1, 2**40]), ("uint32", [2**31 + 3, 9, 2**32 - 1, 12]),
+                 ("uint64", [2**63 + 5, 2**32 + 1, 20, 4])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework, dtype, slots", [("cupy", *case) for case in WIDE_SLOT_IDS]
+                         + [("torch", *WIDE_SLOT_IDS[0])], ids=lambda x: x if isinstance(x, str) else "")
+def test_wide_device_slot_ids_are_read_at_their_width(rng, framework, dtype, slots):
+    """int64 slot ids (serving engines' slot mappings) reach the kernel as they are, and ids past
+    int32 are skipped as outside the pool, not wrapped into it (a cast to int32 made 2^32 + 5 slot 5)."""
+    import cupy
+
+    dev = (lambda x: x) if framework == "cupy" else pytest.importorskip("torch").from_dlpack
+    gpu = cuattn.PagedKVCache(8, 4, 2, 64, BF16)
+    cpu = cuattn.PagedKVCache(8, 4, 2, 64, BF16, device="cpu")
+    k, v = randn(rng, (4, 2, 64), BF16), randn(rng, (4, 2, 64), BF16)
+    gpu.write(cupy.asarray(k), cupy.asarray(v), dev(cupy.asarray(np.array(slots, dtype))))
+    keep = [i for i, s in enumerate(slots) if 0 <= s < gpu.num_slots]
+    cpu.write(k[keep], v[keep], np.array([slots[i] for i in keep], np.int32))
+    assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_device_slot_ids_of_the_wrong_shape_or_dtype_are_refused(framework):
