@@ -468,8 +468,9 @@ class PagedKVCache:
         checked for both rules against the pool before launch, on either device; device slot ids
         (any framework's) are checked for their shape, integer dtype and device but their values
         are not read on the host (no sync): the kernel skips any outside the pool, and duplicates
-        are the caller's to avoid. A write on the host (a CPU cache, or NumPy tokens) copies
-        device slot ids there and checks them in full.
+        are the caller's to avoid. int32 and int64 device ids reach the kernel without a cast (see
+        _kernel_slots). A write on the host (a CPU cache, or NumPy tokens) copies device slot ids
+        there and checks them in full.
         """
         with _arrays.array_context(k=k, v=v) as ctx:
             kv_, vv_ = ctx.view(k), ctx.view(v)
