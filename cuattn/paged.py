@@ -552,8 +552,8 @@ class PagedKVCache:
         spec = cache_spec("copy_blocks_kernel", self.dtype)
         chunks = self.block_size * self.num_kv_heads * self._chunks_per_row()
         pairs_d = cupy.ascontiguousarray(cupy.asarray(pairs, dtype=cupy.int32))  # [P, 2], read as 2 P ints
-        params = self._cache_params(k=None, v=None, slot_ids=None, slot_ids_wide=None, pairs=pairs_d, k_sn=0, k_sh=0, v_sn=0, v_sh=0,
-                                    num_tokens=0)
+        params = self._cache_params(k=None, v=None, slot_ids=None, slot_ids_wide=None, pairs=pairs_d, k_sn=0, k_sh=0,
+                                    v_sn=0, v_sh=0, num_tokens=0)
         with cupy.cuda.Device(self.k_pages.device.id):
             _jit.prepare(spec, (len(pairs), math.ceil(chunks / _params.constant("kCacheThreads")), 1), params).run(_jit.stream_ptr(None))
 

@@ -4,8 +4,8 @@
 //                       of k_pages [num_blocks, block_size, Hk, D] and v_pages [..., Dv]; slot s
 //                       is offset s % block_size of page s / block_size. Slot -1 marks padding and
 //                       is skipped (as is any slot outside the pool, read at its own width: int32
-//                       slot_ids or int64 slot_ids_wide, so no id wraps into the pool). One thread writes 16 bytes
-//                       of k and the same 16 bytes of v. Pages of e4m3 take
+//                       slot_ids or int64 slot_ids_wide, so no id wraps into the pool). One thread
+//                       writes 16 bytes of k and the same 16 bytes of v. Pages of e4m3 take
 //                       round-to-nearest-even(x / scale[h]), saturated to +-448 (fp8.cuh), from
 //                       fp16, bf16 or fp32 tokens.
 //   copy_blocks_kernel  for each (src, dst) pair [P, 2], page dst of k_pages and v_pages becomes
