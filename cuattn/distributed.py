@@ -173,7 +173,9 @@ class LocalGroup:
     @classmethod
     def run(cls, world_size: int, fn) -> list:
         """``fn(group)`` on P threads, one per rank; returns their results in rank order. If a
-        rank raises, the others stop at their next exchange and the first rank's error is raised."""
+        rank raises, the others stop at their next exchange, and the first rank's own error is
+        raised: a rank stopped by another's (PeerFailedError, PeerRefusedError) gives way to it,
+        whichever of the two its thread met first."""
         groups = cls.create(world_size)
         results, errors = [None] * len(groups), [None] * len(groups)
 
@@ -189,10 +191,11 @@ class LocalGroup:
             t.start()
         for t in threads:
             t.join()
-        first = next((e for e in errors if e is not None and not isinstance(e, PeerFailedError)), None)
-        first = first or next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        # a rank's own error first, then a peer's refusal as a rank saw it, then any
+        for stopped_by_peer in ((PeerFailedError, PeerRefusedError), PeerFailedError, ()):
+            first = next((e for e in errors if e is not None and not isinstance(e, stopped_by_peer)), None)
+            if first is not None:
+                raise first
         return results
 
     def send_recv(self, send, recv) -> None:
@@ -207,6 +210,11 @@ class LocalGroup:
 
 class PeerFailedError(RuntimeError):
     """A LocalGroup rank stopped because another rank of its ring raised."""
+
+
+class PeerRefusedError(ValueError):
+    """This rank's inputs were fine, but another rank of the ring refused its own at the handshake
+    (that rank raises the error that says why)."""
 
 
 class _Hub:
@@ -236,11 +244,18 @@ class _Hub:
         self.slots[rank] = np.array(values, copy=True)
         try:
             self.barrier.wait(LOCAL_TIMEOUT_S)
-            gathered = np.stack(self.slots)
+        except threading.BrokenBarrierError:
+            raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised") from None
+        gathered = np.stack(self.slots)
+        try:
             # nobody writes its slot for the next all-gather before every rank has read this one
             self.barrier.wait(LOCAL_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised") from None
+            # Every slot was written (the first wait passed), so the gather is whole. A rank that
+            # left after it (the handshake's refusal) aborts the barrier, which can catch this
+            # rank still waking from the second wait: the rank keeps its gather (a refusing rank
+            # then raises its own error, not PeerFailedError) and its next exchange stops it.
+            pass
         return gathered
 
     def abort(self) -> None:
@@ -496,8 +511,8 @@ def _handshake(group, call: int, q, k, causal: bool, scale, softcap: float, refu
         raise refused
     if not every[:, 0].all():
         rank = int(np.argmin(every[:, 0]))
-        raise ValueError(f"rank {rank} of the ring refused its inputs (its own error says why), so this rank stops "
-                         "too: every rank of the ring must call with valid shards and options")
+        raise PeerRefusedError(f"rank {rank} of the ring refused its inputs (its own error says why), so this rank "
+                               "stops too: every rank of the ring must call with valid shards and options")
     every = every[:, 1:]
     for field, name in enumerate(_HANDSHAKE_FIELDS):
         values = every[:, field]

@@ -207,6 +207,69 @@ def test_ring_refuses_bad_input_on_every_rank(body, error, match):
         _run_each(2, body)
 
 
+@pytest.mark.parametrize("peer_error", [distributed.PeerFailedError("stopped at an exchange"),
+                                        distributed.PeerRefusedError("rank 1 of the ring refused its inputs")])
+def test_local_run_raises_the_refusing_ranks_own_error(peer_error):
+    """A rank stopped by its peer's bad input meets either error first, PeerFailedError (an exchange
+    aborted under it) or PeerRefusedError (the handshake named the peer), by thread timing; either
+    way LocalGroup.run raises the bad rank's own error, though the stopped rank comes first."""
+    def body(group):
+        if group.rank == 0:
+            raise peer_error
+        raise ValueError("rank 1's own error")
+
+    with pytest.raises(ValueError, match="rank 1's own error"):
+        LocalGroup.run(2, body)
+
+
+def test_local_run_raises_a_peer_refusal_over_an_abort():
+    def body(group):
+        raise (distributed.PeerFailedError("aborted") if group.rank == 0 else
+               distributed.PeerRefusedError("rank 0 of the ring refused its inputs"))
+
+    with pytest.raises(distributed.PeerRefusedError, match="rank 0 of the ring refused"):
+        LocalGroup.run(2, body)
+
+
+def test_local_all_gather_is_kept_when_an_abort_lands_after_it():
+    """Once every rank has passed the all-gather's first barrier the gather is whole. A rank that
+    leaves right after it (a refusing rank raising its own error) aborts the barrier, and the abort
+    can reach a peer still waking from the second wait: that peer keeps its gather (it raised
+    PeerFailedError there, and a refusing rank's own error was lost that way)."""
+    import threading
+
+    class AbortLandsWhileWaking:
+        """The hub's barrier, but rank 0's second wait breaks just after the barrier trips."""
+
+        def __init__(self, barrier):
+            self.barrier, self.waits = barrier, {}
+
+        def wait(self, timeout=None):
+            self.barrier.wait(timeout)
+            name = threading.current_thread().name
+            self.waits[name] = self.waits.get(name, 0) + 1
+            if name == "rank0" and self.waits[name] == 2:
+                raise threading.BrokenBarrierError
+
+        def abort(self):
+            self.barrier.abort()
+
+    hub = distributed._Hub(2)
+    hub.barrier = AbortLandsWhileWaking(hub.barrier)
+    got = [None, None]
+
+    def gather(rank):
+        got[rank] = hub.all_gather(rank, np.array([rank, 10 + rank]))
+
+    threads = [threading.Thread(target=gather, args=(rank,), name=f"rank{rank}") for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    for rank in range(2):
+        np.testing.assert_array_equal(got[rank], [[0, 10], [1, 11]])
+
+
 def test_ranks_agree_on_options_spelled_differently(rng):
     """The handshake compares the options the kernels use: scale=None on one rank and an explicit
     1/sqrt(D) on another, or softcap 0.0 and -0.0 (both: no cap), are one call (they were refused
@@ -254,7 +317,7 @@ def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, 
         t.join(timeout=15)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting for its peer"
     assert isinstance(errors[1], own_error[0]) and own_error[1] in str(errors[1]), errors
-    assert isinstance(errors[0], ValueError) and str(errors[0]).startswith(
+    assert isinstance(errors[0], distributed.PeerRefusedError) and str(errors[0]).startswith(
         "rank 1 of the ring refused its inputs (its own error says why), so this rank stops too"), errors
 
 
