@@ -87,12 +87,13 @@ FWD_TILES = {
     160: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
     256: {SM80: FwdTile(64, 64, 4), SM90: FwdTile(64, 64, 4)},
 }
-# flash_fwd_kernel's ALiBi variant (ALIBI) where FWD_TILES' tile spills with it: at D = 128 on
-# sm_80 the bias pass (the slope is read per key block, which is what keeps sm_90a's 64-key blocks
-# spill-free) spills 16 bytes with 64-key blocks and with 48; 32 keys take 242 registers
-# (`python -m cuattn build`). Not measured for speed yet (scripts/tune_fwd.py).
+# flash_fwd_kernel's ALiBi variants (ALIBI, dense and paged) where FWD_TILES' tile spills with
+# them: at D = 128 on sm_80 the bias pass (the slope is read per key block) spills 16 bytes with
+# 64-key blocks and with 48, and 32 keys take 242 registers; on sm_90a the paged variant spills 8
+# bytes with 64-key blocks (its block table's registers), 48 keys take 254 (`python -m cuattn
+# build`, NVRTC 13.0). Not measured for speed yet (scripts/tune_fwd.py).
 FWD_ALIBI_TILES = {
-    128: {SM80: FwdTile(128, 32, 4)},
+    128: {SM80: FwdTile(128, 32, 4), SM90: FwdTile(128, 48, 4)},
 }
 # every head dim the forward and backward take (the CPU path takes the same)
 SUPPORTED_HEAD_DIMS = _arrays.SUPPORTED_HEAD_DIMS
@@ -527,7 +528,7 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
     """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
     ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
     with a 16-bit ``out_dtype``; ``alibi``: its ALIBI variant; ``paged``: its PAGED variant (keys
-    and values from a paged cache, 16-bit, no ALiBi)."""
+    and values from a paged cache, 16-bit)."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
@@ -545,21 +546,19 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
-    flash_fwd_kernel with and without ALiBi, and its paged variant (paged_attention_varlen's long
-    runs, no ALiBi); flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), a
-    paged one (paged_attention_varlen's prefill on sm_90a), the FP8 V^T pass and the varlen tile
-    order (fwd_tile_order_kernel)."""
-    forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi) for dtype in _arrays.CUDA_TYPES
-               for d in TILE_HEAD_DIMS for alibi in (False, True)]
-    forward += [fwd_spec(dtype, d, fwd_tile(d, arch), paged=True) for dtype in _arrays.CUDA_TYPES
-                for d in TILE_HEAD_DIMS]
+    flash_fwd_kernel with and without ALiBi, dense and paged (paged_attention_varlen's long runs);
+    flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), its paged tiles with
+    and without ALiBi (paged_attention_varlen's prefill on sm_90a), the FP8 V^T pass and the varlen
+    tile order (fwd_tile_order_kernel)."""
+    forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi, paged) for dtype in _arrays.CUDA_TYPES
+               for d in TILE_HEAD_DIMS for alibi in (False, True) for paged in (False, True)]
     if arch == SM90:
         dense = (list(FWD_SM90_TILES.items()) + list(FWD_SM90_UNMASKED_TILES.items())
                  + [(dims, long.tile) for dims, long in FWD_SM90_LONG_TILES.items()])
         forward += [fwd_sm90_spec(dtype, *dims, tile, alibi=alibi) for dtype in _arrays.CUDA_TYPES
                     for dims, tile in dense for alibi in (False, True)]
-        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True)
-                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
+        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), alibi=alibi, paged=True)
+                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES for alibi in (False, True)]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)]
         forward += [fp8_transpose_spec(), tile_order_spec()]

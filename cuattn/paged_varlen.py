@@ -31,7 +31,10 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   by decreasing ``seq_lens``; ``attention.FWD_SM90_TILE_ORDER``).
 
 Both launches run on the caller's stream and write disjoint rows of the one output (the decode
-rows are scattered there from the decode launch's run rows). With 17 to ~BLOCK_M queries a
+rows are scattered there from the decode launch's run rows). Sinks and ALiBi take both paths: the
+paged forward reads sequence index[e]'s row of ``(B, Hq)`` slopes, each run its sequence's (a
+gather); with ``causal`` a run's key count, seq_lens less the tokens after it, places its rows'
+ALiBi diagonal where its sequence has them (without ``causal`` it would not: refused). With 17 to ~BLOCK_M queries a
 forward tile is partly empty, but every alternative reads the keys more often: the decode kernel
 would need two or more runs. FP8 (e4m3) pages take the decode path for every sequence (runs of
 16 tokens, keys read once per run): the forward reads 2-byte pages only. Value pages may have a
@@ -60,8 +63,8 @@ PREFILL_MIN_QUERIES = MAX_NEW_TOKENS + 1
 
 
 def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, *, causal=True, scale=None,
-                           window=(-1, -1), softcap=0.0, sinks=None, return_lse=False, max_seq_len=None, check=True,
-                           k_scale=None, v_scale=None, out=None):
+                           window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+                           max_seq_len=None, check=True, k_scale=None, v_scale=None, out=None):
     """Attention of packed query runs of any lengths (decode rows and prefill chunks) over a paged cache.
 
     Args:
@@ -75,6 +78,10 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         max_seqlen_q: an int at least the longest run.
         causal, scale, softcap, sinks, return_lse, max_seq_len, check: as in :func:`cuattn.paged_attention`
             (sinks: float32 ``(Hq,)`` logits that join every row's softmax denominator).
+        alibi_slopes: optional float32 ``(Hq,)`` or ``(B, Hq)`` ALiBi slopes: query i of sequence b's
+            n gains ``-slope * |i + seq_lens[b] - n - j|`` on key j (after scale and softcap). With
+            ``causal=True`` only: a decode run that is not its sequence's last (e4m3 pages, NumPy
+            inputs) sees fewer keys than its sequence, which places the diagonal by its key count.
         window: ``(left, -1)`` or ``(left, 0)`` with ``causal`` (a left window); the default
             ``(-1, -1)`` sees every earlier key.
         out: optional ``(total_q, Hq, Dv)`` array of q's dtype and framework to write into.
@@ -86,6 +93,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     if (not causal and (left >= 0 or right >= 0)) or right > 0:
         raise ValueError(f"window = {tuple(window)}: paged_attention_varlen takes a left window only, with "
                          "causal=True (window[1] -1 or 0)")
+    if alibi_slopes is not None and not causal:
+        raise ValueError("alibi_slopes: paged_attention_varlen takes ALiBi with causal=True only, got causal=False")
     max_seqlen_q = _arrays.check_int("max_seqlen_q", max_seqlen_q, 0)
     _arrays.check_ndim("q", q, "(total_q, Hq, D)")
     block_table, seq_lens = (_arrays.host_int32(name, x) for name, x in (("block_table", block_table),
@@ -101,10 +110,10 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     pages_named = {} if isinstance(cache, PagedKVCache) else dict(zip(("k_pages", "v_pages"), _cache_pair(cache)))
     # q, out, the pages of a pair, and the table and lengths when they live on the device, are viewed in one framework
     named = {"q": q, **({} if out is None else {"out": out}), **({} if sinks is None else {"sinks": sinks}),
-             **pages_named, **({} if table_host else {"block_table": block_table}),
+             **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}), **pages_named, **({} if table_host else {"block_table": block_table}),
              **({} if lens_host else {"seq_lens": seq_lens})}
     with _arrays.array_context(**named) as ctx:
-        qv, ov, sv = ctx.view(q), ctx.view(out), ctx.view(sinks)
+        qv, ov, sv, av = ctx.view(q), ctx.view(out), ctx.view(sinks), ctx.view(alibi_slopes)
         table = block_table if table_host else ctx.view(block_table)
         lens = seq_lens if lens_host else ctx.view(seq_lens)
         if isinstance(cache, PagedKVCache):
@@ -124,6 +133,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
+        alibi_sb = 0 if av is None else _arrays.check_alibi_slopes(av, int(table.shape[0]), int(qv.shape[1]),
+                                                                    ctx.on_host, "q", qv)
         # device lengths left unchecked: a run's key count is its sequence's, clamped as the
         # kernels clamp it, less the tokens after the run (below)
         clamp_lens = not check and not ctx.on_host
@@ -165,7 +176,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             cu, index, runs.rows, runs.sequence, runs.tail, runs.query_rows, runs.keep)
         if prefill.any():
             _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov, lse if return_lse else None, ctx,
-                            **options)
+                            alibi=(av, alibi_sb), **options)
         if block is not None:
             # sequences [first, last) are one token each, rows cu[first]..cu[last) (a serving step's
             # decode rows): the runs are views of q, the table and the lengths, and their results
@@ -177,6 +188,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             run_out, run_lse = paged_attention(qv[rows][:, None], pair, table[first:last],
                                                run_lens if run_lens.dtype == np.int32 else run_lens.astype(np.int32),
                                                max_seq_len=max_seq_len, return_lse=True, check=check,
+                                               alibi_slopes=av if av is None or av.ndim == 1 else av[first:last],
                                                k_scale=k_scale, v_scale=v_scale, **options)
             ov[rows] = run_out[:, 0]
             if return_lse:
@@ -192,9 +204,11 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             if causal:
                 run_lens = run_lens - (runs.tail if lens_host else tail_x)
                 run_lens = (run_lens * (run_lens > 0)).astype(np.int32)  # a run before the first key sees none
+            # (B, Hq) slopes: each run takes its sequence's row
+            run_slopes = av if av is None or av.ndim == 1 else av[runs.sequence if ctx.on_host else sequence_x]
             run_out, run_lse = paged_attention(run_q, pair, run_table, run_lens, max_seq_len=max_seq_len,
-                                               return_lse=True, check=check, k_scale=k_scale, v_scale=v_scale,
-                                               **options)
+                                               return_lse=True, check=check, alibi_slopes=run_slopes,
+                                               k_scale=k_scale, v_scale=v_scale, **options)
             # the decode rows' results among the runs' rows: out [total_q, Hq, Dv], lse [Hq, total_q]
             ov[query_rows_x] = run_out.reshape(-1, num_heads, head_dim_v)[keep_x]
             if return_lse:
@@ -229,11 +243,12 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
 
 
 def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_device, index_device, out, lse, ctx,
-                    *, causal, scale, window, softcap, sinks) -> None:
+                    *, causal, scale, window, softcap, sinks, alibi) -> None:
     """One paged forward launch (the Hopper kernel or flash_fwd_kernel's PAGED variant) over the
     sequences ``index`` (host; ``index_device`` the same on the device, and ``cu_device`` the
     prefix sums): q, out and lse in place (their rows through the full prefix sums), launch entry
-    e being sequence index[e]."""
+    e being sequence index[e], which also picks its row of ``(B, Hq)`` slopes (``alibi``: the
+    slopes or None, and their batch stride)."""
     import cupy
 
     longest = int(np.diff(cu.astype(np.int64))[index].max())
@@ -242,7 +257,7 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
                       batch_index=index_device, block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
     _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
                 batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal, scale=scale,
-                window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, paged=paged)
+                window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, alibi=alibi, paged=paged)
 
 
 def _host_prefix_sums(cu):

@@ -446,24 +446,28 @@ def gather_pages(pages, block_table, seq_lens):
 
 
 def paged_attention_varlen(q, k_pages, v_pages, block_table, cu_seqlens_q, seq_lens, *, causal=True, scale=None,
-                           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None):
+                           window=(_UNBOUNDED, _UNBOUNDED), softcap=0.0, return_lse=False, sinks=None,
+                           alibi_slopes=None):
     """Packed queries over a paged cache: sequence b's queries ``q[cu[b]:cu[b+1]]`` are its last
     n tokens, and query i sees key j < seq_lens[b] iff ``j <= seq_lens[b] - n + i`` (causal).
     ``v_pages`` ``(num_blocks, block_size, Hk, Dv)`` may have its own head dim Dv; ``sinks``
-    ``(Hq,)`` join every row's denominator. Returns out ``(total_q, Hq, Dv)`` and, with
+    ``(Hq,)`` join every row's denominator; ``alibi_slopes`` ``(Hq,)`` or ``(B, Hq)`` add
+    ``-slope * |i + seq_lens[b] - n - j|``. Returns out ``(total_q, Hq, Dv)`` and, with
     return_lse, lse ``(Hq, total_q)``."""
     q = _f64(q)
     out = np.zeros(q.shape[:-1] + v_pages.shape[-1:], dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     k_cache = gather_pages(k_pages, block_table, seq_lens)
     v_cache = gather_pages(v_pages, block_table, seq_lens)
+    alibi = _alibi(alibi_slopes, len(seq_lens))
     for bi, qs in enumerate(_segments(cu_seqlens_q)):
         if qs.stop == qs.start:
             continue
         n_keys = int(seq_lens[bi])
         # A sequence is a dense problem of its n queries over its keys, causal bottom-right.
         out[qs], lse[:, qs] = _one_sequence(q[qs], k_cache[bi, :n_keys], v_cache[bi, :n_keys], causal=causal,
-                                            scale=scale, window=window, softcap=softcap, sinks=sinks)
+                                            scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                            alibi_slopes=None if alibi is None else alibi[bi])
     return (out, lse) if return_lse else out
 
 

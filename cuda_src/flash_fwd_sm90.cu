@@ -14,7 +14,8 @@
 //        [num_blocks, block_size, Hk, D | Dv], each key block loaded page by page through k_map /
 //        v_map as 4-D (D, block_size, Hk, num_blocks) (the producer's page_of, load_chunk), or
 //        with p.pages_by_copy row by row in 16-byte cp.async pieces (copy_key_rows; every
-//        stride a multiple of 16 bytes); q, out and lse packed as in varlen
+//        stride a multiple of 16 bytes); q, out and lse packed as in varlen; ALiBi's (B, Hq) slopes
+//        read at the sequence the entry names (batch_index)
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
@@ -455,7 +456,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   static_assert(OVERLAP || BOUNDED, "without the overlap the softmax is the bounded one");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
-  static_assert(!(ALIBI && PAGED), "paged_attention_varlen takes no ALiBi");
   // The registers the consumers take (consumer_registers, tma.cuh): 240 with two consumers, 160
   // with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;

@@ -1,7 +1,7 @@
 """Prefill throughput over a paged KV cache: cuattn.paged_attention_varlen against cuattn.attention_varlen
 on the same tokens in a dense packed layout, on the current GPU.
 
-python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16] [--only RE]
+python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16] [--only RE] [--alibi]
     bf16, D = 128, GQA 32/8, block size 16 (or --block-size), pages shuffled over the pool, causal (bottom-right):
       prefill  4 sequences x 4096 new queries over 4096, 6144, 8192 and 8192 keys
       mixed    1 prefill chunk of 2048 queries over 4096 keys + 64 decode rows over 4096 keys each
@@ -19,6 +19,8 @@ python scripts/bench_paged_prefill.py OUT.json [--no-runs] [--block-size 16] [--
     Unless --no-runs, a last path times the decode-only schedule (every sequence cut into runs of
     16 queries through paged decode, what paged_attention_varlen did before the paged forward).
     --only RE: only the (case, path) lines that match RE ("case path", e.g. "ragged .*tile order").
+    --alibi: also both calls with ALiBi (slopes 2^(-8 h / H), h = 1..H), each timed beside its
+    plain call, and their ratio (what ALiBi costs each).
 """
 
 import argparse
@@ -106,8 +108,10 @@ def main(argv):
     parser.add_argument("--no-runs", action="store_true")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--only", metavar="RE", help="time only the lines whose 'case path' matches")
+    parser.add_argument("--alibi", action="store_true", help="also time both calls with ALiBi")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
+    slopes = cupy.asarray(2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ), dtype=cupy.float32)
     rows = []
     for name, (queries, keys) in CASES.items():
         q, k, v, cu_q, cu_k, pages, table, lens = make_case(rng, queries, keys, args.block_size)
@@ -118,9 +122,15 @@ def main(argv):
             "paged_attention_varlen": lambda: cuattn.paged_attention_varlen(q, pages, table, cu_q, lens, max(queries),
                                                                             check=False),
         }
+        if args.alibi:
+            paths["dense attention_varlen, alibi"] = lambda: cuattn.attention_varlen(
+                q, k, v, cuq_d, cuk_d, max(queries), max(keys), causal=True, alibi_slopes=slopes)
+            paths["paged_attention_varlen, alibi"] = lambda: cuattn.paged_attention_varlen(
+                q, pages, table, cu_q, lens, max(queries), check=False, alibi_slopes=slopes)
         # agreement first: the two layouts hold the same tokens
-        diff = float(cupy.abs(paths["dense attention_varlen"]().astype(cupy.float32)
-                              - paths["paged_attention_varlen"]().astype(cupy.float32)).max())
+        diff = max(float(cupy.abs(paths[f"dense attention_varlen{kind}"]().astype(cupy.float32)
+                                  - paths[f"paged_attention_varlen{kind}"]().astype(cupy.float32)).max())
+                   for kind in ("", ", alibi") if f"dense attention_varlen{kind}" in paths)
         timed = list(paths.items()) + [("dense attention_varlen, mma.sync", paths["dense attention_varlen"]),
                                        ("paged_attention_varlen, mma.sync", paths["paged_attention_varlen"]),
                                        ("dense attention_varlen, no tile order", paths["dense attention_varlen"]),
@@ -154,6 +164,11 @@ def main(argv):
             ratio = times["paged_attention_varlen"] / parts
             rows.append(dict(case=name, path="mixed / (chunk alone + rows alone)", ratio=ratio))
             print(f"{name:8s} one mixed call / the two parts separately = {ratio:.3f}", flush=True)
+        for call in ("dense attention_varlen", "paged_attention_varlen"):
+            if f"{call}, alibi" in times and call in times:
+                ratio = times[f"{call}, alibi"] / times[call]
+                rows.append(dict(case=name, path=f"{call}: alibi / plain", ratio=ratio))
+                print(f"{name:8s} {call}: alibi / plain = {ratio:.3f}", flush=True)
     with open(args.json, "w") as f:
         json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f, indent=1)
 

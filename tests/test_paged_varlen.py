@@ -117,6 +117,71 @@ def test_sinks_join_every_row_on_the_cpu(options):
         cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, sinks=sinks[:7])
 
 
+def alibi_slopes_for(rng, shape: str, batch: int, heads: int) -> np.ndarray:
+    """Slopes of `shape` "per-head" (Hq,) or "per-sequence" (B, Hq): steep and shallow heads (up to
+    1, as the first heads of a small model), so that some rows' bias outweighs their scores."""
+    slopes = (2.0 ** rng.uniform(-8, 0, (heads,) if shape == "per-head" else (batch, heads))).astype(np.float32)
+    return np.ascontiguousarray(slopes)
+
+
+@pytest.mark.parametrize("shape", ["per-head", "per-sequence"])
+@pytest.mark.parametrize("options", [{}, {"window": (20, 0)}, {"softcap": 15.0, "scale": 0.2}],
+                         ids=["causal", "left-window", "softcap-scale"])
+def test_alibi_on_the_cpu(shape, options):
+    """ALiBi's bias by each sequence's own n and seq_lens through the planned runs (a run before a
+    sequence's last sees fewer keys: its diagonal is placed by them) against the reference, which
+    is each sequence's dense problem; with e4m3 pages too. The bias moves every output."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    slopes = alibi_slopes_for(rng, shape, len(lens), q.shape[1])
+    out, lse = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, alibi_slopes=slopes, return_lse=True,
+                                             **options)
+    ref, ref_lse = reference.paged_attention_varlen(q, *pages, table, cu, lens, return_lse=True, alibi_slopes=slopes,
+                                                    **options)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-6)
+    # every sequence with rows that see two or more keys: its bias changed them
+    plain = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, **options)
+    for b in range(len(lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.stop - rows.start and lens[b] > 1:
+            assert np.abs(out[rows] - plain[rows]).max() > 1e-3, f"sequence {b}"
+    # the reference's bias: sequence 5's 40 queries over its 129 keys, as one dense problem
+    rows = slice(int(cu[5]), int(cu[6]))
+    k_cache, v_cache = (reference.gather_pages(x, table, lens)[5:6, :lens[5]] for x in pages)
+    dense = reference.attention(q[None, rows], k_cache, v_cache, causal=True, alibi_slopes=slopes if shape ==
+                                "per-head" else slopes[5], **options)[0]
+    np.testing.assert_allclose(ref[rows], dense, rtol=1e-12, atol=1e-12)
+    k8, v8 = cuattn.quantize_fp8(pages[0], 0.02), cuattn.quantize_fp8(pages[1], 0.03)
+    out8 = cuattn.paged_attention_varlen(q, (k8, v8), table, cu, lens, 40, k_scale=0.02, v_scale=0.03,
+                                         alibi_slopes=slopes, **options)
+    ref8 = reference.paged_attention_varlen(q, k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03, table,
+                                            cu, lens, alibi_slopes=slopes, **options)
+    np.testing.assert_allclose(out8, ref8, rtol=1e-5, atol=1e-6)
+
+
+def test_alibi_errors():
+    """Slopes checked as attention's are (shape, dtype) against the table's batch, and refused
+    without causal: the bias of a run before its sequence's last would be placed by its key count."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    slopes = alibi_slopes_for(rng, "per-sequence", len(lens), q.shape[1])
+    with pytest.raises(ValueError, match=r"alibi_slopes: paged_attention_varlen takes ALiBi with causal=True only, "
+                                         r"got causal=False"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, causal=False, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(B\) must equal the batch size = 6, got 5"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, alibi_slopes=slopes[:5])
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(Hq\) must equal the number of query heads = 8, "
+                                         r"got 7"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, alibi_slopes=slopes[0, :7])
+    with pytest.raises(TypeError, match=r"alibi_slopes.dtype must be float32, got float64"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, alibi_slopes=slopes.astype(np.float64))
+    with pytest.raises(ValueError, match=r"alibi_slopes must be 1-D \(Hq\) or 2-D \(B, Hq\)"):
+        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, alibi_slopes=slopes[None])
+
+
 def test_run_plan_answers_every_selected_row_once():
     """The decode launch's runs cover each selected sequence's rows exactly once (an overlapping last
     run answers only the rows the run before left), and nothing of the other sequences."""
@@ -339,13 +404,17 @@ def check_against_reference(rng, got, lse, q, pages, table, cu, lens, dtype, opt
     k_cache = reference.gather_pages(pages[0], table, lens)
     v_cache = reference.gather_pages(pages[1], table, lens)
     assert np.isfinite(got).all(), f"unwritten or NaN output (seed {rng.seed})"
+    slopes = options.get("alibi_slopes")
     for b in range(len(lens)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         if rows.stop == rows.start:
             continue
+        # (B, Hq) slopes: the sequence's own row
+        own = {} if slopes is None else {"alibi_slopes": slopes if slopes.ndim == 1 else slopes[b]}
         naive = reference.naive_attention_lowp(q[None, rows], k_cache[b:b + 1, :lens[b]], v_cache[b:b + 1, :lens[b]],
                                                dtype=dtype, causal=options.get("causal", True),
-                                               **{k: v for k, v in options.items() if k != "causal"})[0]
+                                               **{k: v for k, v in options.items() if k not in ("causal", "alibi_slopes")},
+                                               **own)[0]
         ref_max = np.abs(ref[rows]).max(initial=0.0)
         budget = error_budget(np.abs(naive - ref[rows]).max(initial=0.0), dtype, 2.0, ref_max)
         err = np.abs(got[rows] - ref[rows]).max(initial=0.0)
@@ -448,6 +517,60 @@ def test_sinks_on_both_paths_on_the_gpu(rng, caplog, dtype, block):
     empty = np.isneginf(lse0)
     assert empty.any() and (got[empty.T] == 0).all()
     np.testing.assert_allclose(lse[empty], np.broadcast_to(sinks[:, None], lse.shape)[empty], rtol=1e-6)
+
+
+# (dtype, slopes, mask options, block size, head dim): the Hopper forward's ALiBi through the S
+# GEMM's k step (D = 64) and per score (D = 128), boxes of pages and row copies (block 7), both
+# slope shapes, a left window
+ALIBI_CASES = [
+    (BF16, "per-head", "causal", 16, 128), (np.float16, "per-sequence", "causal", 7, 128),
+    (BF16, "per-sequence", "left-window", 16, 64), (np.float16, "per-head", "softcap-scale", 32, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,shape,mask,block,head_dim", ALIBI_CASES,
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{s}-{m}-block{b}-d{h}" for d, s, m, b, h in ALIBI_CASES])
+def test_alibi_on_both_paths_on_the_gpu(rng, caplog, forward_kernel, dtype, shape, mask, block, head_dim):
+    """ALiBi on a mixed batch: the paged forward's ALiBi variant (named in the debug log) for the
+    long runs and paged decode's for the short ones, into one NaN-poisoned output, with NaN in the
+    slots no sequence owns; each sequence's bias by its own n and seq_lens."""
+    import cupy
+
+    options = MIXED_OPTIONS[mask]
+    q, pages, table, cu, lens = make_mixed(rng, dtype, block, hq=8, hk=2, d=head_dim, poison=True)
+    slopes = alibi_slopes_for(rng, shape, len(lens), q.shape[1])
+    out = cupy.full(q.shape, np.nan, dtype)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got, lse = cuattn.paged_attention_varlen(cupy.asarray(q), tuple(cupy.asarray(x) for x in pages),
+                                                 cupy.asarray(table), cupy.asarray(cu), cupy.asarray(lens),
+                                                 max(MIXED_RUNS), alibi_slopes=cupy.asarray(slopes), return_lse=True,
+                                                 out=out, **options)
+    chosen, _ = logged_forward(caplog)
+    start, _, _ = expected_paged_kernel(dtype, head_dim, block)
+    # the ALIBI and PAGED flags are the kernel's last two
+    assert len(chosen) == 1 and chosen[0].startswith(f"attention forward: cuattn::{start}"), (chosen, start)
+    assert chosen[0].endswith(", true, true>"), chosen
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, pages, table, cu, lens, dtype,
+                            {**options, "alibi_slopes": slopes})
+
+
+@pytest.mark.gpu
+def test_alibi_over_e4m3_pages_on_the_gpu(rng):
+    """e4m3 pages send a 40-query chunk through three decode runs, the first two before its
+    sequence's last token: each run's diagonal comes from the keys it sees."""
+    import cupy
+
+    q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1, 3), (300, 50, 9))
+    k8, v8 = cuattn.quantize_fp8(k_pages, 0.02), cuattn.quantize_fp8(v_pages, 0.03)
+    slopes = alibi_slopes_for(rng, "per-sequence", len(lens), q.shape[1])
+    got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
+                                                          cupy.asarray(v8.view(np.uint8))),
+                                        table, cu, lens, 40, k_scale=0.02, v_scale=0.03,
+                                        alibi_slopes=cupy.asarray(slopes))
+    ref = reference.paged_attention_varlen(q, k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03, table, cu,
+                                           lens, alibi_slopes=slopes)
+    assert np.abs(got.get().astype(np.float64) - ref).max() < 3e-2, f"seed {rng.seed}"
 
 
 @pytest.mark.gpu
