@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from . import reference
 from ._errors import CompileError, NoDeviceError, OutOfBlocksError, UnknownSequenceError
-from ._tools import build, info
+from ._tools import build, info, prune_cache
 from .attention import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .cascade import cascade_attention, plan_cascade
 from ._calls import StepPlan
@@ -44,6 +44,7 @@ __all__ = [
     "plan_cascade",
     "plan_decode",
     "plan_paged_attention",
+    "prune_cache",
     "quantize_fp8",
     "reference",
 ]

@@ -1,5 +1,5 @@
-"""Command line: ``python -m cuattn info``, ``python -m cuattn build --arch sm_80,sm_90a`` and
-``python -m cuattn bench [forward|backward|decode|paged|overhead|all] [--dtype bf16|fp16] [--json FILE]
+"""Command line: ``python -m cuattn info``, ``python -m cuattn build --arch sm_80,sm_90a``,
+``python -m cuattn cache [--prune | --clear]`` and ``python -m cuattn bench [forward|backward|decode|paged|overhead|all] [--dtype bf16|fp16] [--json FILE]
 [--from-json FILE] [--plot FILE.png] [--quick]``."""
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ def main(argv=None) -> int:
                        help="only variants whose name contains this (repeatable)")
     build.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
     build.add_argument("-v", "--verbose", action="store_true", help="log each compile")
+    cache = commands.add_parser(
+        "cache", help="the kernel cache: current and stale kernels per NVRTC version; --prune or --clear them")
+    upkeep = cache.add_mutually_exclusive_group()
+    upkeep.add_argument("--prune", action="store_true",
+                        help="remove this NVRTC version's cached kernels that no current kernel variant has")
+    upkeep.add_argument("--clear", action="store_true", help="remove the whole cache (every NVRTC version)")
     bench = bench_cli.add_parser(commands)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -38,6 +44,15 @@ def main(argv=None) -> int:
 
     if args.command == "info":
         print(_tools.format_info(_tools.info()))
+        return 0
+    if args.command == "cache":
+        try:
+            report = (_tools.clear_cache() if args.clear else _tools.prune_cache() if args.prune
+                      else _tools.cache_report())
+        except ImportError as exc:  # no CuPy / NVRTC: the current kernels' keys need its version
+            print(f"python -m cuattn cache: {exc}", file=sys.stderr)
+            return 1
+        print(_tools.format_cache_report(report))
         return 0
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -387,17 +387,59 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
 
 
 def cached_kernels() -> list[dict]:
-    """What the disk cache of this NVRTC version holds: kernel, arch, registers, spills."""
+    """What the disk cache of this NVRTC version holds: kernel, arch, registers, spills, and each
+    entry's cache key (entries whose metadata cannot be read are left out)."""
     folder = cache_dir()
     if not folder.is_dir():
         return []
     entries = []
     for meta_path in sorted(folder.glob("*.json")):
         try:
-            entries.append(json.loads(meta_path.read_text()))
+            entries.append({**json.loads(meta_path.read_text()), "key": meta_path.stem})
         except (OSError, ValueError):
             continue
     return entries
+
+
+def cache_sizes() -> dict[str, tuple[int, int]]:
+    """Every NVRTC version's folder under the cache root: its name, and its entries (cubins) and
+    bytes on disk."""
+    root = cache_root()
+    if not root.is_dir():
+        return {}
+    sizes = {}
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = [f for f in folder.iterdir() if f.is_file()]
+        sizes[folder.name] = (sum(f.suffix == ".cubin" for f in files), sum(f.stat().st_size for f in files))
+    return sizes
+
+
+def _cache_key_of(path: Path) -> str | None:
+    """The key of a file of the cache (``<key>.cubin`` or ``<key>.json``); None for a temporary file
+    being written (_atomic_write's), which another process may still rename into place."""
+    return None if path.suffix == ".tmp" or not path.is_file() else path.name.split(".")[0]
+
+
+def cache_keys() -> set[str]:
+    """The keys of this NVRTC version's cache entries (a cubin and its metadata, or either alone)."""
+    folder = cache_dir()
+    return {key for key in map(_cache_key_of, folder.iterdir()) if key} if folder.is_dir() else set()
+
+
+def remove_cache_entries(keep: set[str]) -> tuple[int, int]:
+    """Delete the entries of this NVRTC version's cache whose key is not in ``keep``; returns the
+    entries (keys) removed and the bytes freed. Files being written are left alone."""
+    folder = cache_dir()
+    if not folder.is_dir():
+        return 0, 0
+    keys, freed = set(), 0
+    for path in folder.iterdir():
+        key = _cache_key_of(path)
+        if key and key not in keep:
+            keys.add(key)
+            freed += path.stat().st_size
+            path.unlink()
+    return len(keys), freed
 
 
 # ---------------------------------------------------------------------------------------------

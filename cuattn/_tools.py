@@ -1,8 +1,11 @@
-"""``cuattn.info()`` and ``cuattn.build()``: the environment report and the ahead-of-time build.
+"""``cuattn.info()``, ``cuattn.build()`` and ``cuattn.prune_cache()``: the environment report, the
+ahead-of-time build and the kernel cache's upkeep.
 
 ``build`` compiles every kernel variant the dispatchers can choose for the given architectures
 (no GPU needed) and reports, per kernel, registers, dynamic and static shared memory, stack and
-spill bytes, and how many CTAs fit on one SM by registers and by shared memory.
+spill bytes, and how many CTAs fit on one SM by registers and by shared memory. ``prune_cache``
+removes the cached kernels no current variant has (a new release's sources, or an edit, key
+every variant afresh, and the old cubins would stay on disk).
 """
 
 from __future__ import annotations
@@ -95,6 +98,56 @@ def build(arch=DEFAULT_ARCHS, kernels=None, *, use_cache: bool = True) -> list[B
                 res.wgmma_serialized,
             ))
     return rows
+
+
+def cache_report() -> dict:
+    """The kernel cache: its folder for this NVRTC version and, for each NVRTC version's folder
+    under the cache root, its entries and megabytes; this version's entries counted as current
+    (a kernel variant of the current sources has their key) or stale."""
+    present = _jit.cache_keys()
+    fresh = len(present & _current_keys())
+    return {"directory": str(_jit.cache_dir()), "current": fresh, "stale": len(present) - fresh,
+            "versions": {name: (count, nbytes / 2**20) for name, (count, nbytes) in _jit.cache_sizes().items()}}
+
+
+def _current_keys() -> set[str]:
+    """The cache keys of every kernel variant of the current sources, for each target this NVRTC
+    version's cache has entries of."""
+    archs = {e["arch"] for e in _jit.cached_kernels() if e.get("arch") in _jit.supported_archs()}
+    return {_jit.cache_key(spec, arch) for arch in archs for spec in kernel_variants(arch)
+            if not (spec.needs_sm90a and arch != "sm_90a")}
+
+
+def prune_cache() -> dict:
+    """Remove this NVRTC version's cached kernels that no kernel variant of the current sources
+    has (an older release's, an edited source's, or tiles compiled for an experiment, which compile
+    again on use); other NVRTC versions' folders are left (``clear_cache`` removes every one).
+    Returns the entries removed and the megabytes freed, and the report after."""
+    removed, freed = _jit.remove_cache_entries(_current_keys())
+    return {"removed": removed, "freed MB": freed / 2**20, **cache_report()}
+
+
+def clear_cache() -> dict:
+    """Remove the whole kernel cache (every NVRTC version's folder); returns what it held."""
+    import shutil
+
+    sizes = _jit.cache_sizes()
+    if _jit.cache_root().is_dir():
+        shutil.rmtree(_jit.cache_root())
+    return {"directory": str(_jit.cache_root()), "removed": sum(n for n, _ in sizes.values()),
+            "freed MB": sum(b for _, b in sizes.values()) / 2**20}
+
+
+def format_cache_report(report: dict) -> str:
+    lines = []
+    if "removed" in report:
+        lines.append(f"removed {report['removed']} cached kernels ({report['freed MB']:.1f} MB)")
+    if "current" in report:
+        hint = " (`python -m cuattn cache --prune` removes them)" if report["stale"] else ""
+        lines.append(f"{report['directory']}: {report['current']} current kernels, {report['stale']} stale{hint}")
+    for name, (count, megabytes) in report.get("versions", {}).items():
+        lines.append(f"  {name}: {count} kernel{'' if count == 1 else 's'}, {megabytes:.1f} MB")
+    return "\n".join(lines)
 
 
 def format_build_table(rows: list[BuildRow]) -> str:

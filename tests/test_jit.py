@@ -201,6 +201,55 @@ def test_cli_build_and_info(cache):
     assert "flash_fwd_kernel (mma.sync) for every" in info.stdout
 
 
+def test_prune_cache_removes_what_no_current_variant_has(cache, sources, monkeypatch):
+    """Kernels compiled from an edited header (an older release's, to the cache) are stale once
+    the sources change back, and so are entries of no variant at all: prune removes both and keeps
+    the current kernels, a file still being written and other NVRTC versions' folders."""
+    (sources / "common.cuh").write_text((sources / "common.cuh").read_text() + "\n// an edit\n")
+    cuattn.build("sm_80", kernels="cache_write_kernel")
+    edited = _jit.cache_keys()
+    monkeypatch.delenv("CUATTN_SOURCE_DIR")  # the package's own sources again
+    cuattn.build("sm_80", kernels="cache_write_kernel")
+    current = _jit.cache_keys() - edited
+    assert edited and current and not edited & current
+    folder = _jit.cache_dir()
+    (folder / ("f" * 32 + ".cubin")).write_bytes(b"a cubin without metadata")
+    (folder / ("e" * 32 + ".json")).write_text("not json")
+    writing = folder / ("d" * 32 + ".cubinx1y2.tmp")
+    writing.write_bytes(b"half a cubin")
+    other = cache / "nvrtc-1.0"
+    other.mkdir()
+    (other / ("c" * 32 + ".cubin")).write_bytes(b"another NVRTC's")
+    report = _tools.cache_report()
+    assert (report["current"], report["stale"]) == (len(current), len(edited) + 2)
+    assert report["versions"]["nvrtc-1.0"][0] == 1
+    pruned = cuattn.prune_cache()
+    assert pruned["removed"] == len(edited) + 2 and pruned["freed MB"] > 0
+    assert (pruned["current"], pruned["stale"]) == (len(current), 0)
+    assert _jit.cache_keys() == current and writing.exists() and (other / ("c" * 32 + ".cubin")).exists()
+    # the current kernels still load from the cache
+    spec = next(s for s in _tools.kernel_variants("sm_80") if "cache_write_kernel" in s.name)
+    assert _jit.compile_kernel(spec, "sm_80").cached
+
+
+def test_cli_cache_reports_prunes_and_clears(cache):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "cuattn", "cache", *args], capture_output=True, text=True,
+                              check=False)
+
+    cuattn.build("sm_80", kernels="cache_write_kernel")
+    count = len(_jit.cache_keys())
+    (_jit.cache_dir() / ("f" * 32 + ".cubin")).write_bytes(b"stale")
+    run = cli()
+    assert run.returncode == 0 and f"{count} current kernels, 1 stale" in run.stdout, run.stdout + run.stderr
+    run = cli("--prune")
+    assert run.returncode == 0 and "removed 1 cached kernels" in run.stdout and "0 stale" in run.stdout, run.stdout
+    run = cli("--prune", "--clear")
+    assert run.returncode == 2 and "not allowed with argument" in run.stderr
+    run = cli("--clear")
+    assert run.returncode == 0 and f"removed {count} cached kernels" in run.stdout and not cache.exists()
+
+
 @pytest.mark.parametrize("arch", ["sm90", "sm_75", "compute_90", ""])
 def test_cli_build_refuses_an_unknown_arch_at_once_with_the_accepted_ones(arch):
     run = subprocess.run([sys.executable, "-m", "cuattn", "build", "--arch", f"sm_80,{arch}"],
