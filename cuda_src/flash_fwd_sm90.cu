@@ -59,7 +59,8 @@
 // k16 step (kAlibiGemm, alibi_a: the slope in registers times each key's offset in its block,
 // from a small tile in shared memory, AlibiKeyStep) wherever a warp's rows all lie on one side of
 // the block's keys, leaving one offset a row to the softmax; only blocks a warp's diagonals
-// cross add it per score. One k step more costs the tensor cores an eighth of the S GEMM's work
+// cross add it per score, and under a causal mask (every visible key left of its row's diagonal)
+// not even those (alibi_side). One k step more costs the tensor cores an eighth of the S GEMM's work
 // at D = 64 and a sixth at D = 96, against a multiply-add a score on the softmax's path
 // (FwdSm90SmemOf).
 // Key blocks are visited last to first, so the masked blocks at the causal edge come first; the
@@ -893,13 +894,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // the diagonal of this warp's first row, and the first key of the block visited i-th
   const auto warp_first_diagonal = [&](const TileContext& x) { return x.wg_m0 + warp * kWarpRows + x.w.seq.offset; };
   const auto block_first_key = [&](const TileContext& x, int i) { return x.w.template key_block<kDiagFirst>(i) * BLOCK_N; };
-  // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile)
+  // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile).
+  // Under a causal mask (a right window edge at the diagonal) every visible key lies left of its
+  // row's diagonal, so a block that crosses the warp's diagonals takes the left side's linear bias
+  // too (the mask replaces the scores right of them): no per-score bias on the diagonal blocks.
+  const bool keys_left_only = p.window_right <= 0;
   const auto alibi_side = [&](const TileContext& x, int i) -> int {
     if constexpr (kAlibiGemm) {
       if (!x.alibi_gemm) return 0;
       const int n0 = block_first_key(x, i);
       const int d_first = warp_first_diagonal(x);
-      return d_first >= n0 + BLOCK_N - 1 ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
+      return d_first >= n0 + BLOCK_N - 1 || keys_left_only ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
     }
     return 0;
   };
