@@ -1,6 +1,7 @@
 """Command line: ``python -m cuattn info``, ``python -m cuattn build --arch sm_80,sm_90a``,
-``python -m cuattn cache [--prune | --clear]`` and ``python -m cuattn bench [forward|backward|decode|paged|overhead|all] [--dtype bf16|fp16] [--json FILE]
-[--from-json FILE] [--plot FILE.png] [--quick]``."""
+``python -m cuattn cache [--prune | --clear]`` and ``python -m cuattn bench
+[forward|backward|decode|paged|overhead|all] [--dtype bf16|fp16] [--json FILE] [--from-json FILE]
+[--plot FILE.png] [--quick]``."""
 
 from __future__ import annotations
 

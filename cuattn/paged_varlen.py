@@ -30,17 +30,17 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   them from a tile order as ``attention_varlen``'s does (only tiles that hold rows, the sequences
   by decreasing ``seq_lens``; ``attention.FWD_SM90_TILE_ORDER``).
 
-Both launches run on the caller's stream and write disjoint rows of the one output (the decode
-rows are scattered there from the decode launch's run rows). Sinks and ALiBi take both paths: the
-paged forward reads sequence index[e]'s row of ``(B, Hq)`` slopes, each run its sequence's (a
-gather); with ``causal`` a run's key count, seq_lens less the tokens after it, places its rows'
-ALiBi diagonal where its sequence has them (without ``causal`` it would not: refused). With 17 to ~BLOCK_M queries a
-forward tile is partly empty, but every alternative reads the keys more often: the decode kernel
-would need two or more runs. FP8 (e4m3) pages take the decode path for every sequence (runs of
-16 tokens, keys read once per run): the forward reads 2-byte pages only. Value pages may have a
-head dim Dv of their own on both paths. NumPy inputs run every sequence through the runs on the
-CPU, each run an exact float64 reference problem. The whole split is planned on the host in
-NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
+Both launches run on the caller's stream and write disjoint rows of the one output (the decode rows
+are scattered there from the decode launch's run rows). Sinks and ALiBi take both paths: the paged
+forward reads sequence index[e]'s row of ``(B, Hq)`` slopes, each run its sequence's (a gather);
+with ``causal`` a run's key count, seq_lens less the tokens after it, places its rows' ALiBi
+diagonal where its sequence has them (without ``causal`` it would not: refused). With 17 to
+~BLOCK_M queries a forward tile is partly empty, but every alternative reads the keys more often:
+the decode kernel would need two or more runs. FP8 (e4m3) pages take the decode path for every
+sequence (runs of 16 tokens, keys read once per run): the forward reads 2-byte pages only. Value
+pages may have a head dim Dv of their own on both paths. NumPy inputs run every sequence through
+the runs on the CPU, each run an exact float64 reference problem. The whole split is planned on the
+host in NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
 
 Layouts: q ``(total_q, Hq, D)``, out ``(total_q, Hq, Dv)`` (Dv the value pages' head dim, D by
 default); lse ``(Hq, total_q)`` float32; cu_seqlens_q int32 ``(B + 1,)``, read on the host
@@ -110,8 +110,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     pages_named = {} if isinstance(cache, PagedKVCache) else dict(zip(("k_pages", "v_pages"), _cache_pair(cache)))
     # q, out, the pages of a pair, and the table and lengths when they live on the device, are viewed in one framework
     named = {"q": q, **({} if out is None else {"out": out}), **({} if sinks is None else {"sinks": sinks}),
-             **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}), **pages_named, **({} if table_host else {"block_table": block_table}),
-             **({} if lens_host else {"seq_lens": seq_lens})}
+             **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}), **pages_named,
+             **({} if table_host else {"block_table": block_table}), **({} if lens_host else {"seq_lens": seq_lens})}
     with _arrays.array_context(**named) as ctx:
         qv, ov, sv, av = ctx.view(q), ctx.view(out), ctx.view(sinks), ctx.view(alibi_slopes)
         table = block_table if table_host else ctx.view(block_table)

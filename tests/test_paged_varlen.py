@@ -413,8 +413,8 @@ def check_against_reference(rng, got, lse, q, pages, table, cu, lens, dtype, opt
         own = {} if slopes is None else {"alibi_slopes": slopes if slopes.ndim == 1 else slopes[b]}
         naive = reference.naive_attention_lowp(q[None, rows], k_cache[b:b + 1, :lens[b]], v_cache[b:b + 1, :lens[b]],
                                                dtype=dtype, causal=options.get("causal", True),
-                                               **{k: v for k, v in options.items() if k not in ("causal", "alibi_slopes")},
-                                               **own)[0]
+                                               **{k: v for k, v in options.items()
+                                                  if k not in ("causal", "alibi_slopes")}, **own)[0]
         ref_max = np.abs(ref[rows]).max(initial=0.0)
         budget = error_budget(np.abs(naive - ref[rows]).max(initial=0.0), dtype, 2.0, ref_max)
         err = np.abs(got[rows] - ref[rows]).max(initial=0.0)
@@ -530,7 +530,8 @@ ALIBI_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,shape,mask,block,head_dim", ALIBI_CASES,
-                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{s}-{m}-block{b}-d{h}" for d, s, m, b, h in ALIBI_CASES])
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-{s}-{m}-block{b}-d{h}"
+                              for d, s, m, b, h in ALIBI_CASES])
 def test_alibi_on_both_paths_on_the_gpu(rng, caplog, forward_kernel, dtype, shape, mask, block, head_dim):
     """ALiBi on a mixed batch: the paged forward's ALiBi variant (named in the debug log) for the
     long runs and paged decode's for the short ones, into one NaN-poisoned output, with NaN in the
