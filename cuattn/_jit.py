@@ -387,15 +387,14 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
 
 
 def cached_kernels() -> list[dict]:
-    """What the disk cache of this NVRTC version holds: kernel, arch, registers, spills, and each
-    entry's cache key (entries whose metadata cannot be read are left out)."""
+    """What the disk cache of this NVRTC version holds: kernel, arch, registers, spills."""
     folder = cache_dir()
     if not folder.is_dir():
         return []
     entries = []
     for meta_path in sorted(folder.glob("*.json")):
         try:
-            entries.append({**json.loads(meta_path.read_text()), "key": meta_path.stem})
+            entries.append(json.loads(meta_path.read_text()))
         except (OSError, ValueError):
             continue
     return entries

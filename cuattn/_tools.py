@@ -104,8 +104,13 @@ def cache_report() -> dict:
     """The kernel cache: its folder for this NVRTC version and, for each NVRTC version's folder
     under the cache root, its entries and megabytes; this version's entries counted as current
     (a kernel variant of the current sources has their key) or stale."""
+    return _cache_report(_current_keys())
+
+
+def _cache_report(current: set[str]) -> dict:
+    """cache_report's with ``current`` the keys of the current kernel variants (_current_keys')."""
     present = _jit.cache_keys()
-    fresh = len(present & _current_keys())
+    fresh = len(present & current)
     return {"directory": str(_jit.cache_dir()), "current": fresh, "stale": len(present) - fresh,
             "versions": {name: (count, nbytes / 2**20) for name, (count, nbytes) in _jit.cache_sizes().items()}}
 
@@ -123,8 +128,9 @@ def prune_cache() -> dict:
     has (an older release's, an edited source's, or tiles compiled for an experiment, which compile
     again on use); other NVRTC versions' folders are left (``clear_cache`` removes every one).
     Returns the entries removed and the megabytes freed, and the report after."""
-    removed, freed = _jit.remove_cache_entries(_current_keys())
-    return {"removed": removed, "freed MB": freed / 2**20, **cache_report()}
+    current = _current_keys()
+    removed, freed = _jit.remove_cache_entries(current)
+    return {"removed": removed, "freed MB": freed / 2**20, **_cache_report(current)}
 
 
 def clear_cache() -> dict:

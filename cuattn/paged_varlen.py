@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import PagedKeys, _check_host_cu_seqlens, _check_out, _launch_fwd
+from .attention import PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS, check_cache_scales
 from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_table, check_device_pages,
                     clamp_table, paged_attention)
@@ -133,8 +133,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
-        alibi_sb = 0 if av is None else _arrays.check_alibi_slopes(av, int(table.shape[0]), int(qv.shape[1]),
-                                                                    ctx.on_host, "q", qv)
+        alibi_sb = _check_alibi(av, int(table.shape[0]), int(qv.shape[1]), ctx.on_host, qv)
         # device lengths left unchecked: a run's key count is its sequence's, clamped as the
         # kernels clamp it, less the tokens after the run (below)
         clamp_lens = not check and not ctx.on_host
