@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
@@ -321,6 +322,46 @@ def parse_resources(log: str, lowered_name: str) -> Resources | None:
     return None
 
 
+# ELF64 (little-endian) fields a cubin's extent is read from: the header's e_phoff and e_shoff at
+# 0x20, then e_phentsize, e_phnum, e_shentsize, e_shnum at 0x36; a section header's sh_type at 4
+# and its sh_offset and sh_size at 0x18.
+_ELF64_IDENT = b"\x7fELF\x02\x01"
+_ELF64_HEADER_BYTES = 64
+_SHT_NOBITS = 8  # a section with no bytes in the file (.nv.shared.*)
+# CuPy's getCUBIN (14.x) takes NVRTC's cubin size for a string's, less a terminating NUL, and
+# drops the image's last byte. NVRTC writes the program header table last, whose final field (the
+# last segment's 64-bit alignment) ends in zero bytes: at most the top half of it is restored.
+_CUBIN_ZERO_TAIL_BYTES = 4
+
+
+def elf_extent(image: bytes) -> int | None:
+    """The bytes an ELF64 image spans: the end of its program and section header tables and of every
+    section stored in the file; None if ``image`` does not start with a whole ELF64 header."""
+    if len(image) < _ELF64_HEADER_BYTES or not image.startswith(_ELF64_IDENT):
+        return None
+    ph_offset, sh_offset = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", image, 0x36)
+    extent = max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+    for i in range(sh_count):
+        header = sh_offset + i * sh_size
+        if header + sh_size > len(image):
+            break  # the table's tail is what is missing: no more sections to read
+        (kind,) = struct.unpack_from("<I", image, header + 4)
+        offset, size = struct.unpack_from("<QQ", image, header + 0x18)
+        if kind != _SHT_NOBITS:
+            extent = max(extent, offset + size)
+    return extent
+
+
+def whole_cubin(image: bytes) -> bytes | None:
+    """``image`` (a cubin from CuPy's getCUBIN) with the zero bytes CuPy dropped from its end put
+    back; None if it lacks more than those or is not an ELF64 image."""
+    extent = elf_extent(image)
+    if extent is None or not 0 <= extent - len(image) <= _CUBIN_ZERO_TAIL_BYTES:
+        return None
+    return image + bytes(extent - len(image))
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write through a temporary file and rename, so a concurrent reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -328,6 +369,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     os.replace(tmp, path)
+
+
+def _restore_cached_cubin(path: Path) -> None:
+    """Complete a cache entry written before compile_kernel restored getCUBIN's dropped byte: the
+    driver loads either, but cuobjdump and nvdisasm refuse the short one."""
+    image = path.read_bytes()
+    whole = whole_cubin(image)
+    if whole is not None and len(whole) > len(image):
+        _atomic_write(path, whole)
 
 
 def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> CompiledKernel:
@@ -339,6 +389,7 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
     folder = cache_dir()
     cubin_path, meta_path = folder / f"{key}.cubin", folder / f"{key}.json"
     if use_cache and cubin_path.is_file() and meta_path.is_file():
+        _restore_cached_cubin(cubin_path)
         meta = json.loads(meta_path.read_text())
         logger.debug("loaded %s for %s from %s", spec.name, arch, cubin_path)
         # (the serialised-wgmma flag from the cached log: entries written before it existed lack it)
@@ -364,10 +415,13 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
             raise CompileError(spec.name, options, log or str(exc)) from None
         log = nvrtc.getProgramLog(prog)
         lowered = nvrtc.getLoweredName(prog, spec.name)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = whole_cubin(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     seconds = time.perf_counter() - start
+    if cubin is None:
+        raise CompileError(spec.name, options, log + "\nNVRTC's cubin came back cut short of its ELF headers' extent "
+                           "by more than CuPy's dropped last byte")
     res = parse_resources(log, lowered)
     if res is None:
         # The cubin is whole; only the report is missing. NVRTC on the H200 returned an empty

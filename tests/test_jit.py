@@ -11,6 +11,7 @@ import importlib
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -180,6 +181,60 @@ def test_a_missing_resource_report_keeps_the_cubin_and_says_so(cache, monkeypatc
     assert any("no resource report" in r.getMessage() for r in caplog.records)
     rows = cuattn.build("sm_80", kernels=spec.name)
     assert rows and all("no resource report" in row.error and not row.ok for row in rows)
+
+
+def _headers_end(image: bytes) -> int:
+    """Where an ELF64 image's program and section header tables end, read straight from its header."""
+    ph_offset, sh_offset = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", image, 0x36)
+    return max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+
+
+def test_a_cached_cubin_holds_its_whole_elf_image(cache):
+    """CuPy's getCUBIN drops the image's last byte; the cache keeps the whole image, so that
+    cuobjdump and nvdisasm read it and the driver is given every byte its headers name."""
+    for arch in ("sm_80", "sm_90a"):
+        spec = next(s for s in _tools.kernel_variants(arch) if s.needs_sm90a == (arch == "sm_90a"))
+        image = _jit.compile_kernel(spec, arch).cubin_path.read_bytes()
+        assert image.startswith(b"\x7fELF")
+        assert len(image) == _headers_end(image) == _jit.elf_extent(image)
+
+
+def test_a_cubin_cut_short_by_an_older_cuattn_is_completed_on_load(cache):
+    spec = _tools.kernel_variants("sm_80")[0]
+    compiled = _jit.compile_kernel(spec, "sm_80")
+    whole = compiled.cubin_path.read_bytes()
+    compiled.cubin_path.write_bytes(whole[:-1])
+    assert _jit.compile_kernel(spec, "sm_80").cached
+    assert compiled.cubin_path.read_bytes() == whole
+
+
+def test_whole_cubin_restores_only_the_dropped_zero_tail():
+    image = bytearray(b"\x7fELF\x02\x01" + bytes(122))
+    struct.pack_into("<QQ", image, 0x20, 64, 0)  # one program header right after the ELF header
+    struct.pack_into("<HHHH", image, 0x36, 64, 1, 64, 0)
+    assert _jit.elf_extent(bytes(image)) == 128
+    assert _jit.whole_cubin(bytes(image[:-1])) == bytes(image)
+    assert _jit.whole_cubin(bytes(image)) == bytes(image)
+    assert _jit.whole_cubin(bytes(image[:-40])) is None  # more than the zero tail is missing
+    assert _jit.whole_cubin(b"not an ELF image") is None
+
+
+def test_a_cubin_cut_shorter_than_cupy_cuts_is_a_compile_error(cache, monkeypatch):
+    real = _jit._nvrtc()
+
+    class ShortCubins:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def getCUBIN(prog):
+            return real.getCUBIN(prog)[:-64]
+
+    monkeypatch.setattr(_jit, "_nvrtc", ShortCubins)
+    spec = _tools.kernel_variants("sm_80")[0]
+    with pytest.raises(cuattn.CompileError, match="cut short of its ELF headers' extent"):
+        _jit.compile_kernel(spec, "sm_80", use_cache=False)
 
 
 def test_build_refuses_an_unknown_kernel_filter(cache):
