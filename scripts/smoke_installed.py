@@ -8,8 +8,8 @@ the source tree. Checks, in order:
 2. the kernel sources resolve inside it (`cuattn/cuda_src/`) and the LICENSE ships with it;
 3. `python -m cuattn info` runs and reports the kernel sources and the device (or why there is none);
 4. `python -m cuattn build --arch sm_90a --kernels cache_write_kernel` compiles one small kernel
-   family with NVRTC (no GPU needed), and `python -m cuattn cache --prune` finds them current (the
-   installed sources' keys) and removes none;
+   family with NVRTC (no GPU needed) into cubins that hold their whole ELF image, and
+   `python -m cuattn cache --prune` finds them current (the installed sources' keys) and removes none;
 5. `cuattn.attention` on NumPy arrays equals a float64 softmax(q k^T / sqrt(D)) v;
 6. where a GPU is present, the same call on CuPy float16 arrays runs the installed kernels
    (compiled from the installed sources) and agrees; elsewhere it prints why it did not run.
@@ -68,7 +68,10 @@ def main() -> None:
 
     built = run_cli("build", "--arch", SMOKE_ARCH, "--kernels", SMOKE_KERNELS, env=env)
     check(SMOKE_KERNELS in built and "0 failed or spilled" in built, f"build did not compile {SMOKE_KERNELS}:\n{built}")
-    print(f"ok  python -m cuattn build --arch {SMOKE_ARCH} --kernels {SMOKE_KERNELS}")
+    cubins = sorted(Path(env["CUATTN_CACHE_DIR"]).glob("nvrtc-*/*.cubin"))
+    cut = [f.name for f in cubins if _jit.elf_extent(f.read_bytes()) != f.stat().st_size]
+    check(bool(cubins) and not cut, f"cached cubins short of their ELF image: {cut or 'no cubin written'}")
+    print(f"ok  python -m cuattn build --arch {SMOKE_ARCH} --kernels {SMOKE_KERNELS} ({len(cubins)} whole cubins)")
 
     pruned = run_cli("cache", "--prune", env=env)
     check("removed 0 cached kernels" in pruned and " 0 stale" in pruned,
