@@ -355,9 +355,12 @@ def elf_extent(image: bytes) -> int | None:
 
 def whole_cubin(image: bytes) -> bytes | None:
     """``image`` (a cubin from CuPy's getCUBIN) with the zero bytes CuPy dropped from its end put
-    back; None if it lacks more than those or is not an ELF64 image."""
+    back; ``image`` itself where nothing is missing (a CuPy that returns every byte) or there is
+    nothing to tell by (not ELF64); None where more than those bytes are missing."""
     extent = elf_extent(image)
-    if extent is None or not 0 <= extent - len(image) <= _CUBIN_ZERO_TAIL_BYTES:
+    if extent is None or extent <= len(image):
+        return image
+    if extent - len(image) > _CUBIN_ZERO_TAIL_BYTES:
         return None
     return image + bytes(extent - len(image))
 
@@ -377,7 +380,10 @@ def _restore_cached_cubin(path: Path) -> None:
     image = path.read_bytes()
     whole = whole_cubin(image)
     if whole is not None and len(whole) > len(image):
-        _atomic_write(path, whole)
+        try:
+            _atomic_write(path, whole)
+        except OSError as exc:  # a cache this process may not write: the entry loads as it is
+            logger.debug("left %s one byte short: %s", path, exc)
 
 
 def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> CompiledKernel:

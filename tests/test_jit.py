@@ -209,15 +209,30 @@ def test_a_cubin_cut_short_by_an_older_cuattn_is_completed_on_load(cache):
     assert compiled.cubin_path.read_bytes() == whole
 
 
+def test_a_short_cubin_in_a_cache_it_cannot_write_still_loads(cache, monkeypatch):
+    spec = _tools.kernel_variants("sm_80")[0]
+    compiled = _jit.compile_kernel(spec, "sm_80")
+    short = compiled.cubin_path.read_bytes()[:-1]
+    compiled.cubin_path.write_bytes(short)
+
+    def refuse(path, data):
+        raise PermissionError(f"read-only cache: {path}")
+
+    monkeypatch.setattr(_jit, "_atomic_write", refuse)
+    assert _jit.compile_kernel(spec, "sm_80").cached
+    assert compiled.cubin_path.read_bytes() == short
+
+
 def test_whole_cubin_restores_only_the_dropped_zero_tail():
     image = bytearray(b"\x7fELF\x02\x01" + bytes(122))
     struct.pack_into("<QQ", image, 0x20, 64, 0)  # one program header right after the ELF header
     struct.pack_into("<HHHH", image, 0x36, 64, 1, 64, 0)
     assert _jit.elf_extent(bytes(image)) == 128
     assert _jit.whole_cubin(bytes(image[:-1])) == bytes(image)
-    assert _jit.whole_cubin(bytes(image)) == bytes(image)
+    assert _jit.whole_cubin(bytes(image)) == bytes(image)  # a CuPy that returns every byte
+    assert _jit.whole_cubin(bytes(image) + bytes(8)) == bytes(image) + bytes(8)  # padding past the tables
     assert _jit.whole_cubin(bytes(image[:-40])) is None  # more than the zero tail is missing
-    assert _jit.whole_cubin(b"not an ELF image") is None
+    assert _jit.whole_cubin(b"not an ELF image") == b"not an ELF image"  # nothing to tell by
 
 
 def test_a_cubin_cut_shorter_than_cupy_cuts_is_a_compile_error(cache, monkeypatch):
