@@ -82,17 +82,18 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             n gains ``-slope * |i + seq_lens[b] - n - j|`` on key j (after scale and softcap). With
             ``causal=True`` only: a decode run that is not its sequence's last (e4m3 pages, NumPy
             inputs) sees fewer keys than its sequence, which places the diagonal by its key count.
-        window: ``(left, -1)`` or ``(left, 0)`` with ``causal`` (a left window); the default
-            ``(-1, -1)`` sees every earlier key.
+        window: ``(left, right)`` with ``causal``, whose mask caps the right side at 0 as in every
+            function (so a left window); none without (see alibi_slopes). The default ``(-1, -1)``
+            sees every earlier key.
         out: optional ``(total_q, Hq, Dv)`` array of q's dtype and framework to write into.
 
     Returns:
         ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` float32.
     """
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse, check=check)
-    if (not causal and (left >= 0 or right >= 0)) or right > 0:
-        raise ValueError(f"window = {tuple(window)}: paged_attention_varlen takes a left window only, with "
-                         "causal=True (window[1] -1 or 0)")
+    if not causal and (left >= 0 or right >= 0):
+        raise ValueError(f"window = {tuple(window)}: paged_attention_varlen takes a window with causal=True only "
+                         "(a decode run that is not its sequence's last places the diagonal by its key count)")
     if alibi_slopes is not None and not causal:
         raise ValueError("alibi_slopes: paged_attention_varlen takes ALiBi with causal=True only, got causal=False")
     max_seqlen_q = _arrays.check_int("max_seqlen_q", max_seqlen_q, 0)

@@ -246,13 +246,24 @@ def test_out_argument_on_the_cpu():
         cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, out=out[1:])
 
 
+def test_a_right_window_under_a_causal_mask_is_capped_at_the_diagonal():
+    """As in attention and decode: causal caps the right side at 0, so (8, 4) sees what (8, 0) does."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    capped = cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, window=(8, 4))
+    np.testing.assert_array_equal(capped, cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, window=(8, 0)))
+    np.testing.assert_allclose(capped, reference.paged_attention_varlen(q, *pages, table, cu, lens, window=(8, 0)),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_argument_errors():
     rng = np.random.default_rng()
     q, pages, table, cu, lens = make_problem(rng, np.float32)
-    with pytest.raises(ValueError, match=r"paged_attention_varlen takes a left window only, with causal=True"):
-        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, causal=False, window=(8, -1))
-    with pytest.raises(ValueError, match=r"paged_attention_varlen takes a left window only"):
-        cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, window=(8, 4))
+    for window in ((8, -1), (-1, 4), (8, 0)):
+        with pytest.raises(ValueError, match=rf"window = \({window[0]}, {window[1]}\): paged_attention_varlen takes a "
+                                             r"window with causal=True only \(a decode run that is not its sequence's "
+                                             r"last places the diagonal by its key count\)"):
+            cuattn.paged_attention_varlen(q, pages, table, cu, lens, 40, causal=False, window=window)
     with pytest.raises(ValueError, match=r"max_seqlen_q = 39 is below the longest sequence, 40"):
         cuattn.paged_attention_varlen(q, pages, table, cu, lens, 39)
     with pytest.raises(ValueError, match=r"cu_seqlens_q.shape\[0\] \(B \+ 1\) must equal block_table.shape\[0\] \+ 1 = 7, "
