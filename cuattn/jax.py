@@ -66,7 +66,7 @@ from . import _arrays, _masks, reference
 from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
                         check_prefix_sums)
 from .decode import _check_num_splits, check_decode_args, launch_decode
-from .paged import MAX_BLOCK_SIZE, clamp_table
+from .paged import MAX_BLOCK_SIZE, _check_table, clamp_table
 
 __all__ = ["attention", "attention_varlen", "decode", "paged_attention", "ring_attention"]
 
@@ -302,8 +302,8 @@ def _check_layouts(named: dict) -> None:
         _arrays.check_kernel_layout(name, x)
 
 
-def _forward_only(name: str, fn, *arrays):
-    """``fn(*arrays)``, refusing differentiation with a message that names the function."""
+def _forward_only(name: str, fn, *arrays, reason: str = "no backward kernels"):
+    """``fn(*arrays)``, refusing differentiation with a message that names the function and why."""
 
     @jax.custom_jvp
     def call(*arrays):
@@ -311,7 +311,7 @@ def _forward_only(name: str, fn, *arrays):
 
     @call.defjvp
     def _refuse(primals, tangents):
-        raise TypeError(f"cuattn.jax.{name} is forward-only (no backward kernels); "
+        raise TypeError(f"cuattn.jax.{name} is forward-only ({reason}); "
                         "differentiate through cuattn.jax.attention instead")
 
     return call(*arrays)
@@ -564,7 +564,8 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *extras, mask: _Mask, max_
                                 LOOP_OVER_VMAPPED_AXES, graph_safe=True),
         )
 
-    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras)
+    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras,
+                         reason="cuattn.attention_varlen_backward is not wired into JAX")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,9 +669,10 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
     may differ from D).
 
     ``block_table`` int32 ``(B, max_blocks)`` and ``seq_lens`` int32 ``(B,)`` are arrays (may be
-    traced); their values are never read on the host, so nothing is checked as the plain
-    function's ``check=True`` does: lengths are clamped to the table's capacity and block ids to
-    the pool, on every platform (the plain function's ``check=False``). ``max_seq_len``: optional
+    traced). Where an eager call gives them on the CPU their values are checked now, as the plain
+    function's ``check=True`` does (ValueError for a block id outside the pool or a length past
+    the table); otherwise they are never read on the host, and lengths are clamped to the table's
+    capacity and block ids to the pool (the plain function's ``check=False``). ``max_seq_len``: optional
     Python int bounding the lengths the split count plans for (default the table's capacity).
     ``sinks`` and ``alibi_slopes`` as in the plain function. Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
@@ -691,6 +693,9 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
         max_seq_len = _check_length("max_seq_len", max_seq_len, 1)
     _check_dtypes({"q": q, "k_pages": k_pages, "v_pages": v_pages})
     _masks.check_total_length(int(q.shape[1]), int(block_table.shape[1]) * block_size)
+    if _concrete_on_cpu(block_table, seq_lens):
+        # values known now: a bad one raises here, not clamped inside the callback
+        _check_table(np.asarray(block_table), np.asarray(seq_lens), int(k_pages.shape[0]), block_size)
     out, lse = _paged_call(q, k_pages, v_pages, block_table, seq_lens, *extras, mask=mask,
                            num_splits=None if num_splits is None else int(num_splits), max_seq_len=max_seq_len)
     return (out, lse) if return_lse else out

@@ -396,8 +396,32 @@ def test_forward_only_functions_refuse_differentiation():
         jax.grad(lambda q: jnp.sum(cuattn.jax.decode(q, q, q, lens).astype(jnp.float32)))(q)
     packed = jnp.zeros((3, 2, 64), jnp.bfloat16)
     cu = jnp.array([0, 3], jnp.int32)
-    with pytest.raises(TypeError, match=r"cuattn.jax.attention_varlen is forward-only"):
+    with pytest.raises(TypeError, match=r"cuattn.jax.attention_varlen is forward-only \(cuattn.attention_varlen_"
+                                        r"backward is not wired into JAX\)"):
         jax.grad(lambda q: jnp.sum(cuattn.jax.attention_varlen(q, q, q, cu, cu, 3, 3).astype(jnp.float32)))(packed)
+    pages = jnp.zeros((2, 4, 2, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match=r"cuattn.jax.paged_attention is forward-only \(no backward kernels\)"):
+        jax.grad(lambda q: jnp.sum(cuattn.jax.paged_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32),
+                                                              lens).astype(jnp.float32)))(q)
+
+
+def test_paged_attention_checks_a_table_it_is_given_on_the_cpu():
+    """Eager and on the CPU the values are known: a block id outside the pool or a length past the
+    table raises as the plain function's check=True does, rather than being clamped."""
+    cpu = jax.devices("cpu")[0]
+    q = jax.device_put(jnp.zeros((2, 1, 4, 16), jnp.bfloat16), cpu)
+    pages = jax.device_put(jnp.zeros((6, 4, 2, 16), jnp.bfloat16), cpu)
+    table = lambda rows: jax.device_put(jnp.array(rows, jnp.int32), cpu)
+    lens = lambda values: jax.device_put(jnp.array(values, jnp.int32), cpu)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 is outside the pool of 6 blocks \(sequence 0 has "
+                                         r"5 tokens\)"):
+        cuattn.jax.paged_attention(q, pages, pages, table([[0, 9], [2, 3]]), lens([5, 8]))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 exceeds what block_table holds: block_table.shape\[1\] "
+                                         r"\(max_blocks\) = 2 x block_size 4 = 8 tokens"):
+        cuattn.jax.paged_attention(q, pages, pages, table([[0, 1], [2, 3]]), lens([9, 8]))
+    # traced values are not read: the kernel's clamp applies, as with check=False
+    out = jax.jit(cuattn.jax.paged_attention)(q, pages, pages, table([[0, 9], [2, 3]]), lens([9, 8]))
+    assert out.shape == (2, 1, 4, 16)
 
 
 # ---------------------------------------------------------------------------------------------
