@@ -226,6 +226,7 @@ class _Hub:
         self.inboxes = [queue.Queue() for _ in range(world_size)]
         self.barrier = threading.Barrier(world_size)
         self.slots = [None] * world_size
+        self.aborted = False  # a rank raised (abort): what a broken barrier means, or a timeout
 
     def put(self, rank: int, item) -> None:
         self.inboxes[rank].put(item)
@@ -235,7 +236,7 @@ class _Hub:
             item = self.inboxes[rank].get(timeout=LOCAL_TIMEOUT_S)
         except queue.Empty:
             raise RuntimeError(f"LocalGroup rank {rank} received nothing from rank {(rank - 1) % len(self.inboxes)} in "
-                               f"{LOCAL_TIMEOUT_S:.0f} s: the ranks' calls do not match") from None
+                               f"{LOCAL_TIMEOUT_S:.3g} s: the ranks' calls do not match") from None
         if item is self._ABORT:
             raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised")
         return item
@@ -245,7 +246,12 @@ class _Hub:
         try:
             self.barrier.wait(LOCAL_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised") from None
+            if self.aborted:
+                raise PeerFailedError(f"LocalGroup rank {rank} stopped: another rank of the ring raised") from None
+            # the wait timed out (here or at an earlier all-gather of the group, which breaks the
+            # barrier for good): not every rank came
+            raise RuntimeError(f"LocalGroup rank {rank} waited {LOCAL_TIMEOUT_S:.3g} s at an all-gather that not every "
+                               "rank reached: the ranks' calls do not match") from None
         gathered = np.stack(self.slots)
         try:
             # nobody writes its slot for the next all-gather before every rank has read this one
@@ -259,6 +265,7 @@ class _Hub:
         return gathered
 
     def abort(self) -> None:
+        self.aborted = True
         self.barrier.abort()
         for inbox in self.inboxes:
             inbox.put(self._ABORT)

@@ -853,8 +853,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         if planning and not ctx.on_host and (table_host or lens_host):
             raise TypeError("plan_paged_attention reads block_table and seq_lens on the device each run: pass device "
                             "arrays (CuPy or q's framework) that the loop updates in place")
-        table = block_table if table_host else ctx.view(_same_kind(block_table, ctx))
-        lens = seq_lens if lens_host else ctx.view(_same_kind(seq_lens, ctx))
+        table = block_table if table_host else ctx.view(_same_kind("block_table", block_table, ctx))
+        lens = seq_lens if lens_host else ctx.view(_same_kind("seq_lens", seq_lens, ctx))
         _decode.check_decode_args(qv, kv, vv, lens, "seq_lens", ("(num_blocks, block_size, Hk, D)", "block_size"))
         _arrays.check_ndim("block_table", table, "(B, max_blocks)")
         _arrays.check_axis("block_table", table, 0, "batch", int(qv.shape[0]), "q.shape[0]")
@@ -934,10 +934,14 @@ def _cache_pair(cache):
     return cache
 
 
-def _same_kind(x, ctx):
+def _same_kind(name: str, x, ctx):
+    """``x`` (block_table or seq_lens, not NumPy) if it comes from q's framework."""
     kind = _arrays.array_kind(x)
     if kind != ctx.kind:
-        raise TypeError(f"block_table and seq_lens must be NumPy arrays or come from q's framework ({ctx.kind}), got {kind}")
+        if ctx.on_host:
+            raise TypeError(f"{name} must be a NumPy array or a list, as q is a NumPy array; got a {kind} array")
+        raise TypeError(f"{name} must be a NumPy array, a list or an array of q's framework ({ctx.kind}); "
+                        f"got a {kind} array")
     return x
 
 

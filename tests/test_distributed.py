@@ -270,6 +270,80 @@ def test_local_all_gather_is_kept_when_an_abort_lands_after_it():
         np.testing.assert_array_equal(got[rank], [[0, 10], [1, 11]])
 
 
+def test_a_local_rank_that_receives_nothing_says_from_whom_after_the_timeout(monkeypatch):
+    """Ranks whose calls do not match (here rank 2 never sends) end in an error, not a hang."""
+    monkeypatch.setattr(distributed, "LOCAL_TIMEOUT_S", 0.01)
+    group = LocalGroup.create(3)[0]
+    x = np.random.default_rng().standard_normal(4)
+    with pytest.raises(RuntimeError, match=r"^LocalGroup rank 0 received nothing from rank 2 in 0.01 s: the ranks' "
+                                           r"calls do not match$"):
+        group.send_recv((x,), (np.empty_like(x),))
+
+
+def test_a_local_all_gather_that_not_every_rank_reaches_times_out_as_a_mismatch(monkeypatch):
+    """No rank raised: the barrier's timeout is the ranks' mismatch, not a peer's failure, and the
+    group's later all-gathers say the same."""
+    monkeypatch.setattr(distributed, "LOCAL_TIMEOUT_S", 0.05)
+    group = LocalGroup.create(2)[0]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"^LocalGroup rank 0 waited 0.05 s at an all-gather that not every "
+                                               r"rank reached: the ranks' calls do not match$"):
+            group.all_gather(np.arange(3))
+
+
+@pytest.mark.parametrize("exchange", ["send_recv", "all_gather"])
+def test_a_local_rank_waiting_at_an_exchange_stops_when_a_peer_raises(exchange):
+    """LocalGroup.run aborts the ring when a rank raises: a rank waiting in send_recv or at the
+    all-gather's barrier stops with PeerFailedError (and run raises the failing rank's own error)."""
+    stopped = []
+
+    def body(group):
+        if group.rank == 0:
+            raise ValueError("rank 0's own error")
+        x = np.random.default_rng().standard_normal(4)
+        with pytest.raises(distributed.PeerFailedError, match=r"^LocalGroup rank 1 stopped: another rank of the ring "
+                                                              r"raised$"):
+            group.send_recv((x,), (np.empty_like(x),)) if exchange == "send_recv" else group.all_gather(x)
+        stopped.append(group.rank)
+
+    with pytest.raises(ValueError, match=r"^rank 0's own error$"):
+        LocalGroup.run(2, body)
+    assert stopped == [1]
+
+
+def test_a_rank_refused_before_its_ring_keeps_its_own_error_when_a_peer_is_gone():
+    """A rank whose arrays are refused before the ring exists (a masked q) meets its peers in the
+    handshake; when that fails because a peer raised, it raises its own refusal, not chained to
+    the PeerFailedError it met."""
+    rng = np.random.default_rng()
+    q, k, v = (randn(rng, (1, 4, 2, HEAD_DIM), np.float64) for _ in range(3))
+
+    def body(group):
+        if group.rank == 1:
+            raise RuntimeError("rank 1 is gone")
+        ring_attention(np.ma.masked_array(q), k, v, group)
+
+    with pytest.raises(TypeError, match=r"^q is a masked array; pass q.filled\(value\) or the data without a "
+                                        r"mask$") as refused:
+        LocalGroup.run(2, body)
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+
+
+def test_nccl_group_refuses_a_rank_outside_the_world_before_loading_nccl():
+    with pytest.raises(ValueError, match=r"^rank must be in \[0, world_size = 2\), got 2$"):
+        distributed.NcclGroup(2, 2, unique_id=(0,) * 128)
+
+
+def test_nccl_group_without_nccl_names_the_wheel_to_install(monkeypatch):
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    monkeypatch.setattr(nccl, "available", False)
+    with pytest.raises(ImportError, match=r"^cupy.cuda.nccl cannot load NCCL: install NVIDIA's NCCL wheel for your "
+                                          r"CUDA \(pip install 'cuattn\[distributed-cuda13\]' or "
+                                          r"'cuattn\[distributed-cuda12\]'\), or pass a torch.distributed process "
+                                          r"group instead$"):
+        distributed.NcclGroup.unique_id()
+
+
 def test_ranks_agree_on_options_spelled_differently(rng):
     """The handshake compares the options the kernels use: scale=None on one rank and an explicit
     1/sqrt(D) on another, or softcap 0.0 and -0.0 (both: no cap), are one call (they were refused

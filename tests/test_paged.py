@@ -630,6 +630,21 @@ def test_paged_cache_and_argument_errors():
         cuattn.paged_attention(q, (pages, pages), table, lens)
 
 
+@pytest.mark.parametrize("jax_arg", ["block_table", "seq_lens"])
+def test_a_jax_table_or_lengths_beside_numpy_q_is_refused(jax_arg):
+    """block_table and seq_lens are NumPy arrays (or lists) on the CPU path: a JAX array is refused by its framework."""
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng()
+    cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
+    q = randn(rng, (2, 1, 4, 64))
+    ints = {"block_table": rng.permutation(8).astype(np.int32).reshape(2, 4),
+            "seq_lens": rng.integers(0, 17, 2).astype(np.int32)}
+    ints[jax_arg] = jnp.asarray(ints[jax_arg])
+    with pytest.raises(TypeError, match=rf"^{jax_arg} must be a NumPy array or a list, as q is a NumPy array; "
+                                        r"got a jax array$"):
+        cuattn.paged_attention(q, cache, ints["block_table"], ints["seq_lens"])
+
+
 def test_cpu_cache_enforces_the_device_caches_rules():
     with pytest.raises(TypeError, match=r"dtype is int32; a CPU cache takes a float dtype"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.int32, device="cpu")
