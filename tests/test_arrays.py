@@ -52,6 +52,18 @@ def test_array_kind():
         _arrays.array_kind(None, "q")
 
 
+@pytest.mark.parametrize("jax_arg", ["q", "k"])
+def test_numpy_and_jax_arrays_in_one_call_are_refused_by_name(jax_arg):
+    """JAX CPU arrays beside NumPy ones: the framework check names every argument's framework."""
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng()
+    named = {"q": randn(rng, (1, 5, 4, 64)), "k": randn(rng, (1, 7, 2, 64)), "v": randn(rng, (1, 7, 2, 64))}
+    named[jax_arg] = jnp.asarray(named[jax_arg])
+    listing = ", ".join(f"{name} is {'jax' if name == jax_arg else 'numpy'}" for name in named)
+    with pytest.raises(TypeError, match=rf"^all array arguments must come from one framework; {listing}$"):
+        cuattn.attention(**named)
+
+
 def test_dtype_table_names_bfloat16():
     assert _arrays.CUDA_TYPES[BF16] == "__nv_bfloat16"
     assert _arrays.CUDA_TYPES[np.dtype(np.float16)] == "__half"

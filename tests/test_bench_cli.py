@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -255,6 +256,47 @@ def test_json_refuses_a_nan_rather_than_writing_invalid_json(tmp_path):
                                     environment=ENVIRONMENT, command="", dtype="bfloat16", quick=True)
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
         report.write_json(tmp_path / "bench.json", record)
+
+
+def test_json_refuses_a_value_it_cannot_write_and_writes_no_file(tmp_path):
+    path = tmp_path / "bench.json"
+    with pytest.raises(TypeError, match=r"^cannot write set to JSON: \{3\}$"):
+        report.write_json(path, {"cases": [{"info": {"heads": {3}}}]})
+    assert not path.exists()
+
+
+def _refusing_backend():
+    raise RuntimeError("\nNo available kernel.  Aborting execution.\nmore detail")
+
+
+def _empty_refusal():
+    raise RuntimeError("")
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda: bench_cases._check_naive("naive-cupy", bench_cases.attention_shape(N_LARGE, HEAD_DIM, True)),
+     r"naive CuPy runs up to N = 4096: at N = 16384 its score matrices alone take 16 GiB and the softmax makes "
+     r"several copies"),
+    (lambda: bench_cases._refused("torch-flash", _refusing_backend),
+     r"torch-flash does not run this shape: No available kernel\.  Aborting execution\."),
+    (lambda: bench_cases._refused("jax-cudnn", _empty_refusal), r"jax-cudnn does not run this shape: RuntimeError"),
+])
+def test_skip_reasons_name_the_implementation_and_why(call, reason):
+    with pytest.raises(bench_cases.SkipCase, match=rf"^{reason}$"):
+        call()
+
+
+@pytest.mark.parametrize("framework, stand_in, reason", [
+    ("torch", None, r"torch is not importable \(.+\)"),  # None in sys.modules: import raises ImportError
+    ("torch", types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False)),
+     r"torch sees no CUDA device \(a CPU-only build\?\)"),
+    ("jax", None, r"jax is not importable \(.+\)"),
+    ("jax", types.SimpleNamespace(default_backend=lambda: "cpu"), r"jax runs on cpu, not on the GPU"),
+])
+def test_skip_reasons_for_a_framework_that_cannot_run_on_the_gpu(monkeypatch, framework, stand_in, reason):
+    monkeypatch.setitem(sys.modules, framework, stand_in)
+    with pytest.raises(bench_cases.SkipCase, match=rf"^{reason}$"):
+        {"torch": bench_cases._torch, "jax": bench_cases._jax}[framework]()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,6 +118,16 @@ def test_plan_roles_resolve_inputs_outputs_regions_of_outputs_and_nulls():
     assert plan.run([_FakeArray(0x108), _FakeArray(0x200)], [reader, reader]) is None
 
 
+def test_a_plan_whose_first_input_is_an_output_is_refused():
+    """The first input fixes the call's framework and device, so it cannot be an array the plan allocates."""
+    launch = _RecordingLaunch(["out", "a"])
+    with pytest.raises(ValueError, match=r"^a plan's first input is the array whose framework and device the call "
+                                         r"follows$"):
+        _calls.Plan(inputs=("out", "a"), outputs={"out": ((2, 3), False)},
+                    bound=[_calls.Bound(launch, {"out": "out", "a": "a"})],
+                    finish=lambda results, arrays: results, aligned=())
+
+
 def test_plan_step_roles_write_the_step_between_evenly_spaced_inputs():
     """A ``step:ITEMSIZE:...`` role writes the constant step between its inputs' addresses in
     elements (an int64 word, two's complement below the first input, 0 for one input); inputs

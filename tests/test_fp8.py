@@ -205,6 +205,24 @@ def test_fp8_attention_takes_the_kernels_head_dims_on_the_host_too():
         cuattn.attention(x, x, x, q_scale=0.01, k_scale=0.01, v_scale=0.01)
 
 
+@pytest.mark.parametrize("shape", [(), (32,)])
+def test_quantize_takes_at_least_heads_and_head_dim(shape):
+    x = np.asarray(randn(np.random.default_rng(), shape))
+    with pytest.raises(ValueError, match=rf"^x must be \(..., H, D\) with at least 2 axes, got shape "
+                                         rf"{re.escape(str(shape))}$"):
+        cuattn.quantize_fp8(x, 0.1)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 4, 64), (1, 7, 4, 128), (8, 4, 128)])
+def test_fp8_attention_out_must_have_qs_shape_on_the_host_too(shape):
+    rng = np.random.default_rng()
+    q8 = cuattn.quantize_fp8(randn(rng, (1, 8, 4, 128)), 0.01)
+    k8 = cuattn.quantize_fp8(randn(rng, (1, 9, 2, 128)), 0.01)
+    with pytest.raises(ValueError, match=rf"^out.shape must equal q.shape = \(1, 8, 4, 128\), got "
+                                         rf"{re.escape(str(shape))}$"):
+        cuattn.attention(q8, k8, k8, q_scale=0.01, k_scale=0.01, v_scale=0.01, out=np.zeros(shape, BF16))
+
+
 def test_descale_arrays_are_float32_on_the_host_too():
     """The kernels take descale arrays in float32: the CPU path refuses float64 ones as the device does."""
     rng = np.random.default_rng()

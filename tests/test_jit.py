@@ -331,6 +331,27 @@ def test_cli_build_refuses_an_unknown_arch_at_once_with_the_accepted_ones(arch):
     assert "kernel" not in run.stdout
 
 
+@pytest.mark.parametrize("arch", ["", "sm_80,", " , ", []])
+def test_an_arch_list_without_a_target_is_refused(arch):
+    with pytest.raises(ValueError, match=rf"^arch must name at least one target, e.g. sm_80,sm_90a; got "
+                                         rf"{re.escape(repr(arch))}$"):
+        cuattn.build(arch)
+
+
+def test_missing_kernel_sources_name_both_places_they_are_looked_for(tmp_path, monkeypatch):
+    """No CUATTN_SOURCE_DIR and neither an installed wheel's cuda_src/ nor a checkout's beside the package."""
+    monkeypatch.delenv("CUATTN_SOURCE_DIR", raising=False)
+    package = tmp_path / "site-packages" / "cuattn"
+    monkeypatch.setattr(_jit, "__file__", str(package / "_jit.py"))
+    package = package.resolve()
+    with pytest.raises(FileNotFoundError, match=rf"^cuattn's kernel sources are missing: neither "
+                                                rf"{re.escape(str(package / 'cuda_src'))} \(an installed wheel\) nor "
+                                                rf"{re.escape(str(package.parent / 'cuda_src'))} \(a source checkout\) "
+                                                r"holds common.cuh; reinstall cuattn, or point CUATTN_SOURCE_DIR at a "
+                                                r"copy of cuda_src/$"):
+        _jit.source_dir()
+
+
 def test_unknown_arch_is_refused_before_any_compile(monkeypatch):
     def must_not_compile(*args, **kwargs):
         raise AssertionError("compiled before checking every arch")

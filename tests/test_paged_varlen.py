@@ -277,6 +277,16 @@ def test_argument_errors():
         cuattn.paged_attention_varlen(q, pages, table, cu.astype(np.int64), lens, 40)
 
 
+@pytest.mark.parametrize("block_size", [0, 257])
+def test_block_size_outside_the_kernels_range_is_refused(block_size):
+    rng = np.random.default_rng()
+    q, _, table, cu, lens = make_problem(rng, np.float32)
+    pages = randn(rng, (4, block_size, 2, 64))
+    with pytest.raises(ValueError, match=rf"^k_pages.shape\[1\] \(block_size\) must be from 1 to 256, got "
+                                         rf"{block_size}$"):
+        cuattn.paged_attention_varlen(q, (pages, pages), table, cu, lens, 40)
+
+
 @pytest.mark.parametrize("change, error, message", [
     (lambda lens: lens[:-1], ValueError, r"seq_lens.shape\[0\] \(batch\) must equal block_table.shape\[0\] = 6, got 5"),
     (lambda lens: np.array(5, np.int32), ValueError, r"seq_lens must be 1-D \(B\), got shape \(\)"),
