@@ -2,7 +2,7 @@
 
 This is the only module that talks to NVRTC and ``cupy.RawModule``. A kernel variant is a
 :class:`KernelSpec`: the ``.cu`` file it lives in and the template instantiation written as a C++
-name expression (``flash_fwd_kernel<__half, 128, MaskMode::kCausal>``), which NVRTC instantiates
+name expression (``cuattn::flash_fwd_kernel<__half, 128, 128, 64, 4, false, false>``), which NVRTC instantiates
 through ``nvrtcAddNameExpression`` and lowers to the mangled symbol we load.
 
 Compiled cubins are cached on disk under ``$CUATTN_CACHE_DIR`` (default ``~/.cache/cuattn``), one

@@ -1,8 +1,8 @@
 """The variant registry: what each kernel family supports and every variant its dispatcher can launch.
 
 Read by ``cuattn.build`` / ``python -m cuattn build`` (what to compile), ``tests/test_jit.py``
-(every variant compiles without spills), the tests' parametrisation (dtypes, head dims, mask
-modes) and the benchmarks. Every family takes every head dim of ``_arrays.SUPPORTED_HEAD_DIMS``
+(every variant compiles without spills) and the tests' parametrisation (dtypes, head dims, mask
+modes). Every family takes every head dim of ``_arrays.SUPPORTED_HEAD_DIMS``
 (multiples of 8 up to 256); its kernels are instantiated for the tile head dims of its tile table,
 and a head dim runs the smallest tile at least it, given at run time.
 """
@@ -26,7 +26,8 @@ class Family:
 FAMILIES = {
     family.name: family
     for family in (
-        Family("attention", "flash_fwd.cu, flash_bwd.cu", attention.TILE_HEAD_DIMS, attention.kernel_variants),
+        Family("attention", "flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu, tile_order.cu", attention.TILE_HEAD_DIMS,
+               attention.kernel_variants),
         Family("decode", "decode.cu", decode.TILE_HEAD_DIMS, decode.kernel_variants),
         Family("cache", "cache_ops.cu", (), paged.kernel_variants),
     )

@@ -19,8 +19,8 @@ Layouts (any strides on the leading axes; the last axis is contiguous):
 
 The caches hold q's dtype, or float8 e4m3 (FP8) with descales ``k_scale``, ``v_scale`` (real value
 = stored x scale, per tensor or per kv head): the kernel reads half the bytes and widens them to
-q's dtype in registers (``cuda_src/fp8.cuh``); the descales fold into the score scale and the
-output, outside the GEMMs.
+fp16 in registers (``cuda_src/fp8.cuh``; a bf16 q is converted to fp16 once, and both GEMMs run
+in fp16); the descales fold into the score scale and the output, outside the GEMMs.
 
 ``cache_seqlens[b]`` counts every key of row b, the new tokens' own included (write them into
 the cache first). With ``causal``, new token i of row b sees keys ``j <= cache_seqlens[b] -

@@ -3,7 +3,8 @@
 An e4m3 cache stores each key and value in one byte (4 exponent bits, 3 mantissa bits, largest
 value 448) with a float32 descale per tensor or per kv head: real value = stored x scale.
 ``decode`` and ``paged_attention`` read such caches directly (half the bytes of fp16/bf16) and
-widen them to q's dtype in registers; ``PagedKVCache(..., dtype=float8_e4m3fn)`` quantises in
+widen them to fp16 in registers (a bf16 q is converted to fp16 once); ``PagedKVCache(...,
+dtype=float8_e4m3fn)`` quantises in
 its write kernel. This module makes the scales and quantises whole arrays (a contiguous cache):
 
     fp8_scales(x, per_head=False)   amax / 448: a float32 scalar array, or (H,) over x's axis -2

@@ -3,7 +3,9 @@
 These functions define what the GPU kernels must compute, and they are also the CPU path
 the public API takes for NumPy inputs. Each accepts arrays of any float dtype (float16,
 float32, float64, ``ml_dtypes.bfloat16``), computes in float64 and returns float64 arrays;
-callers cast. Arguments are not validated beyond what computing needs: the public layer does
+callers cast. The exceptions are the ``*_lowp`` functions, which emulate a low-precision
+computation on purpose (operands rounded to fp16/bf16, float32 arithmetic) for the tests'
+error budgets. Arguments are not validated beyond what computing needs: the public layer does
 that.
 
 Layouts (B batch, Sq/Sk query/key lengths, Hq/Hk query/kv heads, D head dim of q and k, Dv head

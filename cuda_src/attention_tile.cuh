@@ -1,4 +1,4 @@
-// attention_tile.cuh: the per-warp attention tile both tensor-core kernels are built on.
+// attention_tile.cuh: the per-warp attention tile the tensor-core kernels are built on.
 //
 // A warp owns MT m16 tiles of query rows. For one block of keys it holds the scores
 // s[MT][NT][4] (NT n8 tiles of keys, mma.sync C fragments), the unnormalised output
@@ -10,8 +10,8 @@
 //   to_fragments      probabilities as fp16/bf16 A fragments for O += P V
 //   to_e4m3_fragments probabilities as e4m3 A fragments of an 8-bit wgmma (the FP8 Hopper forward)
 //   softmax_to_fragments  the two steps at once, the row max found only when the sums ask for it
-// flash_fwd.cu (rows split over warps) and decode.cu (keys split over warps) call them
-// between their own GEMMs.
+// flash_fwd.cu (rows split over warps), flash_fwd_sm90.cu (a warp's 16 rows of a warpgroup's
+// wgmma tile) and decode.cu (keys split over warps) call them between their own GEMMs.
 #pragma once
 
 #include "common.cuh"

@@ -20,8 +20,9 @@
 // D is q's and k's head dim, Dv v's (equal for most models; DeepSeek's MLA has D = 192, Dv = 128).
 //
 // K and V hold q's type, or e4m3 bytes (Tkv = e4m3, fp8.cuh) with descales per tensor or kv head:
-// the stage ring then holds bytes and each warp widens its fragments in registers (K to q's type,
-// V to fp16 for an fp16 P V GEMM); the descales fold into the score scale and the output.
+// the stage ring then holds bytes and each warp widens its fragments to fp16 in registers (a bf16
+// q is rewritten as fp16 once, in shared memory), so both GEMMs run in fp16; the descales fold
+// into the score scale and the output.
 //
 // Query row r of a CTA's tile is new token i = r / G of query head hk * G + r % G (G = Hq / Hk).
 // Token i of sequence b has diagonal seqlen_b - Sq_new + i: with causal it sees keys up to it.

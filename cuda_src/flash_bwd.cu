@@ -14,7 +14,8 @@
 //   flash_bwd_dq_kernel     deterministic dQ: one CTA per (query block, sequence, query head)
 //                           recomputes P and dP over the key blocks and sums dQ in registers.
 //   bwd_convert_dq_kernel   dq = scale * dq_accum in q's dtype
-//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for tiles D = 64-128, warp-specialised
+//   flash_bwd_sm90_kernel   sm_90a only: flash_bwd_kernel's job for tiles D = 64-128 and the wide
+//                           D = 256 tile (float4-atomic dQ), warp-specialised
 //                           (a TMA producer warp, two wgmma consumer warpgroups, setmaxnreg),
 //                           with dQ by float4 atomics, by one bulk reduction per tile, or
 //                           (deterministic) by bulk reductions in a fixed order; described above
@@ -36,8 +37,9 @@
 // in the struct; the last axis is contiguous):
 //   q, dq [B, Sq, Hq, D]   out, dout [B, Sq, Hq, Dv]   k, dk [B, Sk, Hk, D]   v, dv [B, Sk, Hk, Dv]
 //   lse, delta [B, Hq, Sq]
-//   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by the host (atomic dQ); the sm_90a
-//                      kernel's bulk dQ: tiles of BLOCK_M x HEAD_DIM, see above flash_bwd_sm90_kernel
+//   dq_accum           [B, Sq, Hq, D] fp32, contiguous, zeroed by bwd_preprocess_kernel (atomic
+//                      dQ); the sm_90a kernel's bulk dQ: tiles of BLOCK_M x HEAD_DIM, see above
+//                      flash_bwd_sm90_kernel
 // Varlen: as flash_fwd.cu (cu_seqlens pointers, batch strides 0).
 // Head dims: every main and dQ kernel is instantiated for a tile head dim HEAD_DIM and takes
 // D = BwdParams::head_dim (q, k, dq, dk) and Dv = BwdParams::head_dim_v (v, out, dout, dv), both

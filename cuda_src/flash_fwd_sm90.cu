@@ -9,7 +9,8 @@
 //   q    [B, Sq, Hq, D]   through q_map as 4-D (D, Sq, Hq, B)   varlen: (D, total_q, Hq, 1)
 //   k    [B, Sk, Hk, D]   through k_map the same way
 //   v    [B, Sk, Hk, Dv]  through v_map the same way
-//   out  [B, Sq, Hq, Dv]  plain 16-byte stores (rows past a varlen sequence belong to the next)
+//   out  [B, Sq, Hq, Dv]  through o_map by TMA where p.o_by_tma, else 16-byte stores (rows past a
+//                         varlen sequence belong to the next: those warpgroups take the stores)
 //   paged keys (PAGED, p.block_table set; paged_attention_varlen's prefill): k and v are pages
 //        [num_blocks, block_size, Hk, D | Dv], each key block loaded page by page through k_map /
 //        v_map as 4-D (D, block_size, Hk, num_blocks) (the producer's page_of, load_chunk), or
@@ -78,7 +79,7 @@
 // wait order the slot's write before their reads) and a "tile empty" one (every consumer thread
 // arrives once it has read the slot). The producer publishes tile t + 1 as soon as it has
 // issued tile t's last load, so the consumers find it waiting when tile t's epilogue ends, and
-// kNoTile ends the loop. Which tiles:
+// kFwdSm90NoTile ends the loop. Which tiles:
 //   static  (p.tile_counter null): CTA i takes tiles i, i + gridDim.x, ... in (batch, head)-major
 //           order, the last query block of a head first (with a grid of one CTA per tile, the
 //           hardware schedules);

@@ -212,8 +212,8 @@ struct BwdParams {
   float softmax_scale;     // dk = softmax_scale * dS^T Q, dq = softmax_scale * dS K
   int window_left;         // visible keys of row i: [i + Sk - Sq - left, i + Sk - Sq + right]
   int window_right;
-  int head_dim;            // D of q, k, dq, dk: a multiple of 8 up to the mma.sync kernels' tile head
-                           // dim (the wgmma kernel runs only its tile's D, with Dv = D)
+  int head_dim;            // D of q, k, dq, dk: a multiple of 8 up to the tile head dim, that of
+                           // max(D, Dv) (both kernels read zeros past each array's own head dim)
   int head_dim_v;          // Dv of v, out, dout, dv (a multiple of 8 up to the same tile)
   int dq_descending;       // ordered bulk dQ: 1 where ranks descend (a bounded right window side)
   int dkv_by_tma;          // sm_90a, bulk dQ, dense: 1 = dK and dV leave through dk_map, dv_map

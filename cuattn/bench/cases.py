@@ -21,7 +21,9 @@ same calls and the same timing (``cuattn.bench.timing``). Four families:
 Implementations: ``cuattn``; torch SDPA restricted to its ``torch-flash`` (FlashAttention-2) or
 ``torch-cudnn`` backend, where torch is importable and the backend takes the shape; and
 ``naive-cupy`` (matmul, softmax, matmul with every N x N intermediate in memory), always in
-float16 because its matmuls are cuBLAS half-precision GEMMs. A case that cannot run raises
+float16 because its matmuls are cuBLAS half-precision GEMMs; for the forward also ``jax-cudnn``
+(``jax.nn.dot_product_attention(implementation="cudnn")`` under ``jax.jit``, where JAX runs on
+the GPU). A case that cannot run raises
 :class:`SkipCase` with the reason.
 """
 
