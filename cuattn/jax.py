@@ -66,7 +66,7 @@ from . import _arrays, _masks, reference
 from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
                         check_prefix_sums)
 from .decode import _check_num_splits, check_decode_args, launch_decode
-from .paged import MAX_BLOCK_SIZE, _check_table, clamp_table
+from .paged import MAX_BLOCK_SIZE, check_table, clamp_table
 
 __all__ = ["attention", "attention_varlen", "decode", "paged_attention", "ring_attention"]
 
@@ -695,7 +695,7 @@ def paged_attention(q, k_pages, v_pages, block_table, seq_lens, *, max_seq_len=N
     _masks.check_total_length(int(q.shape[1]), int(block_table.shape[1]) * block_size)
     if _concrete_on_cpu(block_table, seq_lens):
         # values known now: a bad one raises here, not clamped inside the callback
-        _check_table(np.asarray(block_table), np.asarray(seq_lens), int(k_pages.shape[0]), block_size)
+        check_table(np.asarray(block_table), np.asarray(seq_lens), int(k_pages.shape[0]), block_size)
     out, lse = _paged_call(q, k_pages, v_pages, block_table, seq_lens, *extras, mask=mask,
                            num_splits=None if num_splits is None else int(num_splits), max_seq_len=max_seq_len)
     return (out, lse) if return_lse else out

@@ -877,7 +877,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         if check:
             host_table = table if table_host else table.get()
             host_lens = lens if lens_host else lens.get()
-            _check_table(host_table, host_lens, num_blocks, block_size)
+            check_table(host_table, host_lens, num_blocks, block_size)
         elif ctx.on_host:
             table, lens = clamp_table(table, lens, num_blocks, block_size)
         if ctx.on_host:
@@ -976,7 +976,7 @@ def clamp_table(table, lens, num_blocks: int, block_size: int):
             np.clip(lens, 0, capacity).astype(np.int32, copy=False))
 
 
-def _check_table(table, lens, num_blocks: int, block_size: int) -> None:
+def check_table(table, lens, num_blocks: int, block_size: int) -> None:
     """Every block a sequence uses must be in the pool; no length may pass its table row."""
     capacity = table.shape[1] * block_size
     if lens.size and (lens.min() < 0 or lens.max() > capacity):

@@ -55,7 +55,7 @@ import numpy as np
 from . import _arrays, _masks
 from .attention import PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd
 from .decode import MAX_NEW_TOKENS, check_cache_scales
-from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, _check_table, check_device_pages,
+from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, check_device_pages, check_table,
                     clamp_table, paged_attention)
 
 # The fewest queries a sequence sends through the paged forward; fewer go through paged decode.
@@ -139,7 +139,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         # kernels clamp it, less the tokens after the run (below)
         clamp_lens = not check and not ctx.on_host
         if check:
-            _check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
+            check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
                          int(kv.shape[0]), int(kv.shape[1]))
             check = False  # every row of the table was just checked
         elif ctx.on_host:
