@@ -140,7 +140,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         clamp_lens = not check and not ctx.on_host
         if check:
             check_table(table if table_host else table.get(), lens if lens_host else lens.get(),
-                         int(kv.shape[0]), int(kv.shape[1]))
+                        int(kv.shape[0]), int(kv.shape[1]))
             check = False  # every row of the table was just checked
         elif ctx.on_host:
             table, lens = clamp_table(table, lens, int(kv.shape[0]), int(kv.shape[1]))
