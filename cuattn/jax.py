@@ -32,12 +32,13 @@ runs on the CPU runs on the GPU:
 
 XLA's buffers are dense and row-major, whatever the layout of the arrays the caller traced.
 
-``attention`` is differentiable (``jax.custom_vjp``): the forward saves ``out`` and ``lse`` and
-the backward runs cuattn's backward kernels from them (the reference backward on the CPU).
-Gradients flow through ``out`` only: the ``lse`` that ``return_lse=True`` returns is wrapped in
-``jax.lax.stop_gradient``. The other three functions are forward-only; differentiating them
-raises. Options (``causal``, ``scale``, ``window``, ``softcap``, ``max_seqlen_*``,
-``num_splits``, ...) are Python values fixed when the function is traced.
+``attention`` and ``attention_varlen`` are differentiable (``jax.custom_vjp``): the forward
+saves ``out`` and ``lse`` and the backward runs cuattn's backward kernels from them (the
+reference backward on the CPU). Gradients flow through ``out`` only: the ``lse`` that
+``return_lse=True`` returns is wrapped in ``jax.lax.stop_gradient``. ``decode`` and
+``paged_attention`` are forward-only; differentiating them raises. Options (``causal``,
+``scale``, ``window``, ``softcap``, ``max_seqlen_*``, ``num_splits``, ...) are Python values
+fixed when the function is traced.
 
 ``jax.vmap`` over any number of extra leading axes works: for ``attention`` (forward and
 backward) and ``decode`` the vmapped axes are moved in front, unbatched operands broadcast, and
@@ -302,7 +303,7 @@ def _check_layouts(named: dict) -> None:
         _arrays.check_kernel_layout(name, x)
 
 
-def _forward_only(name: str, fn, *arrays, reason: str = "no backward kernels"):
+def _forward_only(name: str, fn, *arrays):
     """``fn(*arrays)``, refusing differentiation with a message that names the function and why."""
 
     @jax.custom_jvp
@@ -311,7 +312,7 @@ def _forward_only(name: str, fn, *arrays, reason: str = "no backward kernels"):
 
     @call.defjvp
     def _refuse(primals, tangents):
-        raise TypeError(f"cuattn.jax.{name} is forward-only ({reason}); "
+        raise TypeError(f"cuattn.jax.{name} is forward-only (no backward kernels); "
                         "differentiate through cuattn.jax.attention instead")
 
     return call(*arrays)
@@ -489,7 +490,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
 
 # ---------------------------------------------------------------------------------------------
-# attention_varlen (forward)
+# attention_varlen: forward and backward
 
 
 def _host_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras):
@@ -517,23 +518,119 @@ def _device_varlen(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, ctx, outs,
                     **_device_extras(mask, views[7:], batch, qv), **mask.kwargs())
 
 
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
+    # out (total_q, Hq, Dv): v's head dim; lse (Hq, total_q)
+    shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v), q.dtype),
+              jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
+    return _per_platform(
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, *extras),
+        host=_host_call(functools.partial(_host_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
+                        LOOP_OVER_VMAPPED_AXES),
+        device=_device_call(functools.partial(_device_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
+                            LOOP_OVER_VMAPPED_AXES, graph_safe=True),
+    )
+
+
+def _host_varlen_backward(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, dout, q, k, v, out, lse, cu_seqlens_q,
+                          cu_seqlens_k, *extras):
+    arrays = [np.asarray(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)]
+    grads = reference.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, **_host_extras(mask, extras),
+                                                **mask.kwargs())
+    # rows of no sequence (past cu_seqlens[-1]) get zero gradients, as on the GPU
+    cast = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
+
+
+def _device_varlen_backward(mask: _Mask, deterministic: bool, max_seqlen_q: int, max_seqlen_k: int, ctx, outs, dout,
+                            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras):
+    # vmap loops here ("sequential"): every buffer is one unbatched problem
+    buffers = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras, *outs)
+    with_sinks = "sinks" in mask.extras
+    ranks = ((_PACKED,) * 5 + (_PACKED_LSE,) + (_VECTOR,) * 2 + _extra_ranks(extras) + (_PACKED,) * 3
+             + (_VECTOR,) * with_sinks)
+    with _xla_stream(ctx, buffers, ranks) as (stream, views):
+        dov, qv, kv, vv, ov, lv, cuq, cuk = views[:8]
+        batch = int(cuq.shape[0]) - 1
+        launch_extras = _device_extras(mask, views[8:8 + len(extras)], batch, qv)
+        dq, dk, dv = views[8 + len(extras):11 + len(extras)]
+        _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
+        # the packed rows as one batch of sequences at their cu_seqlens offsets (as the plain
+        # function); the gradients go straight into XLA's buffers, zeroed first where rows of no
+        # sequence are left unwritten, the workspace from CuPy's pool on XLA's stream
+        with _arrays.array_context(q=qv) as arrays:
+            grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=batch,
+                                seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, causal=mask.causal, scale=mask.scale,
+                                window=mask.window, softcap=mask.softcap, deterministic=deterministic, ctx=arrays,
+                                grads=(dq[None], dk[None], dv[None]), **launch_extras)
+        if with_sinks:
+            views[-1][...] = grads[3]
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int,
+                     max_seqlen_k: int, deterministic: bool):
+    # dq, dk, dv, and dsinks with sinks (the slopes get no gradient)
+    grads_of = (q, k, v) + tuple(x for name, x in zip(mask.extras, extras) if name == "sinks")
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
+    lengths = (max_seqlen_q, max_seqlen_k)
+    return _per_platform(
+        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras),
+        host=_host_call(functools.partial(_host_varlen_backward, mask, *lengths), shapes, LOOP_OVER_VMAPPED_AXES),
+        # the backward allocates its workspace with CuPy: not recordable in a graph
+        device=_device_call(functools.partial(_device_varlen_backward, mask, deterministic, *lengths), shapes,
+                            LOOP_OVER_VMAPPED_AXES, graph_safe=False),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _differentiable_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int,
+                           max_seqlen_k: int, deterministic: bool):
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask, max_seqlen_q, max_seqlen_k)
+
+
+def _differentiable_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int,
+                               max_seqlen_k: int, deterministic: bool):
+    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask, max_seqlen_q, max_seqlen_k)
+    return (out, lse), (q, k, v, cu_seqlens_q, cu_seqlens_k, extras, out, lse)
+
+
+def _differentiable_varlen_bwd(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool, residuals,
+                               cotangents):
+    # lse leaves attention_varlen() through stop_gradient, so its cotangent is zero
+    dout, _ = cotangents
+    q, k, v, cu_seqlens_q, cu_seqlens_k, extras, out, lse = residuals
+    grads = _varlen_backward(dout.astype(q.dtype), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, extras, mask,
+                             max_seqlen_q, max_seqlen_k, deterministic)
+    extra_grads = tuple(grads[3] if name == "sinks" else None for name in mask.extras)
+    # the prefix sums are integers (None: no cotangent)
+    return (*grads[:3], None, None, extra_grads)
+
+
+_differentiable_varlen.defvjp(_differentiable_varlen_fwd, _differentiable_varlen_bwd)
+_varlen_call = jax.jit(_differentiable_varlen, static_argnums=(6, 7, 8, 9))
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
-    """:func:`cuattn.attention_varlen` for JAX arrays (forward only): a packed batch of sequences of
-    different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v``
+                     scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False,
+                     deterministic=False):
+    """Differentiable :func:`cuattn.attention_varlen` for JAX arrays: a packed batch of sequences
+    of different lengths, ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v``
     ``(total_k, Hk, Dv)`` (Dv as in :func:`cuattn.attention`).
 
     ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` prefix sums (arrays, may be traced);
     ``max_seqlen_q``, ``max_seqlen_k``: Python ints bounding every sequence's length. On the GPU
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
-    past ``max_seqlen_*`` are left unwritten); on the CPU concrete ones are checked before the call
-    (ValueError), traced ones when it runs (inside the callback, an XLA runtime error).
-    ``sinks`` (float32 ``(Hq,)``) and ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``) as in the
-    plain function. Returns ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)``.
+    past ``max_seqlen_*`` are left unwritten in ``out`` and get zero gradients); on the CPU concrete
+    ones are checked before the call (ValueError), traced ones when it runs (inside the callback,
+    an XLA runtime error). ``sinks`` (float32 ``(Hq,)``, differentiable) and ``alibi_slopes``
+    (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) as in :func:`attention`. The backward runs
+    :func:`cuattn.attention_varlen_backward`'s kernels (``deterministic`` as there). Returns
+    ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` through
+    ``jax.lax.stop_gradient``.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k = _as_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                                                      cu_seqlens_k=cu_seqlens_k)
-    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse)
+    mask = _mask_options(causal, scale, window, softcap, _extra_names(sinks, alibi_slopes), return_lse=return_lse,
+                         deterministic=deterministic)
     _check_qkv(q, k, v, packed=True)
     _check_dtypes({"q": q, "k": k, "v": v})
     check_prefix_sums(cu_seqlens_q, cu_seqlens_k)
@@ -545,27 +642,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         # values known now: a bad one raises here (as ValueError), not inside the callback
         _check_host_cu_seqlens(np.asarray(cu_seqlens_q), int(q.shape[0]), max_seqlen_q, "q")
         _check_host_cu_seqlens(np.asarray(cu_seqlens_k), int(k.shape[0]), max_seqlen_k, "k")
-    out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *extras, mask=mask, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k)
-    return (out, lse) if return_lse else out
-
-
-@functools.partial(jax.jit, static_argnames=("mask", "max_seqlen_q", "max_seqlen_k"))
-def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *extras, mask: _Mask, max_seqlen_q: int, max_seqlen_k: int):
-    shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v), q.dtype),
-              jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
-
-    def forward(*arrays):
-        return _per_platform(
-            arrays,
-            host=_host_call(functools.partial(_host_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
-                            LOOP_OVER_VMAPPED_AXES),
-            device=_device_call(functools.partial(_device_varlen, mask, max_seqlen_q, max_seqlen_k), shapes,
-                                LOOP_OVER_VMAPPED_AXES, graph_safe=True),
-        )
-
-    return _forward_only("attention_varlen", forward, q, k, v, cu_seqlens_q, cu_seqlens_k, *extras,
-                         reason="cuattn.attention_varlen_backward is not wired into JAX")
+    out, lse = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, extras, mask, max_seqlen_q, max_seqlen_k,
+                            bool(deterministic))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------

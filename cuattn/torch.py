@@ -1,4 +1,5 @@
-"""torch adapter: ``cuattn.torch.attention`` as a differentiable op (forward and backward kernels).
+"""torch adapter: ``cuattn.torch.attention`` and ``attention_varlen`` as differentiable ops
+(forward and backward kernels).
 
     import cuattn.torch
     out = cuattn.torch.attention(q, k, v, causal=True)   # q (B, Sq, Hq, D), k, v (B, Sk, Hk, D)
@@ -7,10 +8,13 @@
     out = cuattn.torch.attention(q, k, v, sinks=sinks)   # sinks (Hq,) float32: sinks.grad too
     out = cuattn.torch.ring_attention(q, k, v, group, causal=True)   # this rank's shards (cuattn.distributed)
     out = cuattn.torch.attention(q, k, v, alibi_slopes=slopes)  # (Hq,) or (B, Hq) float32, no gradient
+    # packed sequences: q (total_q, Hq, D), k, v (total_k, Hk, D), int32 (B + 1,) prefix sums
+    out = cuattn.torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        causal=True)
 
-The op is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
-``attention_bwd``) with fake implementations, so ``torch.compile`` traces through it instead of
-breaking the graph. ``ring_attention`` (context parallelism over a process group) is a plain
+Each is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
+``attention_bwd``, ``attention_varlen_fwd`` and ``attention_varlen_bwd``) with fake
+implementations, so ``torch.compile`` traces through them instead of breaking the graph. ``ring_attention`` (context parallelism over a process group) is a plain
 ``torch.autograd.Function``: its group is not a tensor, so it is not a custom op and
 ``torch.compile`` breaks the graph around it. torch is imported only when this module is.
 """
@@ -21,8 +25,9 @@ from typing import Optional
 
 import torch
 
-from . import _masks
-from .attention import attention as _forward, attention_backward as _backward_kernels
+from . import _arrays, _masks
+from .attention import (attention as _forward, attention_backward as _backward_kernels,
+                        attention_varlen as _varlen_forward, attention_varlen_backward as _varlen_backward_kernels)
 
 _LIB = "cuattn"
 _ROW_ALIGN_BYTES = 16  # the kernels' cp.async and ldmatrix rows
@@ -92,6 +97,22 @@ def _backward(ctx, dout, _dlse):
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_arguments(function: str, tensors: dict, extras: dict, causal, scale, window, softcap,
+                     deterministic) -> tuple[int, int]:
+    """The options checked by name (as the plain functions check them) before an op's typed schema
+    converts them: bool("False") or int(1.9) would otherwise pass. ``tensors`` must be torch
+    tensors, ``extras`` torch tensors or None. Returns the window's (left, right)."""
+    left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor (cuattn.torch.{function}), got {type(x).__name__}")
+    for name, x in extras.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch tensor or None (cuattn.torch.{function}), got "
+                            f"{type(x).__name__}")
+    return left, right
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
               deterministic=False):
     """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
@@ -104,19 +125,96 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     fixed bias that gets no gradient. ``deterministic=True`` makes the backward bit-reproducible (see
     :func:`cuattn.attention_backward`).
     """
-    # the options are checked (by name, as the plain function does) before the op's typed schema
-    # converts them: bool("False") or int(1.9) would otherwise pass
-    left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor (cuattn.torch.attention), got {type(x).__name__}")
-    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a float32 torch tensor or None (cuattn.torch.attention), got "
-                            f"{type(x).__name__}")
+    left, right = _check_arguments("attention", {"q": q, "k": k, "v": v},
+                                   {"sinks": sinks, "alibi_slopes": alibi_slopes}, causal, scale, window, softcap,
+                                   deterministic)
     scale = _masks.resolve_scale(scale, q.shape[-1])
     out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap),
                             bool(deterministic))
+    return out
+
+
+@torch.library.custom_op(f"{_LIB}::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
+                          scale: float, window_left: int, window_right: int, softcap: float,
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                               scale=scale, window=(window_left, window_right), softcap=softcap, sinks=sinks,
+                               alibi_slopes=alibi_slopes, return_lse=True)
+    return out, lse
+
+
+@_attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes,
+                               causal, scale, window_left, window_right, softcap, deterministic):
+    # out (total_q, Hq, Dv), lse (Hq, total_q): fresh contiguous arrays
+    total_q, num_heads, _ = q.shape
+    return (q.new_empty((total_q, num_heads, v.shape[-1])),
+            q.new_empty((num_heads, total_q), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{_LIB}::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                          causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout = dout if _kernel_readable(dout) else dout.contiguous()  # as in _attention_bwd
+    grads = _varlen_backward_kernels(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
+                                     sinks=sinks, alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
+
+
+@_attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+                               alibi_slopes, causal, scale, window_left, window_right, softcap, deterministic):
+    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes, *options) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes)
+    ctx.lengths, ctx.options = (max_seqlen_q, max_seqlen_k), tuple(options)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                                               sinks, alibi_slopes, *ctx.options)
+    # the prefix sums, lengths, slopes and options get none
+    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None,
+            *(None,) * (1 + len(ctx.options)))
+
+
+_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, deterministic=False):
+    """Differentiable :func:`cuattn.attention_varlen` for torch CUDA tensors; returns ``out``
+    ``(total_q, Hq, Dv)``.
+
+    ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v`` ``(total_k, Hk, Dv)`` hold
+    the packed sequences; ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` tensors of prefix
+    sums on q's device (their values are not read on the host); ``max_seqlen_q``,
+    ``max_seqlen_k``: ints bounding every sequence's length. ``sinks`` (float32 ``(Hq,)``, get
+    their gradient), ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) and
+    ``deterministic`` as in :func:`attention`. Rows of no sequence get zero gradients.
+    """
+    left, right = _check_arguments("attention_varlen",
+                                   {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+                                   {"sinks": sinks, "alibi_slopes": alibi_slopes}, causal, scale, window, softcap,
+                                   deterministic)
+    lengths = [_arrays.check_int(name, value, 0) for name, value in
+               (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))]
+    scale = _masks.resolve_scale(scale, q.shape[-1])
+    out, _ = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, sinks, alibi_slopes, bool(causal),
+                                   scale, left, right, float(softcap), bool(deterministic))
     return out
 
 

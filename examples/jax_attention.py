@@ -7,6 +7,10 @@ forward and backward of the attention run inside XLA's program (cuattn's kernels
 the float64 reference on the CPU). The same model trained with jax.nn.dot_product_attention from
 the same initial parameters must follow the same loss curve; both curves are printed.
 
+Then the same model on sequences of different lengths packed into one (total, E) array, without
+padding: cuattn.jax.attention_varlen over the prefix sums of the lengths, against
+jax.nn.dot_product_attention with a block-diagonal causal mask over the packed tokens.
+
     python examples/jax_attention.py
 """
 
@@ -24,6 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import cuattn.jax  # noqa: E402
 
 BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 8, 33, 64, 2, 64
+# the packed run's sequence lengths (odd, one of a single token)
+PACKED_LENGTHS = (33, 5, 20, 1, 17, 9)
 STEPS, LEARNING_RATE = 12, 0.5
 # The two curves differ only by the rounding of the bfloat16 attention output (2e-4 apart on the
 # CPU); dQ off by 30% moves them 8e-3 apart within these steps, a missing dK 3e-2.
@@ -43,14 +49,14 @@ def init(key):
 
 
 def model(params, x, attend):
-    """x (B, S, E) float32 -> (B, S, E); attention on (B, S, H, D) bfloat16 heads."""
-    batch, seq, _ = x.shape
+    """x (..., S, E) float32 -> (..., S, E); attention on (..., S, H, D) bfloat16 heads (a batch
+    (B, S, E), or packed sequences (total, E))."""
 
     def heads(w):
-        return (x @ w).reshape(batch, seq, HEADS, HEAD_DIM).astype(jnp.bfloat16)
+        return (x @ w).reshape(*x.shape[:-1], HEADS, HEAD_DIM).astype(jnp.bfloat16)
 
     out = attend(heads(params["wq"]), heads(params["wk"]), heads(params["wv"]))
-    return out.astype(jnp.float32).reshape(batch, seq, HEADS * HEAD_DIM) @ params["wo"]
+    return out.astype(jnp.float32).reshape(*x.shape[:-1], HEADS * HEAD_DIM) @ params["wo"]
 
 
 def cuattn_attend(q, k, v):
@@ -59,6 +65,24 @@ def cuattn_attend(q, k, v):
 
 def reference_attend(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def packed_attends(lengths):
+    """cuattn.jax.attention_varlen over packed sequences of ``lengths``, and the same attention by
+    jax.nn.dot_product_attention with a block-diagonal causal mask (a token sees the earlier
+    tokens of its own sequence)."""
+    cu_seqlens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.asarray(lengths, jnp.int32))])
+    segment = jnp.repeat(jnp.arange(len(lengths)), jnp.asarray(lengths), total_repeat_length=sum(lengths))
+    position = jnp.arange(sum(lengths))
+    mask = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+
+    def ours(q, k, v):  # (total, H, D)
+        return cuattn.jax.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=True)
+
+    def theirs(q, k, v):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None])[0]
+
+    return ours, theirs, segment
 
 
 def train(attend, params, x, y):
@@ -79,27 +103,40 @@ def train(attend, params, x, y):
     return losses
 
 
+def compare(title, ours, theirs, function):
+    """Print both loss curves; exit with a message if they part or the loss does not fall."""
+    print(title)
+    print(f"{'step':>4}  {function:>27}  {'jax.nn':>12}")
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        print(f"{i:>4}  {a:>27.6f}  {b:>12.6f}")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    print(f"largest relative difference between the curves: {worst:.2e} (allowed {CURVE_RTOL:.0e})")
+    if worst > CURVE_RTOL:
+        sys.exit(f"jax_attention: the loss curve through {function} differs from jax.nn.dot_product_attention's")
+    if not ours[-1] < ours[0]:
+        sys.exit(f"jax_attention: the loss through {function} did not decrease")
+
+
 def main():
-    key_params, key_data = jax.random.split(jax.random.PRNGKey(0))
+    key_params, key_data, key_packed = jax.random.split(jax.random.PRNGKey(0), 3)
     params = init(key_params)
     x = jax.random.normal(key_data, (BATCH, SEQ, EMBED))
     # the running mean: what uniform causal attention over an identity value projection computes
     y = jnp.cumsum(x, axis=1) / jnp.arange(1, SEQ + 1)[None, :, None]
-
-    ours = train(cuattn_attend, params, x, y)
-    theirs = train(reference_attend, params, x, y)
     path = "cuattn kernels" if jax.default_backend() == "gpu" else "float64 reference on the CPU"
-    print(f"one-layer causal attention, B={BATCH} S={SEQ} H={HEADS} D={HEAD_DIM}, bfloat16, SGD; "
-          f"cuattn.jax runs the {path}")
-    print(f"{'step':>4}  {'cuattn.jax':>12}  {'jax.nn':>12}")
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        print(f"{i:>4}  {a:>12.6f}  {b:>12.6f}")
-    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-    print(f"largest relative difference between the curves: {worst:.2e} (allowed {CURVE_RTOL:.0e})")
-    if worst > CURVE_RTOL:
-        sys.exit("jax_attention: the loss curve through cuattn.jax differs from jax.nn.dot_product_attention's")
-    if not ours[-1] < ours[0]:
-        sys.exit("jax_attention: the loss did not decrease")
+    compare(f"one-layer causal attention, B={BATCH} S={SEQ} H={HEADS} D={HEAD_DIM}, bfloat16, SGD; "
+            f"cuattn.jax runs the {path}", train(cuattn_attend, params, x, y), train(reference_attend, params, x, y),
+            "cuattn.jax.attention")
+
+    # packed sequences: each token's target is the running mean over its own sequence
+    ours, theirs, segment = packed_attends(PACKED_LENGTHS)
+    x = jax.random.normal(key_packed, (sum(PACKED_LENGTHS), EMBED))
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.asarray(PACKED_LENGTHS[:-1]))])[segment]
+    totals = jnp.cumsum(x, axis=0)
+    before = jnp.where((starts > 0)[:, None], totals[starts - 1], 0.0)
+    y = (totals - before) / (jnp.arange(x.shape[0]) - starts + 1)[:, None]
+    compare(f"\nthe same model on {len(PACKED_LENGTHS)} packed sequences of lengths {PACKED_LENGTHS}",
+            train(ours, params, x, y), train(theirs, params, x, y), "cuattn.jax.attention_varlen")
 
 
 if __name__ == "__main__":

@@ -194,6 +194,50 @@ def check_varlen(rng, dtype, q, k, v, cu_q, cu_k, got, **options):
         assert err <= budget, f"sequence {i}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
 
 
+def check_varlen_gradients(rng, dtype, dout, q, k, v, cu_q, cu_k, grads, **options):
+    """Varlen gradients ``(dq, dk, dv)`` (and ``dsinks`` with sinks) of packed ``(total, H, D)``
+    inputs: each within 3x the error of the straightforward same-precision backward, run sequence
+    by sequence, against the float64 reference backward (the tolerance rule). dsinks'
+    straightforward value takes delta from the same-precision forward output."""
+    lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
+    lengths = (int(lens_q.max(initial=0)), int(lens_k.max(initial=0)))
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, *lengths, return_lse=True, **options)
+    refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, *lengths, **options)
+    naive = [np.zeros_like(r) for r in refs[:3]]
+    out_lowp = np.zeros_like(ref_out)
+    for b in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] == 0 or lens_k[b] == 0:
+            continue  # no score: the gradients are exactly zero
+        sequence_options = dict(options)
+        if np.ndim(options.get("alibi_slopes")) == 2:
+            sequence_options["alibi_slopes"] = options["alibi_slopes"][b]  # (B, Hq): this sequence's slopes
+        low = reference.naive_attention_backward_lowp(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
+                                                      dtype=dtype, **sequence_options)
+        for total, part, rows in zip(naive, low, (qs, ks, ks)):
+            total[rows] = part[0]
+        out_lowp[qs] = reference.naive_attention_lowp(q[None, qs], k[None, ks], v[None, ks], dtype=dtype,
+                                                      **sequence_options)[0]
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
+        assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+        got = np.asarray(got).astype(np.float64)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (seed {rng.seed})"
+        err = np.abs(got - ref).max(initial=0.0)
+        budget = error_budget(np.abs(low - ref).max(initial=0.0), dtype, 3.0, np.abs(ref).max(initial=0.0))
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    if options.get("sinks") is None:
+        assert len(grads) == 3, f"{len(grads)} gradients without sinks"
+        return
+    sinks = np.asarray(options["sinks"], np.float64)
+    delta_lowp = np.sum(dout.astype(np.float64) * out_lowp, axis=-1).T  # [Hq, total_q]
+    dsinks_lowp = -(np.exp(sinks[:, None] - ref_lse) * delta_lowp).sum(axis=1)
+    got = np.asarray(grads[3]).astype(np.float64)
+    assert got.shape == sinks.shape, f"dsinks: shape {got.shape}, expected {sinks.shape}"
+    err = np.abs(got - refs[3]).max()
+    budget = error_budget(np.abs(dsinks_lowp - refs[3]).max(), dtype, 3.0, np.abs(refs[3]).max())
+    assert err <= budget, f"dsinks: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+
+
 @pytest.fixture
 def launched_kernels(monkeypatch):
     """The names of the kernels prepared from here on, in order: _jit.prepare is recorded, and

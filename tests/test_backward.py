@@ -13,7 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, check_varlen_gradients, error_budget, randn
 
 HEAD_DIMS = list(_registry.test_head_dims("attention"))
 MASKS = _registry.MASK_OPTIONS
@@ -402,24 +402,7 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
                                        return_lse=True)
     grads = cuattn.attention_varlen_backward(cupy.asarray(dout), cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
                                              out, lse, *args, causal=causal, deterministic=deterministic)
-    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                                  return_lse=True)
-    refs = reference.attention_varlen_backward(dout, q, k, v, ref_out, ref_lse, cu_q, cu_k, max(lens_q), max(lens_k),
-                                               causal=causal)
-    naive = [np.zeros_like(r) for r in refs]
-    for b in range(len(lens_q)):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if lens_q[b] == 0 or lens_k[b] == 0:
-            continue
-        low = reference.naive_attention_backward_lowp(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
-                                                      causal=causal, dtype=np.float16)
-        for total, part, rows in zip(naive, low, (qs, ks, ks)):
-            total[rows] = part[0]
-    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, naive):
-        got = got.get().astype(np.float64)
-        err = np.abs(got - ref).max()
-        budget = error_budget(np.abs(low - ref).max(), np.float16, 3.0, np.abs(ref).max())
-        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    check_varlen_gradients(rng, np.float16, dout, q, k, v, cu_q, cu_k, [g.get() for g in grads], causal=causal)
 
 
 @pytest.mark.gpu

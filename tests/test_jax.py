@@ -20,7 +20,8 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, error_budget, Tensor, randn
+from conftest import (BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, check_varlen_gradients, error_budget,
+                      Tensor, randn)
 
 jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
 import jax.numpy as jnp  # noqa: E402
@@ -273,7 +274,7 @@ def test_repeated_jitted_calls_and_eager_calls_compute_fresh_results(device, rng
 
 
 # ---------------------------------------------------------------------------------------------
-# attention_varlen, decode, paged_attention (forward only)
+# attention_varlen: forward, gradients, vmap; decode, paged_attention (forward only)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -301,6 +302,69 @@ def test_varlen_under_jit_and_vmap_matches_reference(device, rng, dtype):
         err = np.abs(host(out[i]) - ref).max()
         assert err <= error_budget(naive, dtype, 2.0, np.abs(ref).max()), f"error {err:.3g} (seed {rng.seed})"
         np.testing.assert_allclose(np.asarray(lse[i]), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
+
+
+def prefix_sums(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# A sequence with no queries, one with no keys (its queries' gradients are 0), one longer than
+# a 128-row tile, and odd lengths.
+VARLEN_GRAD_LENGTHS = ([5, 0, 17, 6, 131], [9, 3, 17, 0, 140])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("extras", ["plain", "sinks", "alibi-per-sequence", "alibi-and-sinks"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "softcap-causal"])
+def test_varlen_gradients_under_jit_grad_match_reference_backward(device, rng, mask, extras, deterministic):
+    """dq, dk, dv (and dsinks) of attention_varlen through jax.grad, each sequence under the 3x
+    rule; the slopes get no gradient and the prefix sums none at all."""
+    lens_q, lens_k = VARLEN_GRAD_LENGTHS
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
+    hq, hk, d = 4, 2, 64
+    q = randn(rng, (int(cu_q[-1]), hq, d), BF16)
+    k, v = randn(rng, (int(cu_k[-1]), hk, d), BF16), randn(rng, (int(cu_k[-1]), hk, d), BF16)
+    dout = randn(rng, q.shape, BF16)
+    options = dict(MASKS[mask])
+    if "sinks" in extras:
+        options["sinks"] = (rng.standard_normal(hq) * 2).astype(np.float32)
+    if "alibi" in extras:
+        options["alibi_slopes"] = _alibi_slopes(rng, len(lens_q), hq)
+    given = {name: jnp.asarray(x) for name, x in options.items() if name in ("sinks", "alibi_slopes")}
+    flags = {name: x for name, x in options.items() if name not in given}
+    weights = jnp.asarray(dout).astype(jnp.float32)
+
+    def loss(q, k, v, extras):
+        out = cuattn.jax.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), deterministic=deterministic,
+                                          **extras, **flags)
+        return jnp.sum(out.astype(jnp.float32) * weights)
+
+    (dq, dk, dv, dextras) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*put(device, q, k, v), given)
+    assert dq.dtype == jnp.bfloat16 and dk.shape == k.shape and dv.shape == v.shape
+    grads = (dq, dk, dv) + ((dextras["sinks"],) if "sinks" in given else ())
+    check_varlen_gradients(rng, BF16, dout, q, k, v, cu_q, cu_k, grads, **options)
+    if "alibi_slopes" in given:
+        assert dextras["alibi_slopes"].shape == (len(lens_q), hq) and not np.asarray(dextras["alibi_slopes"]).any()
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (40, 40)], ids=["d192-dv128", "d40"])
+def test_varlen_gradients_under_vmap_run_per_element(device, rng, d, dv):
+    """vmap of jax.grad over q, k, v and dout (the prefix sums shared): one backward per element,
+    each under the 3x rule; v and dv in their own head dim."""
+    lens_q, lens_k = [7, 33, 1], [12, 33, 20]
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
+    q = randn(rng, (2, int(cu_q[-1]), 4, d), BF16)
+    k, v = randn(rng, (2, int(cu_k[-1]), 2, d), BF16), randn(rng, (2, int(cu_k[-1]), 2, dv), BF16)
+    dout = randn(rng, (2, int(cu_q[-1]), 4, dv), BF16)
+
+    def loss(q, k, v, dout, cu_q, cu_k):
+        out = cuattn.jax.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    per_item = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, 0, 0, None, None))
+    dq, dk, dv_ = jax.jit(per_item)(*put(device, q, k, v, dout, cu_q, cu_k))
+    for i in range(2):
+        check_varlen_gradients(rng, BF16, dout[i], q[i], k[i], v[i], cu_q, cu_k, (dq[i], dk[i], dv_[i]), causal=True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["1split", "3splits", "auto"])
@@ -354,9 +418,9 @@ def test_paged_attention_under_jit_matches_reference(device, rng, block_size):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
 
 
-def test_forward_only_functions_take_sinks_and_alibi(device, rng):
-    """attention_varlen, decode and paged_attention with sinks and per-sequence ALiBi slopes, as
-    the plain functions: each sequence under the 2x rule."""
+def test_varlen_decode_and_paged_take_sinks_and_alibi(device, rng):
+    """attention_varlen, decode and paged_attention forward with sinks and per-sequence ALiBi
+    slopes, as the plain functions: each sequence under the 2x rule."""
     hq, hk, d = 4, 2, 64
     sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
     # varlen: three sequences, one of them without queries
@@ -392,13 +456,8 @@ def test_forward_only_functions_take_sinks_and_alibi(device, rng):
 def test_forward_only_functions_refuse_differentiation():
     q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
     lens = jnp.ones((1,), jnp.int32)
-    with pytest.raises(TypeError, match=r"cuattn.jax.decode is forward-only"):
+    with pytest.raises(TypeError, match=r"cuattn.jax.decode is forward-only \(no backward kernels\)"):
         jax.grad(lambda q: jnp.sum(cuattn.jax.decode(q, q, q, lens).astype(jnp.float32)))(q)
-    packed = jnp.zeros((3, 2, 64), jnp.bfloat16)
-    cu = jnp.array([0, 3], jnp.int32)
-    with pytest.raises(TypeError, match=r"cuattn.jax.attention_varlen is forward-only \(cuattn.attention_varlen_"
-                                        r"backward is not wired into JAX\)"):
-        jax.grad(lambda q: jnp.sum(cuattn.jax.attention_varlen(q, q, q, cu, cu, 3, 3).astype(jnp.float32)))(packed)
     pages = jnp.zeros((2, 4, 2, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match=r"cuattn.jax.paged_attention is forward-only \(no backward kernels\)"):
         jax.grad(lambda q: jnp.sum(cuattn.jax.paged_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cuattn import reference
-from conftest import BF16, error_budget
+from conftest import BF16, check_varlen_gradients, error_budget
 
 pytestmark = pytest.mark.gpu
 
@@ -156,3 +156,88 @@ def test_options_are_checked_by_name_before_the_op_converts_them(options, error,
         message = rf"{name} must be a float32 torch tensor or None \(cuattn.torch.attention\), got ndarray"
         with pytest.raises(TypeError, match=message):
             cuattn.torch.attention(q, q, q, **{name: np.zeros(2, np.float32)})
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen
+
+
+def _packed(torch, rng, lens_q, lens_k, hq, hk, d, dv):
+    """Leaves q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv), the int32 prefix sums
+    on the GPU and as NumPy, and a bf16 dout."""
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v = _leaves(torch, rng.seed, [(int(cu_q[-1]), hq, d), (int(cu_k[-1]), hk, d), (int(cu_k[-1]), hk, dv)])
+    dout = torch.randn((int(cu_q[-1]), hq, dv), device="cuda", dtype=torch.bfloat16)
+    return q, k, v, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(), cu_q, cu_k, dout
+
+
+@pytest.mark.parametrize("extras", ["plain", "sinks", "alibi-per-sequence"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_gradients_match_the_reference(rng, causal, extras):
+    """Packed sequences (one without queries, one without keys, one past a 128-row tile): dq, dk,
+    dv and the sinks' gradient, each sequence under the 3x rule; the slopes get none."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    lens_q, lens_k = [5, 0, 17, 6, 131], [9, 3, 17, 0, 140]
+    q, k, v, cu_q, cu_k, cu_q_np, cu_k_np, dout = _packed(torch, rng, lens_q, lens_k, 8, 2, 64, 64)
+    options = {}
+    if extras == "sinks":
+        options["sinks"] = torch.randn(8, device="cuda", dtype=torch.float32).mul_(2).requires_grad_()
+    if extras == "alibi-per-sequence":
+        options["alibi_slopes"] = torch.exp2(-torch.rand((len(lens_q), 8), device="cuda") * 7.5 - 0.5)
+    out = cuattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, **options)
+    assert out.shape == dout.shape
+    out.backward(dout)
+
+    to64 = lambda x: x.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    grads = [to64(x.grad) for x in (q, k, v)] + ([to64(options["sinks"].grad)] if "sinks" in options else [])
+    check_varlen_gradients(rng, BF16, to64(dout), to64(q), to64(k), to64(v), cu_q_np, cu_k_np, grads, causal=causal,
+                           **{name: to64(x) for name, x in options.items()})
+
+
+def test_varlen_compiles_without_a_graph_break(rng):
+    """fullgraph=True over the varlen op with a v head dim of its own (D = 192, Dv = 128) and
+    sinks: compiled and eager gradients bit-identical with the deterministic backward."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    lens_q, lens_k = [33, 1, 70], [40, 9, 70]
+    q, k, v, cu_q, cu_k, _, _, _ = _packed(torch, rng, lens_q, lens_k, 4, 2, 192, 128)
+    sinks = torch.randn(4, device="cuda", dtype=torch.float32).requires_grad_()
+
+    def loss(q, k, v, sinks):
+        out = cuattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, sinks=sinks,
+                                            deterministic=True)
+        return out.float().square().mean()
+
+    eager = (q, k, v, sinks)
+    compiled_inputs = [x.detach().clone().requires_grad_() for x in eager]
+    loss(*eager).backward()
+    torch.compile(loss, fullgraph=True)(*compiled_inputs).backward()
+    for a, b in zip(eager, compiled_inputs):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"causal": "False"}, TypeError, r"causal must be a bool, got 'False'"),
+    ({"deterministic": 1}, TypeError, r"deterministic must be a bool, got 1"),
+    ({"max_seqlen_q": True}, TypeError, r"max_seqlen_q must be an int >= 0, got True"),
+    ({"max_seqlen_k": -1}, ValueError, r"max_seqlen_k must be an int >= 0, got -1"),
+    ({"cu_seqlens_k": [0, 8]}, TypeError, r"cu_seqlens_k must be a torch tensor \(cuattn.torch.attention_varlen\), "
+                                          r"got list"),
+    ({"sinks": np.zeros(2, np.float32)}, TypeError, r"sinks must be a float32 torch tensor or None "
+                                                    r"\(cuattn.torch.attention_varlen\), got ndarray"),
+])
+def test_varlen_arguments_are_checked_by_name_before_the_op_converts_them(change, error, message):
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    q = torch.zeros(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], device="cuda", dtype=torch.int32)
+    arguments = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 8, "max_seqlen_k": 8}
+    arguments.update(change)
+    positional = [arguments.pop(name) for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(error, match=message):
+        cuattn.torch.attention_varlen(q, q, q, *positional, **arguments)
