@@ -1956,7 +1956,12 @@ def _launch_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, s
         run(last, (-(-seqlen_q // tile.dq_block_m), *_split_grid(batch * num_heads)))
     else:
         run(last, (-(-int(dq_accum.size) // _params.constant("kConvertThreads")), 1, 1))
-    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sink_grads(sinks, lse, delta))
+    if sinks is None:
+        return dq, dk, dv
+    # varlen: only rows inside a sequence (and within max_seqlen_q of its start) have an lse and a
+    # delta of their own; the others hold whatever the forward's buffers held
+    rows = _rows_in_sequences(cu_seqlens_q, rows_q, batch, seqlen_q) if varlen else None
+    return dq, dk, dv, _sink_grads(sinks, lse, delta, rows)
 
 
 def _preprocess_rows_per_cta(head_dim_v: int) -> int:
@@ -1989,10 +1994,23 @@ def _dkv_maps(dk, dv):
     return () if None in maps else maps
 
 
-def _sink_grads(sinks, lse, delta):
-    """dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, from lse and delta [B, Hq, Sq]
-    (a CuPy reduction on the current stream: deterministic)."""
+def _rows_in_sequences(cu_seqlens, rows: int, batch: int, max_seqlen: int):
+    """[rows] bool on the device: whether packed row r lies in a sequence b (cu_seqlens[b] <= r <
+    cu_seqlens[b + 1]) within max_seqlen of its start, the rows the varlen kernels compute."""
     import cupy
 
-    weight = cupy.where(cupy.isfinite(lse), cupy.exp(sinks[None, :, None] - lse), 0.0)
-    return -(weight * delta).sum(axis=(0, 2), dtype=cupy.float32)
+    row = cupy.arange(rows, dtype=cupy.int32)
+    seq = cupy.searchsorted(cu_seqlens, row, side="right").astype(cupy.int32) - 1  # -1 or B: none
+    start = cu_seqlens[cupy.clip(seq, 0, batch)]
+    return (seq >= 0) & (seq < batch) & (row - start < max_seqlen)
+
+
+def _sink_grads(sinks, lse, delta, rows=None):
+    """dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, from lse and delta [B, Hq, Sq]
+    (a CuPy reduction on the current stream: deterministic). ``rows``: optional [Sq] bool, the
+    rows that count (the others' lse and delta may hold anything, NaN included)."""
+    import cupy
+
+    counted = cupy.isfinite(lse) if rows is None else cupy.isfinite(lse) & rows[None, None, :]
+    terms = cupy.where(counted, cupy.exp(sinks[None, :, None] - lse) * delta, 0.0)
+    return -terms.sum(axis=(0, 2), dtype=cupy.float32)

@@ -536,7 +536,7 @@ def _host_varlen_backward(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, dou
     arrays = [np.asarray(x) for x in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)]
     grads = reference.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, **_host_extras(mask, extras),
                                                 **mask.kwargs())
-    # rows of no sequence (past cu_seqlens[-1]) get zero gradients, as on the GPU
+    # (a sequence without keys gives its queries zero gradients, as on the GPU)
     cast = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
     return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
 
@@ -619,9 +619,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` prefix sums (arrays, may be traced);
     ``max_seqlen_q``, ``max_seqlen_k``: Python ints bounding every sequence's length. On the GPU
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
-    past ``max_seqlen_*`` are left unwritten in ``out`` and get zero gradients); on the CPU concrete
-    ones are checked before the call (ValueError), traced ones when it runs (inside the callback,
-    an XLA runtime error). ``sinks`` (float32 ``(Hq,)``, differentiable) and ``alibi_slopes``
+    past ``max_seqlen_q`` are left unwritten in ``out``, get zero dq and count in no dsinks); on the
+    CPU concrete ones are checked before the call (ValueError), traced ones when it runs (inside
+    the callback, an XLA runtime error). ``sinks`` (float32 ``(Hq,)``, differentiable) and ``alibi_slopes``
     (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) as in :func:`attention`. The backward runs
     :func:`cuattn.attention_varlen_backward`'s kernels (``deterministic`` as there). Returns
     ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` through

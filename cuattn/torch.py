@@ -14,7 +14,8 @@
 
 Each is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
 ``attention_bwd``, ``attention_varlen_fwd`` and ``attention_varlen_bwd``) with fake
-implementations, so ``torch.compile`` traces through them instead of breaking the graph. ``ring_attention`` (context parallelism over a process group) is a plain
+implementations, so ``torch.compile`` traces through them instead of breaking the graph.
+``ring_attention`` (context parallelism over a process group) is a plain
 ``torch.autograd.Function``: its group is not a tensor, so it is not a custom op and
 ``torch.compile`` breaks the graph around it. torch is imported only when this module is.
 """
@@ -140,6 +141,7 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
                           scale: float, window_left: int, window_right: int, softcap: float,
                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` only reaches the backward (through setup_context's inputs)
     out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                scale=scale, window=(window_left, window_right), softcap=softcap, sinks=sinks,
                                alibi_slopes=alibi_slopes, return_lse=True)
@@ -186,9 +188,9 @@ def _varlen_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes = ctx.saved_tensors
     dq, dk, dv, dsinks = _attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
                                                sinks, alibi_slopes, *ctx.options)
-    # the prefix sums, lengths, slopes and options get none
-    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None,
-            *(None,) * (1 + len(ctx.options)))
+    # one per input of the op: the prefix sums, lengths, slopes and options get none
+    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None, None, None, None, None, None,
+            None, None)
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
@@ -202,9 +204,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``q`` ``(total_q, Hq, D)``, ``k`` ``(total_k, Hk, D)`` and ``v`` ``(total_k, Hk, Dv)`` hold
     the packed sequences; ``cu_seqlens_q``, ``cu_seqlens_k``: int32 ``(B + 1,)`` tensors of prefix
     sums on q's device (their values are not read on the host); ``max_seqlen_q``,
-    ``max_seqlen_k``: ints bounding every sequence's length. ``sinks`` (float32 ``(Hq,)``, get
-    their gradient), ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) and
-    ``deterministic`` as in :func:`attention`. Rows of no sequence get zero gradients.
+    ``max_seqlen_k``: ints bounding every sequence's length. ``sinks`` (float32 ``(Hq,)``,
+    differentiable), ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) and
+    ``deterministic`` as in :func:`attention`. Rows of no sequence (past ``cu_seqlens_q[-1]``)
+    are left unwritten in ``out``, get zero dq and count in no sinks' gradient.
     """
     left, right = _check_arguments("attention_varlen",
                                    {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},

@@ -226,7 +226,6 @@ def check_varlen_gradients(rng, dtype, dout, q, k, v, cu_q, cu_k, grads, **optio
         budget = error_budget(np.abs(low - ref).max(initial=0.0), dtype, 3.0, np.abs(ref).max(initial=0.0))
         assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
     if options.get("sinks") is None:
-        assert len(grads) == 3, f"{len(grads)} gradients without sinks"
         return
     sinks = np.asarray(options["sinks"], np.float64)
     delta_lowp = np.sum(dout.astype(np.float64) * out_lowp, axis=-1).T  # [Hq, total_q]

@@ -406,6 +406,40 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_backward_with_sinks_counts_only_rows_of_a_sequence(rng, deterministic):
+    """Sinks through the varlen backward: dq, dk, dv and dsinks per sequence under the 3x rule,
+    with q, dout, out and lse padded past cu_seqlens_q[-1] by rows of NaN (a caller's padded
+    batch: the forward leaves such rows unwritten). Those rows get dq = 0 and add nothing to dsinks."""
+    import cupy
+
+    lens_q, lens_k, pad = [5, 0, 17, 6, 131], [9, 3, 17, 0, 140], 7
+    hq, hk, d = 4, 2, 64
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    total_q = int(cu_q[-1])
+    q, dout = randn(rng, (total_q, hq, d), BF16), randn(rng, (total_q, hq, d), BF16)
+    k, v = randn(rng, (cu_k[-1], hk, d), BF16), randn(rng, (cu_k[-1], hk, d), BF16)
+    sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
+
+    def padded(x):
+        rows = np.full((total_q + pad, *x.shape[1:]), np.nan, x.dtype)
+        rows[:total_q] = x
+        return cupy.asarray(rows)
+
+    args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lens_q), max(lens_k))
+    out = padded(np.zeros_like(q))
+    _, lse = cuattn.attention_varlen(padded(q), cupy.asarray(k), cupy.asarray(v), *args, sinks=cupy.asarray(sinks),
+                                     out=out, return_lse=True)
+    lse[:, total_q:] = cupy.nan
+    grads = cuattn.attention_varlen_backward(padded(dout), padded(q), cupy.asarray(k), cupy.asarray(v), out, lse,
+                                             *args, sinks=cupy.asarray(sinks), deterministic=deterministic)
+    dq, dk, dv, dsinks = (g.get() for g in grads)
+    assert not dq[total_q:].astype(np.float32).any(), "rows of no sequence must get dq = 0"
+    check_varlen_gradients(rng, BF16, dout, q, k, v, cu_q, cu_k, (dq[:total_q], dk, dv, dsinks), sinks=sinks)
+
+
+@pytest.mark.gpu
 def test_backward_matches_torch_autograd(rng):
     torch = pytest.importorskip("torch")
     b, s, hq, hk, d = 2, 257, 8, 2, 128

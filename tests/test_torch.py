@@ -176,7 +176,8 @@ def _packed(torch, rng, lens_q, lens_k, hq, hk, d, dv):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_gradients_match_the_reference(rng, causal, extras):
     """Packed sequences (one without queries, one without keys, one past a 128-row tile): dq, dk,
-    dv and the sinks' gradient, each sequence under the 3x rule; the slopes get none."""
+    dv and the sinks' gradient, each sequence under the 3x rule (per-sequence ALiBi slopes as a
+    fixed bias)."""
     torch = pytest.importorskip("torch")
     import cuattn.torch
 
