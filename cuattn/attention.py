@@ -760,7 +760,9 @@ def attention_varlen(
     same device (their values are not read on the host, so nothing synchronises; lists of ints are
     copied there), and
     ``max_seqlen_*`` are host ints bounding every sequence's length: a length above them is
-    not processed. ``sinks`` as in :func:`attention`; ``alibi_slopes`` too, ``(B, Hq)`` holding
+    not processed. Rows past ``cu_seqlens_*[-1]`` (a padded batch) are left unwritten in ``out``;
+    the kernels may read them beside a sequence's last rows, with their scores masked, so they
+    must hold finite values. ``sinks`` as in :func:`attention`; ``alibi_slopes`` too, ``(B, Hq)`` holding
     one row per sequence, with Sq and Sk each sequence's own lengths. Returns ``out`` ``(total_q, Hq, Dv)``, and
     with ``return_lse`` also float32 lse ``(Hq, total_q)`` (natural log).
     """
@@ -1749,7 +1751,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None,
                               alibi_slopes=None, deterministic=False):
     """Gradients of :func:`attention_varlen`; lse is the forward's ``(Hq, total_q)``. With ``sinks``,
-    ``(dq, dk, dv, dsinks)`` as :func:`attention_backward`."""
+    ``(dq, dk, dv, dsinks)`` as :func:`attention_backward`. Rows past ``cu_seqlens_q[-1]`` (a
+    padded batch, whose ``out`` and ``lse`` rows the forward left unwritten) get dq = 0 and add
+    nothing to dsinks; as in the forward, padded rows of q, k, v and dout must be finite."""
     left, right = _masks.check_options(window, softcap, scale, causal=causal, deterministic=deterministic)
     result, call_key = _calls.run(
         "attention_varlen_backward", (q, k, v, dout, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes),

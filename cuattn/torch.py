@@ -207,7 +207,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``max_seqlen_k``: ints bounding every sequence's length. ``sinks`` (float32 ``(Hq,)``,
     differentiable), ``alibi_slopes`` (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) and
     ``deterministic`` as in :func:`attention`. Rows of no sequence (past ``cu_seqlens_q[-1]``)
-    are left unwritten in ``out``, get zero dq and count in no sinks' gradient.
+    are left unwritten in ``out``, get zero dq and count in no sinks' gradient; padded rows of the
+    inputs must be finite (see :func:`cuattn.attention_varlen`).
     """
     left, right = _check_arguments("attention_varlen",
                                    {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},

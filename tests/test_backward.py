@@ -409,8 +409,9 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_varlen_backward_with_sinks_counts_only_rows_of_a_sequence(rng, deterministic):
     """Sinks through the varlen backward: dq, dk, dv and dsinks per sequence under the 3x rule,
-    with q, dout, out and lse padded past cu_seqlens_q[-1] by rows of NaN (a caller's padded
-    batch: the forward leaves such rows unwritten). Those rows get dq = 0 and add nothing to dsinks."""
+    with q and dout padded past cu_seqlens_q[-1] by rows of other finite values and out and lse
+    by NaN (a caller's padded batch: the forward leaves such rows of out and lse unwritten). Those
+    rows get dq = 0 and add nothing to dsinks."""
     import cupy
 
     lens_q, lens_k, pad = [5, 0, 17, 6, 131], [9, 3, 17, 0, 140], 7
@@ -422,18 +423,18 @@ def test_varlen_backward_with_sinks_counts_only_rows_of_a_sequence(rng, determin
     k, v = randn(rng, (cu_k[-1], hk, d), BF16), randn(rng, (cu_k[-1], hk, d), BF16)
     sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
 
-    def padded(x):
-        rows = np.full((total_q + pad, *x.shape[1:]), np.nan, x.dtype)
-        rows[:total_q] = x
-        return cupy.asarray(rows)
+    def padded(x, fill):
+        return cupy.asarray(np.concatenate([x, fill((pad, *x.shape[1:])).astype(x.dtype)]))
 
+    noise = lambda shape: rng.standard_normal(shape) * 100  # noqa: E731
     args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lens_q), max(lens_k))
-    out = padded(np.zeros_like(q))
-    _, lse = cuattn.attention_varlen(padded(q), cupy.asarray(k), cupy.asarray(v), *args, sinks=cupy.asarray(sinks),
-                                     out=out, return_lse=True)
+    qd, dod = padded(q, noise), padded(dout, noise)
+    out = padded(np.zeros_like(q), lambda shape: np.full(shape, np.nan))
+    _, lse = cuattn.attention_varlen(qd, cupy.asarray(k), cupy.asarray(v), *args, sinks=cupy.asarray(sinks), out=out,
+                                     return_lse=True)
     lse[:, total_q:] = cupy.nan
-    grads = cuattn.attention_varlen_backward(padded(dout), padded(q), cupy.asarray(k), cupy.asarray(v), out, lse,
-                                             *args, sinks=cupy.asarray(sinks), deterministic=deterministic)
+    grads = cuattn.attention_varlen_backward(dod, qd, cupy.asarray(k), cupy.asarray(v), out, lse, *args,
+                                             sinks=cupy.asarray(sinks), deterministic=deterministic)
     dq, dk, dv, dsinks = (g.get() for g in grads)
     assert not dq[total_q:].astype(np.float32).any(), "rows of no sequence must get dq = 0"
     check_varlen_gradients(rng, BF16, dout, q, k, v, cu_q, cu_k, (dq[:total_q], dk, dv, dsinks), sinks=sinks)
