@@ -183,6 +183,7 @@ constexpr int kFwdSm90ProducerSlots = 2;
 constexpr int kAlibiKeyRowBytes = 16;
 constexpr int kAlibiMinPieceKeys = 64;
 constexpr int kAlibiTailRows = 8;  // the rows past a piece's that its k columns 8-15 read
+constexpr int kAlibiPastKeys = 0x7fffffff;  // a first key beyond every block's (alibi_side's bounds)
 constexpr int alibi_pieces(int block_n, int piece) { return (block_n + piece - 1) / piece; }
 // the key tile's rows for pieces of `piece` keys (0: no tile)
 constexpr int alibi_key_rows(int piece) { return piece == 0 ? 0 : piece + kAlibiTailRows; }
@@ -793,6 +794,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     if (PINGPONG && !(closing && c == 1)) named_barrier_arrive(kFwdSm90TurnBarrier + other, 2 * kWarpgroupThreads);
   };
 
+  constexpr int kWarpRows = kWgmmaM / kWarpsPerWarpgroup;  // a warp's query rows
   // a word a piece of the k step
   struct AlibiWords {
     u32 piece[kAlibiPieces];
@@ -806,6 +808,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     MaskParams mp;
     bool alibi_gemm;  // kAlibiGemm: the slope fits T and no softcap comes between (add to the capped score)
     AlibiWords alibi_word;  // kAlibiGemm: this lane's A words of the extra k step for +slope (alibi_a)
+    // ALIBI: the key blocks whose first key lies in [diag_first_key, diag_last_key] hold one of
+    // this warp's diagonals (holds_warp_diagonal)
+    int diag_first_key, diag_last_key;
+    // kAlibiGemm: a key block whose first key is at most alibi_left_key lies wholly left of this
+    // warp's diagonals, one whose first key is at least alibi_right_key wholly right (alibi_side)
+    int alibi_left_key, alibi_right_key;
   };
   int loads = 0;  // K/V blocks consumed so far, as the producer counts them
   int tiles = 0;  // tiles taken from the ring so far
@@ -848,6 +856,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         ALIBI ? alibi_score_slope(p.alibi_slopes, p.alibi_batch_stride, w.b, w.h, softmax_scale) : 0.f;
     bool alibi_gemm = false;
     AlibiWords alibi_word{};
+    // a block's keys [n0, n0 + BLOCK_N) lie left of the diagonals [d, d + kWarpRows) of this
+    // warp's rows when n0 <= d - (BLOCK_N - 1), right of them when n0 >= d + kWarpRows - 1, and
+    // hold one of them in between (both bounds included: a block that ends at the first diagonal
+    // holds it and lies left of every row)
+    const int d_first = wg_m0 + warp * kWarpRows + w.seq.offset;
+    const int diag_first_key = d_first - (BLOCK_N - 1), diag_last_key = d_first + kWarpRows - 1;
+    // no block on either side: every block adds the bias per score
+    int alibi_left_key = -kAlibiPastKeys, alibi_right_key = kAlibiPastKeys;
     if constexpr (kAlibiGemm) {
       // the slope as hi + mid + lo in T (exact to fp32's precision), and for the piece at offset
       // o those times o: lane t = 0 holds k columns 0, 1 of its rows (hi, mid), lane t = 1
@@ -867,8 +883,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
                                   : t == 2 ? DT::pack(o * mid, o * lo)
                                            : 0u;
       }
+      // Under a causal mask (a right window edge at the diagonal) every visible key lies left of
+      // its row's diagonal, so every block takes the left side's linear bias, those that hold one
+      // of the warp's diagonals too (the mask replaces the scores right of them)
+      const bool keys_left_only = p.window_right <= 0;
+      if (alibi_gemm) {
+        alibi_left_key = keys_left_only ? kAlibiPastKeys : diag_first_key;
+        alibi_right_key = keys_left_only ? kAlibiPastKeys : diag_last_key;
+      }
     }
-    return TileContext{w, wg_m0, v_descale, softmax_scale, alibi, k_block_scale, mp, alibi_gemm, alibi_word};
+    return TileContext{w,          wg_m0,      v_descale,  softmax_scale,  alibi,         k_block_scale,  mp,
+                       alibi_gemm, alibi_word, diag_first_key, diag_last_key, alibi_left_key, alibi_right_key};
   };
 
   Tile tile;
@@ -890,22 +915,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // prepare_scores adds only each row's rest, -sigma (d - n0) (row_bias). A warp whose rows cross
   // block i's keys gives zeros and adds the bias per score (AttentionTile::add_alibi).
   u32 alibi_a[kAlibiPieces][4] = {};
-  constexpr int kWarpRows = kWgmmaM / kWarpsPerWarpgroup;
   constexpr u32 kSignBits16x2 = 0x80008000u;  // the sign bits of a word's two 16-bit values
-  // the diagonal of this warp's first row, and the first key of the block visited i-th
-  const auto warp_first_diagonal = [&](const TileContext& x) { return x.wg_m0 + warp * kWarpRows + x.w.seq.offset; };
+  // the first key of the block visited i-th
   const auto block_first_key = [&](const TileContext& x, int i) { return x.w.template key_block<kDiagFirst>(i) * BLOCK_N; };
   // this warp's side of block i: 1 left, -1 right, 0 crossing (or no GEMM bias in this tile).
-  // Under a causal mask (a right window edge at the diagonal) every visible key lies left of its
-  // row's diagonal, so a block that crosses the warp's diagonals takes the left side's linear bias
-  // too (the mask replaces the scores right of them): no per-score bias on the diagonal blocks.
-  const bool keys_left_only = p.window_right <= 0;
+  // Two comparisons with the tile's bounds (TileContext::alibi_left_key; never both true).
   const auto alibi_side = [&](const TileContext& x, int i) -> int {
     if constexpr (kAlibiGemm) {
-      if (!x.alibi_gemm) return 0;
       const int n0 = block_first_key(x, i);
-      const int d_first = warp_first_diagonal(x);
-      return d_first >= n0 + BLOCK_N - 1 || keys_left_only ? 1 : d_first + kWarpRows - 1 <= n0 ? -1 : 0;
+      return n0 <= x.alibi_left_key ? 1 : n0 >= x.alibi_right_key ? -1 : 0;
     }
     return 0;
   };
@@ -920,8 +938,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   const auto holds_warp_diagonal = [&](const TileContext& x, int i) -> bool {
     if constexpr (ALIBI) {
       const int n0 = block_first_key(x, i);
-      const int d_first = warp_first_diagonal(x);
-      return d_first < n0 + BLOCK_N && d_first + kWarpRows > n0;
+      return n0 >= x.diag_first_key && n0 <= x.diag_last_key;
     }
     return false;
   };
