@@ -192,6 +192,16 @@ def test_alibi_runs_the_alibi_variant(rng, caplog, fwd_kernel):
     assert ("flash_fwd_sm90_kernel<" in names[1]) == (fwd_kernel == "sm90"), names
 
 
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_alibi_slope_of_each_tile_a_cta_takes(rng, head_dim, mask):
+    """More tiles than an H100 or H200 has SMs (3 sequences x 48 heads x at least 2 query blocks),
+    so each persistent CTA of the Hopper forward takes several, and a slope for every (sequence,
+    head), all distinct: a tile given another tile's slope shows in its rows."""
+    slopes = rng.uniform(2.0 ** -8, 0.5, (3, 48)).astype(np.float32)
+    run_and_check(rng, DTYPES[1], 3, 300, 300, 48, 16, head_dim, alibi_slopes=slopes, **MASKS[mask])
+
+
 @pytest.mark.parametrize("head_dim", [96, 128, 192, 256])
 def test_alibi_visits_keys_from_the_diagonal(rng, head_dim):
     """Self-attention without a mask over several key blocks: the Hopper ALiBi variants visit a
