@@ -621,8 +621,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     the prefix sums are not read on the host (as with the plain function, rows of no sequence or
     past ``max_seqlen_q`` are left unwritten in ``out``, get zero dq and count in no dsinks, and
     padded rows of the inputs must be finite); on the CPU concrete ones are checked before the
-    call (ValueError), traced ones when it runs (inside the callback, an XLA runtime error). ``sinks`` (float32 ``(Hq,)``, differentiable) and ``alibi_slopes``
-    (float32 ``(Hq,)`` or ``(B, Hq)``, no gradient) as in :func:`attention`. The backward runs
+    call (ValueError), traced ones when it runs (inside the callback, an XLA runtime error).
+    ``sinks`` (float32 ``(Hq,)``, differentiable) and ``alibi_slopes`` (float32 ``(Hq,)`` or
+    ``(B, Hq)``, no gradient) as in :func:`attention`. The backward runs
     :func:`cuattn.attention_varlen_backward`'s kernels (``deterministic`` as there). Returns
     ``out`` ``(total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` through
     ``jax.lax.stop_gradient``.
