@@ -386,11 +386,29 @@ def _attention_forward(q, k, v, extras, mask: _Mask):
     )
 
 
+def _gradient_shapes(q, k, v, extras, mask: _Mask) -> tuple:
+    """What a backward callback returns: dq, dk, dv in q's, k's and v's shapes and dtypes, and
+    dsinks with sinks (the slopes get no gradient)."""
+    grads_of = (q, k, v) + tuple(x for name, x in zip(mask.extras, extras) if name == "sinks")
+    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
+
+
+def _host_gradients(mask: _Mask, grads, like) -> tuple:
+    """The reference's float64 gradients as a host callback returns them (_gradient_shapes): dq,
+    dk, dv in the (possibly vmapped) shapes and dtypes of ``like``, then float32 dsinks with sinks."""
+    cast = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, like))
+    return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
+
+
+def _extra_cotangents(grads, mask: _Mask) -> tuple:
+    """The extras' cotangents in mask.extras' order: dsinks for sinks, None (zero) for the slopes."""
+    return tuple(grads[3] if name == "sinks" else None for name in mask.extras)
+
+
 def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse, *extras):
     arrays = _host_arrays((dout, q, k, v, out, lse), (_DENSE,) * 5 + (_LSE,))
     grads = reference.attention_backward(*arrays, **_host_extras(mask, extras), **mask.kwargs())
-    cast = tuple(g.astype(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v)))
-    return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
+    return _host_gradients(mask, grads, (q, k, v))
 
 
 def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *extras):
@@ -416,9 +434,7 @@ def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout
 
 
 def _attention_backward(dout, q, k, v, out, lse, extras, mask: _Mask, deterministic: bool):
-    # dq, dk, dv, and dsinks with sinks (the slopes get no gradient)
-    grads_of = (q, k, v) + tuple(x for name, x in zip(mask.extras, extras) if name == "sinks")
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
+    shapes = _gradient_shapes(q, k, v, extras, mask)
     method = mask.vmap_method()
     return _per_platform(
         (dout, q, k, v, out, lse, *extras),
@@ -444,9 +460,7 @@ def _differentiable_attention_bwd(mask: _Mask, deterministic: bool, residuals, c
     dout, _ = cotangents
     q, k, v, extras, out, lse = residuals
     grads = _attention_backward(dout.astype(q.dtype), q, k, v, out, lse, extras, mask, deterministic)
-    # sinks take dsinks; the slopes get none (None: a zero cotangent)
-    extra_grads = tuple(grads[3] if name == "sinks" else None for name in mask.extras)
-    return (*grads[:3], extra_grads)
+    return (*grads[:3], _extra_cotangents(grads, mask))
 
 
 _differentiable_attention.defvjp(_differentiable_attention_fwd, _differentiable_attention_bwd)
@@ -537,8 +551,7 @@ def _host_varlen_backward(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, dou
     grads = reference.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, **_host_extras(mask, extras),
                                                 **mask.kwargs())
     # (a sequence without keys gives its queries zero gradients, as on the GPU)
-    cast = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-    return cast + ((grads[3].astype(np.float32),) if "sinks" in mask.extras else ())
+    return _host_gradients(mask, grads, (q, k, v))
 
 
 def _device_varlen_backward(mask: _Mask, deterministic: bool, max_seqlen_q: int, max_seqlen_k: int, ctx, outs, dout,
@@ -568,9 +581,7 @@ def _device_varlen_backward(mask: _Mask, deterministic: bool, max_seqlen_q: int,
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int,
                      max_seqlen_k: int, deterministic: bool):
-    # dq, dk, dv, and dsinks with sinks (the slopes get no gradient)
-    grads_of = (q, k, v) + tuple(x for name, x in zip(mask.extras, extras) if name == "sinks")
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grads_of)
+    shapes = _gradient_shapes(q, k, v, extras, mask)
     lengths = (max_seqlen_q, max_seqlen_k)
     return _per_platform(
         (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras),
@@ -600,9 +611,8 @@ def _differentiable_varlen_bwd(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int
     q, k, v, cu_seqlens_q, cu_seqlens_k, extras, out, lse = residuals
     grads = _varlen_backward(dout.astype(q.dtype), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, extras, mask,
                              max_seqlen_q, max_seqlen_k, deterministic)
-    extra_grads = tuple(grads[3] if name == "sinks" else None for name in mask.extras)
     # the prefix sums are integers (None: no cotangent)
-    return (*grads[:3], None, None, extra_grads)
+    return (*grads[:3], None, None, _extra_cotangents(grads, mask))
 
 
 _differentiable_varlen.defvjp(_differentiable_varlen_fwd, _differentiable_varlen_bwd)

@@ -70,7 +70,7 @@ def reference_attend(q, k, v):
 def packed_attends(lengths):
     """cuattn.jax.attention_varlen over packed sequences of ``lengths``, and the same attention by
     jax.nn.dot_product_attention with a block-diagonal causal mask (a token sees the earlier
-    tokens of its own sequence)."""
+    tokens of its own sequence); also each packed token's sequence start."""
     cu_seqlens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.asarray(lengths, jnp.int32))])
     segment = jnp.repeat(jnp.arange(len(lengths)), jnp.asarray(lengths), total_repeat_length=sum(lengths))
     position = jnp.arange(sum(lengths))
@@ -82,7 +82,7 @@ def packed_attends(lengths):
     def theirs(q, k, v):
         return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None])[0]
 
-    return ours, theirs, segment
+    return ours, theirs, cu_seqlens[segment]
 
 
 def train(attend, params, x, y):
@@ -129,9 +129,8 @@ def main():
             "cuattn.jax.attention")
 
     # packed sequences: each token's target is the running mean over its own sequence
-    ours, theirs, segment = packed_attends(PACKED_LENGTHS)
+    ours, theirs, starts = packed_attends(PACKED_LENGTHS)
     x = jax.random.normal(key_packed, (sum(PACKED_LENGTHS), EMBED))
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.asarray(PACKED_LENGTHS[:-1]))])[segment]
     totals = jnp.cumsum(x, axis=0)
     before = jnp.where((starts > 0)[:, None], totals[starts - 1], 0.0)
     y = (totals - before) / (jnp.arange(x.shape[0]) - starts + 1)[:, None]

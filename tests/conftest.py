@@ -194,6 +194,11 @@ def check_varlen(rng, dtype, q, k, v, cu_q, cu_k, got, **options):
         assert err <= budget, f"sequence {i}: error {err:.3g} > {budget:.3g} (seed {rng.seed})"
 
 
+def prefix_sums(lengths) -> np.ndarray:
+    """int32 ``(B + 1,)`` prefix sums of sequence lengths (cu_seqlens)."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
 def check_varlen_gradients(rng, dtype, dout, q, k, v, cu_q, cu_k, grads, **options):
     """Varlen gradients ``(dq, dk, dv)`` (and ``dsinks`` with sinks) of packed ``(total, H, D)``
     inputs: each within 3x the error of the straightforward same-precision backward, run sequence

@@ -13,7 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, check_varlen_gradients, error_budget, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, check_varlen_gradients, error_budget, prefix_sums, randn
 
 HEAD_DIMS = list(_registry.test_head_dims("attention"))
 MASKS = _registry.MASK_OPTIONS
@@ -391,8 +391,7 @@ def test_varlen_backward_matches_per_sequence_reference(rng, deterministic, caus
     # zeros past their D), 80 in the 96 tile elsewhere
     lens_q, lens_k = [1, 17, 113, 0, 203, 7], [5, 17, 300, 9, 203, 0]
     hq, hk = 4, 2
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
     q = randn(rng, (cu_q[-1], hq, d), np.float16)
     k = randn(rng, (cu_k[-1], hk, d), np.float16)
     v = randn(rng, (cu_k[-1], hk, d), np.float16)
@@ -416,8 +415,7 @@ def test_varlen_backward_with_sinks_counts_only_rows_of_a_sequence(rng, determin
 
     lens_q, lens_k, pad = [5, 0, 17, 6, 131], [9, 3, 17, 0, 140], 7
     hq, hk, d = 4, 2, 64
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
     total_q = int(cu_q[-1])
     q, dout = randn(rng, (total_q, hq, d), BF16), randn(rng, (total_q, hq, d), BF16)
     k, v = randn(rng, (cu_k[-1], hk, d), BF16), randn(rng, (cu_k[-1], hk, d), BF16)

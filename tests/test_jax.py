@@ -21,7 +21,7 @@ import pytest
 import cuattn
 from cuattn import _registry, reference
 from conftest import (BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, check_varlen_gradients, error_budget,
-                      Tensor, randn)
+                      prefix_sums, Tensor, randn)
 
 jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
 import jax.numpy as jnp  # noqa: E402
@@ -280,8 +280,7 @@ def test_repeated_jitted_calls_and_eager_calls_compute_fresh_results(device, rng
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_varlen_under_jit_and_vmap_matches_reference(device, rng, dtype):
     lengths_q, lengths_k = [5, 0, 17, 1], [9, 3, 17, 6]
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    cu_q, cu_k = prefix_sums(lengths_q), prefix_sums(lengths_k)
     hq, hk, d = 4, 2, 64
     q = randn(rng, (2, int(cu_q[-1]), hq, d), dtype)
     k, v = randn(rng, (2, int(cu_k[-1]), hk, d), dtype), randn(rng, (2, int(cu_k[-1]), hk, d), dtype)
@@ -302,10 +301,6 @@ def test_varlen_under_jit_and_vmap_matches_reference(device, rng, dtype):
         err = np.abs(host(out[i]) - ref).max()
         assert err <= error_budget(naive, dtype, 2.0, np.abs(ref).max()), f"error {err:.3g} (seed {rng.seed})"
         np.testing.assert_allclose(np.asarray(lse[i]), ref_lse, rtol=1e-3, atol=2e-3, err_msg=f"seed {rng.seed}")
-
-
-def prefix_sums(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 # A sequence with no queries, one with no keys (its queries' gradients are 0), one longer than
@@ -426,7 +421,7 @@ def test_varlen_decode_and_paged_take_sinks_and_alibi(device, rng):
     sinks = (rng.standard_normal(hq) * 2).astype(np.float32)
     # varlen: three sequences, one of them without queries
     lengths_q, lengths_k = [5, 0, 17], [9, 3, 17]
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    cu_q, cu_k = prefix_sums(lengths_q), prefix_sums(lengths_k)
     q, k, v = randn(rng, (int(cu_q[-1]), hq, d), BF16), *(randn(rng, (int(cu_k[-1]), hk, d), BF16) for _ in range(2))
     slopes = _alibi_slopes(rng, 3, hq)
     out = jax.jit(lambda *a: cuattn.jax.attention_varlen(*a[:5], 17, 17, causal=True, sinks=a[5], alibi_slopes=a[6]))(

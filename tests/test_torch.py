@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cuattn import reference
-from conftest import BF16, check_varlen_gradients, error_budget
+from conftest import BF16, check_varlen_gradients, error_budget, prefix_sums
 
 pytestmark = pytest.mark.gpu
 
@@ -165,8 +165,7 @@ def test_options_are_checked_by_name_before_the_op_converts_them(options, error,
 def _packed(torch, rng, lens_q, lens_k, hq, hk, d, dv):
     """Leaves q (total_q, Hq, D), k (total_k, Hk, D), v (total_k, Hk, Dv), the int32 prefix sums
     on the GPU and as NumPy, and a bf16 dout."""
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
     q, k, v = _leaves(torch, rng.seed, [(int(cu_q[-1]), hq, d), (int(cu_k[-1]), hk, d), (int(cu_k[-1]), hk, dv)])
     dout = torch.randn((int(cu_q[-1]), hq, dv), device="cuda", dtype=torch.bfloat16)
     return q, k, v, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(), cu_q, cu_k, dout
