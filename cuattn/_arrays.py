@@ -3,7 +3,7 @@
 The only module that converts or validates arrays. The public functions hand it their array
 arguments; it tells which framework they came from ("numpy", "cupy", "torch", "jax", or "dlpack"
 for any other CUDA array with ``__dlpack__``), views them as CuPy arrays without a copy, picks the
-caller's current stream (torch's through ``cupy.cuda.ExternalStream``), and converts results back
+caller's current stream (torch's through ``cupy.cuda.Stream.from_external``), and converts results back
 to the caller's framework, again without a copy. NumPy arrays stay on the host: the public
 functions run the float64 reference for them.
 
@@ -152,24 +152,46 @@ def common_kind(named: dict) -> str:
     return distinct.pop()
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` address as the CUDA stream protocol's object, which is what
+    ``cupy.cuda.Stream.from_external`` reads (XLA gives a bare address; torch versions before the
+    protocol give ``cuda_stream`` alone)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device_id: int):
+    """CuPy's handle on a stream another framework owns (torch, XLA, a process group's), at address
+    ``ptr`` on device ``device_id``.
+
+    ``Stream.from_external`` takes the stream's device to be the current one, so the handle is made
+    with ``device_id`` current: made under another device, entering it beside ``device_id`` (a
+    tensor on cuda:1 while cuda:0 is current) fails CuPy's stream-device check."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+
+
 def _torch_stream(x):
     """CuPy's handle on torch's current stream of x's device, and that device's index."""
-    import cupy
     import torch
 
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    torch_stream = torch.cuda.current_stream(device)
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        # CuPy 14: wraps any stream implementing the CUDA stream protocol (torch streams do)
-        return cupy.cuda.Stream.from_external(torch_stream), device
-    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device), device
+    return external_stream(torch.cuda.current_stream(device).cuda_stream, device), device
 
 
 class _TorchExport:
     """A torch tensor as cupy.from_dlpack sees it, without DLPack's stream handshake.
 
     ``from_dlpack`` passes the consumer's stream (CuPy's current one) to ``__dlpack__``, and torch
-    then makes that stream wait for its own current stream (an ExternalStream, an event and a
+    then makes that stream wait for its own current stream (a stream handle, an event and a
     wait, in Python): a view took 19-29 us of host time with it and 9 us without on the H200's
     host. cuattn converts tensors only inside ``array_context``, where CuPy's current stream IS
     torch's current stream, so the wait is a no-op and is left out."""

@@ -366,7 +366,6 @@ class _TorchGroup:
     are batched isend/irecv on a torch stream that CuPy sees as ``stream``."""
 
     def __init__(self, process_group, device: int):
-        import cupy
         import torch
         import torch.distributed as dist
 
@@ -378,7 +377,7 @@ class _TorchGroup:
         # NCCL runs on the process group's own streams (high priority when the group was made with
         # ProcessGroupNCCL.Options(is_high_priority_stream=True)); this stream waits for them
         self._torch_stream = torch.cuda.Stream(device=device, priority=_highest_stream_priority())
-        self.stream = cupy.cuda.ExternalStream(self._torch_stream.cuda_stream, device)
+        self.stream = _arrays.external_stream(self._torch_stream.cuda_stream, device)
 
     def send_recv(self, send, recv) -> None:
         import torch

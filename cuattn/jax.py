@@ -292,7 +292,7 @@ def _xla_stream(ctx, buffers, ranks):
 
     views = [_fold(_device_array(b), rank) for b, rank in zip(buffers, ranks)]
     device = views[0].device.id
-    stream = cupy.cuda.ExternalStream(_stream_handle(ctx), device)
+    stream = _arrays.external_stream(_stream_handle(ctx), device)
     with cupy.cuda.Device(device), stream:
         yield stream, views
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
 import cuattn
 from cuattn import _arrays, reference
-from conftest import BF16, ForeignDtype, Tensor, randn
+from conftest import BF16, ForeignDtype, Tensor, error_budget, randn
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64], ids=str)
@@ -165,6 +166,53 @@ def test_torch_export_leaves_out_the_stream_handshake():
     assert export.__dlpack__(stream=7) == "capsule"
     assert seen == [{"max_version": (1, 0)}, {}]
     assert export.__dlpack_device__() == (2, 1)
+
+
+def test_stream_handles_speak_the_cuda_stream_protocol():
+    """XLA and torch give a bare cudaStream_t address; CuPy 14 wraps only objects with
+    ``__cuda_stream__`` (version 0, the address)."""
+    assert _arrays._StreamHandle(0x7F00).__cuda_stream__() == (0, 0x7F00)
+
+
+@pytest.mark.gpu
+def test_torch_calls_raise_no_deprecation_warnings(rng):
+    """Each call wraps torch's stream for CuPy; CuPy 14 deprecated ExternalStream, whose warning
+    reached the caller on every call."""
+    torch = pytest.importorskip("torch")
+    q = torch.from_numpy(randn(rng, (1, 33, 2, 64))).to("cuda", torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _arrays.array_context(q=q) as ctx:
+            assert ctx.stream.ptr == torch.cuda.current_stream().cuda_stream
+        cuattn.attention(q, q, q, causal=True)
+    torch.cuda.synchronize()
+    deprecated = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert not deprecated, deprecated
+
+
+def _second_gpu_or_skip(torch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"a tensor on a second GPU needs 2 CUDA devices, found {torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+def test_torch_tensors_on_a_second_gpu_run_there_while_the_first_is_current(rng):
+    """The stream handle records the device it is made under: made while cuda:0 was current, a
+    call on cuda:1 tensors failed CuPy's stream-device check. Twice: the full path, then the plan."""
+    torch = pytest.importorskip("torch")
+    _second_gpu_or_skip(torch)
+    shape = (2, 77, 4, 64)
+    with torch.cuda.device(0):
+        for _ in range(2):
+            q, k, v = (randn(rng, shape, BF16) for _ in range(3))
+            on_second = [torch.from_numpy(x.astype(np.float32)).to("cuda:1", torch.bfloat16) for x in (q, k, v)]
+            out = cuattn.attention(*on_second, causal=True)
+            assert out.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+            got = out.float().cpu().numpy().astype(np.float64)
+            ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+            naive = reference.naive_attention_lowp(q, k, v, causal=True, dtype=BF16)
+            budget = error_budget(np.abs(naive - ref).max(), BF16, 2.0, np.abs(ref).max())
+            assert np.abs(got - ref).max() <= budget
 
 
 @pytest.mark.gpu

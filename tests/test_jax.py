@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -271,6 +272,20 @@ def test_repeated_jitted_calls_and_eager_calls_compute_fresh_results(device, rng
     q, k, v = qkv(rng, DTYPES[0], 1, 77, 77, 2, 2, 64)
     out, lse = cuattn.jax.attention(*put(device, q, k, v), return_lse=True)
     check_forward(rng, DTYPES[0], q, k, v, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["gpu"], indirect=True)
+def test_jitted_calls_raise_no_deprecation_warnings(device, rng):
+    """Each callback wraps XLA's stream for CuPy; CuPy 14 deprecated ExternalStream, whose warning
+    reached the caller on every forward and backward."""
+    q, k, v = qkv(rng, BF16, 1, 65, 65, 4, 2, 64)
+    loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(cuattn.jax.attention(q, k, v, causal=True)), argnums=(0, 1, 2)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(loss(*put(device, q, k, v)))
+    deprecated = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert not deprecated, deprecated
 
 
 # ---------------------------------------------------------------------------------------------
