@@ -411,26 +411,44 @@ def _host_attention_backward(mask: _Mask, dout, q, k, v, out, lse, *extras):
     return _host_gradients(mask, grads, (q, k, v))
 
 
-def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *extras):
-    buffers = (dout, q, k, v, out, lse, *extras, *outs)
+def _device_backward(mask: _Mask, deterministic: bool, ctx, outs, tensors, prefix_sums, extras, max_seqlens=None):
+    """The backward kernels on XLA's buffers ``tensors`` (dout, q, k, v, out, lse), writing the
+    gradients straight into ``outs`` (dq, dk, dv, then dsinks with sinks): a dense batch, or
+    packed sequences (``prefix_sums`` cu_seqlens_q and cu_seqlens_k, with their ``max_seqlens``)
+    launched as one batch of sequences at their offsets, as attention_varlen_backward does."""
+    packed = bool(prefix_sums)
+    tensor_rank, lse_rank = (_PACKED, _PACKED_LSE) if packed else (_DENSE, _LSE)
     with_sinks = "sinks" in mask.extras
-    ranks = (_DENSE,) * 5 + (_LSE,) + _extra_ranks(extras) + (_DENSE,) * 3 + (_VECTOR,) * with_sinks
+    buffers = (*tensors, *prefix_sums, *extras, *outs)
+    ranks = ((tensor_rank,) * 5 + (lse_rank,) + (_VECTOR,) * len(prefix_sums) + _extra_ranks(extras)
+             + (tensor_rank,) * 3 + (_VECTOR,) * with_sinks)
     with _xla_stream(ctx, buffers, ranks) as (stream, views):
         dov, qv, kv, vv, ov, lv = views[:6]
-        launch_extras = _device_extras(mask, views[6:6 + len(extras)], int(qv.shape[0]), qv)
-        dq, dk, dv = views[6 + len(extras):9 + len(extras)]
+        extra_views = views[6 + len(prefix_sums):6 + len(prefix_sums) + len(extras)]
+        dq, dk, dv = views[6 + len(prefix_sums) + len(extras):][:3]
         _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
-        left, right = mask.window
-        batch, seqlen_q = int(qv.shape[0]), int(qv.shape[1])
+        if packed:
+            cuq, cuk = views[6:8]
+            batch, (seqlen_q, seqlen_k) = int(cuq.shape[0]) - 1, max_seqlens
+            batched = [x[None] for x in (dov, qv, kv, vv, ov, lv, dq, dk, dv)]  # [1, total, H, D]
+        else:
+            cuq = cuk = None
+            batch, seqlen_q, seqlen_k = int(qv.shape[0]), int(qv.shape[1]), int(kv.shape[1])
+            batched = [dov, qv, kv, vv, ov, lv, dq, dk, dv]
         # the gradients are written straight into XLA's buffers (dsinks, a small reduction, is
-        # copied in); the workspace (delta, the dQ accumulator) comes from CuPy's pool on XLA's stream
+        # copied in; packed rows of no sequence are zeroed first); the workspace (delta, the dQ
+        # accumulator) comes from CuPy's pool on XLA's stream
         with _arrays.array_context(q=qv) as arrays:
-            grads = _launch_bwd(dov, qv, kv, vv, ov, lv, None, None, batch=batch, seqlen_q=seqlen_q,
-                                seqlen_k=int(kv.shape[1]), causal=mask.causal, scale=mask.scale,
-                                window=(left, right), softcap=mask.softcap, deterministic=deterministic,
-                                ctx=arrays, grads=(dq, dk, dv), **launch_extras)
+            grads = _launch_bwd(*batched[:6], cuq, cuk, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                causal=mask.causal, scale=mask.scale, window=mask.window, softcap=mask.softcap,
+                                deterministic=deterministic, ctx=arrays, grads=tuple(batched[6:]),
+                                **_device_extras(mask, extra_views, batch, qv))
         if with_sinks:
             views[-1][...] = grads[3]
+
+
+def _device_attention_backward(mask: _Mask, deterministic: bool, ctx, outs, dout, q, k, v, out, lse, *extras):
+    _device_backward(mask, deterministic, ctx, outs, (dout, q, k, v, out, lse), (), extras)
 
 
 def _attention_backward(dout, q, k, v, out, lse, extras, mask: _Mask, deterministic: bool):
@@ -557,26 +575,8 @@ def _host_varlen_backward(mask: _Mask, max_seqlen_q: int, max_seqlen_k: int, dou
 def _device_varlen_backward(mask: _Mask, deterministic: bool, max_seqlen_q: int, max_seqlen_k: int, ctx, outs, dout,
                             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras):
     # vmap loops here ("sequential"): every buffer is one unbatched problem
-    buffers = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *extras, *outs)
-    with_sinks = "sinks" in mask.extras
-    ranks = ((_PACKED,) * 5 + (_PACKED_LSE,) + (_VECTOR,) * 2 + _extra_ranks(extras) + (_PACKED,) * 3
-             + (_VECTOR,) * with_sinks)
-    with _xla_stream(ctx, buffers, ranks) as (stream, views):
-        dov, qv, kv, vv, ov, lv, cuq, cuk = views[:8]
-        batch = int(cuq.shape[0]) - 1
-        launch_extras = _device_extras(mask, views[8:8 + len(extras)], batch, qv)
-        dq, dk, dv = views[8 + len(extras):11 + len(extras)]
-        _check_layouts({"dout": dov, "q": qv, "k": kv, "v": vv, "out": ov, "dq": dq, "dk": dk, "dv": dv})
-        # the packed rows as one batch of sequences at their cu_seqlens offsets (as the plain
-        # function); the gradients go straight into XLA's buffers, zeroed first where rows of no
-        # sequence are left unwritten, the workspace from CuPy's pool on XLA's stream
-        with _arrays.array_context(q=qv) as arrays:
-            grads = _launch_bwd(dov[None], qv[None], kv[None], vv[None], ov[None], lv[None], cuq, cuk, batch=batch,
-                                seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, causal=mask.causal, scale=mask.scale,
-                                window=mask.window, softcap=mask.softcap, deterministic=deterministic, ctx=arrays,
-                                grads=(dq[None], dk[None], dv[None]), **launch_extras)
-        if with_sinks:
-            views[-1][...] = grads[3]
+    _device_backward(mask, deterministic, ctx, outs, (dout, q, k, v, out, lse), (cu_seqlens_q, cu_seqlens_k), extras,
+                     (max_seqlen_q, max_seqlen_k))
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, extras, mask: _Mask, max_seqlen_q: int,
