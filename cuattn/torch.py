@@ -53,6 +53,19 @@ def _attention_fwd_fake(q, k, v, sinks, alibi_slopes, causal, scale, window_left
             q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32))
 
 
+def _four_gradients(grads: tuple, q: torch.Tensor, sinks: Optional[torch.Tensor]) -> tuple:
+    """dq, dk, dv and dsinks: an op returns a fixed number of tensors, so without sinks dsinks is
+    an empty float32 tensor."""
+    return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
+
+
+def _fake_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor]) -> tuple:
+    """What a backward op returns, as torch.compile traces it: dq, dk, dv in q's, k's and v's
+    shapes, and dsinks in the sinks' (empty without sinks)."""
+    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
 def _kernel_readable(x: torch.Tensor) -> bool:
     """What the kernels read (cuattn._arrays.check_kernel_layout): a unit last stride and rows
     that start on 16-byte boundaries."""
@@ -70,15 +83,13 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dout = dout if _kernel_readable(dout) else dout.contiguous()
     grads = _backward_kernels(dout, q, k, v, out, lse, causal=causal, scale=scale, window=(window_left, window_right),
                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    # an op returns a fixed number of tensors: without sinks, an empty dsinks
-    return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
+    return _four_gradients(grads, q, sinks)
 
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, sinks, alibi_slopes, causal, scale, window_left, window_right,
                         softcap, deterministic):
-    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return _fake_gradients(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
@@ -167,14 +178,13 @@ def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     grads = _varlen_backward_kernels(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
                                      sinks=sinks, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
+    return _four_gradients(grads, q, sinks)
 
 
 @_attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
                                alibi_slopes, causal, scale, window_left, window_right, softcap, deterministic):
-    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return _fake_gradients(q, k, v, sinks)
 
 
 def _setup_varlen_context(ctx, inputs, output):
