@@ -11,7 +11,9 @@ the function ``CALLS`` times back to back without synchronising:
 The shapes are small enough that the kernels take less time than the host: the first number is
 then the Python and launch cost a user pays on every eager call, and the second what an eager
 loop achieves. torch SDPA on the same shapes is the baseline. Decode-like cases also report the
-eager loop's rate of KV-cache reading in TB/s (K and V bytes per call / eager time per call).
+eager loop's rate of KV-cache reading in TB/s (K and V bytes per call / eager time per call). The
+torch adapter's ops (``cuattn.torch.attention``, ``attention_varlen``) are timed as a training
+step uses them, forward and backward through autograd, beside torch SDPA's.
 """
 
 from __future__ import annotations
@@ -163,9 +165,46 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
                                    "v": ((dec_b, dec_hk, dec_len, dec_d), "f")}, dtype)
         return lambda: torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], enable_gqa=True)
 
+    def _leaves(shapes: dict):
+        """torch leaves that require gradients, and a dout in q's shape."""
+        x = _inputs("torch", rng, shapes, dtype)
+        return {n: t.requires_grad_() if n in ("q", "k", "v") else t for n, t in x.items()}, x["q"].detach().clone()
+
+    def _step(call, leaves, dout):
+        """A training step's attention: the forward through autograd, then dq, dk, dv (no .grad
+        accumulation, which would add a kernel per leaf)."""
+        import torch
+
+        inputs = [leaves[n] for n in "qkv"]
+        return lambda: torch.autograd.grad(call(*inputs), inputs, dout)
+
+    def torch_training_setup():
+        import cuattn.torch
+
+        leaves, dout = _leaves({n: ((b, s, h, d), "f") for n in "qkv"})
+        return _step(cuattn.torch.attention, leaves, dout)
+
+    def torch_varlen_training_setup():
+        import cuattn.torch
+
+        leaves, dout = _leaves({**{n: ((s, h, d), "f") for n in "qkv"}, "cu": ([0, s // 2, s], "int32")})
+        cu = leaves["cu"]
+        return _step(lambda q, k, v: cuattn.torch.attention_varlen(q, k, v, cu, cu, s // 2, s // 2), leaves, dout)
+
+    def sdpa_training_setup():
+        import torch
+
+        leaves, dout = _leaves({n: ((b, h, s, d), "f") for n in "qkv"})
+        return _step(torch.nn.functional.scaled_dot_product_attention, leaves, dout)
+
+    training = "forward + backward, autograd"
     found += [
         (OverheadCase("torch SDPA", "torch", attn_shape), sdpa_attention_setup),
         (OverheadCase("torch SDPA", "torch", dec_shape, kv_bytes), sdpa_decode_setup),
+        (OverheadCase("cuattn.torch.attention", "torch", f"{attn_shape}, {training}"), torch_training_setup),
+        (OverheadCase("cuattn.torch.attention_varlen", "torch", f"2 x ({s // 2}, {h}, {d}), {training}"),
+         torch_varlen_training_setup),
+        (OverheadCase("torch SDPA", "torch", f"{attn_shape}, {training}"), sdpa_training_setup),
     ]
     return found
 
