@@ -15,7 +15,7 @@ import pytest
 import cuattn
 from cuattn import _jit, _registry, reference
 from conftest import (DTYPE_IDS, DTYPES, RISES, TILE_ORDER_CHUNK, check_varlen, error_budget, expected_tile_order,
-                      forward_kernels, randn, rising_scores)
+                      forward_kernels, prefix_sums, randn, rising_scores)
 
 pytestmark = pytest.mark.gpu
 
@@ -125,7 +125,7 @@ def test_sinks_give_empty_rows_their_own_lse(rng):
 def test_sinks_in_varlen(rng):
     cupy = _cupy()
     lens = [13, 0, 150]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = prefix_sums(lens)
     q, k, v = (randn(rng, (cu[-1], 4, 64), DTYPES[1]) for _ in range(3))
     sinks = _sinks(rng, 4)
     out, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu, cu)), max(lens), max(lens),
@@ -264,8 +264,8 @@ def _check_alibi_varlen(rng, lens_q, lens_k, slopes=None):
     """Causal attention_varlen (Hq = 4, Hk = 2, D = 64) with (B, Hq) slopes (default ALiBi's, each
     sequence's halved once more) against the float64 reference, out and lse."""
     cupy = _cupy()
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q = randn(rng, (cu_q[-1], 4, 64), DTYPES[1])
     k, v = (randn(rng, (cu_k[-1], 2, 64), DTYPES[1]) for _ in range(2))
     slopes = _alibi_slopes(4, len(lens_q)) if slopes is None else slopes
@@ -419,8 +419,8 @@ def test_varlen_matches_per_sequence_dense(rng, d):
     lens_q = [1, 17, 113, 0, 203]
     lens_k = [5, 17, 300, 9, 203]
     hq, hk = 4, 2
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q = randn(rng, (cu_q[-1], hq, d), DTYPES[1])
     k = randn(rng, (cu_k[-1], hk, d), DTYPES[1])
     v = randn(rng, (cu_k[-1], hk, d), DTYPES[1])
@@ -445,8 +445,8 @@ def test_varlen_matches_per_sequence_dense(rng, d):
 def _check_varlen(rng, lens_q, lens_k, hq, hk, d, causal, dtype=DTYPES[1]):
     """attention_varlen into a poisoned out against the float64 reference, sequence by sequence."""
     cupy = _cupy()
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q, k, v = (randn(rng, (int(cu[-1]), h, d), dtype) for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
     poisoned = cupy.full(q.shape, np.nan, dtype=q.dtype)
     out = cuattn.attention_varlen(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cu_q),
@@ -821,8 +821,8 @@ def _ordered_varlen(rng, lens_q, lens_k, hq, hk, d, causal, stream):
     """attention_varlen's forward launched on ``stream`` through _launch_fwd (an OrderedFwd), out
     poisoned; returns (launch, inputs, cu_seqlens, out) after the stream has finished."""
     cupy = _cupy()
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q, k, v = (randn(rng, (int(cu[-1]), h, d), DTYPES[1]) for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
     qd, kd, vd, cuqd, cukd = (cupy.asarray(x) for x in (q, k, v, cu_q, cu_k))
     out = cupy.full(q.shape, np.nan, dtype=q.dtype)
@@ -925,7 +925,7 @@ def test_ordered_varlen_graph_replays_read_new_lengths(rng, fwd_kernel):
     def draw():
         cuts = np.sort(rng.choice(np.arange(1, total), size=count - 1, replace=False))
         lens = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
-        return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        return prefix_sums(lens)
     cu = draw()
     q, k, v = (cupy.asarray(randn(rng, (total, h, d), DTYPES[1])) for h in (hq, hk, hk))
     cu_d = cupy.asarray(cu)

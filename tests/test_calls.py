@@ -13,7 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _calls, reference
-from conftest import BF16, check_decode, error_budget, randn
+from conftest import BF16, check_decode, error_budget, prefix_sums, randn
 
 
 class FakeTorch:
@@ -291,8 +291,8 @@ def test_varlen_backward_second_call_takes_the_plan(rng, framework, monkeypatch,
         pytest.importorskip("torch")
     _calls.clear()
     lens_q, lens_k = [1, 17, 113, 0, 7], [5, 17, 203, 9, 0]
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     shapes = ((int(cu_q[-1]), 4, d), (int(cu_k[-1]), 2, d), (int(cu_k[-1]), 2, d), (int(cu_q[-1]), 4, d))
     args = (_as(framework, cu_q), _as(framework, cu_k), max(lens_q), max(lens_k))
     host = [randn(rng, s, BF16) for s in shapes]
@@ -358,8 +358,8 @@ def test_varlen_second_call_takes_the_plan(rng, framework, monkeypatch):
         pytest.importorskip("torch")
     _calls.clear()
     lens_q, lens_k = [37, 0, 130], [50, 9, 130]
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     for step in range(2):
         if step == 1:
             assert [key[0] for key in _calls._plans] == ["attention_varlen"]

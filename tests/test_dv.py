@@ -23,7 +23,8 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, forward_kernels, randn
+from conftest import (DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, forward_kernels, prefix_sums,
+                      randn)
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
@@ -95,8 +96,8 @@ def test_lse_does_not_depend_on_v(rng, d, dv):
 @pytest.mark.parametrize("d, dv", PAIRS, ids=PAIR_IDS)
 def test_numpy_varlen_is_dense_attention_per_sequence(rng, d, dv):
     lens_q, lens_k = [3, 0, 8], [5, 2, 8]
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q, k, v = _qkv(rng, np.float64, (int(cu_q[-1]), HQ, d), (int(cu_k[-1]), HK, d), dv)
     out, lse = cuattn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True)
     assert out.shape == (cu_q[-1], HQ, dv) and lse.shape == (HQ, cu_q[-1])
@@ -301,8 +302,8 @@ def test_varlen_forward_with_dv_matches_reference_per_sequence(rng, forward_kern
     import cupy
 
     options = MASKS[mask]
-    cu_q = np.concatenate([[0], np.cumsum(VARLEN_Q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(VARLEN_K)]).astype(np.int32)
+    cu_q = prefix_sums(VARLEN_Q)
+    cu_k = prefix_sums(VARLEN_K)
     q, k, v = _qkv(rng, dtype, (int(cu_q[-1]), HQ, d), (int(cu_k[-1]), HK, d), dv)
     out = cupy.full((int(cu_q[-1]), HQ, dv), np.nan, dtype)
     got, lse = cuattn.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), max(VARLEN_Q),
@@ -432,8 +433,8 @@ def test_varlen_backward_with_dv_matches_reference(rng, d, dv, deterministic):
     import cupy
 
     dtype = DTYPES[0]
-    cu_q = np.concatenate([[0], np.cumsum(VARLEN_Q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(VARLEN_K)]).astype(np.int32)
+    cu_q = prefix_sums(VARLEN_Q)
+    cu_k = prefix_sums(VARLEN_K)
     q, k, v = _qkv(rng, dtype, (int(cu_q[-1]), HQ, d), (int(cu_k[-1]), HK, d), dv)
     dout = randn(rng, (int(cu_q[-1]), HQ, dv), dtype)
     args = (max(VARLEN_Q), max(VARLEN_K))

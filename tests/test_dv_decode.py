@@ -20,7 +20,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, randn
+from conftest import DTYPE_IDS, DTYPES, error_budget, prefix_sums, randn
 from test_decode import check_decode
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
@@ -177,7 +177,7 @@ def test_numpy_paged_attention_varlen(rng, dims):
     """Packed runs of any length (longer than 16 included) over value pages of width Dv."""
     d, dv = dims
     runs, seq_lens, block = (0, 1, 3, 17, 40), (5, 300, 2, 64, 129), 16
-    cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+    cu = prefix_sums(runs)
     per_seq = -(-max(seq_lens) // block)
     table = rng.permutation(len(seq_lens) * per_seq).astype(np.int32).reshape(len(seq_lens), per_seq)
     q = randn(rng, (int(cu[-1]), HQ, d), np.float32)
@@ -520,7 +520,7 @@ def test_paged_attention_varlen_with_a_value_head_dim(rng, dims):
     d, dv = dims
     bf16 = _arrays.BFLOAT16
     runs, seq_lens, block = (0, 1, 3, 16, 17, 40), (5, 300, 2, 64, 17, 129), 16
-    cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+    cu = prefix_sums(runs)
     per_seq = -(-max(seq_lens) // block)
     table = rng.permutation(len(seq_lens) * per_seq).astype(np.int32).reshape(len(seq_lens), per_seq)
     q = randn(rng, (int(cu[-1]), HQ, d), bf16)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from conftest import BF16
+from conftest import BF16, prefix_sums
 
 
 def arrays(b=1, sq=5, sk=7, hq=4, hk=2, d=64, dtype=np.float32):
@@ -285,8 +285,8 @@ def test_unknown_array_types_are_refused():
 
 
 def varlen_arrays(lens_q=(3, 4), lens_k=(5, 2), hq=4, hk=2, d=64):
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q = np.zeros((cu_q[-1], hq, d), np.float32)
     k = np.zeros((cu_k[-1], hk, d), np.float32)
     return q, k, k.copy(), cu_q, cu_k, max(lens_q), max(lens_k)

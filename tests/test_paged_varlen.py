@@ -15,14 +15,15 @@ import pytest
 
 import cuattn
 from cuattn import reference
-from conftest import BF16, error_budget, expected_forward_kernel, expected_tile_order, forward_kernels, randn
+from conftest import (BF16, error_budget, expected_forward_kernel, expected_tile_order, forward_kernels, prefix_sums,
+                      randn)
 
 QUERY_RUNS = (0, 1, 3, 16, 17, 40)  # empty, decode, speculative, one full run, a run and a tail, several
 SEQ_LENS = (5, 300, 2, 64, 17, 129)  # the speculative run is longer than its sequence: early rows see nothing
 
 
 def make_problem(rng, dtype, block=16, hq=8, hk=2, d=64, runs=QUERY_RUNS, lens=SEQ_LENS):
-    cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+    cu = prefix_sums(runs)
     q = randn(rng, (int(cu[-1]), hq, d), dtype)
     per_seq = -(-max(lens) // block)
     table = rng.permutation(len(lens) * per_seq).astype(np.int32).reshape(len(lens), per_seq)
@@ -188,7 +189,7 @@ def test_run_plan_answers_every_selected_row_once():
     from cuattn.paged_varlen import _Runs
 
     lengths = np.array([0, 1, 16, 17, 40, 5, 300])
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu = prefix_sums(lengths)
     selected = np.array([True, True, True, True, True, True, False])
     runs = _Runs.of(cu, selected)
     want = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in np.flatnonzero(selected)])
@@ -222,7 +223,7 @@ def test_run_plan_matches_its_loop_on_random_batches():
     rng = np.random.default_rng()
     for _ in range(20):
         lengths = rng.choice([0, 1, 2, 15, 16, 17, 33, 100], size=int(rng.integers(1, 40)))
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cu = prefix_sums(lengths)
         selected = rng.random(lengths.size) < 0.7
         runs = _Runs.of(cu, selected)
         size = runs.rows.shape[1]
@@ -395,7 +396,7 @@ def make_mixed(rng, dtype, block, hq, hk, d, runs=MIXED_RUNS, lens=MIXED_LENS, p
     entries past a sequence's pages set to -1 (the kernels must not read them). ``poison``: every
     slot no sequence owns (past a sequence's last key, and the spare pages) holds NaN, which must
     not reach an output (a P of 0 times NaN is NaN)."""
-    cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+    cu = prefix_sums(runs)
     q = randn(rng, (int(cu[-1]), hq, d), dtype)
     per_seq = -(-max(lens) // block)
     num_blocks = len(lens) * per_seq + 3

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cuattn import reference
+from conftest import prefix_sums
 
 # Absolute tolerance for two float64 computations of the same quantity in different orders.
 EXACT_TOL = 1e-12
@@ -273,8 +274,8 @@ def test_backward_matches_finite_differences(rng, seed, hq, hk, sq, sk, causal, 
 def test_varlen_equals_per_sequence(rng, seed, causal, window, softcap):
     lens_q = np.array([3, 0, 17, 1, 9])
     lens_k = np.array([5, 4, 17, 0, 23])
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     hq, hk, d = 4, 2, 8
     q = randn(rng, cu_q[-1], hq, d)
     k, v = randn(rng, cu_k[-1], hk, d), randn(rng, cu_k[-1], hk, d)
@@ -686,8 +687,8 @@ def test_alibi_hq_slopes_serve_every_sequence(rng, seed):
 def test_alibi_varlen_uses_each_sequences_own_lengths(rng, seed):
     """Sequence b's distances are i + Sk_b - Sq_b - j: its own lengths and (B, Hq) row."""
     lens_q, lens_k = [3, 0, 8, 5], [7, 4, 8, 2]
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_q = prefix_sums(lens_q)
+    cu_k = prefix_sums(lens_k)
     q = randn(rng, cu_q[-1], 4, 8)
     k, v = randn(rng, cu_k[-1], 2, 8), randn(rng, cu_k[-1], 2, 8)
     slopes = _slopes(rng, 4, 4)
