@@ -676,13 +676,29 @@ class Launch:
         cuLaunchKernel copies the struct when it is called, so the buffer may be rewritten as soon
         as it returns; the lock keeps two threads from interleaving writes and launch."""
         params = self.params
+        driver = _driver()
+        if not driver.ctxGetCurrent():
+            _make_context_current(self.device_id)
         with self._lock:
             for slot, address in pointers:
                 params[slot] = address
             if self._maps:
                 self._refresh_maps()
-            _driver().launchKernel(self.function_ptr, *self.grid, *self.block, self.shared_mem, stream_ptr,
-                                   self._args_address, 0)
+            driver.launchKernel(self.function_ptr, *self.grid, *self.block, self.shared_mem, stream_ptr,
+                                self._args_address, 0)
+
+
+def _make_context_current(device_id: int) -> None:
+    """Make ``device_id``'s primary context current on this thread.
+
+    A launch through the driver needs a current context, which a thread gets from its first CUDA
+    runtime call. A thread that has made none may still reach a planned call, which launches and
+    allocates through caches: torch's autograd worker (torch sets its device lazily) running a
+    backward whose plan the main thread recorded failed with CUDA_ERROR_INVALID_CONTEXT."""
+    import cupy
+
+    cupy.cuda.runtime.setDevice(device_id)
+    cupy.cuda.runtime.free(0)  # the runtime's own way to initialise a thread's context
 
 
 _driver_module = None

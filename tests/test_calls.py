@@ -230,6 +230,38 @@ def test_attention_second_call_takes_the_plan(rng, framework, monkeypatch):
         np.testing.assert_allclose(_host(lse), ref_lse, rtol=1e-3, atol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_a_plan_runs_on_a_thread_without_a_cuda_context(rng, framework, monkeypatch):
+    """A plan recorded on this thread, run on a new one that has made no CUDA call (as torch's
+    autograd worker runs a backward): the driver launch needs the device's context made current
+    there first."""
+    import threading
+
+    if framework == "torch":
+        pytest.importorskip("torch")
+    _calls.clear()
+    shape = (1, 77, 4, 64)
+    q, k, v = (randn(rng, shape, BF16) for _ in range(3))
+    arrays = [_as(framework, x) for x in (q, k, v)]
+    cuattn.attention(*arrays, causal=True)
+    assert len(_calls._plans) == 1
+    _full_path_must_not_run(monkeypatch)
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(cuattn.attention(*arrays, causal=True))
+        except Exception as error:  # reported below, on the test's thread
+            errors.append(error)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    _check_forward(rng, q, k, v, results[0], BF16, causal=True)
+
+
 # (D, Dv, options, deterministic): the wgmma kernel with atomic and ordered dQ (sm_90a), with the
 # deterministic dQ kernel (D = 64, ALiBi's fallback), the mma.sync kernels (D = 96, and D = 80
 # with v's own head dim in the 96 tile)
