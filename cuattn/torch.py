@@ -14,7 +14,9 @@
 
 Each is registered with ``torch.library.custom_op`` (as ``torch.ops.cuattn.attention_fwd`` and
 ``attention_bwd``, ``attention_varlen_fwd`` and ``attention_varlen_bwd``) with fake
-implementations, so ``torch.compile`` traces through them instead of breaking the graph.
+implementations, so ``torch.compile`` traces through them instead of breaking the graph. Eager
+calls run the same bodies through a ``torch.autograd.Function``, without the custom op's dispatch
+(several times the kernels' own host time).
 ``ring_attention`` (context parallelism over a process group) is a plain
 ``torch.autograd.Function``: its group is not a tensor, so it is not a custom op and
 ``torch.compile`` breaks the graph around it. torch is imported only when this module is.
@@ -32,19 +34,28 @@ from .attention import (attention as _forward, attention_backward as _backward_k
 
 _LIB = "cuattn"
 _ROW_ALIGN_BYTES = 16  # the kernels' cp.async and ldmatrix rows
+# inputs of the forward ops, one gradient (or None) each: q, k, v, sinks, alibi_slopes and six
+# options; varlen adds the two prefix sums and two lengths
+_ATTENTION_INPUTS = 11
+_VARLEN_INPUTS = 15
 
 
-@torch.library.custom_op(f"{_LIB}::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                   alibi_slopes: Optional[torch.Tensor], causal: bool, scale: float, window_left: int,
-                   window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+# Each op's body is a plain function, used twice: registered as a custom op (what torch.compile
+# traces) and called straight by an eager torch.autograd.Function. In eager mode the custom op's
+# dispatch (schema defaults, the dynamo-disabled wrapper, the autograd wrapper's pytree work) cost
+# more host time than the kernels' own Python: a training step of (1, 128, 8, 64) took 670 us of
+# host time through the ops against 208 for torch SDPA's (H100, torch 2.11; BENCHMARKS.md).
+
+
+def _attention_fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                        alibi_slopes: Optional[torch.Tensor], causal: bool, scale: float, window_left: int,
+                        window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward (through setup_context's inputs)
     out, lse = _forward(q, k, v, causal=causal, scale=scale, window=(window_left, window_right),
                         softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
     return out, lse
 
 
-@_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, sinks, alibi_slopes, causal, scale, window_left, window_right, softcap,
                         deterministic):
     # the kernels return fresh contiguous arrays whatever the inputs' strides; out has v's head dim
@@ -73,11 +84,10 @@ def _kernel_readable(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and all(s % elems == 0 for s in x.stride()[:-1]) and x.data_ptr() % _ROW_ALIGN_BYTES == 0
 
 
-@torch.library.custom_op(f"{_LIB}::attention_bwd", mutates_args=())
-def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
-                   scale: float, window_left: int, window_right: int, softcap: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_bwd_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                        causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
+                        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # autograd may hand over an expanded (stride 0) or sliced gradient: copy only then. (Here, in
     # the op's eager body, not in the traced backward: fake tensors have no data pointer.)
     dout = dout if _kernel_readable(dout) else dout.contiguous()
@@ -86,7 +96,6 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return _four_gradients(grads, q, sinks)
 
 
-@_attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, sinks, alibi_slopes, causal, scale, window_left, window_right,
                         softcap, deterministic):
     return _fake_gradients(q, k, v, sinks)
@@ -99,14 +108,49 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (causal, scale, window_left, window_right, softcap, deterministic)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attention_bwd(dout, q, k, v, out, lse, sinks, alibi_slopes, *ctx.options)
-    # the slopes are a fixed bias: no gradient (as FlashAttention-2's)
-    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None, None, None, None
+def _attention_backward_with(bwd):
+    """The autograd formula of attention's forward, running the backward through ``bwd`` (the op
+    or its body)."""
+
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # (eager Function: grads not materialised) out took no part in the loss
+            return (None,) * _ATTENTION_INPUTS
+        q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, sinks, alibi_slopes, *ctx.options)
+        # the slopes are a fixed bias: no gradient (as FlashAttention-2's)
+        return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * (_ATTENTION_INPUTS - 4)
+
+    return backward
 
 
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd = torch.library.custom_op(f"{_LIB}::attention_fwd", _attention_fwd_body, mutates_args=())
+_attention_fwd.register_fake(_attention_fwd_fake)
+_attention_bwd = torch.library.custom_op(f"{_LIB}::attention_bwd", _attention_bwd_body, mutates_args=())
+_attention_bwd.register_fake(_attention_bwd_fake)
+_attention_fwd.register_autograd(_attention_backward_with(_attention_bwd), setup_context=_setup_context)
+
+
+def _eager_forward(ctx, body, setup, inputs):
+    """An eager Function's forward: the op's body and context, with lse marked non-differentiable
+    and left unmaterialised (autograd fills no zero gradient for it on every backward). The
+    Functions take ctx first: with a separate setup_context, Function.apply binds its arguments
+    through inspect.signature on every call."""
+    output = body(*inputs)
+    setup(ctx, inputs, output)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    return output
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attention's op outside torch.compile: the same body, context and formula, without the
+    custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return _eager_forward(ctx, _attention_fwd_body, _setup_context, inputs)
+
+    backward = staticmethod(_attention_backward_with(_attention_bwd_body))
 
 
 def _check_arguments(function: str, tensors: dict, extras: dict, causal, scale, window, softcap,
@@ -125,6 +169,12 @@ def _check_arguments(function: str, tensors: dict, extras: dict, causal, scale, 
     return left, right
 
 
+def _differentiable(op, eager, *args) -> torch.Tensor:
+    """``out`` of a forward op (torch.compile traces the op) or of its eager Function."""
+    out, _ = op(*args) if torch.compiler.is_compiling() else eager.apply(*args)
+    return out
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
               deterministic=False):
     """Differentiable :func:`cuattn.attention` for torch CUDA tensors ``(B, S, H, D)``; returns ``out``.
@@ -141,17 +191,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
                                    {"sinks": sinks, "alibi_slopes": alibi_slopes}, causal, scale, window, softcap,
                                    deterministic)
     scale = _masks.resolve_scale(scale, q.shape[-1])
-    out, _ = _attention_fwd(q, k, v, sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap),
-                            bool(deterministic))
-    return out
+    return _differentiable(_attention_fwd, _EagerAttention, q, k, v, sinks, alibi_slopes, bool(causal), scale, left,
+                           right, float(softcap), bool(deterministic))
 
 
-@torch.library.custom_op(f"{_LIB}::attention_varlen_fwd", mutates_args=())
-def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
-                          scale: float, window_left: int, window_right: int, softcap: float,
-                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_varlen_fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                               sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
+                               scale: float, window_left: int, window_right: int, softcap: float,
+                               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only reaches the backward (through setup_context's inputs)
     out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                scale=scale, window=(window_left, window_right), softcap=softcap, sinks=sinks,
@@ -159,7 +207,6 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     return out, lse
 
 
-@_attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, alibi_slopes,
                                causal, scale, window_left, window_right, softcap, deterministic):
     # out (total_q, Hq, Dv), lse (Hq, total_q): fresh contiguous arrays
@@ -168,20 +215,19 @@ def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             q.new_empty((num_heads, total_q), dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{_LIB}::attention_varlen_bwd", mutates_args=())
-def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                          max_seqlen_k: int, sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                          causal: bool, scale: float, window_left: int, window_right: int, softcap: float,
-                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dout = dout if _kernel_readable(dout) else dout.contiguous()  # as in _attention_bwd
+def _attention_varlen_bwd_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                               sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
+                               scale: float, window_left: int, window_right: int, softcap: float,
+                               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout = dout if _kernel_readable(dout) else dout.contiguous()  # as in _attention_bwd_body
     grads = _varlen_backward_kernels(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      causal=causal, scale=scale, window=(window_left, window_right), softcap=softcap,
                                      sinks=sinks, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return _four_gradients(grads, q, sinks)
 
 
-@_attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
                                alibi_slopes, causal, scale, window_left, window_right, softcap, deterministic):
     return _fake_gradients(q, k, v, sinks)
@@ -194,16 +240,41 @@ def _setup_varlen_context(ctx, inputs, output):
     ctx.lengths, ctx.options = (max_seqlen_q, max_seqlen_k), tuple(options)
 
 
-def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                               sinks, alibi_slopes, *ctx.options)
-    # one per input of the op: the prefix sums, lengths, slopes and options get none
-    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None, None, None, None, None, None,
-            None, None)
+def _varlen_backward_with(bwd):
+    """The autograd formula of attention_varlen's forward, running the backward through ``bwd``
+    (the op or its body)."""
+
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # as in _attention_backward_with
+            return (None,) * _VARLEN_INPUTS
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv, dsinks = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, sinks,
+                                 alibi_slopes, *ctx.options)
+        # one per input of the op: the prefix sums, lengths, slopes and options get none
+        dsinks = dsinks if sinks is not None else None
+        return (dq, dk, dv, None, None, None, None, dsinks) + (None,) * (_VARLEN_INPUTS - 8)
+
+    return backward
 
 
-_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+_attention_varlen_fwd = torch.library.custom_op(f"{_LIB}::attention_varlen_fwd", _attention_varlen_fwd_body,
+                                                mutates_args=())
+_attention_varlen_fwd.register_fake(_attention_varlen_fwd_fake)
+_attention_varlen_bwd = torch.library.custom_op(f"{_LIB}::attention_varlen_bwd", _attention_varlen_bwd_body,
+                                                mutates_args=())
+_attention_varlen_bwd.register_fake(_attention_varlen_bwd_fake)
+_attention_varlen_fwd.register_autograd(_varlen_backward_with(_attention_varlen_bwd),
+                                        setup_context=_setup_varlen_context)
+
+
+class _EagerAttentionVarlen(torch.autograd.Function):
+    """attention_varlen's op outside torch.compile (as _EagerAttention)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return _eager_forward(ctx, _attention_varlen_fwd_body, _setup_varlen_context, inputs)
+
+    backward = staticmethod(_varlen_backward_with(_attention_varlen_bwd_body))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
@@ -227,9 +298,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths = [_arrays.check_int(name, value, 0) for name, value in
                (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))]
     scale = _masks.resolve_scale(scale, q.shape[-1])
-    out, _ = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, sinks, alibi_slopes, bool(causal),
-                                   scale, left, right, float(softcap), bool(deterministic))
-    return out
+    return _differentiable(_attention_varlen_fwd, _EagerAttentionVarlen, q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths,
+                           sinks, alibi_slopes, bool(causal), scale, left, right, float(softcap), bool(deterministic))
 
 
 class _RingAttention(torch.autograd.Function):

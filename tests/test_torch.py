@@ -158,6 +158,31 @@ def test_options_are_checked_by_name_before_the_op_converts_them(options, error,
             cuattn.torch.attention(q, q, q, **{name: np.zeros(2, np.float32)})
 
 
+@pytest.mark.parametrize("function", ["attention", "attention_varlen"])
+def test_eager_calls_run_without_the_custom_ops(rng, monkeypatch, function):
+    """Eager calls take the ops' bodies through a torch.autograd.Function: the custom ops'
+    dispatch cost several times the kernels' host time. The ops (what torch.compile traces) are
+    made to fail; the eager call and its backward still run."""
+    torch = pytest.importorskip("torch")
+    import cuattn.torch
+
+    def refuse(*args):
+        raise AssertionError("an eager call reached the custom op")
+
+    for op in ("_attention_fwd", "_attention_bwd", "_attention_varlen_fwd", "_attention_varlen_bwd"):
+        monkeypatch.setattr(cuattn.torch, op, refuse)
+    if function == "attention":
+        q, k, v = _leaves(torch, rng.seed, [(1, 65, 4, 64), (1, 65, 2, 64), (1, 65, 2, 64)])
+        out = cuattn.torch.attention(q, k, v, causal=True)
+    else:
+        q, k, v, cu_q, cu_k, *_ = _packed(torch, rng, [5, 60], [9, 60], 4, 2, 64, 64)
+        out = cuattn.torch.attention_varlen(q, k, v, cu_q, cu_k, 60, 60, causal=True)
+    assert out.requires_grad and out.grad_fn is not None
+    out.float().square().sum().backward()
+    assert all(x.grad is not None and bool(torch.isfinite(x.grad).all()) and x.grad.abs().sum() > 0
+               for x in (q, k, v))
+
+
 # ---------------------------------------------------------------------------------------------
 # attention_varlen
 
