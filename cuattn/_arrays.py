@@ -3,9 +3,9 @@
 The only module that converts or validates arrays. The public functions hand it their array
 arguments; it tells which framework they came from ("numpy", "cupy", "torch", "jax", or "dlpack"
 for any other CUDA array with ``__dlpack__``), views them as CuPy arrays without a copy, picks the
-caller's current stream (torch's through ``cupy.cuda.Stream.from_external``), and converts results back
-to the caller's framework, again without a copy. NumPy arrays stay on the host: the public
-functions run the float64 reference for them.
+caller's current stream (torch's through ``cupy.cuda.Stream.from_external``), and converts
+results back to the caller's framework, again without a copy. NumPy arrays stay on the host: the
+public functions run the float64 reference for them.
 
 The checks here produce cuattn's error messages (README, "Errors"): they name the argument, the axis,
 what was expected and what came. A JAX tracer (an array inside jax.jit, jax.grad or jax.vmap) is
