@@ -169,9 +169,27 @@ def _check_arguments(function: str, tensors: dict, extras: dict, causal, scale, 
     return left, right
 
 
+def _traced(q) -> bool:
+    """Whether this call is being traced or transformed rather than run: torch.compile or export
+    (dynamo), a dispatch mode (make_fx, FakeTensorMode, a user's mode), a tensor subclass, or a
+    torch.func transform. Those see the custom ops, as before the eager Function existed (torch.func
+    transforms then stop at torch's own error: the ops' generated autograd function has no
+    setup_context); a plain eager call takes the Function."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+        return True
+    mode_of = getattr(torch._C, "_get_dispatch_mode", None)
+    modes = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if mode_of is None or modes is None or any(mode_of(key) is not None for key in modes.__members__.values()):
+        return True
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    interpreter = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return interpreter is None or interpreter() is not None
+
+
 def _differentiable(op, eager, *args) -> torch.Tensor:
-    """``out`` of a forward op (torch.compile traces the op) or of its eager Function."""
-    out, _ = op(*args) if torch.compiler.is_compiling() else eager.apply(*args)
+    """``out`` of a forward op (traced calls: see _traced) or of its eager Function."""
+    out, _ = op(*args) if _traced(args[0]) else eager.apply(*args)
     return out
 
 

@@ -183,6 +183,20 @@ def test_eager_calls_run_without_the_custom_ops(rng, monkeypatch, function):
                for x in (q, k, v))
 
 
+def test_traced_calls_record_the_custom_ops(rng):
+    """make_fx (a dispatch mode) records the custom op, not the eager Function's kernels."""
+    torch = pytest.importorskip("torch")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import cuattn.torch
+
+    q, k, v = (x.detach() for x in _leaves(torch, rng.seed, [(1, 65, 4, 64), (1, 65, 2, 64), (1, 65, 2, 64)]))
+    traced = make_fx(lambda q, k, v: cuattn.torch.attention(q, k, v, causal=True))(q, k, v)
+    targets = [node.target for node in traced.graph.nodes]
+    assert torch.ops.cuattn.attention_fwd.default in targets, targets
+    assert torch.equal(traced(q, k, v), cuattn.torch.attention(q, k, v, causal=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # attention_varlen
 
