@@ -143,8 +143,8 @@ def _eager_forward(ctx, body, setup, inputs):
 
 
 class _EagerAttention(torch.autograd.Function):
-    """attention's op outside torch.compile: the same body, context and formula, without the
-    custom op's dispatch."""
+    """attention's op for plain eager calls (see _traced): the same body, context and formula,
+    without the custom op's dispatch."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -286,7 +286,7 @@ _attention_varlen_fwd.register_autograd(_varlen_backward_with(_attention_varlen_
 
 
 class _EagerAttentionVarlen(torch.autograd.Function):
-    """attention_varlen's op outside torch.compile (as _EagerAttention)."""
+    """attention_varlen's op for plain eager calls (as _EagerAttention)."""
 
     @staticmethod
     def forward(ctx, *inputs):

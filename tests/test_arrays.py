@@ -198,7 +198,8 @@ def _second_gpu_or_skip(torch):
 @pytest.mark.gpu
 def test_torch_tensors_on_a_second_gpu_run_there_while_the_first_is_current(rng):
     """The stream handle records the device it is made under: made while cuda:0 was current, a
-    call on cuda:1 tensors failed CuPy's stream-device check. Twice: the full path, then the plan."""
+    call on cuda:1 tensors failed CuPy's stream-device check. Twice: a plan launches only where
+    its device is current, so the repeated call takes the full path again."""
     torch = pytest.importorskip("torch")
     _second_gpu_or_skip(torch)
     shape = (2, 77, 4, 64)
