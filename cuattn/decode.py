@@ -96,32 +96,28 @@ DECODE_TILES = {
     128: DecodeTile(max_mt=2, stages=3),
     256: DecodeTile(max_mt=1, stages=2),
 }
-# The paged e4m3 cache's long-stage variants, by tile head dim (one m16 tile of packed rows):
-# stages of 128 keys, two k16 slices a warp, which halve per key what a paged block costs besides
-# its bytes (the block-table lookups, one a run of rows, the softmax's reductions, the barrier and
-# the loop) and give each warp two independent MMA chains. Two such stages hold the bytes three of
-# 64 keys do, and their 78 KB take two CTAs an SM where the default takes three, so they run only
-# where the launch fits one wave of them (use_long_variant). On the H200 (GQA 32/8, one bf16 token,
-# CUDA graphs, BENCHMARKS.md "Thirty-third session"): B = 8, L = 8k 44.0 -> 43.0 us, L = 16k
-# 78.2 -> 76.7, B = 32, L = 4k 75.3 -> 74.0, MHA with ALiBi at 8k 53.1 -> 42.9. Over a contiguous
-# cache these four-warp stages measured within 2% either way (8k: 41.4 -> 42.1, 16k: 77.7 -> 76.5)
-# and over a bf16 cache 2-10% slower: the contiguous e4m3 cache takes eight warps of one slice
-# instead (below), the bf16 cache neither.
-E4M3_PAGED_LONG_TILES = {128: DecodeTile(max_mt=1, stages=2, long_stage=True)}
-# The contiguous e4m3 cache's long-stage variants: eight warps a CTA, one k16 slice each of a
-# 128-key stage, three stages (115 KB at D = 128; its 156-167 registers a thread hold it to one CTA
-# an SM, as many warps as two of the default's). With half the CTAs of the default's two an SM, the
-# launch streams half as many runs of the cache at once, and the same keys stream faster: on the
-# H200 (GQA 32/8, one bf16 token, CUDA graphs, BENCHMARKS.md "Thirty-fifth session") B = 8, L = 8k
-# 41.3 -> 39.2 us, L = 16k 77.6 -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k 28.2 -> 24.9,
-# B = 4, L = 8k 25.2 -> 23.7 (2k-8k keys a split); but B = 8, L = 131k 556 -> 568 (65k keys a split:
-# its 128 CTAs leave 4 of the 132 SMs idle, which a long stream pays for), so they run only where
-# each split streams at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys (use_long_variant): the
-# longest split measured to gain. Over pages they measured 2-8% slower at B = 8 (8k 43.3 -> 44.2,
-# 131k 582 -> 630), level at B = 4 and 16 and faster only at B = 1, L = 32k (30.3 -> 28.2): the
-# paged ones above stay.
+# The e4m3 caches' long-stage variants, by tile head dim (one m16 tile of packed rows): eight warps
+# a CTA, one k16 slice each of a 128-key stage, three stages (115 KB at D = 128; its 156-167
+# registers a thread hold it to one CTA an SM, as many warps as two CTAs of four). With half the
+# CTAs of two an SM, a launch streams half as many runs of the cache at once, and the same keys
+# stream faster. They run where the launch fits one wave of them and each split streams at most
+# E4M3_LONG_MAX_SPLIT_KEYS keys (use_long_variant). Over a contiguous cache on the H200 (GQA 32/8,
+# one bf16 token, CUDA graphs, BENCHMARKS.md "Thirty-fifth session"), against CTAs of four warps:
+# B = 8, L = 8k 41.3 -> 39.2 us, L = 16k 77.6 -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k
+# 28.2 -> 24.9, B = 4, L = 8k 25.2 -> 23.7 (2k-8k keys a split); but B = 8, L = 131k 556 -> 568
+# (65k keys a split: its 128 CTAs leave 4 of the 132 SMs idle, which a long stream pays for on the
+# H200's bandwidth), hence the split rule, for both caches. Over pages (shuffled 16-token pages,
+# H100, BENCHMARKS.md "Fifty-second session") they replaced four warps of two k16 slices, two
+# stages, two CTAs an SM, which they beat at every shape measured: GQA 32/8 B = 8, L = 8k 55.6 ->
+# 54.8 us, B = 16 101.0 -> 94.2, B = 1, L = 32k 35.3 -> 31.7; 16 packed rows (GQA 32/2) B = 8, L = 8k
+# 25.8 -> 19.2, B = 2, L = 32k 46.3 -> 25.8; MHA with ALiBi B = 4, L = 8k 100.6 -> 99.3. Where the
+# eight-warp launch does not fit one wave the default stage ran as fast as the four-warp long one
+# or faster (MHA with ALiBi B = 8, L = 8k 190.1 against 193.4 us). The H200 measured the
+# eight-warp paged stage slower before the paged prologue looked up all its stages' rows first
+# (B = 8, L = 8k 43.4 -> 44.2 us, "Thirty-fifth session"); it has not been lent since that change.
 E4M3_CONTIGUOUS_LONG_TILES = {128: DecodeTile(max_mt=1, stages=3, long_stage=True, warps=8)}
-E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS = 8192
+E4M3_PAGED_LONG_TILES = dict(E4M3_CONTIGUOUS_LONG_TILES)
+E4M3_LONG_MAX_SPLIT_KEYS = 8192
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
 # E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
 # spills; the paged kernel spills 24 bytes there, so it has none) and a ring shallow enough that
@@ -177,15 +173,12 @@ def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
     return e4m3 and mt == 1 and head_dim in long_tiles(paged)
 
 
-def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int | None = None) -> bool:
+def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int) -> bool:
     """Whether a launch of ``ctas`` CTAs (its splits counted) takes the long-stage variant
     (``long_per_sm`` CTAs an SM): where it holds them in one wave (beyond, the default's more CTAs
-    an SM end the tail sooner, also where the caller's ``num_splits`` asks for more), and over a
-    contiguous cache (``split_keys``: the keys each of its splits would stream) only
-    while that is at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS."""
-    if ctas > long_per_sm * sms:
-        return False
-    return split_keys is None or split_keys <= E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS
+    an SM end the tail sooner, also where the caller's ``num_splits`` asks for more) and each of
+    its splits streams at most E4M3_LONG_MAX_SPLIT_KEYS keys (``split_keys``)."""
+    return ctas <= long_per_sm * sms and split_keys <= E4M3_LONG_MAX_SPLIT_KEYS
 
 
 def wide_tiles(paged: bool) -> dict:
@@ -335,7 +328,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen
 
     Depends on shapes and the device only (never on the device's cache_seqlens): no sync.
     """
-    ctas = batch * num_kv_heads * row_chunks
+    ctas = max(1, batch * num_kv_heads * row_chunks)  # an empty batch launches nothing: any count
 
     def splits(wave_ctas: int) -> int:
         by_occupancy = wave_ctas // ctas
@@ -741,19 +734,16 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     if has_long_variant(tile_dim, mt, paged is not None, e4m3):
         long_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half, long=True)
         long_per_sm, sms = ctas_per_sm(long_spec), _jit.multiprocessor_count()
-        split_keys = long_splits = None
-        if paged is None:
-            # the keys each split of the long variant streams: its splits as the launch below would
-            # choose them (its CTAs an SM), kept for it where it runs
-            length = split_length or max_seqlen
-            long_splits = num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length, sms, long_per_sm,
-                                                          E4M3_MIN_CTAS_PER_SM)
-            split_keys = math.ceil(length / long_splits)
+        # the keys each split of the long variant streams: its splits as the launch below would
+        # choose them (its CTAs an SM), kept for it where it runs
+        length = split_length or max_seqlen
+        long_splits = num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length, sms, long_per_sm,
+                                                      E4M3_MIN_CTAS_PER_SM)
         # the launch's CTAs: with the caller's splits it may span waves, which the default's more
         # CTAs an SM end sooner
-        long = use_long_variant(ctas * (long_splits or num_splits or 1), long_per_sm, sms, split_keys)
+        long = use_long_variant(ctas * long_splits, long_per_sm, sms, math.ceil(length / long_splits))
         if long:
-            spec, num_splits = long_spec, num_splits or long_splits
+            spec, num_splits = long_spec, long_splits
     if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)
             and _jit.target_arch() == E4M3_WIDE_DECODE_ARCH):
         # more CTAs than one wave of the default variant: the wide one's waves end the tail sooner

@@ -40,15 +40,16 @@
 
 namespace cuattn {
 
-// Warps of a CTA (WARPS in the kernels): kDecodeWarps but for the contiguous e4m3 cache's
-// long-stage variants, whose eight warps make one CTA an SM stream as fast as two of four
-// (E4M3_CONTIGUOUS_LONG_TILES in cuattn/decode.py).
+// Warps of a CTA (WARPS in the kernels): kDecodeWarps but for the e4m3 caches' long-stage
+// variants, whose eight warps make one CTA an SM stream faster than two of four
+// (E4M3_CONTIGUOUS_LONG_TILES and E4M3_PAGED_LONG_TILES in cuattn/decode.py).
 constexpr int kDecodeWarps = 4;
 // Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / WARPS of them,
-// one k16 slice of P V (the default stage; the long stage with eight warps) or two (the long stage
-// with four). A warp's two slices are independent MMA chains and halve the softmax's reductions,
-// the barrier, the loop and a paged cache's lookups per key, which pays over paged e4m3 caches
-// (E4M3_PAGED_LONG_TILES).
+// one k16 slice of P V (the default stage; the long stage with eight warps) or two (a long stage
+// of four warps, which no table takes since eight warps beat it over pages too; the paged tile
+// experiment of scripts/compare_fp8_decode.py, --paged-tile=4:2, still builds it). A warp's two
+// slices are independent MMA chains and halve the softmax's reductions, the barrier, the loop and
+// a paged cache's lookups per key.
 constexpr int kDecodeBlockN = 64;
 constexpr int kDecodeLongBlockN = 128;
 constexpr int kDecodeSliceKeys = 16;  // keys of one k16 slice of P V

@@ -415,8 +415,8 @@ def test_large_batches_over_e4m3_run_the_wide_variant(rng, launched_kernels, pag
 @pytest.mark.parametrize("rows", ["gqa4", "gqa16", "alibi", "options"])
 def test_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, num_splits, block_size):
     """An e4m3 call at D = 128 on one m16 tile whose CTAs fit one wave of the long-stage variant
-    (128-key stages: E4M3_PAGED_LONG_TILES over pages, two k16 slices a warp;
-    E4M3_CONTIGUOUS_LONG_TILES over a contiguous cache, eight warps of one slice) runs it: the
+    (E4M3_PAGED_LONG_TILES over pages, E4M3_CONTIGUOUS_LONG_TILES over a contiguous cache: 128-key
+    stages, eight warps of one k16 slice each) runs it: the
     half-tile one for 4 packed rows (also with a sliding window that starts inside a stage, a
     softcap and sinks), the 16-row one, the ALiBi one. Ragged lengths that end inside a stage and
     inside a page, pages shorter than a copy run (7), poisoned bytes past each length; matches the
@@ -443,7 +443,7 @@ def test_e4m3_within_one_wave_runs_the_long_stage(rng, launched_kernels, rows, n
 
 @pytest.mark.gpu
 def test_paged_e4m3_past_one_long_wave_runs_the_default_stage(rng, launched_kernels):
-    """Past one wave of the long-stage variant (two CTAs an SM at D = 128) a paged e4m3 call runs
+    """Past one wave of the long-stage variant (one CTA an SM at D = 128) a paged e4m3 call runs
     the default 64-key stages, which hold three an SM, or the wide variant beyond those."""
     decode_module = importlib.import_module("cuattn.decode")
     hq, hk = 8, 8
@@ -480,29 +480,58 @@ def test_e4m3_with_splits_past_one_long_wave_runs_the_default_stage(rng, launche
 
 
 @pytest.mark.gpu
-def test_contiguous_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels):
-    """Where each split would stream more than E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys, a
-    contiguous e4m3 call runs the default stage; one more split brings the long stage back. Both
-    match the reference."""
+@pytest.mark.parametrize("block_size", [16, None], ids=["pages16", "contiguous"])
+def test_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels, block_size):
+    """Where each split would stream more than E4M3_LONG_MAX_SPLIT_KEYS keys, an e4m3 call (over
+    pages or a contiguous cache) runs the default stage; one more split brings the long stage
+    back. Both match the reference."""
     decode_module = importlib.import_module("cuattn.decode")
-    s_max = decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS + 17
+    paged = block_size is not None
+    s_max = decode_module.E4M3_LONG_MAX_SPLIT_KEYS + 32
     for num_splits, long in ((1, False), (2, True)):
         launched_kernels.clear()
-        run_fp8_decode(rng, BF16, 1, 1, 8, 2, 128, s_max, [s_max], True, paged_block=None, num_splits=num_splits)
-        spec = decode_module.decode_spec(BF16, 128, 1, False, True, half=True, long=long)
+        run_fp8_decode(rng, BF16, 1, 1, 8, 2, 128, s_max, [s_max], True, paged_block=block_size,
+                       num_splits=num_splits)
+        spec = decode_module.decode_spec(BF16, 128, 1, paged, True, half=True, long=long)
         assert [name for name in launched_kernels if "decode_kernel" in name] == [spec.name], launched_kernels
 
 
 @pytest.mark.parametrize("ctas, per_sm, split_keys, expected", [
-    (264, 2, None, True), (265, 2, None, False), (1, 2, None, True), (396, 3, None, True),
+    (264, 2, 1024, True), (265, 2, 1024, False), (1, 2, 1024, True), (396, 3, 64, True),
     (132, 1, 8192, True), (132, 1, 8193, False), (133, 1, 1024, False), (1, 1, 2048, True)])
 def test_long_variant_rule(ctas, per_sm, split_keys, expected):
     """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one
-    wave, and over a contiguous cache (split_keys given) while each split streams at most
-    E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys."""
+    wave and each split streams at most E4M3_LONG_MAX_SPLIT_KEYS keys."""
     decode_module = importlib.import_module("cuattn.decode")
-    assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 8192
+    assert decode_module.E4M3_LONG_MAX_SPLIT_KEYS == 8192
     assert decode_module.use_long_variant(ctas, per_sm, 132, split_keys) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "pages16"])
+def test_an_empty_batch_decodes_to_empty_outputs(e4m3, paged):
+    """A decode of no sequences (B = 0; the split choice then has no CTAs to divide by) returns
+    empty out and lse of the batch's shapes, as the NumPy path does."""
+    cupy = _cupy()
+    hq, hk, d, s_max = 8, 2, 128, 64
+    cache_dtype = np.uint8 if e4m3 else BF16
+    scales = {"k_scale": 0.01, "v_scale": 0.01} if e4m3 else {}
+    q = np.zeros((0, 1, hq, d), BF16)
+    lens = np.zeros((0,), np.int32)
+    if paged:
+        table = np.zeros((0, s_max // 16), np.int32)
+        pages = np.zeros((4, 16, hk, d), cache_dtype)
+        args = (q, (pages, pages), table, lens)
+        run = cuattn.paged_attention
+    else:
+        cache = np.zeros((0, s_max, hk, d), cache_dtype)
+        args = (q, cache, cache, lens)
+        run = cuattn.decode
+    for xp in (np, cupy):
+        inputs = [tuple(xp.asarray(y) for y in x) if isinstance(x, tuple) else xp.asarray(x) for x in args]
+        out, lse = run(*inputs, return_lse=True, **scales)
+        assert out.shape == (0, 1, hq, d) and lse.shape == (0, hq, 1), (xp.__name__, out.shape, lse.shape)
 
 
 def test_long_variants_are_listed_and_refused_elsewhere():
