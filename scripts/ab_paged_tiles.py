@@ -18,12 +18,13 @@ import cupy
 import numpy as np
 
 import cuattn
+from compare_fp8_decode import D, make_caches  # a sibling script: scripts/ is sys.path[0]
 from cuattn import _calls
-from cuattn.bench import cases, timing
+from cuattn.bench import timing
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
-D, BLOCK = 128, 16
+BLOCK = 16
 SHAPES = [(8, 8192, 32, 8, 0), (16, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8192, 32, 2, 0),
           (4, 8192, 32, 32, 1)]
 SAME_KERNEL_TOL, BF16_TOL = 0.02, 0.3
@@ -51,21 +52,9 @@ def use_tile(tile) -> None:
 
 def compare(shape, tiles: dict, rounds: int, rng) -> None:
     batch, seqlen, hq, hk, alibi = shape
-    bf16 = cupy.dtype("bfloat16")
-    q = cupy.random.standard_normal((batch, 1, hq, D), dtype=cupy.float32).astype(bf16)
-    k, v = (cupy.random.standard_normal((batch, seqlen, hk, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
-    lens = cupy.full((batch,), seqlen, np.int32)
-    k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
-    k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
-    num_blocks = batch * seqlen // BLOCK
-    table = cupy.asarray(cases.block_table(batch, num_blocks // batch, "shuffled", rng))  # [B, blocks a sequence]
-
-    def pages(x):
-        out = cupy.empty((num_blocks, BLOCK, hk, D), x.dtype)  # [num_blocks, block, Hk, D]
-        out[table.reshape(-1)] = x.reshape(num_blocks, BLOCK, hk, D)
-        return out
-
-    kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
+    c = make_caches(batch, seqlen, hq, hk, "shuffled", BLOCK, rng)
+    q, lens, table, kp, vp, kp8, vp8 = c.q, c.lens, c.table, c.kp, c.vp, c.kp8, c.vp8
+    k_scale, v_scale = c.k_scale, c.v_scale
     options = {}
     if alibi:
         options["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * np.arange(1, hq + 1) / hq), dtype=cupy.float32)

@@ -11,6 +11,7 @@ python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--paged-t
     the contiguous cache's eight-warp stage helps over pages too (compiled on first use).
 """
 
+import dataclasses
 import sys
 
 import cupy
@@ -24,24 +25,51 @@ DEFAULT_BLOCK = 16
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
-def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
-    """Time the four decode steps of one (B, L) and print them with the e4m3 speedups."""
+@dataclasses.dataclass
+class DecodeCaches:
+    """One decode step's inputs: q [B, 1, Hq, D] bf16, lens, the bf16 cache k, v [B, L, Hk, D], its
+    e4m3 copy k8, v8 with per-head scales, and both as pages of ``block`` tokens (kp, vp, kp8, vp8
+    [num_blocks, block, Hk, D]) through ``table`` [B, blocks a sequence]."""
+
+    q: object
+    lens: object
+    k: object
+    v: object
+    k8: object
+    v8: object
+    k_scale: object
+    v_scale: object
+    table: object
+    kp: object
+    vp: object
+    kp8: object
+    vp8: object
+
+
+def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: int, rng) -> DecodeCaches:
+    """Random caches of one (B, L), the pages placed in the pool as ``order`` says."""
     bf16 = cupy.dtype("bfloat16")
-    q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
-    k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
+    q = cupy.random.standard_normal((batch, 1, hq, D), dtype=cupy.float32).astype(bf16)
+    k, v = (cupy.random.standard_normal((batch, seqlen, hk, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
     lens = cupy.full((batch,), seqlen, np.int32)
     k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
     k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
-    # the same caches as pages of `block` tokens, placed in the pool as `order` says
     num_blocks = batch * seqlen // block
     table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
 
     def pages(x):
-        out = cupy.empty((num_blocks, block, HK, D), x.dtype)  # [num_blocks, block, Hk, D]
-        out[table.reshape(-1)] = x.reshape(num_blocks, block, HK, D)
+        out = cupy.empty((num_blocks, block, hk, D), x.dtype)  # [num_blocks, block, Hk, D]
+        out[table.reshape(-1)] = x.reshape(num_blocks, block, hk, D)
         return out
 
-    kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
+    return DecodeCaches(q, lens, k, v, k8, v8, k_scale, v_scale, table, *(pages(x) for x in (k, v, k8, v8)))
+
+
+def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
+    """Time the four decode steps of one (B, L) and print them with the e4m3 speedups."""
+    c = make_caches(batch, seqlen, HQ, HK, order, block, rng)
+    q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
+    table, kp, vp, kp8, vp8 = c.table, c.kp, c.vp, c.kp8, c.vp8
     steps = {
         "bf16": lambda: cuattn.decode(q, k, v, lens),
         "bf16-paged": lambda: cuattn.paged_attention(q, (kp, vp), table, lens, check=False),
