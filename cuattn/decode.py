@@ -100,13 +100,15 @@ DECODE_TILES = {
 # a CTA, one k16 slice each of a 128-key stage, three stages (115 KB at D = 128; its 156-167
 # registers a thread hold it to one CTA an SM, as many warps as two CTAs of four). With half the
 # CTAs of two an SM, a launch streams half as many runs of the cache at once, and the same keys
-# stream faster. They run where the launch fits one wave of them and each split streams at most
-# E4M3_LONG_MAX_SPLIT_KEYS keys (use_long_variant). Over a contiguous cache on the H200 (GQA 32/8,
+# stream faster. They run where the launch fits one wave of them, over a contiguous cache only while
+# each split streams at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys (use_long_variant; the splits
+# are planned on the cache's capacity, which over pages is often the block table's, far past the
+# sequences: no such rule there). Over a contiguous cache on the H200 (GQA 32/8,
 # one bf16 token, CUDA graphs, BENCHMARKS.md "Thirty-fifth session"), against CTAs of four warps:
 # B = 8, L = 8k 41.3 -> 39.2 us, L = 16k 77.6 -> 70.9, B = 16, L = 8k 76.6 -> 69.3, B = 1, L = 32k
 # 28.2 -> 24.9, B = 4, L = 8k 25.2 -> 23.7 (2k-8k keys a split); but B = 8, L = 131k 556 -> 568
 # (65k keys a split: its 128 CTAs leave 4 of the 132 SMs idle, which a long stream pays for on the
-# H200's bandwidth), hence the split rule, for both caches. Over pages (shuffled 16-token pages,
+# H200's bandwidth), hence the split rule. Over pages (shuffled 16-token pages,
 # H100, BENCHMARKS.md "Fifty-second session") they replaced four warps of two k16 slices, two
 # stages, two CTAs an SM, which they beat at every shape measured: GQA 32/8 B = 8, L = 8k 55.6 ->
 # 54.8 us, B = 16 101.0 -> 94.2, B = 1, L = 32k 35.3 -> 31.7; 16 packed rows (GQA 32/2) B = 8, L = 8k
@@ -114,10 +116,12 @@ DECODE_TILES = {
 # eight-warp launch does not fit one wave the default stage ran as fast as the four-warp long one
 # or faster (MHA with ALiBi B = 8, L = 8k 190.1 against 193.4 us). The H200 measured the
 # eight-warp paged stage slower before the paged prologue looked up all its stages' rows first
-# (B = 8, L = 8k 43.4 -> 44.2 us, "Thirty-fifth session"); it has not been lent since that change.
+# (B = 8, L = 8k 43.4 -> 44.2 us; 131k, 65k keys a split, 582 -> 630: "Thirty-fifth session"); it
+# has not been lent since that change. On the H100 the eight-warp paged stage still gains at 65k
+# keys a split (B = 8, L = 131k 754.1 -> 748.0 us).
 E4M3_CONTIGUOUS_LONG_TILES = {128: DecodeTile(max_mt=1, stages=3, long_stage=True, warps=8)}
 E4M3_PAGED_LONG_TILES = dict(E4M3_CONTIGUOUS_LONG_TILES)
-E4M3_LONG_MAX_SPLIT_KEYS = 8192
+E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS = 8192
 # The contiguous e4m3 cache's wide variants, by tile head dim: launch bounds for
 # E4M3_WIDE_MIN_CTAS CTAs an SM (at D = 128, 128 registers a thread instead of 162, without
 # spills; the paged kernel spills 24 bytes there, so it has none) and a ring shallow enough that
@@ -173,12 +177,15 @@ def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
     return e4m3 and mt == 1 and head_dim in long_tiles(paged)
 
 
-def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int) -> bool:
+def use_long_variant(ctas: int, long_per_sm: int, sms: int, split_keys: int | None = None) -> bool:
     """Whether a launch of ``ctas`` CTAs (its splits counted) takes the long-stage variant
     (``long_per_sm`` CTAs an SM): where it holds them in one wave (beyond, the default's more CTAs
-    an SM end the tail sooner, also where the caller's ``num_splits`` asks for more) and each of
-    its splits streams at most E4M3_LONG_MAX_SPLIT_KEYS keys (``split_keys``)."""
-    return ctas <= long_per_sm * sms and split_keys <= E4M3_LONG_MAX_SPLIT_KEYS
+    an SM end the tail sooner, also where the caller's ``num_splits`` asks for more), and over a
+    contiguous cache (``split_keys``: the keys each of its splits would stream) only while that
+    is at most E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS."""
+    if ctas > long_per_sm * sms:
+        return False
+    return split_keys is None or split_keys <= E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS
 
 
 def wide_tiles(paged: bool) -> dict:
@@ -741,7 +748,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
                                                       E4M3_MIN_CTAS_PER_SM)
         # the launch's CTAs: with the caller's splits it may span waves, which the default's more
         # CTAs an SM end sooner
-        long = use_long_variant(ctas * long_splits, long_per_sm, sms, math.ceil(length / long_splits))
+        # (over pages `length` is often the table's capacity, far past the lengths: no split rule)
+        split_keys = math.ceil(length / long_splits) if paged is None else None
+        long = use_long_variant(ctas * long_splits, long_per_sm, sms, split_keys)
         if long:
             spec, num_splits = long_spec, long_splits
     if (not long and has_wide_variant(tile_dim, mt, paged is not None, e4m3, with_alibi)

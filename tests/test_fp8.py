@@ -481,14 +481,15 @@ def test_e4m3_with_splits_past_one_long_wave_runs_the_default_stage(rng, launche
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, None], ids=["pages16", "contiguous"])
-def test_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels, block_size):
-    """Where each split would stream more than E4M3_LONG_MAX_SPLIT_KEYS keys, an e4m3 call (over
-    pages or a contiguous cache) runs the default stage; one more split brings the long stage
-    back. Both match the reference."""
+def test_e4m3_with_long_splits_runs_the_default_stage_over_a_contiguous_cache(rng, launched_kernels, block_size):
+    """Where each split would stream more than E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys, a
+    contiguous e4m3 call runs the default stage and one more split brings the long stage back;
+    over pages (whose splits are planned on the table's capacity) the long stage runs both ways.
+    All match the reference."""
     decode_module = importlib.import_module("cuattn.decode")
     paged = block_size is not None
-    s_max = decode_module.E4M3_LONG_MAX_SPLIT_KEYS + 32
-    for num_splits, long in ((1, False), (2, True)):
+    s_max = decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS + 32
+    for num_splits, long in ((1, paged), (2, True)):
         launched_kernels.clear()
         run_fp8_decode(rng, BF16, 1, 1, 8, 2, 128, s_max, [s_max], True, paged_block=block_size,
                        num_splits=num_splits)
@@ -497,13 +498,14 @@ def test_e4m3_with_long_splits_runs_the_default_stage(rng, launched_kernels, blo
 
 
 @pytest.mark.parametrize("ctas, per_sm, split_keys, expected", [
-    (264, 2, 1024, True), (265, 2, 1024, False), (1, 2, 1024, True), (396, 3, 64, True),
+    (264, 2, None, True), (265, 2, None, False), (1, 2, None, True), (396, 3, None, True), (132, 1, None, True),
     (132, 1, 8192, True), (132, 1, 8193, False), (133, 1, 1024, False), (1, 1, 2048, True)])
 def test_long_variant_rule(ctas, per_sm, split_keys, expected):
     """The long-stage variant runs while its CTAs an SM (on 132 SMs here) hold the launch in one
-    wave and each split streams at most E4M3_LONG_MAX_SPLIT_KEYS keys."""
+    wave, and over a contiguous cache (split_keys given) while each split streams at most
+    E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys."""
     decode_module = importlib.import_module("cuattn.decode")
-    assert decode_module.E4M3_LONG_MAX_SPLIT_KEYS == 8192
+    assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 8192
     assert decode_module.use_long_variant(ctas, per_sm, 132, split_keys) == expected
 
 
