@@ -617,3 +617,30 @@ def test_wide_decode_variants_take_e4m3_caches_alone():
         with pytest.raises(ValueError, match=r"the wide decode variants take e4m3 caches without ALiBi at tile head "
                                              r"dims \[128\] \(contiguous\) and \[128\] \(paged\)"):
             decode_module.decode_spec(**call, wide=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "pages16"])
+def test_an_empty_batch_decodes_to_empty_outputs(e4m3, paged):
+    """A decode of no sequences (B = 0; the split choice then has no CTAs to divide by) returns
+    empty out and lse of the batch's shapes, as the NumPy path does."""
+    cupy = _cupy()
+    hq, hk, d, s_max = 8, 2, 128, 64
+    cache_dtype = np.uint8 if e4m3 else BF16
+    scales = {"k_scale": 0.01, "v_scale": 0.01} if e4m3 else {}
+    q = np.zeros((0, 1, hq, d), BF16)
+    lens = np.zeros((0,), np.int32)
+    if paged:
+        table = np.zeros((0, s_max // 16), np.int32)
+        pages = np.zeros((4, 16, hk, d), cache_dtype)
+        args = (q, (pages, pages), table, lens)
+        run = cuattn.paged_attention
+    else:
+        cache = np.zeros((0, s_max, hk, d), cache_dtype)
+        args = (q, cache, cache, lens)
+        run = cuattn.decode
+    for xp in (np, cupy):
+        inputs = [tuple(xp.asarray(y) for y in x) if isinstance(x, tuple) else xp.asarray(x) for x in args]
+        out, lse = run(*inputs, return_lse=True, **scales)
+        assert out.shape == (0, 1, hq, d) and lse.shape == (0, hq, 1), (xp.__name__, out.shape, lse.shape)

@@ -481,7 +481,7 @@ def test_e4m3_with_splits_past_one_long_wave_runs_the_default_stage(rng, launche
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, None], ids=["pages16", "contiguous"])
-def test_e4m3_with_long_splits_runs_the_default_stage_over_a_contiguous_cache(rng, launched_kernels, block_size):
+def test_the_split_rule_holds_over_a_contiguous_cache_not_over_pages(rng, launched_kernels, block_size):
     """Where each split would stream more than E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS keys, a
     contiguous e4m3 call runs the default stage and one more split brings the long stage back;
     over pages (whose splits are planned on the table's capacity) the long stage runs both ways.
@@ -507,33 +507,6 @@ def test_long_variant_rule(ctas, per_sm, split_keys, expected):
     decode_module = importlib.import_module("cuattn.decode")
     assert decode_module.E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS == 8192
     assert decode_module.use_long_variant(ctas, per_sm, 132, split_keys) == expected
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "pages16"])
-def test_an_empty_batch_decodes_to_empty_outputs(e4m3, paged):
-    """A decode of no sequences (B = 0; the split choice then has no CTAs to divide by) returns
-    empty out and lse of the batch's shapes, as the NumPy path does."""
-    cupy = _cupy()
-    hq, hk, d, s_max = 8, 2, 128, 64
-    cache_dtype = np.uint8 if e4m3 else BF16
-    scales = {"k_scale": 0.01, "v_scale": 0.01} if e4m3 else {}
-    q = np.zeros((0, 1, hq, d), BF16)
-    lens = np.zeros((0,), np.int32)
-    if paged:
-        table = np.zeros((0, s_max // 16), np.int32)
-        pages = np.zeros((4, 16, hk, d), cache_dtype)
-        args = (q, (pages, pages), table, lens)
-        run = cuattn.paged_attention
-    else:
-        cache = np.zeros((0, s_max, hk, d), cache_dtype)
-        args = (q, cache, cache, lens)
-        run = cuattn.decode
-    for xp in (np, cupy):
-        inputs = [tuple(xp.asarray(y) for y in x) if isinstance(x, tuple) else xp.asarray(x) for x in args]
-        out, lse = run(*inputs, return_lse=True, **scales)
-        assert out.shape == (0, 1, hq, d) and lse.shape == (0, hq, 1), (xp.__name__, out.shape, lse.shape)
 
 
 def test_long_variants_are_listed_and_refused_elsewhere():
