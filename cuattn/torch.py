@@ -169,6 +169,15 @@ def _check_arguments(function: str, tensors: dict, extras: dict, causal, scale, 
     return left, right
 
 
+# What _traced asks torch on every call, looked up once: the infrastructure dispatch modes (fake
+# tensors, proxies, functionalisation) by key, and functorch's transform stack. A torch without
+# one of them sends every call to the custom ops.
+_DISPATCH_MODE_OF = getattr(torch._C, "_get_dispatch_mode", None)
+_DISPATCH_MODE_KEY_ENUM = getattr(torch._C, "_TorchDispatchModeKey", None)
+_DISPATCH_MODE_KEYS = None if _DISPATCH_MODE_KEY_ENUM is None else tuple(_DISPATCH_MODE_KEY_ENUM.__members__.values())
+_PEEK_INTERPRETER = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
 def _traced(q) -> bool:
     """Whether this call is being traced or transformed rather than run: torch.compile or export
     (dynamo), a dispatch mode (make_fx, FakeTensorMode, a user's mode), a tensor subclass, or a
@@ -177,14 +186,12 @@ def _traced(q) -> bool:
     setup_context); a plain eager call takes the Function."""
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         return True
-    mode_of = getattr(torch._C, "_get_dispatch_mode", None)
-    modes = getattr(torch._C, "_TorchDispatchModeKey", None)
-    if mode_of is None or modes is None or any(mode_of(key) is not None for key in modes.__members__.values()):
+    if (_DISPATCH_MODE_OF is None or _DISPATCH_MODE_KEYS is None
+            or any(_DISPATCH_MODE_OF(key) is not None for key in _DISPATCH_MODE_KEYS)):
         return True
     if torch._C._len_torch_dispatch_stack() > 0:
         return True
-    interpreter = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    return interpreter is None or interpreter() is not None
+    return _PEEK_INTERPRETER is None or _PEEK_INTERPRETER() is not None
 
 
 def _differentiable(op, eager, *args) -> torch.Tensor:
