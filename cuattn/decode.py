@@ -367,7 +367,7 @@ def ctas_per_sm(spec: _jit.KernelSpec) -> int:
 # Public API
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
+def decode(q, k_cache, v_cache, cache_seqlens, *, max_seq_len=None, num_splits=None, causal=True, scale=None,
            window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False, k_scale=None,
            v_scale=None):
     """Attention of ``Sq_new`` new tokens per sequence over a KV cache (FlashDecoding).
@@ -382,7 +382,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
         cache_seqlens: ``(B,)`` int32, keys in each row's cache (new tokens included). Values
             are read on the device only (no sync), so they are not checked: a value above S_max
             is treated as S_max and a negative one as 0, on the GPU and on the CPU path alike.
-        num_splits: split-KV factor; None chooses from B, Hk, S_max and the SM count.
+        max_seq_len: optional bound on ``cache_seqlens`` for choosing the split count (and the
+            variant), as in :func:`cuattn.paged_attention`; default S_max. A hint only: a row
+            longer than it still attends to all of its keys, in splits planned for shorter rows.
+        num_splits: split-KV factor; None chooses from B, Hk, min(max_seq_len, S_max) and the SM count.
         causal, scale, window, softcap, sinks, alibi_slopes: as in :func:`cuattn.attention`, with
             Sk = cache_seqlens[b] per row and Sq = Sq_new (ALiBi's distance of new token i to key j
             is ``|i + cache_seqlens[b] - Sq_new - j|``).
@@ -394,11 +397,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
     Returns:
         ``out`` ``(B, Sq_new, Hq, Dv)`` in q's dtype, or ``(out, lse)``, in the framework of the inputs.
     """
-    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
+    return _decode(q, k_cache, v_cache, cache_seqlens, max_seq_len, num_splits, causal, scale, window, softcap, sinks,
                    alibi_slopes, return_lse, k_scale, v_scale, planning=False)
 
 
-def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None,
+def plan_decode(q, k_cache, v_cache, cache_seqlens, *, max_seq_len=None, num_splits=None, causal=True, scale=None,
                 window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False, k_scale=None,
                 v_scale=None):
     """Plan once, run many: a :class:`StepPlan` whose ``run()`` is one decode step over these arrays.
@@ -410,7 +413,7 @@ def plan_decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=T
     host and device and only launches (a few microseconds of host time), so it can be captured
     in a CUDA graph; it returns the plan's ``out`` (and ``lse``), overwritten by each run.
     """
-    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks,
+    return _decode(q, k_cache, v_cache, cache_seqlens, max_seq_len, num_splits, causal, scale, window, softcap, sinks,
                    alibi_slopes, return_lse, k_scale, v_scale, planning=True)
 
 
@@ -442,8 +445,8 @@ def dequantize(x, scale: _arrays.KvScale):
     return _arrays.as_e4m3(x).astype(np.float64) * per_head[:, None]
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, window, softcap, sinks, alibi_slopes,
-            return_lse, k_scale, v_scale, *, planning: bool):
+def _decode(q, k_cache, v_cache, cache_seqlens, max_seq_len, num_splits, causal, scale, window, softcap, sinks,
+            alibi_slopes, return_lse, k_scale, v_scale, *, planning: bool):
     left, right = _masks.check_options(window, softcap, scale, causal=causal, return_lse=return_lse)
     scales = scale_arrays(k_scale, v_scale)
     call_key = None
@@ -451,7 +454,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         result, call_key = _calls.run(
             "decode", (q, k_cache, v_cache, cache_seqlens, sinks, alibi_slopes, scales.get("k_scale"),
                        scales.get("v_scale")),
-            (num_splits, bool(causal), scale, left, right, softcap, bool(return_lse), scale_options(k_scale, v_scale)))
+            (max_seq_len, num_splits, bool(causal), scale, left, right, softcap, bool(return_lse),
+             scale_options(k_scale, v_scale)))
         if result is not None:
             return result
     lists, ints = _arrays.int_lists(cache_seqlens=cache_seqlens)
@@ -465,6 +469,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         k_scale, v_scale = (ctx.view(x) if _arrays.is_array(x) else x for x in (k_scale, v_scale))
         check_decode_args(qv, kv, vv, lens, "cache_seqlens", ("(B, S_max, Hk, D)", "S_max"))
         _check_num_splits(num_splits)
+        _arrays.check_int("max_seq_len", max_seq_len, 1, optional=True)
         e4m3, ks, vs = check_cache_scales(qv, kv, vv, k_scale, v_scale, ("k_cache", "v_cache"), ctx.on_host)
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[2]), ctx.on_host, "q", qv)
@@ -490,9 +495,11 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits, causal, scale, windo
         _arrays.check_same_device("cache_seqlens", lens, "q", qv)
         lens, lens_copied = contiguous_rows("cache_seqlens", lens, planning)
         out, lse, step = decode_outputs(ctx, qv, vv, return_lse, planning)
+        capacity = int(kv.shape[1])
         bound, workspace = launch_decode(
-            qv, kv, vv, lens, out, lse, None, int(kv.shape[1]), num_splits=num_splits, causal=causal, scale=scale,
-            window=(left, right), softcap=softcap, stream=ctx.stream, step=step, sinks=sv, e4m3=e4m3,
+            qv, kv, vv, lens, out, lse, None, capacity, num_splits=num_splits, causal=causal, scale=scale,
+            window=(left, right), softcap=softcap, stream=ctx.stream,
+            split_length=min(max_seq_len or capacity, capacity), step=step, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:

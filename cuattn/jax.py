@@ -672,21 +672,25 @@ def _host_decode(mask: _Mask, q, k_cache, v_cache, cache_seqlens, *extras):
     return out.astype(q.dtype).reshape(out_shape), lse.astype(np.float32).reshape(_lse_shape(q.shape))
 
 
-def _device_decode(mask: _Mask, num_splits, ctx, outs, q, k_cache, v_cache, cache_seqlens, *extras):
+def _device_decode(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_cache, v_cache, cache_seqlens, *extras):
     buffers = (q, k_cache, v_cache, cache_seqlens, *outs, *extras)
     with _xla_stream(ctx, buffers, (_DENSE,) * 3 + (_VECTOR, _DENSE, _LSE) + _extra_ranks(extras)) as (stream, views):
         qv, kv, vv, lens, ov, lv = views[:6]
         _check_layouts({"q": qv, "k_cache": kv, "v_cache": vv, "out": ov})
-        launch_decode(qv, kv, vv, lens, ov, lv, None, int(kv.shape[1]), num_splits=num_splits, stream=stream,
-                      **_device_extras(mask, views[6:], int(qv.shape[0]), qv), **mask.kwargs())
+        capacity = int(kv.shape[1])
+        split_length = capacity if max_seq_len is None else min(max_seq_len, capacity)
+        launch_decode(qv, kv, vv, lens, ov, lv, None, capacity, num_splits=num_splits, stream=stream,
+                      split_length=split_length, **_device_extras(mask, views[6:], int(qv.shape[0]), qv),
+                      **mask.kwargs())
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, scale=None, window=(-1, -1),
-           softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
+def decode(q, k_cache, v_cache, cache_seqlens, *, max_seq_len=None, num_splits=None, causal=True, scale=None,
+           window=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None, return_lse=False):
     """:func:`cuattn.decode` for JAX arrays (forward only): ``Sq_new`` (1 to 16) new tokens per
     sequence over a KV cache ``(B, S_max, Hk, D)`` (v ``(B, S_max, Hk, Dv)``, Dv may differ from
     D) holding ``cache_seqlens[b]`` keys (int32 ``(B,)``, new tokens included; clamped to ``[0,
-    S_max]`` on every platform). ``sinks`` and ``alibi_slopes`` as in the plain function.
+    S_max]`` on every platform). ``max_seq_len``: optional Python int bounding the lengths the
+    split count plans for (default S_max). ``sinks`` and ``alibi_slopes`` as in the plain function.
 
     Returns ``out`` ``(B, Sq_new, Hq, Dv)``, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.
     """
@@ -697,15 +701,18 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, causal=True, 
     extras = _extras(int(q.shape[0]), int(q.shape[2]), sinks, alibi_slopes)
     _check_static("num_splits", num_splits)
     _check_num_splits(num_splits)
+    if max_seq_len is not None:
+        max_seq_len = _check_length("max_seq_len", max_seq_len, 1)
     _check_dtypes({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     _masks.check_total_length(int(q.shape[1]), int(k_cache.shape[1]))
     out, lse = _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask=mask,
-                            num_splits=None if num_splits is None else int(num_splits))
+                            num_splits=None if num_splits is None else int(num_splits), max_seq_len=max_seq_len)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "num_splits"))
-def _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask: _Mask, num_splits: int | None):
+@functools.partial(jax.jit, static_argnames=("mask", "num_splits", "max_seq_len"))
+def _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask: _Mask, num_splits: int | None,
+                 max_seq_len: int | None):
     # out (B, Sq_new, Hq, Dv): v's head dim; lse as q's rows
     shapes = (jax.ShapeDtypeStruct(reference.out_shape(q, v_cache), q.dtype),
               jax.ShapeDtypeStruct(_lse_shape(q.shape), jnp.float32))
@@ -716,7 +723,8 @@ def _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask: _Mask, num_s
             host=_host_call(functools.partial(_host_decode, mask), shapes, mask.vmap_method()),
             # split partials live in cuattn's per-stream workspace, which may be reallocated
             # between calls: not recordable in a graph
-            device=_device_call(functools.partial(_device_decode, mask, num_splits), shapes, mask.vmap_method(),
+            device=_device_call(functools.partial(_device_decode, mask, num_splits, max_seq_len), shapes,
+                                mask.vmap_method(),
                                 graph_safe=False),
         )
 

@@ -45,7 +45,8 @@ def run_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, **options):
                                      if name in options}}
     out, lse = cuattn.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(lens),
                              return_lse=True, **device_options)
-    options.pop("num_splits", None)
+    for planning_only in ("num_splits", "max_seq_len"):
+        options.pop(planning_only, None)
     check_decode(rng, dtype, q, k, v, lens, out.get(), lse.get(), **options)
 
 
@@ -388,6 +389,16 @@ def test_merge_states_numpy_runs_the_reference(rng):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_max_seq_len_on_the_cpu_path_is_checked_and_changes_no_result(rng):
+    """The NumPy path takes max_seq_len (a planning hint) and returns the reference, rows longer
+    than the hint included."""
+    q = randn(rng, (2, 1, 4, 64), np.float32)
+    k = randn(rng, (2, 20, 2, 64), np.float32)
+    lens = np.array([20, 5], np.int32)
+    out = cuattn.decode(q, k, k, lens, max_seq_len=8)
+    np.testing.assert_array_equal(out, reference.decode(q, k, k, lens).astype(np.float32))
+
+
 def test_decode_numpy_runs_the_reference(rng):
     q = randn(rng, (2, 3, 4, 64), np.float32)
     k = randn(rng, (2, 20, 2, 64), np.float32)
@@ -644,3 +655,59 @@ def test_an_empty_batch_decodes_to_empty_outputs(e4m3, paged):
         inputs = [tuple(xp.asarray(y) for y in x) if isinstance(x, tuple) else xp.asarray(x) for x in args]
         out, lse = run(*inputs, return_lse=True, **scales)
         assert out.shape == (0, 1, hq, d) and lse.shape == (0, hq, 1), (xp.__name__, out.shape, lse.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("hint", [None, 96, 600, 5000], ids=["none", "below-a-length", "above-the-lengths", "past-S_max"])
+def test_max_seq_len_plans_the_splits_and_every_key_still_counts(rng, monkeypatch, e4m3, hint):
+    """decode's max_seq_len is the length the split count plans for, min(hint, S_max) (S_max
+    without one), as paged_attention's is; a row longer than the hint still attends to all of its
+    keys (NaN past each length, a length of 0), so the output matches the reference either way."""
+    decode_module = importlib.import_module("cuattn.decode")
+    planned = []
+    choose = decode_module.choose_num_splits
+
+    def recording(batch, num_kv_heads, row_chunks, max_seqlen, *args):
+        planned.append(max_seqlen)
+        return choose(batch, num_kv_heads, row_chunks, max_seqlen, *args)
+
+    monkeypatch.setattr(decode_module, "choose_num_splits", recording)
+    s_max, lens = 1024, [517, 1024, 0, 90]
+    if e4m3:
+        from test_fp8 import run_fp8_decode
+
+        run_fp8_decode(rng, BF16, 4, 1, 8, 2, 128, s_max, lens, True, max_seq_len=hint)
+    else:
+        run_decode(rng, BF16, 4, 1, 8, 2, 128, s_max, lens, max_seq_len=hint)
+    assert planned and set(planned) == {min(hint or s_max, s_max)}, planned
+
+
+@pytest.mark.gpu
+def test_an_over_allocated_e4m3_cache_takes_the_long_stage_under_a_max_seq_len(rng, launched_kernels):
+    """A contiguous e4m3 cache allocated far past its sequences (S_max 32k, rows of at most 8k, 64
+    CTAs a split) plans on S_max without a hint: splits of 16k keys each, past the long stage's
+    rule, so the default stage runs. max_seq_len=8192 plans splits of 4k keys, which the long
+    stage takes where one wave holds its CTAs (one an SM); the outputs agree either way."""
+    cupy = _cupy()
+    decode_module = importlib.import_module("cuattn.decode")
+    from cuattn import _jit
+
+    b, hq, hk, d, s_max, longest = 8, 32, 8, 128, 32768, 8192
+    lens = cupy.asarray(rng.integers(longest // 2, longest + 1, b).astype(np.int32))
+    q = cupy.asarray(randn(rng, (b, 1, hq, d), BF16))
+    # e4m3 bytes of magnitude below 2 (exponent field below 8), either sign: no NaN byte
+    k8, v8 = (cupy.asarray((rng.integers(0, 0x40, (b, s_max, hk, d)) | rng.integers(0, 2, (b, s_max, hk, d)) << 7)
+                           .astype(np.uint8)) for _ in range(2))
+    scales = {"k_scale": 0.5, "v_scale": 0.5}
+    plain = cuattn.decode(q, k8, v8, lens, **scales)
+    half = decode_module.takes_half_tile(hq // hk, 1, False)  # 4 rows a KV head
+    default = decode_module.decode_spec(BF16, d, 1, False, True, half=half)
+    long_spec = decode_module.decode_spec(BF16, d, 1, False, True, half=half, long=True)
+    assert launched_kernels == [default.name]
+    hinted = cuattn.decode(q, k8, v8, lens, max_seq_len=longest, **scales)
+    one_wave = b * hk * 2 <= _jit.multiprocessor_count()  # two splits of 4k keys, one CTA an SM
+    assert launched_kernels[1:] == [long_spec.name if one_wave else default.name], launched_kernels
+    # the two split the keys differently: bf16 rounding of the output apart
+    plain32 = plain.astype(cupy.float32)
+    assert float(cupy.abs(hinted.astype(cupy.float32) - plain32).max()) <= 2 ** -7 * float(cupy.abs(plain32).max())

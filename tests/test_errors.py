@@ -466,6 +466,9 @@ def decode_arrays(b=2, sq_new=1, hq=8, hk=2, s_max=50, d=64):
         (lambda a: {**a, "num_splits": 129}, ValueError, r"num_splits must be None or an int from 1 to 128, got 129"),
         (lambda a: {**a, "num_splits": "4"}, TypeError, r"num_splits must be None or an int from 1 to 128, got '4'"),
         (lambda a: {**a, "num_splits": True}, TypeError, r"num_splits must be None or an int from 1 to 128, got True"),
+        (lambda a: {**a, "max_seq_len": 0}, ValueError, r"max_seq_len must be None or an int >= 1, got 0"),
+        (lambda a: {**a, "max_seq_len": True}, TypeError, r"max_seq_len must be None or an int >= 1, got True"),
+        (lambda a: {**a, "max_seq_len": 8.0}, TypeError, r"max_seq_len must be None or an int >= 1, got 8.0"),
         (lambda a: {**a, "window": (5,)}, ValueError, r"window must be a pair"),
     ],
 )

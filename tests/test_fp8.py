@@ -339,7 +339,8 @@ def run_fp8_decode(rng, dtype, b, sq_new, hq, hk, d, s_max, lens, per_head, page
         pages_v[table.reshape(-1)] = v_bytes.reshape(b * per_seq, paged_block, hk, d)
         out, lse = cuattn.paged_attention(cupy.asarray(q), (cupy.asarray(pages_k), cupy.asarray(pages_v)),
                                           cupy.asarray(table), cupy.asarray(lens), return_lse=True, **scales, **options)
-    host_options.pop("num_splits", None)
+    for planning_only in ("num_splits", "max_seq_len"):
+        host_options.pop(planning_only, None)
     check_decode(rng, dtype, q, k_real, v_real, lens, out.get(), lse.get(), **host_options)
 
 

@@ -378,15 +378,18 @@ def test_varlen_gradients_under_vmap_run_per_element(device, rng, d, dv):
         check_varlen_gradients(rng, BF16, dout[i], q[i], k[i], v[i], cu_q, cu_k, (dq[i], dk[i], dv_[i]), causal=True)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["1split", "3splits", "auto"])
-def test_decode_under_jit_and_vmap_matches_reference(device, rng, num_splits):
-    """Ragged lengths: 0, one past S_max (clamped to S_max on every platform), and two speculative tokens."""
+@pytest.mark.parametrize("num_splits, max_seq_len", [(1, None), (3, None), (None, None), (None, 100)],
+                         ids=["1split", "3splits", "auto", "auto-max-seq-len"])
+def test_decode_under_jit_and_vmap_matches_reference(device, rng, num_splits, max_seq_len):
+    """Ragged lengths: 0, one past S_max (clamped to S_max on every platform), and two speculative
+    tokens; a max_seq_len below two of the lengths plans the splits and leaves the result alone."""
     b, sq_new, hq, hk, d, s_max = 3, 2, 8, 2, 128, 301
     lens = np.array([0, 173, s_max + 1], np.int32)
     q = randn(rng, (2, b, sq_new, hq, d), BF16)
     k_cache, v_cache = randn(rng, (b, s_max, hk, d), BF16), randn(rng, (b, s_max, hk, d), BF16)
     call = jax.jit(jax.vmap(lambda q, k, v, lens: cuattn.jax.decode(q, k, v, lens, num_splits=num_splits,
-                                                                      return_lse=True), in_axes=(0, None, None, None)))
+                                                                      max_seq_len=max_seq_len, return_lse=True),
+                            in_axes=(0, None, None, None)))
     out, lse = call(*put(device, q, k_cache, v_cache, lens))
     clamped = np.clip(lens, 0, s_max)
     for i in range(2):
@@ -611,10 +614,12 @@ def _packed():
         (lambda: cuattn.jax.paged_attention(_dense()[0], *_dense(b=4)[1:], jnp.zeros((1, 3), jnp.int32),
                                             jnp.zeros((1,), jnp.int32), max_seq_len=0), ValueError,
          r"max_seq_len must be an int >= 1, got 0"),
+        (lambda: cuattn.jax.decode(*_dense(), jnp.zeros((1,), jnp.int32), max_seq_len=0), ValueError,
+         r"max_seq_len must be an int >= 1, got 0"),
     ],
     ids=["dtype", "mixed-dtypes", "head-dim", "gqa", "unsupported-head-dim", "ndim", "not-an-array", "torch-tensor", "causal-int",
          "window", "softcap", "traced-scale", "sinks-heads", "sinks-dtype", "sinks-ndim", "alibi-batch", "alibi-dtype", "cu-dtype", "cu-length", "max-seqlen", "sq-new", "lens-batch",
-         "num-splits", "table-batch", "block-size", "max-seq-len"],
+         "num-splits", "table-batch", "block-size", "max-seq-len", "decode-max-seq-len"],
 )
 def test_argument_errors_name_the_argument(call, error, message):
     with pytest.raises(error, match=message):
