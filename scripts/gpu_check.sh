@@ -7,8 +7,11 @@
 #   4. the benchmarks (pytest-benchmark, JSON),
 # writing one log per stage to $OUT (a temporary folder when unset). Exit 1 if any stage failed.
 # Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench] [extra pytest args]
-# SHARD=I/N runs shard I of N of the test stage (pytest --shard, tests/conftest.py): the whole GPU
-# suite outlasts a 10-minute job, so N jobs can each take one shard.
+# SHARD=I/N runs shard I of N of the test stage (pytest --shard, tests/conftest.py), so that N jobs
+# can each take one shard; PROCS=P runs the stage as P pytest processes at once, one shard each
+# (logs tests_0.log .. tests_{P-1}.log): with the kernel cache built beforehand
+# (`python -m cuattn build --arch sm_90a`, carried in CUATTN_CACHE_DIR) an H100 ran half the suite
+# as five processes in about two minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -36,7 +39,24 @@ run info "$PY" -m cuattn info
 # the machine's own NVRTC may allocate registers differently from CI's: check spills here too
 run build "$PY" -m cuattn build --arch sm_90a
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
-    run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench ${SHARD:+--shard "$SHARD"} "$@"
+    if [ "${PROCS:-1}" -gt 1 ]; then
+        # each process's NumPy reference takes a few cores, not all of them
+        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-3}
+        pids=()
+        for ((i = 0; i < PROCS; i++)); do
+            "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench --shard "$i/$PROCS" "$@" \
+                >"$OUT/tests_$i.log" 2>&1 &
+            pids+=($!)
+        done
+        for ((i = 0; i < PROCS; i++)); do
+            wait "${pids[$i]}"
+            rc=$?
+            echo "=== tests shard $i/$PROCS: $(tail -n 1 "$OUT/tests_$i.log"); exit $rc"
+            [ "$rc" -eq 0 ] || status=1
+        done
+    else
+        run tests "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/bench ${SHARD:+--shard "$SHARD"} "$@"
+    fi
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = sanitizer ]; then
     run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
