@@ -506,7 +506,7 @@ def _plan(arrays, scales, block_table, seq_lens, *, causal, scale, softcap, retu
         suffix, _ = _decode.launch_decode(
             qv, kv, vv, lens, views["states"][1], views["states_lse"][1], (table, block_size, num_blocks), capacity,
             num_splits=None, causal=causal, scale=scale, window=(left, right), softcap=softcap, stream=ctx.stream,
-            split_length=min(int(max_seq_len or capacity), capacity), step=deferred, sinks=sv, e4m3=e4m3,
+            split_length=_decode.planned_length(max_seq_len, capacity), step=deferred, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs)
         scratch.add("partials", (deferred.nbytes,), np.uint8)
         # the split arrivals (the workspace's head) in a zeroed output of their own: the scratch is

@@ -499,7 +499,7 @@ def _decode(q, k_cache, v_cache, cache_seqlens, max_seq_len, num_splits, causal,
         bound, workspace = launch_decode(
             qv, kv, vv, lens, out, lse, None, capacity, num_splits=num_splits, causal=causal, scale=scale,
             window=(left, right), softcap=softcap, stream=ctx.stream,
-            split_length=min(max_seq_len or capacity, capacity), step=step, sinks=sv, e4m3=e4m3,
+            split_length=planned_length(max_seq_len, capacity), step=step, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:
@@ -710,6 +710,12 @@ def check_alibi(slopes, q, host: bool) -> int:
     if slopes is None:
         return 0
     return _arrays.check_alibi_slopes(slopes, int(q.shape[0]), int(q.shape[2]), host, "q", q)
+
+
+def planned_length(max_seq_len: int | None, capacity: int) -> int:
+    """The longest sequence a decode-like call's split count plans for: the caller's
+    ``max_seq_len`` hint (checked before), at most the cache's ``capacity``; the capacity without one."""
+    return capacity if max_seq_len is None else min(int(max_seq_len), capacity)
 
 
 def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits, causal, scale, window, softcap,

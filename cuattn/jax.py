@@ -66,7 +66,7 @@ import numpy as np
 from . import _arrays, _masks, reference
 from .attention import (_check_host_cu_seqlens, _check_qkv, _launch_bwd, _launch_fwd,
                         check_prefix_sums)
-from .decode import _check_num_splits, check_decode_args, launch_decode
+from .decode import _check_num_splits, check_decode_args, launch_decode, planned_length
 from .paged import MAX_BLOCK_SIZE, check_table, clamp_table
 
 __all__ = ["attention", "attention_varlen", "decode", "paged_attention", "ring_attention"]
@@ -678,9 +678,8 @@ def _device_decode(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_cache, 
         qv, kv, vv, lens, ov, lv = views[:6]
         _check_layouts({"q": qv, "k_cache": kv, "v_cache": vv, "out": ov})
         capacity = int(kv.shape[1])
-        split_length = capacity if max_seq_len is None else min(max_seq_len, capacity)
         launch_decode(qv, kv, vv, lens, ov, lv, None, capacity, num_splits=num_splits, stream=stream,
-                      split_length=split_length, **_device_extras(mask, views[6:], int(qv.shape[0]), qv),
+                      split_length=planned_length(max_seq_len, capacity), **_device_extras(mask, views[6:], int(qv.shape[0]), qv),
                       **mask.kwargs())
 
 
@@ -754,9 +753,9 @@ def _device_paged(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_pages, v
         _check_layouts({"q": qv, "k_pages": kv, "v_pages": vv, "out": ov})
         num_blocks, block_size = int(kv.shape[0]), int(kv.shape[1])
         capacity = int(table.shape[1]) * block_size
-        split_length = capacity if max_seq_len is None else min(max_seq_len, capacity)
         launch_decode(qv, kv, vv, lens, ov, lv, (table, block_size, num_blocks), capacity, num_splits=num_splits,
-                      stream=stream, split_length=split_length, **_device_extras(mask, views[7:], int(qv.shape[0]), qv),
+                      stream=stream, split_length=planned_length(max_seq_len, capacity),
+                      **_device_extras(mask, views[7:], int(qv.shape[0]), qv),
                       **mask.kwargs())
 
 

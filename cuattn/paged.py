@@ -897,8 +897,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         import cupy
 
         check_device_pages(qv, kv, vv)
-        if max_seq_len is None:
-            max_seq_len = int(host_lens.max(initial=1)) if host_lens is not None else capacity
+        if max_seq_len is None and host_lens is not None:
+            max_seq_len = int(host_lens.max(initial=1))  # checked: within the capacity
         # the kernel reads a table row and the lengths as contiguous int32
         table_d, table_copied = _decode.contiguous_rows("block_table", cupy.asarray(table, dtype=cupy.int32), planning)
         lens_d, lens_copied = _decode.contiguous_rows("seq_lens", cupy.asarray(lens, dtype=cupy.int32), planning)
@@ -906,7 +906,7 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         bound, workspace = _decode.launch_decode(
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
-            stream=ctx.stream, split_length=min(int(max_seq_len), capacity), step=step, sinks=sv, e4m3=e4m3,
+            stream=ctx.stream, split_length=_decode.planned_length(max_seq_len, capacity), step=step, sinks=sv, e4m3=e4m3,
             k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:

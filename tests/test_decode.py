@@ -389,6 +389,13 @@ def test_merge_states_numpy_runs_the_reference(rng):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hint, capacity, expected", [(None, 4096, 4096), (100, 4096, 100), (9000, 4096, 4096),
+                                                      (4096, 4096, 4096)])
+def test_the_planned_length_is_the_hint_within_the_capacity(hint, capacity, expected):
+    """What decode, paged_attention (and its cascade) and the JAX adapters plan their splits for."""
+    assert importlib.import_module("cuattn.decode").planned_length(hint, capacity) == expected
+
+
 def test_max_seq_len_on_the_cpu_path_is_checked_and_changes_no_result(rng):
     """The NumPy path takes max_seq_len (a planning hint) and returns the reference, rows longer
     than the hint included."""
