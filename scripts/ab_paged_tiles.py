@@ -18,36 +18,14 @@ import cupy
 import numpy as np
 
 import cuattn
-from compare_fp8_decode import D, make_caches  # a sibling script: scripts/ is sys.path[0]
-from cuattn import _calls
+# a sibling script (scripts/ is sys.path[0]): the caches and the paged tile's parser and setter
+from compare_fp8_decode import make_caches, parse_paged_tile, use_paged_tile
 from cuattn.bench import timing
-
-decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
 BLOCK = 16
 SHAPES = [(8, 8192, 32, 8, 0), (16, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8192, 32, 2, 0),
           (4, 8192, 32, 32, 1)]
 SAME_KERNEL_TOL, BF16_TOL = 0.02, 0.3
-
-
-def parse_tile(text: str):
-    """'none' or WARPS:STAGES -> a DecodeTile (None for none)."""
-    if text == "none":
-        return None
-    try:
-        warps, stages = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise SystemExit(f"--tiles takes none or WARPS:STAGES entries, got {text!r}") from None
-    return decode_module.DecodeTile(max_mt=1, stages=stages, long_stage=True, warps=warps)
-
-
-def use_tile(tile) -> None:
-    if tile is None:
-        decode_module.E4M3_PAGED_LONG_TILES.pop(D, None)
-    else:
-        decode_module.E4M3_PAGED_LONG_TILES[D] = tile
-    decode_module.decode_spec.cache_clear()
-    _calls.clear()
 
 
 def compare(shape, tiles: dict, rounds: int, rng) -> None:
@@ -72,7 +50,7 @@ def compare(shape, tiles: dict, rounds: int, rng) -> None:
     for r in range(rounds):
         bf16_times.append(timing.time_cupy_graph(bf16_step))
         for name in (list(tiles) if r % 2 == 0 else list(reversed(list(tiles)))):
-            use_tile(tiles[name])
+            use_paged_tile(tiles[name])
             got = e4m3_step().astype(cupy.float32)
             first = got if first is None else first
             same, near = float(cupy.abs(got - first).max()), float(cupy.abs(got - reference).max())
@@ -93,7 +71,7 @@ def main(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("shapes", nargs="*")
     args = parser.parse_args(argv)
-    tiles = {name: parse_tile(name) for name in args.tiles.split(",")}
+    tiles = {name: parse_paged_tile(name, "--tiles") for name in args.tiles.split(",")}
     shapes = []
     for text in args.shapes:
         fields = [int(x) for x in text.split(":")]

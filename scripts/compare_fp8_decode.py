@@ -7,8 +7,8 @@ python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--paged-t
     says. CUDA-graph step times (20 calls a graph), and the largest difference of each output from
     the bf16 contiguous decode. Shapes default to SHAPES.
     --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
-    D = 128) with this many warps a CTA and ring stages, for this run: the experiment of whether
-    the contiguous cache's eight-warp stage helps over pages too (compiled on first use).
+    D = 128) with this many warps a CTA and ring stages, for this run (compiled on first use), or
+    none: no long stage. scripts/ab_paged_tiles.py times several in turn.
 """
 
 import dataclasses
@@ -18,7 +18,10 @@ import cupy
 import numpy as np
 
 import cuattn
+from cuattn import _calls
 from cuattn.bench import cases as bench_cases, timing
+
+decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
 HQ, HK, D = 32, 8, 128
 DEFAULT_BLOCK = 16
@@ -88,17 +91,27 @@ def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
           f"{times['bf16-paged'] / times['e4m3-paged']:.2f}x paged", flush=True)
 
 
-def set_paged_tile(value: str) -> None:
-    """--paged-tile=WARPS:STAGES: the paged e4m3 long-stage tile at D = 128, for this process."""
-    decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
+def parse_paged_tile(text: str, option: str = "--paged-tile"):
+    """'WARPS:STAGES' -> the DecodeTile of that many warps a CTA and 128-key ring stages, or None
+    for 'none' (the default 64-key stage)."""
+    if text == "none":
+        return None
     try:
-        warps, stages = (int(x) for x in value.split(":"))
+        warps, stages = (int(x) for x in text.split(":"))
     except ValueError:
-        raise SystemExit(f"--paged-tile takes WARPS:STAGES (e.g. 8:3), got {value!r}") from None
-    decode_module.E4M3_PAGED_LONG_TILES[D] = decode_module.DecodeTile(max_mt=1, stages=stages, long_stage=True,
-                                                                      warps=warps)
+        raise SystemExit(f"{option} takes none or WARPS:STAGES (e.g. 8:3), got {text!r}") from None
+    return decode_module.DecodeTile(max_mt=1, stages=stages, long_stage=True, warps=warps)
+
+
+def use_paged_tile(tile) -> None:
+    """The paged e4m3 long-stage tile at D = 128 for this process (None: no long stage), the
+    remembered specs and plans cleared so that the next call launches it."""
+    if tile is None:
+        decode_module.E4M3_PAGED_LONG_TILES.pop(D, None)
+    else:
+        decode_module.E4M3_PAGED_LONG_TILES[D] = tile
     decode_module.decode_spec.cache_clear()
-    print(f"paged e4m3 long tile: {warps} warps, {stages} stages", flush=True)
+    _calls.clear()
 
 
 def main(argv):
@@ -107,7 +120,10 @@ def main(argv):
         raise SystemExit(f"--pages must be one of {', '.join(bench_cases.PAGE_ORDERS)}, got {order!r}")
     tile = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--paged-tile=")), None)
     if tile is not None:
-        set_paged_tile(tile)
+        paged_tile = parse_paged_tile(tile)
+        use_paged_tile(paged_tile)
+        print("paged e4m3 long tile: " + (f"{paged_tile.warps} warps, {paged_tile.stages} stages" if paged_tile
+                                          else "none (the default stage)"), flush=True)
     block_arg = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--block-size=")), str(DEFAULT_BLOCK))
     if not block_arg.isdigit():
         raise SystemExit(f"--block-size takes a positive int, got {block_arg!r}")
