@@ -116,9 +116,12 @@ DECODE_TILES = {
 # eight-warp launch does not fit one wave the default stage ran as fast as the four-warp long one
 # or faster (MHA with ALiBi B = 8, L = 8k 190.1 against 193.4 us). The H200 measured the
 # eight-warp paged stage slower before the paged prologue looked up all its stages' rows first
-# (B = 8, L = 8k 43.4 -> 44.2 us; 131k, 65k keys a split, 582 -> 630: "Thirty-fifth session"); it
-# has not been lent since that change. On the H100 the eight-warp paged stage still gains at 65k
-# keys a split (B = 8, L = 131k 754.1 -> 748.0 us).
+# (B = 8, L = 8k 43.4 -> 44.2 us; 131k, 65k keys a split, 582 -> 630: "Thirty-fifth session").
+# Since then, timed in turn on an H200 ("Fifty-third session"), the two paged stages ran within
+# 0.3-2.5% of each other at B = 8 with the four-warp one ahead (8k 43.1-43.3 against 43.5-43.8 us,
+# 32k 150.3 against 154.0) and the eight-warp one ahead at B = 16, L = 8k (77.7-77.9 against
+# 78.1-78.5) and B = 1, L = 32k (27.2 against 29.8). On the H100 the eight-warp paged stage still
+# gains at 65k keys a split (B = 8, L = 131k 754.1 -> 748.0 us).
 E4M3_CONTIGUOUS_LONG_TILES = {128: DecodeTile(max_mt=1, stages=3, long_stage=True, warps=8)}
 E4M3_PAGED_LONG_TILES = dict(E4M3_CONTIGUOUS_LONG_TILES)
 E4M3_CONTIGUOUS_LONG_MAX_SPLIT_KEYS = 8192
@@ -750,13 +753,13 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     half = takes_half_tile(rows, mt, with_alibi)
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half)
     ctas = batch * num_kv_heads * row_chunks
+    length = split_length or max_seqlen  # the longest sequence the split count plans for
     wide = long = False
     if has_long_variant(tile_dim, mt, paged is not None, e4m3):
         long_spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half, long=True)
         long_per_sm, sms = ctas_per_sm(long_spec), _jit.multiprocessor_count()
         # the keys each split of the long variant streams: its splits as the launch below would
         # choose them (its CTAs an SM), kept for it where it runs
-        length = split_length or max_seqlen
         long_splits = num_splits or choose_num_splits(batch, num_kv_heads, row_chunks, length, sms, long_per_sm,
                                                       E4M3_MIN_CTAS_PER_SM)
         # the launch's CTAs: with the caller's splits it may span waves, which the default's more
@@ -774,8 +777,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
                                 paged is not None)
         spec = wide_spec if wide else spec
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, split_length or max_seqlen,
-                                       _jit.multiprocessor_count(),
+        num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, length, _jit.multiprocessor_count(),
                                        ctas_per_sm(spec) if paged is not None or e4m3 else 1,
                                        E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
     if batch == 0:

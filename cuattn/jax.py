@@ -679,8 +679,8 @@ def _device_decode(mask: _Mask, num_splits, max_seq_len, ctx, outs, q, k_cache, 
         _check_layouts({"q": qv, "k_cache": kv, "v_cache": vv, "out": ov})
         capacity = int(kv.shape[1])
         launch_decode(qv, kv, vv, lens, ov, lv, None, capacity, num_splits=num_splits, stream=stream,
-                      split_length=planned_length(max_seq_len, capacity), **_device_extras(mask, views[6:], int(qv.shape[0]), qv),
-                      **mask.kwargs())
+                      split_length=planned_length(max_seq_len, capacity),
+                      **_device_extras(mask, views[6:], int(qv.shape[0]), qv), **mask.kwargs())
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, max_seq_len=None, num_splits=None, causal=True, scale=None,
@@ -723,8 +723,7 @@ def _decode_call(q, k_cache, v_cache, cache_seqlens, *extras, mask: _Mask, num_s
             # split partials live in cuattn's per-stream workspace, which may be reallocated
             # between calls: not recordable in a graph
             device=_device_call(functools.partial(_device_decode, mask, num_splits, max_seq_len), shapes,
-                                mask.vmap_method(),
-                                graph_safe=False),
+                                mask.vmap_method(), graph_safe=False),
         )
 
     return _forward_only("decode", forward, q, k_cache, v_cache, cache_seqlens, *extras)

@@ -906,8 +906,8 @@ def _paged_attention(q, cache, block_table, seq_lens, max_seq_len, num_splits, c
         bound, workspace = _decode.launch_decode(
             qv, kv, vv, lens_d, out, lse, (table_d, block_size, num_blocks), capacity, num_splits=num_splits,
             causal=causal, scale=scale, window=(left, right), softcap=softcap,
-            stream=ctx.stream, split_length=_decode.planned_length(max_seq_len, capacity), step=step, sinks=sv, e4m3=e4m3,
-            k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
+            stream=ctx.stream, split_length=_decode.planned_length(max_seq_len, capacity), step=step, sinks=sv,
+            e4m3=e4m3, k_scale=ks, v_scale=vs, alibi=(av, alibi_sb),
         )
         if step is not None:
             return step

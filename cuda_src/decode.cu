@@ -46,8 +46,9 @@ namespace cuattn {
 constexpr int kDecodeWarps = 4;
 // Keys a pipeline stage holds (BLOCK_N in the kernels): each warp takes BLOCK_N / WARPS of them,
 // one k16 slice of P V (the default stage; the long stage with eight warps) or two (a long stage
-// of four warps, which no table takes since eight warps beat it over pages too; the paged tile
-// experiment of scripts/compare_fp8_decode.py, --paged-tile=4:2, still builds it). A warp's two
+// of four warps, which no table takes: eight warps beat it over pages on the H100 and ran within
+// 2.5% of it either way on the H200; scripts/compare_fp8_decode.py --paged-tile=4:2 and
+// scripts/ab_paged_tiles.py still build it). A warp's two
 // slices are independent MMA chains and halve the softmax's reductions, the barrier, the loop and
 // a paged cache's lookups per key.
 constexpr int kDecodeBlockN = 64;
