@@ -1,0 +1,105 @@
+"""Where a paged cache's placement costs decode time (#16): the same pages laid out in the pool in
+several orders, bf16 and e4m3 caches, timed in one process.
+
+python scripts/ab_page_orders.py [--rounds R] [B:L ...]
+    GQA 32/8, D = 128, one new bf16 token, per-head e4m3 scales (cuattn.fp8_scales). Each shape
+    (default SHAPES) is paged as ORDERS says, BLOCK:ORDER:
+      in-order      the pool holds each sequence's pages one after another
+      shuffled      a random permutation of the whole pool (compare_fp8_decode.py's default)
+      windowN       the in-order pool permuted only within windows of N consecutive pages: with
+                    N = 8 and 16-token pages a 128-key stage of the long-stage kernel still reads
+                    the same eight pages as in order, with N = 64 its eight pages lie anywhere in
+                    a megabyte (e4m3) of the pool
+    and timed as CUDA-graph steps (timing.time_cupy_graph, the min of R rounds), beside the
+    contiguous cache. Every e4m3 output must match the bf16 contiguous decode within E4M3_TOL.
+"""
+
+import argparse
+
+import cupy
+import numpy as np
+
+import cuattn
+from cuattn.bench import timing
+
+HQ, HK, D = 32, 8, 128
+SHAPES = [(8, 8192), (16, 8192), (8, 16384)]
+ORDERS = [(16, "in-order"), (16, "shuffled"), (16, "window64"), (16, "window8"), (256, "in-order"), (256, "shuffled")]
+E4M3_TOL = 0.05  # e4m3 rounding of K and V, against the bf16 cache's output (compare_fp8_decode sees 0.003)
+
+
+def block_table(order: str, batch: int, blocks_per_seq: int, rng) -> cupy.ndarray:
+    """int32 (batch, blocks_per_seq): every block of a pool of batch * blocks_per_seq once, placed as
+    ``order`` says (the module's docstring)."""
+    pool = batch * blocks_per_seq
+    if order == "in-order":
+        blocks = np.arange(pool)
+    elif order == "shuffled":
+        blocks = rng.permutation(pool)
+    elif order.startswith("window") and order[len("window"):].isdigit():
+        width = int(order[len("window"):])
+        blocks = np.concatenate([start + rng.permutation(min(width, pool - start)) for start in range(0, pool, width)])
+    else:
+        raise ValueError(f"order must be in-order, shuffled or windowN, got {order!r}")
+    return cupy.asarray(blocks.reshape(batch, blocks_per_seq).astype(np.int32))
+
+
+def compare(batch: int, seqlen: int, rounds: int, rng) -> None:
+    """Time one shape's caches in every order of ORDERS and print one line for it."""
+    bf16 = cupy.dtype("bfloat16")
+    q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
+    k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
+    lens = cupy.full((batch,), seqlen, np.int32)
+    k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
+    k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
+    reference = cuattn.decode(q, k, v, lens).astype(cupy.float32)
+
+    def best(fn) -> float:
+        return min(timing.time_cupy_graph(fn) for _ in range(rounds)) * 1e3
+
+    line = f"B={batch:3d} L={seqlen:6d}"
+    for block, order in ORDERS:
+        blocks = batch * seqlen // block
+        table = block_table(order, batch, seqlen // block, rng)
+
+        def pages(x):
+            out = cupy.empty((blocks, block, HK, D), x.dtype)  # [num_blocks, block, Hk, D]
+            out[table.reshape(-1)] = x.reshape(blocks, block, HK, D)
+            return out
+
+        kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
+
+        def bf16_step():
+            return cuattn.paged_attention(q, (kp, vp), table, lens, check=False)
+
+        def e4m3_step():
+            return cuattn.paged_attention(q, (kp8, vp8), table, lens, k_scale=k_scale, v_scale=v_scale, check=False)
+
+        diff = float(cupy.abs(e4m3_step().astype(cupy.float32) - reference).max())
+        if diff > E4M3_TOL:
+            raise SystemExit(f"B={batch} L={seqlen} {block}/{order}: e4m3 output {diff} from the bf16 decode")
+        t16, t8 = best(bf16_step), best(e4m3_step)
+        line += f" | {block}/{order} bf16 {t16:.1f} e4m3 {t8:.1f} {t16 / t8:.3f}x"
+    t16 = best(lambda: cuattn.decode(q, k, v, lens))
+    t8 = best(lambda: cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale))
+    print(line + f" | contiguous bf16 {t16:.1f} e4m3 {t8:.1f} {t16 / t8:.3f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="graph timings per step; the min is printed")
+    parser.add_argument("shapes", nargs="*", help="B:L (default: SHAPES)")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes] or SHAPES
+    largest_page = max(block for block, _ in ORDERS)
+    for _, seqlen in shapes:
+        if seqlen % largest_page:
+            raise SystemExit(f"each L must be a multiple of the {largest_page}-token pages, got {seqlen}")
+    rng = np.random.default_rng(0)
+    for batch, seqlen in shapes:
+        compare(batch, seqlen, args.rounds, rng)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
