@@ -20,9 +20,10 @@ import cupy
 import numpy as np
 
 import cuattn
+# a sibling script (scripts/ is sys.path[0]): the random caches and their e4m3 copies
+from compare_fp8_decode import HK, HQ, D, make_caches
 from cuattn.bench import timing
 
-HQ, HK, D = 32, 8, 128
 SHAPES = [(8, 8192), (16, 8192), (8, 16384)]
 ORDERS = [(16, "in-order"), (16, "shuffled"), (16, "window64"), (16, "window8"), (256, "in-order"), (256, "shuffled")]
 E4M3_TOL = 0.05  # e4m3 rounding of K and V, against the bf16 cache's output (compare_fp8_decode sees 0.003)
@@ -46,12 +47,9 @@ def block_table(order: str, batch: int, blocks_per_seq: int, rng) -> cupy.ndarra
 
 def compare(batch: int, seqlen: int, rounds: int, rng) -> None:
     """Time one shape's caches in every order of ORDERS and print one line for it."""
-    bf16 = cupy.dtype("bfloat16")
-    q = cupy.random.standard_normal((batch, 1, HQ, D), dtype=cupy.float32).astype(bf16)
-    k, v = (cupy.random.standard_normal((batch, seqlen, HK, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
-    lens = cupy.full((batch,), seqlen, np.int32)
-    k_scale, v_scale = cuattn.fp8_scales(k, per_head=True), cuattn.fp8_scales(v, per_head=True)
-    k8, v8 = cuattn.quantize_fp8(k, k_scale), cuattn.quantize_fp8(v, v_scale)
+    # compare_fp8_decode's caches (its own pages are not used: each order below pages them anew)
+    c = make_caches(batch, seqlen, HQ, HK, "in-order", ORDERS[0][0], rng)
+    q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
     reference = cuattn.decode(q, k, v, lens).astype(cupy.float32)
 
     def best(fn) -> float:
