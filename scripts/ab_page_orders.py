@@ -1,9 +1,10 @@
 """Where a paged cache's placement costs decode time (#16): the same pages laid out in the pool in
 several orders, bf16 and e4m3 caches, timed in one process.
 
-python scripts/ab_page_orders.py [--rounds R] [B:L ...]
+python scripts/ab_page_orders.py [--rounds R] [--orders BLOCK:ORDER,...] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token, per-head e4m3 scales (cuattn.fp8_scales). Each shape
-    (default SHAPES) is paged as ORDERS says, BLOCK:ORDER:
+    (default SHAPES) is paged in pages of BLOCK tokens placed as ORDER says, for each BLOCK:ORDER of
+    --orders (default ORDERS):
       in-order      the pool holds each sequence's pages one after another
       shuffled      a random permutation of the whole pool (compare_fp8_decode.py's default)
       windowN       the in-order pool permuted only within windows of N consecutive pages: with
@@ -29,26 +30,42 @@ ORDERS = [(16, "in-order"), (16, "shuffled"), (16, "window64"), (16, "window8"),
 E4M3_TOL = 0.05  # e4m3 rounding of K and V, against the bf16 cache's output (compare_fp8_decode sees 0.003)
 
 
-def block_table(order: str, batch: int, blocks_per_seq: int, rng) -> cupy.ndarray:
+def block_table(order: str, batch: int, blocks_per_seq: int, rng, to_device: bool = True):
     """int32 (batch, blocks_per_seq): every block of a pool of batch * blocks_per_seq once, placed as
-    ``order`` says (the module's docstring)."""
+    ``order`` says (the module's docstring); a CuPy array, or NumPy without ``to_device``."""
     pool = batch * blocks_per_seq
     if order == "in-order":
         blocks = np.arange(pool)
     elif order == "shuffled":
         blocks = rng.permutation(pool)
-    elif order.startswith("window") and order[len("window"):].isdigit():
+    elif order.startswith("window") and order[len("window"):].isdigit() and int(order[len("window"):]) > 0:
         width = int(order[len("window"):])
         blocks = np.concatenate([start + rng.permutation(min(width, pool - start)) for start in range(0, pool, width)])
     else:
-        raise ValueError(f"order must be in-order, shuffled or windowN, got {order!r}")
-    return cupy.asarray(blocks.reshape(batch, blocks_per_seq).astype(np.int32))
+        raise ValueError(f"order must be in-order, shuffled or windowN (N > 0), got {order!r}")
+    table = blocks.reshape(batch, blocks_per_seq).astype(np.int32)
+    return cupy.asarray(table) if to_device else table
 
 
-def compare(batch: int, seqlen: int, rounds: int, rng) -> None:
-    """Time one shape's caches in every order of ORDERS and print one line for it."""
+def parse_orders(text: str) -> list[tuple[int, str]]:
+    """'16:in-order,16:window8' -> [(16, 'in-order'), (16, 'window8')], each order checked."""
+    orders = []
+    for item in text.split(","):
+        block, _, order = item.partition(":")
+        if not block.isdigit() or int(block) < 1:
+            raise SystemExit(f"--orders takes BLOCK:ORDER items with a positive BLOCK, got {item!r}")
+        try:
+            block_table(order, 1, 1, np.random.default_rng(0), to_device=False)
+        except ValueError as exc:
+            raise SystemExit(f"--orders: {exc}") from None
+        orders.append((int(block), order))
+    return orders
+
+
+def compare(batch: int, seqlen: int, orders: list, rounds: int, rng) -> None:
+    """Time one shape's caches in every (block, order) of ``orders`` and print one line for it."""
     # compare_fp8_decode's caches (its own pages are not used: each order below pages them anew)
-    c = make_caches(batch, seqlen, HQ, HK, "in-order", ORDERS[0][0], rng)
+    c = make_caches(batch, seqlen, HQ, HK, "in-order", orders[0][0], rng)
     q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
     reference = cuattn.decode(q, k, v, lens).astype(cupy.float32)
 
@@ -56,7 +73,7 @@ def compare(batch: int, seqlen: int, rounds: int, rng) -> None:
         return min(timing.time_cupy_graph(fn) for _ in range(rounds)) * 1e3
 
     line = f"B={batch:3d} L={seqlen:6d}"
-    for block, order in ORDERS:
+    for block, order in orders:
         blocks = batch * seqlen // block
         table = block_table(order, batch, seqlen // block, rng)
 
@@ -86,16 +103,18 @@ def compare(batch: int, seqlen: int, rounds: int, rng) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="graph timings per step; the min is printed")
+    parser.add_argument("--orders", type=parse_orders, default=ORDERS,
+                        help="comma-separated BLOCK:ORDER (default: " + ",".join(f"{b}:{o}" for b, o in ORDERS) + ")")
     parser.add_argument("shapes", nargs="*", help="B:L (default: SHAPES)")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes] or SHAPES
-    largest_page = max(block for block, _ in ORDERS)
+    largest_page = max(block for block, _ in args.orders)
     for _, seqlen in shapes:
         if seqlen % largest_page:
             raise SystemExit(f"each L must be a multiple of the {largest_page}-token pages, got {seqlen}")
     rng = np.random.default_rng(0)
     for batch, seqlen in shapes:
-        compare(batch, seqlen, args.rounds, rng)
+        compare(batch, seqlen, args.orders, args.rounds, rng)
         cupy.get_default_memory_pool().free_all_blocks()
 
 
