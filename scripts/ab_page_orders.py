@@ -7,6 +7,7 @@ python scripts/ab_page_orders.py [--rounds R] [--orders BLOCK:ORDER,...] [B:L ..
     --orders (default ORDERS):
       in-order      the pool holds each sequence's pages one after another
       shuffled      a random permutation of the whole pool (compare_fp8_decode.py's default)
+      interleaved   the sequences' pages taking turns (bench_cases.block_table)
       windowN       the in-order pool permuted only within windows of N consecutive pages: with
                     N = 8 and 16-token pages a 128-key stage of the long-stage kernel still reads
                     the same eight pages as in order, with N = 64 its eight pages lie anywhere in
@@ -23,7 +24,7 @@ import numpy as np
 import cuattn
 # a sibling script (scripts/ is sys.path[0]): the random caches and their e4m3 copies
 from compare_fp8_decode import HK, HQ, D, make_caches
-from cuattn.bench import timing
+from cuattn.bench import cases as bench_cases, timing
 
 SHAPES = [(8, 8192), (16, 8192), (8, 16384)]
 ORDERS = [(16, "in-order"), (16, "shuffled"), (16, "window64"), (16, "window8"), (256, "in-order"), (256, "shuffled")]
@@ -32,18 +33,17 @@ E4M3_TOL = 0.05  # e4m3 rounding of K and V, against the bf16 cache's output (co
 
 def block_table(order: str, batch: int, blocks_per_seq: int, rng, to_device: bool = True):
     """int32 (batch, blocks_per_seq): every block of a pool of batch * blocks_per_seq once, placed as
-    ``order`` says (the module's docstring); a CuPy array, or NumPy without ``to_device``."""
-    pool = batch * blocks_per_seq
-    if order == "in-order":
-        blocks = np.arange(pool)
-    elif order == "shuffled":
-        blocks = rng.permutation(pool)
-    elif order.startswith("window") and order[len("window"):].isdigit() and int(order[len("window"):]) > 0:
-        width = int(order[len("window"):])
+    ``order`` says (the module's docstring; bench_cases.block_table's PAGE_ORDERS, or windowN); a
+    CuPy array, or NumPy without ``to_device``."""
+    width = order[len("window"):]
+    if order.startswith("window") and width.isdigit() and int(width) > 0:
+        pool, width = batch * blocks_per_seq, int(width)
         blocks = np.concatenate([start + rng.permutation(min(width, pool - start)) for start in range(0, pool, width)])
+        table = blocks.reshape(batch, blocks_per_seq).astype(np.int32)
+    elif order in bench_cases.PAGE_ORDERS:
+        table = bench_cases.block_table(batch, blocks_per_seq, order, rng)
     else:
-        raise ValueError(f"order must be in-order, shuffled or windowN (N > 0), got {order!r}")
-    table = blocks.reshape(batch, blocks_per_seq).astype(np.int32)
+        raise ValueError(f"order must be one of {', '.join(bench_cases.PAGE_ORDERS)} or windowN (N > 0), got {order!r}")
     return cupy.asarray(table) if to_device else table
 
 
