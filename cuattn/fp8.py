@@ -51,9 +51,7 @@ def fp8_scales(x, *, per_head: bool = False):
             amax = xp.abs(xv.astype(xp.float32)).max(axis=axes)
         else:  # nothing to scale: the all-zero answer
             amax = xp.zeros((int(xv.shape[-2]),) if per_head else (), xp.float32)
-        # 1 for an all-zero tensor (or head); NaN or inf in x stays NaN or inf in its scale
-        scale = xp.where(amax == 0, np.float32(1), amax / np.float32(_arrays.E4M3_MAX)).astype(np.float32)
-        return _float32_to_caller(scale, ctx)
+        return _float32_to_caller(_amax_scale(amax, xp), ctx)
 
 
 def quantize_fp8(x, scale):
@@ -175,7 +173,9 @@ def _rotate(x, signs, xp):
 
 
 def _amax_scale(amax, xp):
-    return xp.where(amax > 0, amax / np.float32(_arrays.E4M3_MAX), np.float32(1)).astype(np.float32)
+    """amax / 448 in float32: 1 where amax is 0 (an all-zero tensor, head or block); NaN or inf
+    in x stays NaN or inf in its scale, so that it shows rather than quantising the rest at 1."""
+    return xp.where(amax == 0, np.float32(1), amax / np.float32(_arrays.E4M3_MAX)).astype(np.float32)
 
 
 def _scales_and_ratio(x, granularity: str, block_rows: int, xp):
@@ -210,8 +210,10 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
         by ``seed``) before quantising: q k^T is unchanged, and an outlier channel is spread over
         all D channels, so a per-block amax no longer wastes the e4m3 range on it (QuaRot,
         FlashAttention-3). D must be a power of two.
-    Each scale is amax / 448 of what it covers (1 where that is all zero); the values are
-    round-to-nearest-even(x / scale) saturated to +-448, as :func:`quantize_fp8`.
+    Each scale is amax / 448 of what it covers (1 where that is all zero; NaN or inf there gives a
+    NaN or inf scale, as :func:`fp8_scales`); the values are round-to-nearest-even(x / scale)
+    saturated to +-448, as :func:`quantize_fp8`. D must be a multiple of 16 (the write kernel's
+    rows), q and k of one D, k and v of one batch, length and head count.
     """
     if granularity not in GRANULARITIES:
         error = ValueError if isinstance(granularity, str) else TypeError
@@ -226,6 +228,11 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
         for name, x in views.items():
             _arrays.check_ndim(name, x, "(B, S, H, D)")
             (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)(name, x)
+            # the write kernel stores whole 16-byte chunks of a row: the host path takes what it takes
+            if int(x.shape[-1]) % _params.constant("kCopyBytes"):
+                raise ValueError(f"{name}.shape[3] (D) must be a multiple of {_params.constant('kCopyBytes')} (the "
+                                 f"write kernel stores 16 bytes at a time), got {int(x.shape[-1])}")
+        _check_qkv_shapes(**views)
         xp = np if ctx.on_host else __import__("cupy")
         q_rows, k_rows = fp8_block_rows()
         signs = random_signs(int(views["q"].shape[-1]), seed) if incoherent else None
@@ -239,6 +246,15 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
             scales.append(scale)
             results.append(_quantize_ratio(xp.ascontiguousarray(ratio, xp.float32), ctx))
         return (*results, *(_float32_to_caller(sc, ctx) for sc in scales))
+
+
+def _check_qkv_shapes(q, k, v) -> None:
+    """q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv): one batch, k and v one sequence of
+    keys, q and k one head dim (the rotation's signs and the scores'), as attention takes them."""
+    _arrays.check_axis("k", k, 0, "B", int(q.shape[0]), "q.shape[0]")
+    _arrays.check_axis("k", k, 3, "D", int(q.shape[3]), "q.shape[3]")
+    for axis, axis_name in ((0, "B"), (1, "Sk"), (2, "Hk")):
+        _arrays.check_axis("v", v, axis, axis_name, int(k.shape[axis]), f"k.shape[{axis}]")
 
 
 def _quantize_ratio(ratio, ctx):

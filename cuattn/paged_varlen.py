@@ -97,6 +97,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     if alibi_slopes is not None and not causal:
         raise ValueError("alibi_slopes: paged_attention_varlen takes ALiBi with causal=True only, got causal=False")
     max_seqlen_q = _arrays.check_int("max_seqlen_q", max_seqlen_q, 0)
+    _arrays.array_kind(q, "q")  # an array at all, before its shape is read
     _arrays.check_ndim("q", q, "(total_q, Hq, D)")
     block_table, seq_lens = (_arrays.host_int32(name, x) for name, x in (("block_table", block_table),
                                                                           ("seq_lens", seq_lens)))
@@ -167,6 +168,8 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             ov = np.empty(out_shape, qv.dtype) if ctx.on_host else ctx.empty(out_shape, qv.dtype)
         lse = xp.empty((num_heads, total_q), np.float32) if ctx.on_host or not return_lse else \
             ctx.empty((num_heads, total_q), np.float32)
+        if num_heads == 0:  # no query heads, as every function takes them: nothing to plan or launch
+            return _to_caller(ov, lse, out, return_lse, ctx)
         # the whole plan on the host, then where the kernels read it in one copy (one-token
         # sequences in a row need no runs: their decode launch reads views)
         block = _one_token_block(lengths, ~prefill)
@@ -213,9 +216,15 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             ov[query_rows_x] = run_out.reshape(-1, num_heads, head_dim_v)[keep_x]
             if return_lse:
                 lse.T[query_rows_x] = run_lse.transpose(1, 0, 2).reshape(num_heads, -1).T[keep_x]
-        if not ctx.on_host:
-            ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
-        return (ov, lse) if return_lse else ov
+        return _to_caller(ov, lse, out, return_lse, ctx)
+
+
+def _to_caller(ov, lse, out, return_lse: bool, ctx):
+    """The call's result: ``out`` (the caller's array where one was given) or ``(out, lse)``, in
+    the caller's framework."""
+    if not ctx.on_host:
+        ov, lse = (out if out is not None else ctx.to_caller(ov)), (ctx.to_caller(lse) if return_lse else None)
+    return (ov, lse) if return_lse else ov
 
 
 def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:

@@ -109,6 +109,10 @@ def test_a_window_wider_than_any_sequence_sees_every_key():
         (lambda q, k, v: cuattn.merge_states(None, np.zeros((1, 4, 5), np.float32), q, np.zeros((1, 4, 5), np.float32)),
          r"out_0 must be a NumPy, CuPy, torch or JAX array .*got None"),
         (lambda q, k, v: cuattn.fp8_scales(None), r"x must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.paged_attention_varlen(None, (k, v), np.zeros((1, 1), np.int32), [0, 1], [1], 1),
+         r"q must be a NumPy, CuPy, torch or JAX array .*got None"),
+        (lambda q, k, v: cuattn.paged_attention_varlen([[[0.0]]], (k, v), np.zeros((1, 1), np.int32), [0, 1], [1], 1),
+         r"q must be a NumPy, CuPy, torch or JAX array .*got builtins.list"),
     ],
 )
 def test_a_missing_or_foreign_array_is_named(call, message):

@@ -191,6 +191,23 @@ def test_scales_of_non_finite_tensors_are_not_finite():
         cuattn.quantize_fp8(x, float(cuattn.fp8_scales(x[:, 1:2])))
 
 
+@pytest.mark.parametrize("granularity", cuattn.fp8.GRANULARITIES)
+def test_quantize_qkv_scales_of_non_finite_tensors_are_not_finite(granularity):
+    """quantize_qkv's scales follow fp8_scales: NaN in a tensor (head, block) makes its scale NaN, which shows,
+    instead of the all-zero tensor's 1, which would quantise its finite values at scale 1 without a word."""
+    x = np.full((1, 4, 2, 32), 1e-3, np.float32)
+    x[0, 0, 0, 0] = np.nan
+    *_, q_scale, k_scale, v_scale = cuattn.fp8.quantize_qkv(x, x, x, granularity=granularity)
+    for scale in (q_scale, k_scale, v_scale):
+        if scale.ndim == 0:
+            assert np.isnan(scale)
+            continue
+        # per head (H,) or per block (B, H, blocks): the NaN's head is NaN, head 1 is amax / 448
+        by_head = scale if scale.ndim == 1 else scale[0, :, 0]
+        assert np.isnan(by_head[0])
+        assert by_head[1] == np.float32(np.float32(1e-3) / np.float32(448))
+
+
 @pytest.mark.parametrize("per_head, shape", [(False, ()), (True, (2,))])
 def test_scales_of_an_empty_tensor_are_one(per_head, shape):
     scale = cuattn.fp8_scales(np.zeros((0, 2, 32), np.float32), per_head=per_head)
@@ -830,6 +847,18 @@ def test_fp8_attention_argument_errors(rng):
         cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=1)
     with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
         cuattn.fp8.quantize_qkv(q8, k8, k8, incoherent=True, seed=-1)
+    x = np.ones((1, 4, 2, 32), np.float32)
+    with pytest.raises(ValueError, match=r"^k.shape\[3\] \(D\) must be a multiple of 16 \(the write kernel stores 16 "
+                                         r"bytes at a time\), got 24$"):
+        cuattn.fp8.quantize_qkv(x[..., :16], x[..., :24], x[..., :16])
+    with pytest.raises(ValueError, match=r"^k.shape\[0\] \(B\) must equal q.shape\[0\] = 1, got 2$"):
+        cuattn.fp8.quantize_qkv(x, np.ones((2, 4, 2, 32), np.float32), x)
+    with pytest.raises(ValueError, match=r"^k.shape\[3\] \(D\) must equal q.shape\[3\] = 32, got 48$"):
+        cuattn.fp8.quantize_qkv(x, np.ones((1, 4, 2, 48), np.float32), np.ones((1, 4, 2, 48), np.float32))
+    with pytest.raises(ValueError, match=r"^v.shape\[1\] \(Sk\) must equal k.shape\[1\] = 4, got 3$"):
+        cuattn.fp8.quantize_qkv(x, x, x[:, :3])
+    with pytest.raises(ValueError, match=r"^v.shape\[2\] \(Hk\) must equal k.shape\[2\] = 1, got 2$"):
+        cuattn.fp8.quantize_qkv(x, x[:, :, :1], x)
     with pytest.raises(ValueError, match="must be a power of two for the Hadamard rotation, got 96"):
         cuattn.fp8.hadamard_rotate(np.zeros((2, 96), np.float32), np.ones(96))
     with pytest.raises(ValueError, match=r"signs must have shape \(D,\) = \(64,\) \(x.shape\[-1\]\), got "

@@ -278,6 +278,16 @@ def test_argument_errors():
         cuattn.paged_attention_varlen(q, pages, table, cu.astype(np.int64), lens, 40)
 
 
+def test_no_query_heads_give_empty_results():
+    """Hq = 0 (every Hk divides it) gives empty out and lse, as attention and decode do, not an error from
+    the runs' planning."""
+    rng = np.random.default_rng()
+    q, pages, table, cu, lens = make_problem(rng, np.float32)
+    out, lse = cuattn.paged_attention_varlen(q[:, :0], pages, table, cu, lens, 40, return_lse=True)
+    assert out.shape == (q.shape[0], 0, pages[1].shape[3]) and lse.shape == (0, q.shape[0])
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+
+
 @pytest.mark.parametrize("block_size", [0, 257])
 def test_block_size_outside_the_kernels_range_is_refused(block_size):
     rng = np.random.default_rng()
