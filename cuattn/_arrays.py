@@ -27,6 +27,9 @@ FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # numpy dtype -> the C++ type the kernels are instantiated with
 CUDA_TYPES = {FLOAT16: "__half", BFLOAT16: "__nv_bfloat16"}
+# what the CPU reference takes besides: float32 and float64 (it computes in float64). Not any float
+# kind: ml_dtypes' float8_e5m2 and np.longdouble are kind "f" too, and no kernel takes them.
+HOST_FLOAT_TYPES = (FLOAT16, BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
 # FP8 KV caches hold float8 e4m3 (e4m3fn: no infinities, largest value 448). NumPy holds it as
 # ml_dtypes' float8_e4m3fn; CuPy has no float8 type and holds the bytes as uint8 (so a uint8
 # cache is read as e4m3, on the host too); torch.float8_e4m3fn tensors are viewed as uint8.
@@ -410,14 +413,14 @@ def check_float_dtype(name: str, x) -> None:
 
 
 def check_host_float_dtype(name: str, x) -> None:
-    """NumPy inputs run the float64 reference, so any float dtype is fine; integers are not, nor is
-    e4m3 but where the device path takes it too (FP8 attention's q, k and v, e4m3 caches: their
-    own checks)."""
+    """NumPy inputs run the float64 reference: HOST_FLOAT_TYPES; not integers, other float8 kinds
+    or long doubles, nor e4m3 but where the device path takes it too (FP8 attention's q, k and v,
+    e4m3 caches: their own checks)."""
     dtype = np.dtype(x.dtype)
     if dtype == FLOAT8_E4M3:
         raise TypeError(f"{name}.dtype is float8_e4m3fn; expected float16, bfloat16, float32 or float64 here (e4m3 "
                         "is taken by FP8 attention's q, k and v and by e4m3 KV caches)")
-    if dtype.kind != "f" and dtype != BFLOAT16:
+    if dtype not in HOST_FLOAT_TYPES:
         raise TypeError(f"{name}.dtype is {dtype_name(dtype)}; expected float16, bfloat16, float32 or float64 (the "
                         "CPU reference computes in float64)")
 

@@ -79,9 +79,11 @@ def cascade_attention(q, prefix, cache, block_table, seq_lens, *, causal=True, s
             counts sequence b's own tokens, the new ones included, so it is at least Sq_new;
             NumPy and checked lengths are refused below that.
         causal, scale, softcap, sinks: as in :func:`cuattn.decode` (the sinks join once per row).
-        prefix_splits: how many key ranges the prefix is split into (1 to L), each attended by a
-            copy of the queries and merged; default: on the GPU enough to give every SM a tile
-            (each range at least MIN_SPLIT_KEYS keys), on the CPU 1.
+        prefix_splits: how many key ranges the prefix is split into at most (1 to L), each
+            attended by a copy of the queries and merged; the ranges are ceil(L / prefix_splits)
+            keys each, the last one shorter, so that none is empty: fewer where that leaves a range
+            over (L = 5 asked for 4 takes 3 ranges of 2, 2 and 1 keys). Default: on the GPU enough
+            to give every SM a tile (each range at least MIN_SPLIT_KEYS keys), on the CPU 1.
 
     Returns:
         ``out`` ``(B, Sq_new, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse ``(B, Hq, Sq_new)``.

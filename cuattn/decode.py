@@ -627,6 +627,9 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
     for axis, axis_name in enumerate(layout.strip("()").split(", ")[:-1]):
         _arrays.check_axis(cache_names[1], v, axis, axis_name, int(k.shape[axis]), f"{cache_names[0]}.shape[{axis}]")
     _arrays.check_positive(cache_names[0], k, 2, "Hk")
+    if length_axis != "S_max":
+        # as PagedKVCache's: check=False clamps table entries into the pool, which needs a block
+        _arrays.check_positive(cache_names[0], k, 0, "num_blocks")
     num_heads, num_kv_heads = int(q.shape[2]), int(k.shape[2])
     if num_heads % num_kv_heads:
         raise ValueError(

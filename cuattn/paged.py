@@ -412,8 +412,9 @@ class PagedKVCache:
             raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; the paged kernels take float16, bfloat16 or "
                             "float8_e4m3fn")
         if device == "cpu":
-            if dtype.kind != "f" and dtype not in (_arrays.BFLOAT16, _arrays.FLOAT8_E4M3):
-                raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; a CPU cache takes a float dtype")
+            if dtype not in (*_arrays.HOST_FLOAT_TYPES, _arrays.FLOAT8_E4M3):
+                raise TypeError(f"dtype is {_arrays.dtype_name(dtype)}; a CPU cache takes float16, bfloat16, float32, "
+                                "float64 or float8_e4m3fn")
             xp = np
         else:
             _jit.require_gpu()
@@ -538,8 +539,10 @@ class PagedKVCache:
         if read.size:
             # a block both written and read has no order either
             i = int(read[0])
+            readers = np.flatnonzero(pairs[:, 0] == dst[i])
+            which = "it reads too" if readers.tolist() == [i] else f"which pairs[{int(readers[readers != i][0])}] reads"
             raise ValueError(f"pairs: a destination block is never a source; pairs[{i}] = {tuple(pairs[i].tolist())} "
-                             f"writes block {int(dst[i])}, which another pair reads")
+                             f"writes block {int(dst[i])}, {which}")
         if not pairs.size:
             return
         if self.device == "cpu":

@@ -237,6 +237,7 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
         _arrays.check_axis("v_pages", v, axis, axis_name, int(k.shape[axis]), f"k_pages.shape[{axis}]")
     _arrays.check_axis("k_pages", k, 3, "head_dim", int(q.shape[2]), "q.shape[2]")
     _arrays.check_positive("k_pages", k, 2, "Hk")
+    _arrays.check_positive("k_pages", k, 0, "num_blocks")  # as paged_attention's (check=False clamps into the pool)
     if int(q.shape[1]) % int(k.shape[2]):
         raise ValueError(f"q.shape[1] (num_heads) = {int(q.shape[1])} must be a multiple of k_pages.shape[2] "
                          f"(num_kv_heads) = {int(k.shape[2])}")

@@ -245,6 +245,25 @@ def test_integer_inputs_are_refused_on_the_host():
         cuattn.attention(q, k, v)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e5m2", np.longdouble])
+def test_float_kinds_no_kernel_takes_are_refused_on_the_host(dtype):
+    """e5m2 and long double are NumPy floats (kind "f") as well; the host path takes only the dtypes
+    the reference is documented for, as the device path takes only its own."""
+    import ml_dtypes
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype) if isinstance(dtype, str) else dtype)
+    name = cuattn._arrays.dtype_name(dtype)
+    q, k, v = (x.astype(dtype) for x in arrays(d=16))
+    message = rf"q.dtype is {name}; expected float16, bfloat16, float32 or float64 \(the CPU reference"
+    with pytest.raises(TypeError, match=message):
+        cuattn.attention(q, k, v)
+    with pytest.raises(TypeError, match=message):
+        cuattn.decode(q[:, :1], k, v, np.array([3], np.int32))
+    lse = np.zeros((1, 4, 5), np.float32)
+    with pytest.raises(TypeError, match=rf"out_0.dtype is {name}; expected float16"):
+        cuattn.merge_states(q, lse, q, lse)
+
+
 def _strided(x):
     """x's values in a view whose last axis has a stride of 2 elements."""
     wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)

@@ -593,8 +593,11 @@ def test_paged_attention_errors():
                                          r"\(dst 9\)"):
         cache.copy_blocks([(0, 9)])
     with pytest.raises(ValueError, match=r"pairs: a destination block is never a source; pairs\[0\] = \(0, 1\) writes "
-                                         r"block 1, which another pair reads"):
+                                         r"block 1, which pairs\[1\] reads"):
         cache.copy_blocks([(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match=r"pairs: a destination block is never a source; pairs\[1\] = \(2, 2\) writes "
+                                         r"block 2, it reads too$"):
+        cache.copy_blocks([(0, 1), (2, 2)])
     with pytest.raises(ValueError, match=r"pairs: each destination block may appear once; block 3 is the destination of "
                                          r"pairs\[1\] and pairs\[2\]"):
         cache.copy_blocks([(0, 2), (0, 3), (1, 3)])
@@ -604,6 +607,22 @@ def test_paged_attention_errors():
     with pytest.raises(ValueError, match=r"head_dim = 84 is not supported: head_dim must be a multiple of 8 from 8 "
                                          r"to 256"):
         cuattn.PagedKVCache(8, 4, 2, 84, np.float16, device="cpu")
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_pool_of_no_blocks_is_refused(check):
+    """A (k_pages, v_pages) pair needs a block, as PagedKVCache does: check=False clamps table entries into
+    the pool, where a pool of none has no block to clamp to."""
+    q = np.ones((1, 1, 2, 16), np.float32)
+    pages = (np.zeros((0, 16, 2, 16), np.float32),) * 2
+    table, lens = np.zeros((1, 1), np.int32), np.array([5], np.int32)
+    message = r"^k_pages.shape\[0\] \(num_blocks\) must be at least 1, got 0$"
+    with pytest.raises(ValueError, match=message):
+        cuattn.paged_attention(q, pages, table, lens, check=check)
+    with pytest.raises(ValueError, match=message):
+        cuattn.paged_attention_varlen(q[0], pages, table, [0, 1], lens, 1, check=check)
+    with pytest.raises(ValueError, match=message):
+        cuattn.cascade_attention(q, (np.ones((4, 2, 16), np.float32),) * 2, pages, table, lens, check=check)
 
 
 def test_paged_cache_and_argument_errors():
@@ -646,8 +665,13 @@ def test_a_jax_table_or_lengths_beside_numpy_q_is_refused(jax_arg):
 
 
 def test_cpu_cache_enforces_the_device_caches_rules():
-    with pytest.raises(TypeError, match=r"dtype is int32; a CPU cache takes a float dtype"):
+    with pytest.raises(TypeError, match=r"dtype is int32; a CPU cache takes float16, bfloat16, float32, float64 or "
+                                        r"float8_e4m3fn"):
         cuattn.PagedKVCache(8, 4, 2, 64, np.int32, device="cpu")
+    # float kinds no kernel takes: e5m2 and long double are NumPy floats, refused all the same
+    for dtype in ("float8_e5m2", np.longdouble):
+        with pytest.raises(TypeError, match=r"a CPU cache takes float16, bfloat16, float32, float64 or float8_e4m3fn"):
+            cuattn.PagedKVCache(8, 4, 2, 64, dtype, device="cpu")
     with pytest.raises(ValueError, match=r"num_kv_heads must be an int >= 1, got 0"):
         cuattn.PagedKVCache(8, 4, 0, 64, np.float32, device="cpu")
     cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
@@ -668,7 +692,8 @@ def test_cpu_cache_enforces_the_device_caches_rules():
     ((8, 4, 2, 64, None), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got None"),
     ((8, 4, 2, 64, "float99"), {}, TypeError, r"dtype must be a float dtype \(float16, bfloat16, float8_e4m3fn, ...\), got "
                                                r"'float99'"),
-    ((8, 4, 2, 64, "float8_e4m3fnuz"), {}, TypeError, r"dtype is float8_e4m3fnuz; a CPU cache takes a float dtype"),
+    ((8, 4, 2, 64, "float8_e4m3fnuz"), {}, TypeError, r"dtype is float8_e4m3fnuz; a CPU cache takes float16, bfloat16, "
+                                                               r"float32, float64 or float8_e4m3fn"),
     ((8, 4, 2, "64", np.float32), {}, TypeError, r"head_dim must be an int >= 0, got '64'"),
     ((8, True, 2, 64, np.float32), {}, TypeError, r"block_size must be an int from 1 to 256, got True"),
     ((8, 4, 2, 64, "float8_e4m3fn"), {"k_scale": "0.5"}, TypeError,
