@@ -696,27 +696,19 @@ __device__ __forceinline__ void finish_split(const DecodeParams<T, Tkv>& p) {
                     p.lse != nullptr ? p.lse + b * p.lse_sb + h0 * p.lse_sh : nullptr, p.lse_sh);
 }
 
-// grid: x = split, y = kv head * row chunks + chunk, z = sequence. MIN_CTAS: the CTAs an SM must
-// hold at once (launch bounds): 0, no bound (the compiler's own register count; a bound of 1 let
-// it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
-// e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
-// (cuattn/decode.py, E4M3_WIDE_DECODE_TILES). ROW_HALVES: 1 for calls of at most 8 packed rows
-// (decode_body); its default keeps the names of the 16-row variants. BLOCK_N: keys a stage,
-// kDecodeBlockN or kDecodeLongBlockN; WARPS: the CTA's warps (blockDim.x / 32). Their defaults
-// keep the names of the default stage's four-warp variants.
-template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
-          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
-__global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
-decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
+// One CTA of decode_kernel or paged_decode_kernel (grid: x = split, y = kv head * row chunks +
+// chunk, z = sequence) over the KV policy make_kv(b, hk) builds for sequence b and kv head hk:
+// the call's arguments, decode_body, then the fused combine. The two kernels differ only in
+// that policy.
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES,
+          int BLOCK_N, int WARPS, class MakeKV>
+__device__ __forceinline__ void decode_cta(const DecodeParams<T, Tkv>& p, MakeKV&& make_kv) {
   const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
-  const Tkv* __restrict__ k_cache = p.k;      // [B, S_max, Hk, D]
-  const Tkv* __restrict__ v_cache = p.v;      // [B, S_max, Hk, Dv]
-  const int* __restrict__ cache_seqlens = p.lens;  // [B]
+  const int* __restrict__ lens = p.lens;      // [B]
   T* __restrict__ out = p.out;
   float* __restrict__ lse = p.lse;
   float* __restrict__ part_out = p.part_out;
   float* __restrict__ part_lse = p.part_lse;
-  const i64 k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh, v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh;
   const i64 q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh;
   const i64 o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh, lse_sb = p.lse_sb, lse_sh = p.lse_sh;
   const int batch = p.batch, sq_new = p.sq_new, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
@@ -728,9 +720,10 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   const int chunk = blockIdx.y % row_chunks;
   const int group = num_heads / num_kv_heads;
   const int h0 = hk * group;
-  const ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun> kv{k_cache + b * k_sb + hk * k_sh, v_cache + b * v_sb + hk * v_sh, k_ss, v_ss};
-  // a length past the cache's capacity is clamped to it: never read outside the cache
-  const DecodeArgs a{max(0, min(cache_seqlens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
+  const auto kv = make_kv(b, hk);
+  // a length past the cache's capacity (S_max, or the block table's) is clamped to it: never read
+  // outside the cache or the table
+  const DecodeArgs a{max(0, min(lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
                      MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
                      p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
                      ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
@@ -747,53 +740,40 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>(p);
 }
 
+// grid: x = split, y = kv head * row chunks + chunk, z = sequence (decode_cta). MIN_CTAS: the CTAs
+// an SM must hold at once (launch bounds): 0, no bound (the compiler's own register count; a bound
+// of 1 let it take 172 registers instead of 162 at D = 128 over e4m3, one CTA an SM fewer), but for the
+// e4m3 cache's wide variants, whose registers are capped so that more CTAs share an SM
+// (cuattn/decode.py, E4M3_WIDE_DECODE_TILES). ROW_HALVES: 1 for calls of at most 8 packed rows
+// (decode_body); its default keeps the names of the 16-row variants. BLOCK_N: keys a stage,
+// kDecodeBlockN or kDecodeLongBlockN; WARPS: the CTA's warps (blockDim.x / 32). Their defaults
+// keep the names of the default stage's four-warp variants.
+template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
+          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
+__global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
+decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
+  decode_cta<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, MIN_CTAS, ROW_HALVES, BLOCK_N, WARPS>(p, [&](int b, int hk) {
+    const Tkv* __restrict__ k_cache = p.k;  // [B, S_max, Hk, D]
+    const Tkv* __restrict__ v_cache = p.v;  // [B, S_max, Hk, Dv]
+    return ContiguousKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun>{
+        k_cache + b * p.k_sb + hk * p.k_sh, v_cache + b * p.v_sb + hk * p.v_sh, p.k_ss, p.v_ss};
+  });
+}
+
 // The same over a paged cache; grid as decode_kernel.
 template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
           int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
 __global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
-  const T* __restrict__ q = p.q;              // [B, Sq_new, Hq, D]
-  const Tkv* __restrict__ k_pages = p.k;      // [num_blocks, block_size, Hk, D]
-  const Tkv* __restrict__ v_pages = p.v;      // [num_blocks, block_size, Hk, Dv]
-  const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
-  const int* __restrict__ seq_lens = p.lens;  // [B]
-  T* __restrict__ out = p.out;
-  float* __restrict__ lse = p.lse;
-  float* __restrict__ part_out = p.part_out;
-  float* __restrict__ part_lse = p.part_lse;
-  const i64 k_sp = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh, v_sp = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh;
-  const i64 table_stride = p.table_stride;
-  const int block_size = p.block_size, block_size_shift = p.block_size_shift, num_blocks = p.num_blocks;
-  const u32 block_size_mul = p.block_size_mul;
-  const i64 q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh;
-  const i64 o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh, lse_sb = p.lse_sb, lse_sh = p.lse_sh;
-  const int batch = p.batch, sq_new = p.sq_new, num_heads = p.num_heads, num_kv_heads = p.num_kv_heads;
-  const int row_chunks = p.row_chunks, num_splits = p.num_splits, max_seqlen = p.max_seqlen;
-  const float score_scale = p.score_scale, softcap_out = p.softcap_out;
-  const int window_left = p.window_left, window_right = p.window_right;
-  const int b = blockIdx.z;
-  const int hk = blockIdx.y / row_chunks;
-  const int chunk = blockIdx.y % row_chunks;
-  const int group = num_heads / num_kv_heads;
-  const int h0 = hk * group;
-  const PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun> kv{k_pages + hk * k_sh, v_pages + hk * v_sh, static_cast<int>(k_sp), static_cast<int>(k_ss),
-                      static_cast<int>(v_sp), static_cast<int>(v_ss), block_table + b * table_stride,
-                      FastDivisor{block_size, block_size_mul, block_size_shift}, num_blocks};
-  // a length past the block table's capacity is clamped to it: never read outside the table
-  const DecodeArgs a{max(0, min(seq_lens[b], max_seqlen)), sq_new, group, group * sq_new, chunk * 16 * MT, (int)blockIdx.x, num_splits,
-                     MaskParams{0, window_left, window_right, score_scale * kv_descale<Tkv>(p.k_descale, p.k_scale, p.k_scale_stride, hk), softcap_out},
-                     p.sinks != nullptr ? p.sinks + h0 : nullptr, kv_descale<Tkv>(p.v_descale, p.v_scale, p.v_scale_stride, hk),
-                     ALIBI ? p.alibi_slopes + b * p.alibi_sb + h0 : nullptr, p.head_dim, p.head_dim_v};
-  const i64 part_rows = static_cast<i64>(blockIdx.x) * batch + b;
-  decode_body<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, ROW_HALVES, BLOCK_N, WARPS>(
-      q + b * q_sb + h0 * q_sh, q_ss, q_sh, kv, a,
-      out + b * o_sb + h0 * o_sh, o_ss, o_sh, lse != nullptr ? lse + b * lse_sb + h0 * lse_sh : nullptr, lse_sh,
-      part_out + (part_rows * sq_new * num_heads + h0) * p.head_dim_v, static_cast<i64>(num_heads) * p.head_dim_v,
-      p.head_dim_v,
-      part_lse + (part_rows * num_heads + h0) * sq_new, sq_new);
-  // the wide variants' register cap (MIN_CTAS) spills with the fused combine: the host merges
-  // their splits with combine_kernel
-  if constexpr (MIN_CTAS == 0) finish_split<T, Tkv, HEAD_DIM, MT, STAGES, BLOCK_N, WARPS>(p);
+  decode_cta<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, MIN_CTAS, ROW_HALVES, BLOCK_N, WARPS>(p, [&](int b, int hk) {
+    const Tkv* __restrict__ k_pages = p.k;                // [num_blocks, block_size, Hk, D]
+    const Tkv* __restrict__ v_pages = p.v;                // [num_blocks, block_size, Hk, Dv]
+    const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
+    return PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun>{
+        k_pages + hk * p.k_sh, v_pages + hk * p.v_sh, static_cast<int>(p.k_sb), static_cast<int>(p.k_ss),
+        static_cast<int>(p.v_sb), static_cast<int>(p.v_ss), block_table + b * p.table_stride,
+        FastDivisor{p.block_size, p.block_size_mul, p.block_size_shift}, p.num_blocks};
+  });
 }
 
 // Exact merge of P partial states per row: parts [P, B, S, H, D] with lse [P, B, H, S] (any
