@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         rows = _tools.build(args.arch, args.kernels, use_cache=not args.no_cache)
     except ValueError as exc:
         parser.error(str(exc))
-    except (ImportError, FileNotFoundError) as exc:  # no CuPy / NVRTC, or no kernel sources: one line
+    except (ImportError, OSError) as exc:  # no CuPy / NVRTC, no kernel sources, a cache it cannot write: one line
         print(f"python -m cuattn build: {exc}", file=sys.stderr)
         return 1
     print(_tools.format_build_table(rows))

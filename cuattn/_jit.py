@@ -437,12 +437,17 @@ def compile_kernel(spec: KernelSpec, arch: str, *, use_cache: bool = True) -> Co
                        spec.name, log)
         res = Resources(0, 0, 0, 0, 0)
     logger.info("compiled %s for %s in %.2f s (%d registers)", spec.name, arch, seconds, res.registers)
-    _atomic_write(cubin_path, cubin)
     meta = {
         "kernel": spec.name, "source": spec.source, "arch": arch, "lowered_name": lowered,
         "resources": dataclasses.asdict(res), "log": log, "seconds": seconds,
     }
-    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    try:
+        _atomic_write(cubin_path, cubin)
+        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    except OSError as exc:  # the module loads from the cached file: without it there is nothing to load
+        setting = os.environ.get("CUATTN_CACHE_DIR")
+        raise OSError(f"the kernel cache {folder} cannot be written ({exc.strerror or exc}); set CUATTN_CACHE_DIR "
+                      f"to a writable directory (it is {repr(setting) if setting else 'unset: ~/.cache/cuattn'})") from exc
     return CompiledKernel(spec, arch, cubin_path, lowered, res, log, seconds, False)
 
 

@@ -47,7 +47,7 @@ import threading
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import _check_qkv, attention, attention_backward
+from .attention import _check_bwd_args, _check_qkv, attention, attention_backward
 from .decode import merge_states
 
 # The handshake's fields, one int64 each: what every rank must agree on, named as the errors name them.
@@ -590,6 +590,7 @@ def _check_ring_inputs(q, k, v, causal: bool, host: bool) -> None:
         raise ValueError(f"v.shape[3] (head_dim_v) must equal q.shape[3] (head_dim) = {int(q.shape[3])} in ring "
                          f"attention, got {int(v.shape[3])}")
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
+    _check_ring_rows({"q": q}, host, q, k, v)
     _arrays.check_axis("k", k, 1, "S_local", int(q.shape[1]), "q.shape[1]")
     _arrays.check_positive("q", q, 1, "S_local")
     if causal and int(q.shape[1]) % 2:
@@ -597,6 +598,20 @@ def _check_ring_inputs(q, k, v, causal: bool, host: bool) -> None:
             f"q.shape[1] (S_local) = {int(q.shape[1])} must be even with causal=True: a zigzag shard is two equal "
             "chunks (chunk rank, then chunk 2P-1-rank; see cuattn.distributed.zigzag_shard)"
         )
+
+
+def _check_ring_rows(named: dict, host: bool, *on_device) -> None:
+    """The layout attention and attention_backward take for the arrays the ring hands them as they
+    are (views of q's rows; dout and out): a contiguous last axis, and on the device the kernels'
+    row alignment and q's device (``on_device`` too). k and v need neither: the ring sends
+    contiguous copies of them. Checked before the handshake, so that a rank that would fail at its
+    first step refuses instead, and its peers learn it rather than wait."""
+    for name, x in named.items():
+        (_arrays.check_last_axis if host else _arrays.check_kernel_layout)(name, x)
+    if not host:
+        first = on_device[0]
+        for name, x in (*named.items(), *zip(("k", "v"), on_device[1:])):
+            _arrays.check_same_device(name, x, "q", first)
 
 
 class _Ops:
@@ -754,13 +769,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
             _masks.check_options((-1, -1), softcap, scale, causal=causal)
             _check_ring_inputs(qv, kv, vv, causal, ctx.on_host)
             batch, local, num_heads, _ = map(int, qv.shape)
-            for name, x in (("dout", dov), ("out", ov)):
-                if tuple(x.shape) != tuple(qv.shape):
-                    raise ValueError(f"{name}.shape must equal q.shape = {tuple(qv.shape)}, got {tuple(x.shape)}")
-                _arrays.check_same_dtype(name, x, "q", qv)
-            if tuple(lv.shape) != (batch, num_heads, local):
-                raise ValueError(f"lse.shape must be {(batch, num_heads, local)} (the forward's lse), got "
-                                 f"{tuple(lv.shape)}")
+            # attention_backward's own checks of the forward's results (lse's float32 among them)
+            _check_bwd_args(dov, ov, lv, qv, vv, (batch, num_heads, local), ctx.on_host)
+            _check_ring_rows({"dout": dov, "out": ov}, ctx.on_host, qv, kv, vv)
+            if not ctx.on_host:
+                _arrays.check_same_device("lse", lv, "q", qv)
 
         _handshake(ring, 1, qv, kv, causal, scale, softcap, _refusal(check))
         grads = _backward(ring, ctx.stream, dov, qv, kv, vv, ov, lv, causal=causal, scale=scale, softcap=softcap)

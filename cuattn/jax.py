@@ -90,6 +90,8 @@ _VECTOR, _TABLE = 1, 2
 # this order, after its arrays, and names them in _Mask.extras, so that each callback knows its
 # trailing buffers; calls with any run once per vmapped element (one row of them per call).
 EXTRAS = ("sinks", "alibi_slopes")
+# the integer arrays the functions take (int32 in the kernels)
+INT32_ARGUMENTS = ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table", "seq_lens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,11 +184,21 @@ def _as_arrays(**named) -> list:
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__module__}.{type(x).__name__}")
         converted = jnp.asarray(x)
         if np.dtype(converted.dtype) != np.dtype(x.dtype):
-            wanted = "int32" if np.dtype(x.dtype).kind in "iu" else "float16 or bfloat16"
+            wanted = _wanted_dtype(name)
             raise TypeError(f"{name}.dtype is {_arrays.dtype_name(x.dtype)}, which JAX would turn into "
                             f"{_arrays.dtype_name(converted.dtype)}; pass {wanted} (the kernels' type)")
         arrays.append(converted)
     return arrays
+
+
+def _wanted_dtype(name: str) -> str:
+    """The dtype the kernels take argument ``name`` in, for _as_arrays' error: float32 for the EXTRAS,
+    int32 for the lengths, prefix sums and block tables, float16 or bfloat16 for the tensors."""
+    if name in EXTRAS:
+        return "float32"
+    if name in INT32_ARGUMENTS:
+        return "int32"
+    return "float16 or bfloat16"
 
 
 def _concrete_on_cpu(*arrays) -> bool:

@@ -355,13 +355,16 @@ def test_ranks_agree_on_options_spelled_differently(rng):
     _close("out", _unshard(got, True, axis=1), reference.attention(q, k, v, causal=True), rng.seed)
 
 
-@pytest.mark.parametrize("bad", ["odd-length", "missing-array"])
-@pytest.mark.parametrize("call", ["forward", "backward"])
+@pytest.mark.parametrize("call, bad", [(call, bad) for call in ("forward", "backward")
+                                       for bad in ("odd-length", "missing-array", "strided-q", "float64-lse")
+                                       if (call, bad) != ("forward", "float64-lse")])  # the forward takes no lse
 def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, call, bad):
     """Ranks that call on their own (no LocalGroup.run to abort the others): the rank whose shard is
     bad raises its own error, and its peer, which met it in the handshake, raises one naming it,
     rather than waiting in the ring until the timeout. So too for an argument refused before the
-    ring exists (None for v or out: array_context's own check)."""
+    ring exists (None for v or out: array_context's own check), and for what attention and
+    attention_backward would refuse at the ring's first step (a q whose last axis is strided, a
+    float64 lse): refused before the handshake, not in the ring."""
     import threading
 
     monkeypatch.setattr(distributed, "LOCAL_TIMEOUT_S", 20.0)
@@ -369,17 +372,23 @@ def test_one_ranks_bad_input_raises_on_every_rank_without_an_abort(monkeypatch, 
     errors = [None, None]
     own_error = {"odd-length": (ValueError, "must be even with causal=True"),
                  "missing-array": (TypeError, f"{'v' if call == 'forward' else 'out'} must be a NumPy, CuPy, torch "
-                                              "or JAX array")}[bad]
+                                              "or JAX array"),
+                 "strided-q": (ValueError, "q must be contiguous in its last axis"),
+                 "float64-lse": (TypeError, "lse.dtype must be float32")}[bad]
 
     def body(group):
         try:
             q, k, v = _inputs(4 + group.rank if bad == "odd-length" else 4)  # rank 1's S_local is odd
-            missing = bad == "missing-array" and group.rank == 1
+            bad_rank = group.rank == 1
+            missing = bad == "missing-array" and bad_rank
+            if bad == "strided-q" and bad_rank:
+                q = np.asfortranarray(q)
             if call == "forward":
                 ring_attention(q, k, None if missing else v, group, causal=True)
             else:
                 out, lse = np.zeros_like(q), np.zeros((1, 2, q.shape[1]))
-                distributed.ring_attention_backward(q, q, k, v, None if missing else out, lse.astype(np.float32),
+                lse_dtype = np.float64 if bad == "float64-lse" and bad_rank else np.float32
+                distributed.ring_attention_backward(q, q, k, v, None if missing else out, lse.astype(lse_dtype),
                                                     group, causal=True)
         except Exception as error:  # noqa: BLE001 - each rank's error is the test's result
             errors[group.rank] = error

@@ -635,6 +635,15 @@ def test_numpy_arrays_jax_would_narrow_are_refused():
     with pytest.raises(TypeError, match=r"q.dtype is float64, which JAX would turn into float32; pass float16 or "
                                         r"bfloat16"):
         cuattn.jax.attention(np.zeros(q.shape), k, v)
+    # each argument's own dtype: float32 for sinks and slopes, int32 for prefix sums
+    heads = q.shape[2]
+    with pytest.raises(TypeError, match=r"^sinks.dtype is float64, which JAX would turn into float32; pass float32 "):
+        cuattn.jax.attention(q, k, v, sinks=np.zeros(heads))
+    with pytest.raises(TypeError, match=r"^alibi_slopes.dtype is float64, .*; pass float32 "):
+        cuattn.jax.attention(q, k, v, alibi_slopes=np.ones(heads))
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q.dtype is float64, which JAX would turn into float32; pass int32 "):
+        cuattn.jax.attention_varlen(q[0], k[0], v[0], np.array([0.0, q.shape[1]]),
+                                    np.array([0, k.shape[1]], np.int32), q.shape[1], k.shape[1])
 
 
 def test_concrete_prefix_sums_are_checked_before_the_call_on_the_cpu():

@@ -271,6 +271,23 @@ def test_cli_build_and_info(cache):
     assert "flash_fwd_kernel (mma.sync) for every" in info.stdout
 
 
+def test_a_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """CUATTN_CACHE_DIR naming a file: the compile's write fails, and the error names the cache and
+    the setting (build prints it as one line) instead of a bare NotADirectoryError."""
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(not_a_dir))
+    spec = next(s for s in _tools.kernel_variants("sm_80") if "copy_blocks_kernel" in s.name)
+    with pytest.raises(OSError, match=rf"^the kernel cache {re.escape(str(not_a_dir))}/nvrtc-[0-9.]+ cannot be "
+                                      rf"written \(Not a directory\); set CUATTN_CACHE_DIR to a writable directory "
+                                      rf"\(it is '{re.escape(str(not_a_dir))}'\)$"):
+        _jit.compile_kernel(spec, "sm_80")
+    run = subprocess.run([sys.executable, "-m", "cuattn", "build", "--arch", "sm_80", "--kernels", "copy_blocks"],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("python -m cuattn build: the kernel cache "), run.stderr
+
+
 def test_prune_cache_removes_what_no_current_variant_has(cache, sources, monkeypatch):
     """Kernels compiled from an edited header (an older release's, to the cache) are stale once
     the sources change back, and so are entries of no variant at all: prune removes both and keeps
