@@ -1,9 +1,13 @@
-"""Exact attention for prefill and training: ``attention`` and ``attention_varlen`` (forward).
+"""Exact attention for prefill and training: ``attention`` and ``attention_varlen`` (forward) and
+their gradients, ``attention_backward`` and ``attention_varlen_backward``.
 
     out = softmax(mask(cap(scale * q @ k^T))) @ v        lse = logsumexp of the same scores
 
-computed tile by tile on tensor cores (``cuda_src/flash_fwd.cu``) without ever writing the
-Sq x Sk score matrix: the extra device memory is ``out`` and ``lse``.
+computed tile by tile on tensor cores (the forward in ``cuda_src/flash_fwd_sm90.cu`` on sm_90a
+where the TMA can read the arrays, else ``cuda_src/flash_fwd.cu``; the backward by recomputation
+in ``cuda_src/flash_bwd.cu``) without ever writing the Sq x Sk score matrix: the forward's extra
+device memory is ``out`` and ``lse``. The kernels' variants, tiles and launch choices are this
+module's tables (``FWD_TILES``, ``FWD_SM90_TILES``, ``BWD_TILES``, ...).
 
 Layouts (any strides, as long as the last axis is contiguous, so the transpose of a
 ``(B, H, S, D)`` tensor works without a copy):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: run from the repository root on a CUDA machine with its own python3 and nothing
-# installed (pytest's pythonpath makes the checkout importable). Runs
+# GPU check: run from the repository root on a CUDA machine whose python3 has CuPy, NumPy,
+# ml_dtypes, pytest, pytest-benchmark and hypothesis (the `test` extra) and not cuattn itself
+# (pytest's pythonpath makes the checkout importable). Runs
 #   1. `python -m cuattn info` and `build --arch sm_90a` (spills under this machine's NVRTC),
 #   2. the whole pytest suite, GPU tests included,
 #   3. compute-sanitizer memcheck and racecheck over the small GPU tests,
