@@ -748,6 +748,8 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     num_kv_heads, head_dim_v = int(k.shape[2]), int(v.shape[3])
     group = num_heads // num_kv_heads
     rows = group * sq_new
+    if batch == 0 or rows == 0:  # no sequence or no query head (Hq = 0): nothing to launch
+        return [], 0
     tile_dim = decode_tile_dim(head_dim, head_dim_v)
     tile = DECODE_TILES[tile_dim]
     with_alibi = alibi[0] is not None
@@ -783,8 +785,6 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, length, _jit.multiprocessor_count(),
                                        ctas_per_sm(spec) if paged is not None or e4m3 else 1,
                                        E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
-    if batch == 0:
-        return [], 0
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)

@@ -484,6 +484,31 @@ def test_lengths_outside_the_cache_are_clamped_on_the_gpu_like_the_cpu(rng):
 
 
 @pytest.mark.gpu
+def test_no_query_heads_give_empty_results_on_the_gpu_like_the_cpu(rng):
+    """Hq = 0 (every Hk divides it): empty out and lse from decode, paged_attention and
+    paged_attention_varlen on the GPU, as on the CPU, with no launch of zero row chunks."""
+    cupy = _cupy()
+    q = randn(rng, (2, 1, 0, 64), np.float16)
+    k, v = (randn(rng, (2, 32, 2, 64), np.float16) for _ in range(2))
+    lens = np.array([32, 17], np.int32)
+    table = np.arange(4, dtype=np.int32).reshape(2, 2)
+    pages = tuple(x.reshape(4, 16, 2, 64) for x in (k, v))
+    calls = {
+        "decode": lambda xp: cuattn.decode(xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(lens),
+                                           return_lse=True),
+        "paged_attention": lambda xp: cuattn.paged_attention(xp.asarray(q), tuple(map(xp.asarray, pages)), table, lens,
+                                                             return_lse=True),
+        "paged_attention_varlen": lambda xp: cuattn.paged_attention_varlen(
+            xp.asarray(q[:, 0]), tuple(map(xp.asarray, pages)), table, [0, 1, 2], lens, 1, return_lse=True),
+    }
+    for name, call in calls.items():
+        (host_out, host_lse), (out, lse) = call(np), call(cupy)
+        cupy.cuda.get_current_stream().synchronize()
+        assert out.shape == host_out.shape and lse.shape == host_lse.shape, name
+        assert out.size == 0 and lse.size == 0, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["slices of one tensor", "unevenly spaced", "mixed strides"])
 def test_merge_states_reads_strided_parts_in_place_or_copies_when_it_must(rng, layout):
     cupy = _cupy()
