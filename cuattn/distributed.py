@@ -590,7 +590,10 @@ def _check_ring_inputs(q, k, v, causal: bool, host: bool) -> None:
         raise ValueError(f"v.shape[3] (head_dim_v) must equal q.shape[3] (head_dim) = {int(q.shape[3])} in ring "
                          f"attention, got {int(v.shape[3])}")
     _arrays.check_dtypes({"q": q, "k": k, "v": v}, host)
-    _check_ring_rows({"q": q}, host, q, k, v)
+    _check_ring_rows({"q": q}, host, q)
+    if not host:  # k and v need only q's device: the ring sends contiguous copies of them
+        for name, x in (("k", k), ("v", v)):
+            _arrays.check_same_device(name, x, "q", q)
     _arrays.check_axis("k", k, 1, "S_local", int(q.shape[1]), "q.shape[1]")
     _arrays.check_positive("q", q, 1, "S_local")
     if causal and int(q.shape[1]) % 2:
@@ -600,18 +603,17 @@ def _check_ring_inputs(q, k, v, causal: bool, host: bool) -> None:
         )
 
 
-def _check_ring_rows(named: dict, host: bool, *on_device) -> None:
+def _check_ring_rows(named: dict, host: bool, q) -> None:
     """The layout attention and attention_backward take for the arrays the ring hands them as they
     are (views of q's rows; dout and out): a contiguous last axis, and on the device the kernels'
-    row alignment and q's device (``on_device`` too). k and v need neither: the ring sends
-    contiguous copies of them. Checked before the handshake, so that a rank that would fail at its
-    first step refuses instead, and its peers learn it rather than wait."""
+    row alignment and q's device. Checked before the handshake, so that a rank that would fail at
+    its first step refuses instead, and its peers learn it rather than wait."""
     for name, x in named.items():
-        (_arrays.check_last_axis if host else _arrays.check_kernel_layout)(name, x)
-    if not host:
-        first = on_device[0]
-        for name, x in (*named.items(), *zip(("k", "v"), on_device[1:])):
-            _arrays.check_same_device(name, x, "q", first)
+        if host:
+            _arrays.check_last_axis(name, x)
+        else:
+            _arrays.check_kernel_layout(name, x)
+            _arrays.check_same_device(name, x, "q", q)
 
 
 class _Ops:
@@ -771,7 +773,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, group, *, causal=False, sca
             batch, local, num_heads, _ = map(int, qv.shape)
             # attention_backward's own checks of the forward's results (lse's float32 among them)
             _check_bwd_args(dov, ov, lv, qv, vv, (batch, num_heads, local), ctx.on_host)
-            _check_ring_rows({"dout": dov, "out": ov}, ctx.on_host, qv, kv, vv)
+            _check_ring_rows({"dout": dov, "out": ov}, ctx.on_host, qv)
             if not ctx.on_host:
                 _arrays.check_same_device("lse", lv, "q", qv)
 

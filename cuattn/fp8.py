@@ -68,10 +68,7 @@ def quantize_fp8(x, scale):
         heads, head_dim = int(xv.shape[-2]), int(xv.shape[-1])
         sv = ctx.view(scale) if _arrays.is_array(scale) else scale
         checked = _arrays.check_kv_scale("scale", sv, True, heads, ctx.on_host, "x", xv)
-        # the host path takes the rows the write kernel takes
-        if head_dim % _params.constant("kCopyBytes"):
-            raise ValueError(f"x.shape[-1] (D) must be a multiple of {_params.constant('kCopyBytes')} (the write "
-                             f"kernel stores 16 bytes at a time), got {head_dim}")
+        _check_write_rows("x.shape[-1] (D)", head_dim)
         if ctx.on_host:
             _arrays.check_host_float_dtype("x", xv)
             return paged.quantize_e4m3(np.asarray(xv), checked.per_head(heads))
@@ -84,6 +81,13 @@ def quantize_fp8(x, scale):
 
             return torch.from_dlpack(out).view(torch.float8_e4m3fn)
         return ctx.to_caller(out)
+
+
+def _check_write_rows(label: str, head_dim: int) -> None:
+    """The write kernel stores whole 16-byte chunks of a row: the host path takes the rows it takes."""
+    if head_dim % _params.constant("kCopyBytes"):
+        raise ValueError(f"{label} must be a multiple of {_params.constant('kCopyBytes')} (the write kernel stores "
+                         f"16 bytes at a time), got {head_dim}")
 
 
 def _check_device_float(name, x) -> None:
@@ -228,10 +232,7 @@ def quantize_qkv(q, k, v, *, granularity: str = "tensor", incoherent: bool = Fal
         for name, x in views.items():
             _arrays.check_ndim(name, x, "(B, S, H, D)")
             (_arrays.check_host_float_dtype if ctx.on_host else _check_device_float)(name, x)
-            # the write kernel stores whole 16-byte chunks of a row: the host path takes what it takes
-            if int(x.shape[-1]) % _params.constant("kCopyBytes"):
-                raise ValueError(f"{name}.shape[3] (D) must be a multiple of {_params.constant('kCopyBytes')} (the "
-                                 f"write kernel stores 16 bytes at a time), got {int(x.shape[-1])}")
+            _check_write_rows(f"{name}.shape[3] (D)", int(x.shape[-1]))
         _check_qkv_shapes(**views)
         xp = np if ctx.on_host else __import__("cupy")
         q_rows, k_rows = fp8_block_rows()
