@@ -153,6 +153,41 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(_nvrtc().getVersion())
 
 
+def _cuda_version(encoded: int) -> str:
+    """CUDA's version integers (1000 * major + 10 * minor) as major.minor."""
+    return f"{encoded // 1000}.{encoded % 1000 // 10}"
+
+
+def toolkit_mismatch(nvrtc: tuple[int, int], runtime: int, driver: int) -> str | None:
+    """Why kernels NVRTC ``nvrtc`` builds may not load beside CuPy's CUDA ``runtime`` and a driver
+    supporting CUDA ``driver`` (version integers; 0: no driver), or None where they agree.
+
+    CuPy loads the newest NVRTC it finds, so a CUDA 13 NVRTC (torch's cu13 wheels bring one) can
+    sit beside cupy-cuda12x, whose users chose it for a CUDA 12 driver; a driver older than the
+    NVRTC that built a cubin may refuse to load it."""
+    built = f"{nvrtc[0]}.{nvrtc[1]}"
+    if driver and nvrtc[0] > driver // 1000:
+        return (f"NVRTC {built} builds the kernels but the NVIDIA driver supports CUDA {_cuda_version(driver)}: "
+                f"update the driver, or remove the CUDA {nvrtc[0]} NVRTC wheel so that CuPy loads CUDA "
+                f"{driver // 1000}'s")
+    if nvrtc[0] != runtime // 1000:
+        return (f"NVRTC {built} builds the kernels but CuPy was built for CUDA {_cuda_version(runtime)}: "
+                f"install the CuPy and NVRTC of one CUDA version (cuattn[cuda12] or cuattn[cuda13])")
+    return None
+
+
+def installed_toolkit_mismatch() -> str | None:
+    """:func:`toolkit_mismatch` for this installation (None where CuPy cannot say)."""
+    import cupy
+
+    try:
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        driver = cupy.cuda.runtime.driverGetVersion()
+    except Exception:  # a courtesy check: an installation that cannot answer has other errors to give
+        return None
+    return toolkit_mismatch(nvrtc_version(), runtime, driver)
+
+
 def cuda_include_dir() -> str | None:
     """Where cuda_fp16.h and cuda_bf16.h live: the CUDA runtime wheel, or a system toolkit."""
     try:
@@ -270,8 +305,8 @@ def _runtime_error_hint(cupy, exc) -> str:
         runtime = cupy.cuda.runtime.runtimeGetVersion()
     except Exception:  # the versions are a courtesy; the error itself is the answer
         return str(exc)
-    return (f"the NVIDIA driver supports CUDA {driver // 1000}.{driver % 1000 // 10} but CuPy was built for "
-            f"CUDA {runtime // 1000}.{runtime % 1000 // 10}: update the driver, or install cuattn[cuda12]")
+    return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)} but CuPy was built for "
+            f"CUDA {_cuda_version(runtime)}: update the driver, or install cuattn[cuda12]")
 
 
 def require_gpu() -> None:
@@ -572,8 +607,14 @@ def get_function(spec: KernelSpec, device_id: int | None = None):
         if function is None:
             compiled = compile_kernel(spec, device_arch(spec, device_id))
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(path=str(compiled.cubin_path))
-                function = module.get_function(compiled.lowered_name)
+                try:
+                    module = cupy.RawModule(path=str(compiled.cubin_path))
+                    function = module.get_function(compiled.lowered_name)
+                except cupy.cuda.driver.CUDADriverError as exc:
+                    mismatch = installed_toolkit_mismatch()
+                    if mismatch is None:
+                        raise
+                    raise RuntimeError(f"the driver did not load {spec.name} ({exc}): {mismatch}") from exc
             _functions[key] = function
     return function
 

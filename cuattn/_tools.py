@@ -206,6 +206,9 @@ def info() -> dict:
         report["kernel sources"] = f"missing ({exc})"
     try:
         report["nvrtc"] = ".".join(map(str, _jit.nvrtc_version()))
+        mismatch = _jit.installed_toolkit_mismatch()
+        if mismatch is not None:
+            report["nvrtc"] += f" (warning: {mismatch})"
         report["cuda headers"] = _jit.cuda_include_dir() or "not found"
         report["cache directory"] = str(_jit.cache_dir())
         report["cached kernels"] = len(_jit.cached_kernels())

@@ -24,7 +24,7 @@ from cuattn import _registry, reference
 from conftest import (BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, check_varlen_gradients, error_budget,
                       prefix_sums, Tensor, randn)
 
-jax = pytest.importorskip("jax")  # a guard only: jax is in the test extra, so CI runs this file
+jax = pytest.importorskip("jax")  # a guard only: the test extra brings jax from Python 3.11, so CI runs this file
 import jax.numpy as jnp  # noqa: E402
 
 import cuattn.jax  # noqa: E402

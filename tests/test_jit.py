@@ -453,3 +453,59 @@ def test_launch_refuses_a_tile_larger_than_the_device_allows(monkeypatch):
     with pytest.raises(ValueError, match=r"cuattn::some_kernel<128> needs 141824 bytes of shared memory per block; "
                                          r"device 0 \(sm_89\) allows 101376: this head dim has no tile for this GPU"):
         _jit.launch(spec, (1, 1, 1), ())
+
+
+@pytest.mark.parametrize("nvrtc, runtime, driver, expected", [
+    ((12, 9), 12090, 0, None),
+    ((12, 9), 12090, 12040, None),
+    ((13, 0), 13000, 13000, None),
+    ((13, 0), 12090, 0, r"^NVRTC 13\.0 builds the kernels but CuPy was built for CUDA 12\.9: install the CuPy and "
+                        r"NVRTC of one CUDA version \(cuattn\[cuda12\] or cuattn\[cuda13\]\)$"),
+    ((12, 9), 13000, 13000, r"^NVRTC 12\.9 builds the kernels but CuPy was built for CUDA 13\.0"),
+    ((13, 0), 12090, 12080, r"^NVRTC 13\.0 builds the kernels but the NVIDIA driver supports CUDA 12\.8: update "
+                            r"the driver, or remove the CUDA 13 NVRTC wheel so that CuPy loads CUDA 12's$"),
+])
+def test_toolkit_mismatch_names_nvrtc_cupy_and_driver_versions(nvrtc, runtime, driver, expected):
+    message = _jit.toolkit_mismatch(nvrtc, runtime, driver)
+    if expected is None:
+        assert message is None
+    else:
+        assert re.search(expected, message), message
+
+
+def test_info_warns_of_a_toolkit_mismatch(monkeypatch):
+    monkeypatch.setattr(_jit, "installed_toolkit_mismatch", lambda: "NVRTC 13.0 builds the kernels but ...")
+    version = ".".join(map(str, _jit.nvrtc_version()))
+    assert _tools.info()["nvrtc"] == f"{version} (warning: NVRTC 13.0 builds the kernels but ...)"
+    monkeypatch.setattr(_jit, "installed_toolkit_mismatch", lambda: None)
+    assert _tools.info()["nvrtc"] == version
+
+
+@pytest.mark.parametrize("mismatch", [None, "NVRTC 13.0 builds the kernels but the NVIDIA driver supports CUDA 12.8"])
+def test_a_kernel_the_driver_refuses_names_the_toolkit_mismatch(monkeypatch, tmp_path, mismatch):
+    import contextlib
+
+    import cupy
+
+    class DriverRefused(Exception):
+        pass
+
+    def refuse(path):
+        raise DriverRefused("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+
+    compiled = type("Compiled", (), {"cubin_path": tmp_path / "k.cubin", "lowered_name": "_Z1kv"})
+    monkeypatch.setattr(_jit, "compile_kernel", lambda spec, arch: compiled)
+    monkeypatch.setattr(_jit, "device_arch", lambda spec, device_id: "sm_90a")
+    monkeypatch.setattr(_jit, "installed_toolkit_mismatch", lambda: mismatch)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", DriverRefused)
+    monkeypatch.setattr(cupy, "RawModule", refuse)
+    spec = _jit.KernelSpec("decode.cu", "refused_kernel")
+    if mismatch is None:
+        with pytest.raises(DriverRefused, match="^CUDA_ERROR_UNSUPPORTED_PTX_VERSION$"):
+            _jit.get_function(spec, 0)
+    else:
+        with pytest.raises(RuntimeError, match=r"^the driver did not load refused_kernel "
+                                               r"\(CUDA_ERROR_UNSUPPORTED_PTX_VERSION\): NVRTC 13\.0 builds"):
+            _jit.get_function(spec, 0)
+    assert (0, spec) not in _jit._functions
