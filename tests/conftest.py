@@ -4,8 +4,10 @@ tensor, a torch dtype and a CuPy device array where neither torch nor a GPU is a
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -19,6 +21,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = list(_registry.DTYPES)  # float16, bfloat16
 DTYPE_IDS = ["fp16", "bf16"]
+
+
+# jax 0.10, which the test extra asks for, needs Python 3.11
+JAX_MIN_PYTHON = (3, 11)
+
+
+def import_jax(module: str = "jax"):
+    """jax or one of its modules. The test extra installs jax from Python 3.11 on, so there a
+    missing jax is a broken environment and fails the test; on 3.10 the test skips without it."""
+    if sys.version_info >= JAX_MIN_PYTHON:
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason="the test extra installs jax from Python 3.11 on")
 
 
 def gpu_unavailable_reason() -> str | None:

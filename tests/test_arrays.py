@@ -10,7 +10,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, reference
-from conftest import BF16, ForeignDtype, Tensor, error_budget, randn
+from conftest import BF16, ForeignDtype, Tensor, error_budget, import_jax, randn
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64], ids=str)
@@ -29,7 +29,8 @@ def test_numpy_out_argument_is_filled(rng):
     q = randn(rng, (1, 5, 2, 64), np.float32)
     out = np.full(q.shape, np.nan, np.float32)
     result = cuattn.attention(q, q, q, out=out)
-    assert result is out and np.isfinite(out).all()
+    assert result is out
+    np.testing.assert_array_equal(out, reference.attention(q, q, q).astype(np.float32))
 
 
 def test_numpy_varlen_matches_reference(rng):
@@ -56,7 +57,7 @@ def test_array_kind():
 @pytest.mark.parametrize("jax_arg", ["q", "k"])
 def test_numpy_and_jax_arrays_in_one_call_are_refused_by_name(jax_arg):
     """JAX CPU arrays beside NumPy ones: the framework check names every argument's framework."""
-    jnp = pytest.importorskip("jax.numpy")
+    jnp = import_jax("jax.numpy")
     rng = np.random.default_rng()
     named = {"q": randn(rng, (1, 5, 4, 64)), "k": randn(rng, (1, 7, 2, 64)), "v": randn(rng, (1, 7, 2, 64))}
     named[jax_arg] = jnp.asarray(named[jax_arg])
@@ -239,7 +240,7 @@ def test_torch_views_of_strided_tensors_made_on_a_side_stream():
 
 @pytest.mark.gpu
 def test_jax_round_trip_keeps_dtype_and_values(rng):
-    jax = pytest.importorskip("jax")
+    jax = import_jax()
     x = jax.numpy.asarray(randn(rng, (1, 9, 2, 32), BF16))
     with _arrays.array_context(x=x) as ctx:
         view = ctx.view(x)

@@ -32,8 +32,12 @@ def test_key_holds_every_signature_and_option():
     q = FakeTorch((1, 8, 4, 64), (2048, 256, 64, 1))
     k = FakeTorch((1, 9, 2, 64), (1152, 128, 64, 1))
     base = _calls.key("attention", (q, k, k, None), (True, None, 0, 0, 0.0, False))
-    assert base is not None and hash(base) is not None
-    assert base == _calls.key("attention", (q, k, k, None), (True, None, 0, 0, 0.0, False))
+    assert base is not None
+    # the same call again (new arrays of the same signatures) has an equal key that finds base's plan
+    again = _calls.key("attention", (FakeTorch(q.shape, q.stride()), FakeTorch(k.shape, k.stride()),
+                                     FakeTorch(k.shape, k.stride()), None), (True, None, 0, 0, 0.0, False))
+    assert again == base and hash(again) == hash(base)
+    assert {base: "plan"}.get(again) == "plan"
     transposed = FakeTorch((1, 8, 4, 64), (2048, 64, 512, 1))
     assert _calls.key("attention", (transposed, k, k, None), (True, None, 0, 0, 0.0, False)) != base
     assert _calls.key("attention", (q, k, k, None), (False, None, 0, 0, 0.0, False)) != base

@@ -23,8 +23,8 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import (DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, forward_kernels, prefix_sums,
-                      randn)
+from conftest import (DTYPE_IDS, DTYPES, error_budget, expected_forward_kernel, forward_kernels, import_jax,
+                      prefix_sums, randn)
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not cuattn.attention the function
 
@@ -232,7 +232,7 @@ def test_the_hopper_tile_is_the_smallest_pair_holding_both_head_dims(d, dv, tile
 
 
 def test_jax_forward_declares_dv_outputs(rng):
-    jax = pytest.importorskip("jax")
+    jax = import_jax()
     import jax.numpy as jnp
 
     import cuattn.jax

@@ -20,7 +20,7 @@ import pytest
 
 import cuattn
 from cuattn import _arrays, _registry, reference
-from conftest import DTYPE_IDS, DTYPES, error_budget, prefix_sums, randn
+from conftest import DTYPE_IDS, DTYPES, error_budget, import_jax, prefix_sums, randn
 from test_decode import check_decode
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
@@ -105,8 +105,8 @@ def test_reference_decode_is_the_written_out_softmax(rng, dims):
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["1split", "3splits"])
 @pytest.mark.parametrize("dims", HEAD_DIM_PAIRS, ids=PAIR_IDS)
 def test_numpy_decode_and_paged_attention(rng, dims, num_splits, paged):
-    """The CPU path enforces the device path's rules and computes (..., Dv) outputs; num_splits is
-    accepted and does not change the float64 result."""
+    """The CPU path enforces the device path's rules and computes (..., Dv) outputs with q and k's
+    lse; num_splits is accepted and does not change the float64 result."""
     d, dv = dims
     q = randn(rng, (B, SQ_NEW, HQ, d), np.float32)
     k = randn(rng, (B, S_MAX, HK, d), np.float32)
@@ -122,6 +122,7 @@ def test_numpy_decode_and_paged_attention(rng, dims, num_splits, paged):
     assert out.shape == (B, SQ_NEW, HQ, dv) and out.dtype == np.float32 and lse.dtype == np.float32
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dims", E4M3_PAIRS, ids=E4M3_PAIR_IDS)
@@ -174,7 +175,8 @@ def test_cpu_paged_kv_cache_writes_copies_and_attends(rng, dims, e4m3):
 
 @pytest.mark.parametrize("dims", HEAD_DIM_PAIRS, ids=PAIR_IDS)
 def test_numpy_paged_attention_varlen(rng, dims):
-    """Packed runs of any length (longer than 16 included) over value pages of width Dv."""
+    """Packed runs of any length (longer than 16 included) over value pages of width Dv, and their
+    lse [Hq, rows]."""
     d, dv = dims
     runs, seq_lens, block = (0, 1, 3, 17, 40), (5, 300, 2, 64, 129), 16
     cu = prefix_sums(runs)
@@ -190,8 +192,9 @@ def test_numpy_paged_attention_varlen(rng, dims):
     v_cache = reference.gather_pages(v_pages, table, lens)
     for b in range(len(runs)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        want, _ = naive_decode(q[None, rows], k_cache[b:b + 1], v_cache[b:b + 1], [int(lens[b])])
+        want, want_lse = naive_decode(q[None, rows], k_cache[b:b + 1], v_cache[b:b + 1], [int(lens[b])])
         np.testing.assert_allclose(out[rows], want[0], rtol=1e-5, atol=1e-6, err_msg=f"sequence {b}")
+        np.testing.assert_allclose(lse[:, rows], want_lse[0], rtol=1e-5, atol=1e-6, err_msg=f"sequence {b}")
     given = np.full((int(cu[-1]), HQ, dv), np.nan, np.float32)
     assert cuattn.paged_attention_varlen(q, (k_pages, v_pages), table, cu, lens, max(runs), out=given) is given
     np.testing.assert_array_equal(given, out)
@@ -231,7 +234,7 @@ def test_cascade_over_a_shared_prefix(rng):
 
 def test_jax_decode_and_paged_attention_on_the_cpu(rng):
     """The JAX adapters size out from v's last axis (vmapped decode folds the extra axis)."""
-    jax = pytest.importorskip("jax")
+    jax = import_jax()
     import jax.numpy as jnp
 
     import cuattn.jax
@@ -354,7 +357,7 @@ def test_cascade_checks_prefix_v_against_the_caches_value_head_dim():
 
 
 def test_jax_adapters_check_v_like_the_plain_functions():
-    pytest.importorskip("jax")
+    import_jax()
     import jax.numpy as jnp
 
     import cuattn.jax

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from conftest import BF16, prefix_sums
+from conftest import BF16, import_jax, prefix_sums
 
 
 def arrays(b=1, sq=5, sk=7, hq=4, hk=2, d=64, dtype=np.float32):
@@ -166,8 +166,8 @@ def test_masked_arrays_cpu_dlpack_arrays_and_byte_order_are_named():
         cuattn.attention(np.ma.masked_array(q), k, v)
     with pytest.raises(TypeError, match=r"k.dtype must equal q.dtype = float32, got float32 \(big-endian\)"):
         cuattn.attention(q, k.astype(">f4"), v)
-    jnp = pytest.importorskip("jax.numpy")
-    cpu = pytest.importorskip("jax").devices("cpu")[0]
+    jnp = import_jax("jax.numpy")
+    cpu = import_jax().devices("cpu")[0]
     import jax
 
     with pytest.raises(TypeError, match=r"q is a jax array on the CPU; the plain functions take GPU arrays, or NumPy "

@@ -706,12 +706,49 @@ def fp8_emulated(q, k, v, *, causal=False, scale=None, alibi_slopes=None, p_scal
 
 
 def fp8_inputs(rng, b, sq, sk, hq, hk, d, granularity="head", incoherent=False):
-    """Outlier q, k, v quantised by quantize_qkv: (q8, k8, v8, scales, real float64 q, k, v)."""
+    """Outlier q, k, v (outlier_inputs) of these sizes, as `quantised` returns them."""
     q, k, v = (outlier_inputs(rng, (b, s, h, d)) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    return quantised(q, k, v, granularity, incoherent)
+
+
+def quantised(q, k, v, granularity="head", incoherent=False):
+    """q, k, v quantised by quantize_qkv: ((q8, k8, v8), scales, the real float64 [q, k, v])."""
     q8, k8, v8, *scales = cuattn.fp8.quantize_qkv(q, k, v, granularity=granularity, incoherent=incoherent)
     q_rows, k_rows = attention_module.fp8_block_rows()
     real = [reference.dequantize_fp8(x, sc, rows) for x, sc, rows in zip((q8, k8, v8), scales, (q_rows, k_rows, k_rows))]
     return (q8, k8, v8), scales, real
+
+
+@pytest.mark.parametrize("block_rows", [5, *attention_module.fp8_block_rows()])
+def test_dequantize_fp8_multiplies_each_row_by_its_scale(rng, block_rows):
+    """reference.dequantize_fp8 (what the CPU FP8 path and fp8_inputs both read e4m3 through):
+    stored value x scale, with one scale for the tensor (a float, () or (1,)), one per head (H,),
+    or one per block of ``block_rows`` rows of each sequence and head (B, H, ceil(S / block_rows)),
+    S two full blocks and a partial last one (which has a scale of its own); uint8 read as e4m3
+    bytes. The expected values repeat the scales along the rows here, apart from the function."""
+    b, h, d = 2, 3, 16
+    s = 2 * block_rows + block_rows // 2 + 1
+    blocks = -(-s // block_rows)
+    stored = randn(rng, (b, s, h, d), np.float32).astype(E4M3)
+    x = stored.astype(np.float64)
+    per_tensor = np.float32(rng.uniform(0.01, 2.0))
+    per_head = rng.uniform(0.01, 2.0, h).astype(np.float32)
+    per_block = rng.uniform(0.01, 2.0, (b, h, blocks)).astype(np.float32)
+    # each block's scale on each of its rows: (B, H, S) cut to S, then rows before heads
+    row_scales = np.repeat(per_block.astype(np.float64), block_rows, axis=2)[:, :, :s].transpose(0, 2, 1)
+    cases = {
+        "float": (float(per_tensor), x * float(per_tensor)),
+        "()": (np.asarray(per_tensor), x * float(per_tensor)),
+        "(1,)": (np.asarray([per_tensor]), x * float(per_tensor)),
+        "(H,)": (per_head, x * per_head.astype(np.float64)[None, None, :, None]),
+        "(B, H, blocks)": (per_block, x * row_scales[..., None]),
+    }
+    for name, (scale, expected) in cases.items():
+        for storage in (stored, stored.view(np.uint8)):
+            got = reference.dequantize_fp8(storage, scale, block_rows)
+            assert got.dtype == np.float64 and got.shape == x.shape, name
+            # an e4m3 value times a float32 scale is exact in float64
+            np.testing.assert_array_equal(got, expected, err_msg=f"{name} scale, {storage.dtype} (seed {rng.seed})")
 
 
 # Accuracy modes of the FP8 forward: (granularity, incoherent)
@@ -794,20 +831,19 @@ def test_fp8_v_transposed_orders_keys_as_the_p_fragments(span):
 
 
 @pytest.mark.parametrize("mode", list(FP8_MODES))
-def test_fp8_input_quantisation_rmse_on_outliers(mode):
+def test_fp8_input_quantisation_rmse_on_outliers(rng, mode):
     """The CPU path (exact arithmetic on the dequantised inputs): the input rounding alone stays
     under each mode's bound, and incoherent processing beats plain FP8 on the same inputs."""
-    rng = np.random.default_rng(7)
     granularity, incoherent = FP8_MODES[mode]
-    _, _, real = fp8_inputs(rng, 1, 512, 512, 4, 4, 128, granularity, incoherent)
-    rng = np.random.default_rng(7)
     q, k, v = (outlier_inputs(rng, (1, 512, 4, 128)) for _ in range(3))
     ref = reference.attention(q, k, v)
+    _, _, real = quantised(q, k, v, granularity, incoherent)
     err = rmse(reference.attention(*real), ref)
-    assert err < FP8_RMSE_BOUNDS[mode], err
-    _, _, plain = fp8_inputs(np.random.default_rng(7), 1, 512, 512, 4, 4, 128, "tensor", False)
+    assert err < FP8_RMSE_BOUNDS[mode], f"RMSE {err:.3g} (seed {rng.seed})"
     if mode == "incoherent":
-        assert err < rmse(reference.attention(*plain), ref)
+        _, _, plain = quantised(q, k, v, "tensor", False)
+        plain_err = rmse(reference.attention(*plain), ref)
+        assert err < plain_err, f"RMSE {err:.3g}, plain FP8 {plain_err:.3g} (seed {rng.seed})"
 
 
 def test_fp8_attention_argument_errors(rng):

@@ -74,6 +74,8 @@ def test_an_e4m3_cache_takes_multiples_of_16():
 
 @pytest.mark.parametrize("d", [8, 40, 80, 200])
 def test_the_cpu_path_takes_padded_head_dims(rng, d):
+    """attention and decode on NumPy arrays at tile and padded head dims: each equal to the float64
+    reference with the call's own default scale 1 / sqrt(D), decode on each row's live keys."""
     q, k, v = (randn(rng, (2, 9, 2, d), np.float32) for _ in range(3))
     out, lse = cuattn.attention(q, k, v, causal=True, return_lse=True)
     ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
@@ -81,7 +83,12 @@ def test_the_cpu_path_takes_padded_head_dims(rng, d):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
     # the default scale is the call's own 1 / sqrt(D), not its tile's
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True, scale=d ** -0.5), rtol=1e-6, atol=1e-6)
-    cuattn.decode(q[:, :1], k, v, np.array([9, 4], np.int32))
+    lens = np.array([9, 4], np.int32)
+    out, lse = cuattn.decode(q[:, :1], k, v, lens, return_lse=True)
+    ref, ref_lse = reference.decode(q[:, :1], k, v, lens, scale=d ** -0.5, return_lse=True)
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6, err_msg=f"seed {rng.seed}")
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6, err_msg=f"seed {rng.seed}")
 
 
 @pytest.mark.parametrize("d", [8, 32, 40, 72, 80, 88, 96, 104, 152, 160, 168, 192, 224, 256])

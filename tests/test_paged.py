@@ -15,8 +15,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cuattn
-from cuattn import _arrays, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, Tensor, check_decode, error_budget, randn
+from cuattn import _arrays, _registry, reference
+from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, Tensor, check_decode, error_budget, import_jax, randn
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 
@@ -233,6 +233,22 @@ def test_freed_cached_blocks_stay_free_and_are_evicted_least_recently_freed_firs
     m.free("c")
     m.allocate("d", 3, token_ids=[5, 6, 9])
     assert m.cached_tokens("d") == 2 and m.blocks("d")[0] == b_first
+
+
+def test_a_freed_sequences_tail_blocks_are_evicted_before_its_prefix():
+    """free() releases a sequence's blocks last to first, so eviction takes its tail before its
+    head: a later prompt that shares only the first blocks still finds them cached."""
+    m = cuattn.BlockManager(5, 2, enable_prefix_caching=True)
+    m.allocate("a", 5, token_ids=[1, 2, 3, 4, 5])  # blocks: [1 2] and [3 4] cached, [5]
+    first, second = m.blocks("a")[:2]
+    m.free("a")
+    assert m.num_free_blocks == 5 and m.num_cached_blocks == 2
+    # three never-cached blocks go first; the fourth evicts "a"'s tail block, not its head
+    m.allocate("c", 8)
+    assert second in m.blocks("c") and first not in m.blocks("c") and m.num_cached_blocks == 1
+    m.free("c")
+    m.allocate("d", 3, token_ids=[1, 2, 9])
+    assert m.cached_tokens("d") == 2 and m.blocks("d")[0] == first
 
 
 def test_prefix_caching_errors_and_out_of_blocks_change_nothing():
@@ -652,7 +668,7 @@ def test_paged_cache_and_argument_errors():
 @pytest.mark.parametrize("jax_arg", ["block_table", "seq_lens"])
 def test_a_jax_table_or_lengths_beside_numpy_q_is_refused(jax_arg):
     """block_table and seq_lens are NumPy arrays (or lists) on the CPU path: a JAX array is refused by its framework."""
-    jnp = pytest.importorskip("jax.numpy")
+    jnp = import_jax("jax.numpy")
     rng = np.random.default_rng()
     cache = cuattn.PagedKVCache(8, 4, 2, 64, np.float32, device="cpu")
     q = randn(rng, (2, 1, 4, 64))
@@ -1014,7 +1030,7 @@ def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [3, 12])
-@pytest.mark.parametrize("d", [32, 64, 96, 256, 8, 80, 104])
+@pytest.mark.parametrize("d", _registry.test_head_dims("decode"))
 def test_paged_attention_head_dims_with_runs_across_pages(rng, d, block_size):
     check_paged_against_decode(rng, BF16, block_size, d)
 
