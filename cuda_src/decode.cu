@@ -134,7 +134,8 @@ struct PagedKV {
   const T* k;  // already offset to kv head hk: [num_blocks, block_size, Hk, D]
   const T* v;  // [num_blocks, block_size, Hk, Dv]
   // element strides of a page and of a slot; the host checks they fit in 32 bits, so each
-  // offset is one 32 x 32 -> 64-bit multiply-add
+  // offset is a 32 x 32 -> 64-bit multiply-add (widened before the product: a slot-major pool's
+  // slot * slot stride passes 2^31 where the page's is small)
   int k_page_stride, k_slot_stride, v_page_stride, v_slot_stride;
   const int* table;        // this sequence's row of the block table
   FastDivisor block_size;  // any size: j / block_size costs a multiply-high, not a division
@@ -153,8 +154,8 @@ struct PagedKV {
   __device__ __forceinline__ void address(int page, int slot, int k_col, int v_col, const T*& k_row,
                                           const T*& v_row) const {
     const i64 p = clamp_page(page, num_blocks);
-    k_row = k + (p * k_page_stride + slot * k_slot_stride + k_col);
-    v_row = v + (p * v_page_stride + slot * v_slot_stride + v_col);
+    k_row = k + (p * k_page_stride + static_cast<i64>(slot) * k_slot_stride + k_col);
+    v_row = v + (p * v_page_stride + static_cast<i64>(slot) * v_slot_stride + v_col);
   }
 
   template <class Copy>

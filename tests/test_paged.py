@@ -1095,6 +1095,46 @@ def test_paged_attention_torch_query_and_unchecked_device_table(rng):
     assert cupy.isfinite(cache.k_pages).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["float16", "e4m3"])
+def test_slot_offsets_past_2_31_elements_in_a_slot_major_pool(rng, kv):
+    """Pages viewed from a slot-major allocation ((block_size, num_blocks, Hk, D), transposed): each
+    stride fits in 32 bits, but from slot 8 the slot times the slot stride reaches 2^31 elements,
+    which the kernel multiplies in 64 bits (a thread's run of rows starts at slot 0 or 8 in float16,
+    at a multiple of 4 in e4m3: those starts are where the product is formed). The sequence's
+    pages lie at both ends of the pool and between. 16 GiB of device memory in float16, 8 GiB in
+    e4m3, given back at the end."""
+    import cupy
+
+    block, hq, hk, d = 16, 4, 1, 128
+    num_blocks = 2**21
+    slot_stride = num_blocks * hk * d
+    assert 8 * slot_stride > 2**31 - 1 >= slot_stride
+    pages = np.array([num_blocks - 1, 5, 1_300_001], np.int32)
+    lens = np.array([len(pages) * block], np.int32)
+    q = randn(rng, (1, 1, hq, d), np.float16)
+    if kv == "e4m3":
+        k8, v8 = (cuattn.quantize_fp8(randn(rng, (1, int(lens[0]), hk, d)), scale) for scale in (0.02, 0.03))
+        stored, scales = (k8.view(np.uint8), v8.view(np.uint8)), {"k_scale": 0.02, "v_scale": 0.03}
+        k, v = k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03
+    else:
+        k, v = (randn(rng, (1, int(lens[0]), hk, d), np.float16) for _ in range(2))
+        stored, scales = (k, v), {}
+    try:
+        pool = []
+        for x in stored:
+            whole = cupy.empty((block, num_blocks, hk, d), x.dtype).transpose(1, 0, 2, 3)
+            whole[cupy.asarray(pages)] = cupy.asarray(x.reshape(len(pages), block, hk, d))
+            pool.append(whole)
+        assert pool[0].strides[1] == slot_stride * x.itemsize
+        out = cuattn.paged_attention(cupy.asarray(q), tuple(pool), cupy.asarray(pages[None]), cupy.asarray(lens),
+                                     **scales)
+        check_decode(rng, np.float16, q, k, v, lens, out.get(), None)
+    finally:
+        pool = whole = None
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def test_page_strides_must_fit_32_bits():
     """The kernel multiplies 32-bit page and slot strides; a wider view is refused by name."""
     from cuattn import paged as paged_module
