@@ -463,7 +463,7 @@ __device__ __forceinline__ void decode_body(
     // (then 2, 3) widen to one operand register, so the step's k order is d = 4 tq, 4 tq + 1 for
     // k = 2 tq, 2 tq + 1 and d = 4 tq + 2, 4 tq + 3 for k = 8 + 2 tq, 9 + 2 tq: Q takes the same,
     // which is its own pairs of head dims as they lie in memory
-    const T* row = sQ + (mt * 16 + lane / 4) * kStride + ks * 16 + 4 * (lane % 4);
+    const T* row = sQ + (mt * 16 + lane / kQuadSize) * kStride + ks * 16 + 4 * (lane % kQuadSize);
     const uint2 top = *reinterpret_cast<const uint2*>(row);                 // d 4 tq .. 4 tq + 3 of row g
     const uint2 bottom = *reinterpret_cast<const uint2*>(row + 8 * kStride);  // of row g + 8
     frag[0] = top.x;     // (d, d + 1)
@@ -480,11 +480,11 @@ __device__ __forceinline__ void decode_body(
 
   Tile tile;
   tile.init();
-  const auto diag_of = [=](int mt, int r) { return (a.row_base + mt * 16 + lane / 4 + 8 * r) / a.group + offset; };
+  const auto diag_of = [=](int mt, int r) { return (a.row_base + mt * 16 + lane / kQuadSize + 8 * r) / a.group + offset; };
   // ALiBi slope of the lane's row r of m16 tile mt (row r is head r % G), read per block (an L1
   // hit) rather than held in registers across the loop
   const auto alibi_of = [&](int mt, int r) {
-    return alibi_score_slope(a.alibi_slopes, 0, 0, (a.row_base + mt * 16 + lane / 4 + 8 * r) % a.group,
+    return alibi_score_slope(a.alibi_slopes, 0, 0, (a.row_base + mt * 16 + lane / kQuadSize + 8 * r) % a.group,
                              mask.softmax_scale());
   };
 
@@ -602,7 +602,7 @@ __device__ __forceinline__ void decode_body(
   // Merge the warps' states (disjoint keys) through shared memory, which the ring no longer needs.
   cp_async_wait<0>();
   __syncthreads();
-  const int g = lane / 4, tq = lane % 4;
+  const int g = lane / kQuadSize, tq = lane % kQuadSize;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -39,11 +39,13 @@ __device__ __forceinline__ int tile_order_sequence(const TileOrderParams& p, int
 }
 
 // Entry b's sort key: ascending keys put longer key ranges first, then lower indices (so no two
-// keys of a launch are equal).
+// keys of a launch are equal). The high word is INT32_MAX - keys, which is non-negative for any
+// key count and smaller for more keys.
 __device__ __forceinline__ u64 tile_order_key(const TileOrderParams& p, int b) {
+  constexpr int kMostKeys = 0x7fffffff;  // INT32_MAX: NVRTC has no <climits>
   const int keys = p.seq_lens != nullptr ? min(max(p.seq_lens[tile_order_sequence(p, b)], 0), p.max_keys)
                                          : max(p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b], 0);
-  return (static_cast<u64>(0x7fffffff - keys) << 32) | static_cast<u32>(b);
+  return (static_cast<u64>(kMostKeys - keys) << 32) | static_cast<u32>(b);
 }
 
 // Tiles of entry b: its sequence's query blocks (at most the launch's m_blocks) on every head.
