@@ -46,7 +46,11 @@ SHARED_SM_MIN_KEYS_PER_SPLIT = 2048
 # An e4m3 CTA widens every byte it reads, a chain of dependent steps per block that one CTA per SM
 # leaves unhidden: e4m3 decode runs at least this many (scripts/tune_decode.py --fp8, H200).
 E4M3_MIN_CTAS_PER_SM = 2
+# The decode launch's grid: (splits, Hk x row chunks, B); y and z take at most this many CTAs.
 MAX_GRID_Z = 65535
+MAX_GRID_Y = 65535
+# Packed query rows (new tokens x the group's heads) of one m16 tile; a CTA takes 1 to max_mt of them.
+M16_ROWS = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,6 +647,13 @@ def check_decode_args(q, k, v, lens, lens_name: str, cache_layout: tuple[str, st
     _arrays.check_int32(lens_name, lens)
     if int(q.shape[0]) > MAX_GRID_Z:
         raise ValueError(f"q.shape[0] (batch) must be at most {MAX_GRID_Z}, got {q.shape[0]}")
+    # grid.y at its largest (one m16 tile a CTA): the kv heads times each head's 16-row chunks of its
+    # group's packed rows (Sq_new x Hq / Hk), a bound every tile the device picks stays within
+    row_chunks = math.ceil(num_heads // num_kv_heads * sq_new / M16_ROWS)
+    if num_kv_heads * row_chunks > MAX_GRID_Y:
+        raise ValueError(
+            f"{cache_names[0]}.shape[2] (num_kv_heads) x ceil(Sq_new x Hq / Hk / 16) = {num_kv_heads} x {row_chunks} "
+            f"must be at most {MAX_GRID_Y} (the decode launch's grid.y), got {num_kv_heads * row_chunks}")
 
 
 def _check_num_splits(num_splits) -> None:
@@ -754,7 +765,7 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
     tile = DECODE_TILES[tile_dim]
     with_alibi = alibi[0] is not None
     mt = ALIBI_DECODE_MT if with_alibi else 1 if rows <= 16 else tile.max_mt
-    row_chunks = math.ceil(rows / (16 * mt))
+    row_chunks = math.ceil(rows / (M16_ROWS * mt))
     half = takes_half_tile(rows, mt, with_alibi)
     spec = decode_spec(q.dtype, tile_dim, mt, paged is not None, e4m3, with_alibi, half=half)
     ctas = batch * num_kv_heads * row_chunks

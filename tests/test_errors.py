@@ -508,6 +508,24 @@ def test_decode_batch_beyond_grid_limit():
         cuattn.decode(q, k, v, lens)
 
 
+@pytest.mark.parametrize("hk", [1, 4])
+def test_decode_query_rows_beyond_grid_limit(hk):
+    """Hk x ceil(Sq_new x Hq / Hk / 16) CTAs along the launch's grid.y: one more than it takes is an
+    error on the CPU path as on the device's, for decode and paged_attention (q a zero-stride view)."""
+    sq_new, hq = 16, 65536
+    q = np.broadcast_to(np.zeros(8, np.float32), (1, sq_new, hq, 8))
+    k = np.zeros((1, 4, hk, 8), np.float32)
+    message = (rf"k_cache.shape\[2\] \(num_kv_heads\) x ceil\(Sq_new x Hq / Hk / 16\) = {hk} x {65536 // hk} must "
+               r"be at most 65535 \(the decode launch's grid.y\), got 65536")
+    with pytest.raises(ValueError, match=message):
+        cuattn.decode(q, k, k, np.full(1, 4, np.int32))
+    table = np.zeros((1, 1), np.int32)
+    with pytest.raises(ValueError, match=message.replace("k_cache", "k_pages")):
+        cuattn.paged_attention(q, (k, k), table, np.full(1, 4, np.int32))
+    # one row chunk fewer launches
+    assert cuattn.decode(q[:, :, : hq - 16 * hk], k, k, np.full(1, 4, np.int32)).shape == (1, sq_new, hq - 16 * hk, 8)
+
+
 def test_decode_unsupported_head_dim():
     q, k, v, lens = decode_arrays(d=44)
     with pytest.raises(ValueError, match=r"q.shape\[-1\] \(head_dim\) = 44 is not supported: head_dim must be a "
