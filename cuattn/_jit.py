@@ -11,7 +11,7 @@ own ``.cu`` file: CuPy's own kernel cache keys only the top-level source, so an 
 through ``-I`` would otherwise reuse a stale binary, while an edit to one kernel file leaves the
 other files' cubins valid.
 
-Nothing here needs a GPU except :func:`get_function` and :func:`launch`; :func:`compile_kernel`
+Nothing here needs a GPU except :func:`get_function`, :func:`launch_params` and :class:`Launch`; :func:`compile_kernel`
 works for any architecture NVRTC knows, which is how CI checks every variant for spills.
 """
 
@@ -636,22 +636,10 @@ def _loaded_function(spec: KernelSpec, device_id: int):
     return function
 
 
-def launch(spec: KernelSpec, grid, args, *, stream=None, shared_mem: int | None = None) -> None:
-    """Launch a variant with positional ``args`` (CuPy marshals each) on ``stream``.
-
-    ``shared_mem`` overrides the spec's dynamic shared memory for kernels whose need depends on
-    the call (up to 48 KB). Kernels that take a parameter struct use :func:`prepare` or
-    :func:`launch_params` instead.
-    """
-    function = _loaded_function(spec, current_device())
-    smem = spec.smem_bytes if shared_mem is None else shared_mem
-    function(tuple(grid), (spec.threads, 1, 1), tuple(args), shared_mem=smem, stream=stream)
-
-
 def launch_params(spec: KernelSpec, grid, params: np.void, *, stream=None) -> None:
     """Launch a variant once with the packed struct ``params`` as its only argument, through the
     driver (cuLaunchKernel copies the struct when called): for calls that pack a struct per launch
-    and keep no :class:`Launch` (the backward)."""
+    and keep no :class:`Launch` (the backward, the FP8 forward's V^T pass)."""
     function = _loaded_function(spec, current_device())
     buffer = np.frombuffer(params.tobytes(), np.uint64)  # 8-byte aligned, as the struct's pointers need
     args = np.array([buffer.ctypes.data], np.uint64)  # void*[1]: the struct's address

@@ -1,10 +1,10 @@
 """What the host mirrors of the device code, read from ``cuda_src/`` itself: parameter structs and constants.
 
 Every kernel family takes one struct by value (``FwdParams``, ``BwdParams``, ``DecodeParams``,
-``CombineParams``, ``CacheParams``, ``CopyParams``, ``TileOrderParams``). The header is the only
-place a field is declared: this module parses its members (``TYPE NAME;`` lines) into a NumPy
-dtype with C alignment, and the launch code fills a zeroed instance by field name. ``_jit``
-launches the kernel with the instance's bytes as its one argument (``cuLaunchKernel``).
+``CombineParams``, ``CacheParams``, ``CopyParams``, ``TileOrderParams``, ``Fp8TransposeParams``).
+The header is the only place a field is declared: this module parses its members (``TYPE NAME;``
+lines) into a NumPy dtype with C alignment, and the launch code fills a zeroed instance by field
+name. ``_jit`` launches the kernel with the instance's bytes as its one argument (``cuLaunchKernel``).
 
 Filling is strict: every field must be given (a forgotten field would silently stay zero), and
 an unknown name is an error, so the host and the header cannot drift apart.

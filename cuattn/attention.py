@@ -982,9 +982,9 @@ def _fp8_v_transposed_on_device(v, stream, shape: Fp8TransposeShape | None = Non
     if threads and b * hk:
         sb, ss, sh, _ = _arrays.element_strides(v)
         spec = fp8_transpose_spec(shape)
-        _jit.launch(spec, (-(-threads // spec.threads), *_split_grid(b * hk)), (
-            v, v_t, np.int64(sb), np.int64(ss), np.int64(sh), np.int32(b), np.int32(sk), np.int32(padded_len),
-            np.int32(hk), np.int32(d)), stream=stream)
+        params = _params.pack("Fp8TransposeParams", v=v, vt=v_t, v_batch_stride=sb, v_row_stride=ss,
+                              v_head_stride=sh, batch=b, seqlen_k=sk, padded=padded_len, num_kv_heads=hk, head_dim=d)
+        _jit.launch_params(spec, (-(-threads // spec.threads), *_split_grid(b * hk)), params, stream=stream)
     return v_t
 
 

@@ -1323,8 +1323,7 @@ constexpr int kFp8TransposeLanesD = 8;  // a warp's chunks: 128 bytes of a key r
 
 template <int GROUPS, int BYTES, int LANES_D>
 __global__ void __launch_bounds__(kFp8TransposeThreads)
-fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_stride, i64 v_row_stride,
-                       i64 v_head_stride, int batch, int seqlen_k, int padded, int num_kv_heads, int head_dim) {
+fp8_v_transpose_kernel(const __grid_constant__ Fp8TransposeParams p) {
   constexpr int kKeys = GROUPS * kFp8KeyGroup;  // keys of a span
   constexpr int kInWords = BYTES / 4;           // 4-byte words of one key's chunk
   constexpr int kOutWords = kKeys / 4;          // 4-byte words of one V^T row's piece
@@ -1332,8 +1331,8 @@ fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_st
   constexpr int kWarps = kFp8TransposeThreads / kWarpSize;
   static_assert(kInWords == 1 || kInWords == 2 || kInWords == 4, "4, 8 or 16-byte loads");
   static_assert(kOutWords % 4 == 0, "16-byte stores");
-  const int chunks = head_dim / BYTES;  // a multiple of LANES_D (host)
-  const int spans = padded / kKeys;
+  const int chunks = p.head_dim / BYTES;  // a multiple of LANES_D (host)
+  const int spans = p.padded / kKeys;
   // warp w of the pair: span block w / chunk blocks, chunk block w % chunk blocks
   const int chunk_blocks = chunks / LANES_D;
   const int warp = blockIdx.x * kWarps + static_cast<int>(threadIdx.x) / kWarpSize;
@@ -1341,26 +1340,27 @@ fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_st
   const int span = warp / chunk_blocks * kSpansPerWarp + lane / LANES_D;
   const int chunk = warp % chunk_blocks * LANES_D + lane % LANES_D;
   const int pair = blockIdx.z * gridDim.y + blockIdx.y;
-  if (span >= spans || pair >= batch * num_kv_heads) return;
-  const int h = pair % num_kv_heads, b = pair / num_kv_heads;
-  const unsigned char* src = v + b * v_batch_stride + h * v_head_stride + chunk * BYTES;
+  if (span >= spans || pair >= p.batch * p.num_kv_heads) return;
+  const int h = pair % p.num_kv_heads, b = pair / p.num_kv_heads;
+  const unsigned char* src =
+      static_cast<const unsigned char*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + chunk * BYTES;
   u32 w[kKeys][kInWords];  // [span keys, chunk words] in key order
 #pragma unroll
   for (int k = 0; k < kKeys; ++k) {
     const int key = span * kKeys + k;
-    const unsigned char* row = src + key * v_row_stride;
+    const unsigned char* row = src + key * p.v_row_stride;
     if constexpr (kInWords == 4) {
-      const uint4 x = key < seqlen_k ? *reinterpret_cast<const uint4*>(row) : make_uint4(0u, 0u, 0u, 0u);
+      const uint4 x = key < p.seqlen_k ? *reinterpret_cast<const uint4*>(row) : make_uint4(0u, 0u, 0u, 0u);
       w[k][0] = x.x, w[k][1] = x.y, w[k][2] = x.z, w[k][3] = x.w;
     } else if constexpr (kInWords == 2) {
-      const uint2 x = key < seqlen_k ? *reinterpret_cast<const uint2*>(row) : make_uint2(0u, 0u);
+      const uint2 x = key < p.seqlen_k ? *reinterpret_cast<const uint2*>(row) : make_uint2(0u, 0u);
       w[k][0] = x.x, w[k][1] = x.y;
     } else {
-      w[k][0] = key < seqlen_k ? *reinterpret_cast<const u32*>(row) : 0u;
+      w[k][0] = key < p.seqlen_k ? *reinterpret_cast<const u32*>(row) : 0u;
     }
   }
-  unsigned char* dst = vt + ((static_cast<i64>(b) * num_kv_heads + h) * head_dim + chunk * BYTES) * padded +
-                       span * kKeys;
+  unsigned char* dst = static_cast<unsigned char*>(p.vt) +
+                       ((static_cast<i64>(b) * p.num_kv_heads + h) * p.head_dim + chunk * BYTES) * p.padded + span * kKeys;
 #pragma unroll
   for (int q = 0; q < kInWords; ++q) {
     // word j of V^T rows 4 q .. 4 q + 3 of the chunk holds byte 0..3 of word q of the keys at
@@ -1380,7 +1380,7 @@ fp8_v_transpose_kernel(const unsigned char* v, unsigned char* vt, i64 v_batch_st
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      uint4* row = reinterpret_cast<uint4*>(dst + static_cast<i64>(4 * q + c) * padded);
+      uint4* row = reinterpret_cast<uint4*>(dst + static_cast<i64>(4 * q + c) * p.padded);
 #pragma unroll
       for (int s = 0; s < kOutWords / 4; ++s)
         row[s] = make_uint4(out[c][4 * s], out[c][4 * s + 1], out[c][4 * s + 2], out[c][4 * s + 3]);

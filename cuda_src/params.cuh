@@ -365,4 +365,19 @@ struct CopyParams {
   int row_chunks;
 };
 
+// V^T for the FP8 Hopper forward (flash_fwd_sm90.cu's fp8_v_transpose_kernel): e4m3 bytes, so
+// strides in elements are strides in bytes.
+struct Fp8TransposeParams {
+  const void* v;           // [B, Sk, Hk, D] with the strides below, every row 16-byte aligned
+  void* vt;                // [B, Hk, D, padded], contiguous
+  i64 v_batch_stride;
+  i64 v_row_stride;
+  i64 v_head_stride;
+  int batch;
+  int seqlen_k;
+  int padded;              // Sk rounded up to a thread's span of keys; keys past Sk read 0
+  int num_kv_heads;
+  int head_dim;
+};
+
 }  // namespace cuattn

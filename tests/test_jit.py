@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cuattn
@@ -452,7 +453,7 @@ def test_launch_refuses_a_tile_larger_than_the_device_allows(monkeypatch):
     monkeypatch.setattr(_jit, "target_arch", lambda device_id=None: "sm_89")
     with pytest.raises(ValueError, match=r"cuattn::some_kernel<128> needs 141824 bytes of shared memory per block; "
                                          r"device 0 \(sm_89\) allows 101376: this head dim has no tile for this GPU"):
-        _jit.launch(spec, (1, 1, 1), ())
+        _jit.launch_params(spec, (1, 1, 1), np.zeros(1, np.dtype([("x", np.uint64)]))[0])
 
 
 @pytest.mark.parametrize("nvrtc, runtime, driver, expected", [

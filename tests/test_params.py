@@ -14,11 +14,13 @@ import pytest
 from cuattn import _jit, _params
 
 STRUCTS = {"FwdParams": "<__half>", "BwdParams": "<__nv_bfloat16>", "DecodeParams": "<__nv_bfloat16, cuattn::e4m3>",
-           "CombineParams": "<float, __half>", "CacheParams": "<float, cuattn::e4m3>", "TileOrderParams": "", "CopyParams": ""}
+           "CombineParams": "<float, __half>", "CacheParams": "<float, cuattn::e4m3>", "TileOrderParams": "", "CopyParams": "",
+           "Fp8TransposeParams": ""}
 
 
 def test_every_struct_of_the_header_is_mirrored():
     header = (_jit.source_dir() / _params.HEADER).read_text()
+    assert {name for name, _ in _params._STRUCT_RE.findall(header)} == set(STRUCTS)
     for name in STRUCTS:
         dtype = _params.struct_dtype(name)
         assert dtype.names, name
