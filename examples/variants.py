@@ -36,8 +36,12 @@ def gpu_available() -> bool:
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-    """The ALiBi paper's slopes for a power-of-two head count: 2^(-8 i / H), i = 1 .. H."""
-    return (2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)).astype(np.float32)
+    """The ALiBi paper's slopes: 2^(-8 i / H), i = 1 .. H, for a power-of-two head count H; otherwise
+    those of the power of two P below H, then every other slope of 2P's (as ALiBi models ship them)."""
+    if num_heads & (num_heads - 1) == 0:
+        return (2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)).astype(np.float32)
+    below = 1 << (num_heads.bit_length() - 1)
+    return np.concatenate([alibi_slopes(below), alibi_slopes(2 * below)[0::2][: num_heads - below]])
 
 
 class Runner:

@@ -29,7 +29,7 @@ import ml_dtypes
 import cuattn
 import cuattn.fp8
 from cuattn import _calls
-from cuattn.bench import timing
+from cuattn.bench import cases as bench_cases, timing
 
 attention_module = importlib.import_module("cuattn.attention")
 
@@ -43,14 +43,10 @@ CASES = [("fp8", 128, 4096), ("fp8", 128, 8192), ("fp8", 128, 16384), ("fp8", 25
 ALIBI_MIN_KEYS = 4096
 
 
-def alibi_slopes(heads: int):
-    return cupy.asarray((2.0 ** (-8.0 * cupy.arange(1, heads + 1) / heads)).astype(cupy.float32))
-
-
 def run(label: str, kind: str, d: int, n: int, alibi: bool, only: str | None) -> None:
     b, h = max(1, TOKENS // n), HEADS_X_DIM // d
     q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3))
-    options = {"alibi_slopes": alibi_slopes(h)} if alibi else {}
+    options = {"alibi_slopes": cupy.asarray(bench_cases.alibi_slopes(h))} if alibi else {}
     if kind == "fp8":
         q8, k8, v8, qs, ks, vs = cuattn.fp8.quantize_qkv(q, k, v, granularity="head")
         args = (q8, k8, v8)

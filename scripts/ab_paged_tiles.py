@@ -20,7 +20,7 @@ import numpy as np
 import cuattn
 # a sibling script (scripts/ is sys.path[0]): the caches and the paged tile's parser and setter
 from compare_fp8_decode import make_caches, parse_paged_tile, use_paged_tile
-from cuattn.bench import timing
+from cuattn.bench import cases as bench_cases, timing
 
 BLOCK = 16
 SHAPES = [(8, 8192, 32, 8, 0), (16, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8192, 32, 2, 0),
@@ -35,7 +35,7 @@ def compare(shape, tiles: dict, rounds: int, rng) -> None:
     k_scale, v_scale = c.k_scale, c.v_scale
     options = {}
     if alibi:
-        options["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * np.arange(1, hq + 1) / hq), dtype=cupy.float32)
+        options["alibi_slopes"] = cupy.asarray(bench_cases.alibi_slopes(hq))
 
     def bf16_step():
         return cuattn.paged_attention(q, (kp, vp), table, lens, check=False, **options)

@@ -1,16 +1,18 @@
 """The FP8 forward (#16) on the current GPU: speed beside the bf16 forward and torch SDPA, and
 accuracy against float64 on inputs with outliers.
 
-python scripts/bench_fp8_fwd.py [--lengths 4096,8192,16384] [--head-dims 128,256] [--json PATH] [--tune]
+python scripts/bench_fp8_fwd.py [--lengths 4096,8192,16384] [--head-dims 128,256] [--rounds 3] [--json PATH] [--tune]
 
 Speed: one line per (head dim, N, mask): ms and TFLOP/s of
-    fp8        cuattn.attention on e4m3 q, k, v with per-head scales, bf16 output: the whole call,
-               the host-side V^T copy included
-    fp8-kernel the same minus the V^T copy (fp8_v_transpose_kernel timed alone: "vt" ms, one read
-               and one write of V)
+    fp8        cuattn.attention on e4m3 q, k, v with per-head scales, bf16 output: the whole call
+               from quantised inputs (its V^T pass, V^T buffer, output and host checks included;
+               the quantisation itself, cuattn.fp8.quantize_qkv, is not: it runs once before)
+    fp8-kernel the same minus the V^T pass (fp8_v_transpose_kernel on the device, timed alone:
+               "vt" ms, one read and one write of V), round by round
     bf16       cuattn.attention on bf16 q, k, v (flash_fwd_sm90_kernel)
     sdpa       torch.nn.functional.scaled_dot_product_attention, bf16 (when torch imports)
-    32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark.
+    32k tokens in total (B = 32768 / N), H * D = 2048, as the forward benchmark. The calls of a
+    (head dim, N, mask) are timed in turn, --rounds times over (medians).
 --tune: first time FP8 tile candidates (stages, overlap, pingpong, consumers) at each length for
 the FWD_SM90_FP8_TILES table (every candidate compiles without spills: `python -m cuattn build`),
 the remembered plans cleared around each (a plan replays the kernel it was made with).
@@ -23,6 +25,7 @@ block quantisation (q per 64 rows, k per 128 keys, v per head), block + incohere
 import argparse
 import itertools
 import json
+import statistics
 import sys
 
 import cupy
@@ -46,7 +49,7 @@ def outlier_inputs(rng, shape):
     return x + (rng.random(shape) < OUTLIER_RATE) * rng.standard_normal(shape).astype(np.float32) * OUTLIER_STD
 
 
-def speed(lengths, head_dims, rows):
+def speed(lengths, head_dims, rows, rounds):
     try:
         import torch
         import torch.nn.functional as F
@@ -59,18 +62,24 @@ def speed(lengths, head_dims, rows):
             q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32) for _ in range(3))
             q8, k8, v8, qs, ks, vs = cuattn.fp8.quantize_qkv(q, k, v, granularity="head")
             qb, kb, vb = (x.astype(bf16) for x in (q, k, v))
-            vt_ms = timing.time_cuda(lambda: attention_module._fp8_v_transposed_on_device(v8, None))
+            if torch is not None:
+                tq, tk, tv = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
             for causal in (False, True):
                 flops = timing.attention_flops(b, h, n, n, d, causal)
-                fp8_ms = timing.time_cuda(lambda: cuattn.attention(q8, k8, v8, causal=causal, q_scale=qs, k_scale=ks,
-                                                                   v_scale=vs))
-                times = {"fp8": fp8_ms, "fp8-kernel": fp8_ms - vt_ms,
-                         "bf16": timing.time_cuda(lambda: cuattn.attention(qb, kb, vb, causal=causal))}
+                calls = {"vt": lambda: attention_module._fp8_v_transposed_on_device(v8, None),
+                         "fp8": lambda: cuattn.attention(q8, k8, v8, causal=causal, q_scale=qs, k_scale=ks, v_scale=vs),
+                         "bf16": lambda: cuattn.attention(qb, kb, vb, causal=causal)}
                 if torch is not None:
-                    tq, tk, tv = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-                    times["sdpa"] = timing.time_cuda(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+                    calls["sdpa"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                samples = timing.samples_in_turn(calls, rounds)
+                vt = samples.pop("vt")
+                # the call less its V^T pass, round by round
+                samples = {"fp8": samples["fp8"], "fp8-kernel": [a - b for a, b in zip(samples["fp8"], vt)],
+                           **{name: times for name, times in samples.items() if name != "fp8"}}
+                vt_ms = statistics.median(vt)
                 line = [f"D={d:3d} N={n:6d} {'causal' if causal else 'full  '} vt {vt_ms:6.3f} ms"]
-                for name, ms in times.items():
+                for name, times in samples.items():
+                    ms = statistics.median(times)
                     rows.append(dict(kind="speed", head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, impl=name,
                                      ms=ms, tflops=flops / ms / 1e9, vt_ms=vt_ms))
                     line.append(f"{name} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
@@ -130,6 +139,7 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--head-dims", default="128,256")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     parser.add_argument("--tune", action="store_true")
     args = parser.parse_args(argv)
@@ -138,7 +148,7 @@ def main(argv):
     if args.tune:
         tune(head_dims, [int(x) for x in args.lengths.split(",")], rows)
     accuracy(head_dims, rows)
-    speed([int(x) for x in args.lengths.split(",")], head_dims, rows)
+    speed([int(x) for x in args.lengths.split(",")], head_dims, rows, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -35,7 +35,7 @@ import numpy as np
 
 import cuattn
 from cuattn import _calls, paged_varlen
-from cuattn.bench import timing
+from cuattn.bench import cases as bench_cases, timing
 
 attention_module = importlib.import_module("cuattn.attention")  # the module, not the function
 
@@ -111,7 +111,7 @@ def main(argv):
     parser.add_argument("--alibi", action="store_true", help="also time both calls with ALiBi")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    slopes = cupy.asarray(2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ), dtype=cupy.float32)
+    slopes = cupy.asarray(bench_cases.alibi_slopes(HQ))
     rows = []
     for name, (queries, keys) in CASES.items():
         q, k, v, cu_q, cu_k, pages, table, lens = make_case(rng, queries, keys, args.block_size)

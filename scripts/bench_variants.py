@@ -19,7 +19,7 @@ import numpy as np
 
 import cuattn
 from cuattn.bench import timing
-from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS  # the forward benchmark's shapes
+from cuattn.bench.cases import HIDDEN, TOTAL_TOKENS, alibi_slopes  # the forward benchmark's shapes
 
 
 
@@ -41,8 +41,8 @@ def main(argv):
             variants = {
                 "plain": {},
                 "sinks": {"sinks": cupy.asarray(np.random.default_rng().standard_normal(h).astype(np.float32))},
-                # the geometric slopes of the ALiBi paper, 2^(-8 i / H) for head i = 1 .. H
-                "alibi": {"alibi_slopes": cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32))},
+                # the ALiBi paper's slopes (2^(-8 i / H) where H is a power of two)
+                "alibi": {"alibi_slopes": cupy.asarray(alibi_slopes(h))},
             }
             for causal in (False, True):
                 calls = {}

@@ -1,17 +1,22 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--paged-tile=WARPS:STAGES] [B:L ...]
+python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--rounds=N] [--paged-tile=WARPS:STAGES] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
     block size 16 (or --block-size, which must divide each L), check=False, blocks shuffled across
     the pool, or with --pages=in-order or interleaved laid out as cuattn.bench.cases.block_table
-    says. CUDA-graph step times (20 calls a graph), and the largest difference of each output from
-    the bf16 contiguous decode. Shapes default to SHAPES.
+    says. CUDA-graph step times (20 calls a graph; no L2 flush between replays: the default shapes'
+    caches are larger than the L2), the four steps timed in turn --rounds times over (default 3;
+    each speedup is the median of the rounds' ratios, with their range), and the largest
+    difference of each output from the bf16 contiguous decode. Shapes default to SHAPES. Each
+    cache takes its own default dispatch (the e4m3 cache has tiles and split rules of its own), so
+    a speedup compares what a call gets, not the element type alone.
     --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
     D = 128) with this many warps a CTA and ring stages, for this run (compiled on first use), or
     none: no long stage. scripts/ab_paged_tiles.py times several in turn.
 """
 
 import dataclasses
+import statistics
 import sys
 
 import cupy
@@ -25,6 +30,7 @@ decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the
 
 HQ, HK, D = 32, 8, 128
 DEFAULT_BLOCK = 16
+DEFAULT_ROUNDS = 3
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
@@ -68,8 +74,9 @@ def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: in
     return DecodeCaches(q, lens, k, v, k8, v8, k_scale, v_scale, table, *(pages(x) for x in (k, v, k8, v8)))
 
 
-def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
-    """Time the four decode steps of one (B, L) and print them with the e4m3 speedups."""
+def compare(batch: int, seqlen: int, order: str, block: int, rng, rounds: int = DEFAULT_ROUNDS) -> None:
+    """Time the four decode steps of one (B, L) in turn, ``rounds`` times over, and print their
+    medians with the e4m3 speedups."""
     c = make_caches(batch, seqlen, HQ, HK, order, block, rng)
     q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
     table, kp, vp, kp8, vp8 = c.table, c.kp, c.vp, c.kp8, c.vp8
@@ -81,14 +88,18 @@ def compare(batch: int, seqlen: int, order: str, block: int, rng) -> None:
                                                      check=False),
     }
     reference = steps["bf16"]().astype(cupy.float32)
-    times = {}
-    for name, fn in steps.items():
-        diff = float(cupy.abs(fn().astype(cupy.float32) - reference).max())
-        times[name] = timing.time_cupy_graph(fn)
-        print(f"B={batch:3d} L={seqlen:7d} {name:11s} {times[name] * 1e3:8.1f} us  max diff from bf16 {diff:.3f}",
-              flush=True)
-    print(f"B={batch:3d} L={seqlen:7d} e4m3 speedup: {times['bf16'] / times['e4m3']:.2f}x contiguous, "
-          f"{times['bf16-paged'] / times['e4m3-paged']:.2f}x paged", flush=True)
+    diffs = {name: float(cupy.abs(fn().astype(cupy.float32) - reference).max()) for name, fn in steps.items()}
+    samples = timing.samples_in_turn(steps, rounds, timer=timing.time_cupy_graph)
+    for name, times in samples.items():
+        us = [t * 1e3 for t in times]
+        print(f"B={batch:3d} L={seqlen:7d} {name:11s} {statistics.median(us):8.1f} us ({min(us):.1f}-{max(us):.1f} over "
+              f"{rounds} rounds)  max diff from bf16 {diffs[name]:.3f}", flush=True)
+    speedups = []
+    for layout, bf16, e4m3 in (("contiguous", "bf16", "e4m3"), ("paged", "bf16-paged", "e4m3-paged")):
+        median, low, high = timing.ratio_in_turn(samples[bf16], samples[e4m3])
+        speedups.append(f"{median:.2f}x {layout} ({low:.2f}-{high:.2f})")
+    print(f"B={batch:3d} L={seqlen:7d} e4m3 speedup (bf16 step over e4m3 step, median of the rounds' ratios): "
+          + ", ".join(speedups), flush=True)
 
 
 def parse_paged_tile(text: str, option: str = "--paged-tile"):
@@ -128,6 +139,10 @@ def main(argv):
     if not block_arg.isdigit():
         raise SystemExit(f"--block-size takes a positive int, got {block_arg!r}")
     block = int(block_arg)
+    rounds_arg = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--rounds=")), str(DEFAULT_ROUNDS))
+    if not rounds_arg.isdigit() or int(rounds_arg) < 1:
+        raise SystemExit(f"--rounds takes a positive int, got {rounds_arg!r}")
+    rounds = int(rounds_arg)
     shapes = [tuple(int(x) for x in arg.split(":")) for arg in argv if not arg.startswith("--")] or SHAPES
     for batch, seqlen in shapes:
         if block < 1 or seqlen % block:
@@ -135,7 +150,7 @@ def main(argv):
     rng = np.random.default_rng(0)
     print(f"paged caches: {block}-token blocks {order}", flush=True)
     for batch, seqlen in shapes:
-        compare(batch, seqlen, order, block, rng)
+        compare(batch, seqlen, order, block, rng, rounds)
         # the shape's caches are gone with compare's frame: give their memory back before the next
         cupy.get_default_memory_pool().free_all_blocks()
 

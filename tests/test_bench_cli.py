@@ -441,3 +441,24 @@ def test_build_and_info_answer_a_missing_source_folder_in_one_line(tmp_path, mon
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"kernel sources   missing (CUATTN_SOURCE_DIR = {tmp_path} holds no common.cuh" in out and "device" in out
+
+
+def test_alibi_slopes_follow_the_alibi_papers_code():
+    """2^(-8 i / H) for a power-of-two H; otherwise the power of two below, then every other slope
+    of twice it (H = 6: the four of 4 heads, then 2^-1 and 2^-3 of 8 heads)."""
+    np.testing.assert_array_equal(bench_cases.alibi_slopes(4), np.float32([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]))
+    np.testing.assert_array_equal(bench_cases.alibi_slopes(6), np.float32([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1,
+                                                                      2 ** -3]))
+    assert bench_cases.alibi_slopes(1).tolist() == [2 ** -8] and bench_cases.alibi_slopes(25).dtype == np.float32
+    assert len(set(bench_cases.alibi_slopes(25).tolist())) == 25
+
+
+def test_ratio_in_turn_takes_each_rounds_pair():
+    """The median and range of the rounds' ratios, each round's numerator over its own denominator."""
+    from cuattn.bench import timing
+
+    assert timing.ratio_in_turn([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == (3.0, 2.0, 4.0)
+    samples = timing.samples_in_turn({"a": lambda: 1, "b": lambda: 2}, 2, timer=lambda fn: float(fn()))
+    assert samples == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
+    with pytest.raises(ValueError):
+        timing.ratio_in_turn([1.0], [1.0, 2.0])

@@ -215,6 +215,16 @@ def attention_shape(n: int, head_dim: int, causal: bool, total_tokens: int = TOT
     return Shape(total_tokens // n, n, heads, heads, head_dim, causal)
 
 
+def alibi_slopes(heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes of ``heads`` heads, float32: 2^(-8 i / H) for i = 1 .. H where H is a
+    power of two; otherwise those of the power of two P below H, then every other slope of 2P's
+    (the paper's reference code, which ALiBi models ship)."""
+    if heads & (heads - 1) == 0:
+        return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+    below = 1 << (heads.bit_length() - 1)
+    return np.concatenate([alibi_slopes(below), alibi_slopes(2 * below)[0::2][: heads - below]])
+
+
 def decode_shape(batch: int, seqlen: int, block_size: int = 0) -> Shape:
     """Decode shape: GQA 32 / 8, D = 128, full caches of ``seqlen`` keys."""
     return Shape(batch, seqlen, DECODE_Q_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, False, block_size)

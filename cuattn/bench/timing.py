@@ -4,7 +4,9 @@ FLOPs and bytes are counted here once: forward attention does 4 * B * H * Sq * S
 floating-point operations (two GEMMs of 2 * Sq * Sk * D each), halved under a causal mask with
 Sq == Sk; the backward does 2.5x the forward. A decode step reads every cached key and value
 once: 2 * B * L * Hk * D * itemsize bytes, reported as TB/s. Times come from CUDA events around many launches
-after a warm-up, median over repeats.
+after a warm-up, median over repeats. The L2 is not flushed between launches: a call whose
+inputs fit in it (50 MiB on H100/H200; a decode cache under that) reads them from the L2 on
+every launch after the first, so its TB/s is not the device memory's.
 
 The physical ceilings the figures are read against are measured here too: the device's copy
 bandwidth (one large device-to-device copy, bytes read plus bytes written) and the dense GEMM rate
@@ -70,12 +72,13 @@ def time_cuda(fn, *, warmup: int = 3, repeats: int = 10, inner: int | None = Non
     return statistics.median(samples)
 
 
-def time_in_turn(calls: dict, rounds: int = 3, *, before=None, timer=None) -> dict:
-    """Median milliseconds per call of each of ``calls`` (key -> fn), timed in turn ``rounds``
-    times over with ``timer`` (default :func:`time_cuda`); ``before(key)`` runs ahead of each timing
-    (to set up a schedule, say). Cases compared with one another are timed so rather than once
-    each in a fixed order, where the later ones run at the clocks the earlier ones left (on the
-    H200 one call's time moved 12% between two turns in one process)."""
+def samples_in_turn(calls: dict, rounds: int = 3, *, before=None, timer=None) -> dict:
+    """Milliseconds per call of each of ``calls`` (key -> fn), one sample a round: each round times
+    every call in turn with ``timer`` (default :func:`time_cuda`); ``before(key)`` runs ahead of
+    each timing (to set up a schedule, say). Cases compared with one another are timed so rather
+    than once each in a fixed order, where the later ones run at the clocks the earlier ones left
+    (on the H200 one call's time moved 12% between two turns in one process); a ratio of two
+    cases is then best read round by round (:func:`ratio_in_turn`)."""
     timer = timer or time_cuda
     times = {key: [] for key in calls}
     for _ in range(rounds):
@@ -83,7 +86,20 @@ def time_in_turn(calls: dict, rounds: int = 3, *, before=None, timer=None) -> di
             if before is not None:
                 before(key)
             times[key].append(timer(fn))
-    return {key: statistics.median(samples) for key, samples in times.items()}
+    return times
+
+
+def time_in_turn(calls: dict, rounds: int = 3, *, before=None, timer=None) -> dict:
+    """Median milliseconds per call of each of ``calls``, timed in turn (:func:`samples_in_turn`)."""
+    samples = samples_in_turn(calls, rounds, before=before, timer=timer)
+    return {key: statistics.median(times) for key, times in samples.items()}
+
+
+def ratio_in_turn(numerator: list, denominator: list) -> tuple[float, float, float]:
+    """(median, min, max) over the rounds of ``numerator[r] / denominator[r]``: two cases' samples
+    from one :func:`samples_in_turn`, each round's pair timed back to back."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def time_synced(fn, sync, *, warmup: int = 3, repeats: int = 10, target_ms: float = 20.0) -> float:
