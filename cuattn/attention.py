@@ -42,7 +42,7 @@ import itertools
 import numpy as np
 
 from . import _arrays, _calls, _jit, _masks, _params, _tma, reference
-from .decode import fast_divisor
+from .decode import RESERVED_SMEM_PER_CTA, fast_divisor
 
 
 
@@ -340,7 +340,9 @@ def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0,
 # 64-key blocks without ping-pong, and which ones flipped with unrelated edits (a store guard in
 # the epilogue). At -O1 every one of them is right, and the variants measured as fast or faster
 # (BENCHMARKS.md, "Hopper tiles for every head dim"); tests/test_attention.py keeps those
-# variants in its sweep.
+# variants in its sweep. On the sources of the fifty-seventh session the same five variants
+# built at -O3 were right (an H100), with no racecheck hazard or synccheck error: no missing
+# fence that -O1 hides showed up, and -O1 stays for what it was measured to cost.
 FWD_SM90_PTXAS_OPTIONS = ("--ptxas-options=-O1",)
 # Head dims up to this run flash_fwd_kernel, in its 32-column tile: the Hopper kernel's narrowest
 # tile is 64 columns, half or more of them zeros there (the two are not measured against each
@@ -956,13 +958,27 @@ def fp8_transpose_shape() -> Fp8TransposeShape:
     return Fp8TransposeShape(c("kFp8TransposeGroups"), c("kFp8TransposeBytes"), c("kFp8TransposeLanesD"))
 
 
+# CTAs of the V^T pass an SM at most. Its 80 registers a thread let three share an SM, and two
+# stream faster (an H100, 32k tokens x 2048: 50.7 against 52.3 us at D = 128, 50.6 against 53.0
+# at D = 256), so each CTA reserves shared memory it never touches, a third of an SM's and a byte.
+FP8_TRANSPOSE_CTAS_PER_SM = 2
+
+
+def fp8_transpose_smem_bytes() -> int:
+    """The V^T pass's dynamic shared memory: just over what lets FP8_TRANSPOSE_CTAS_PER_SM + 1 CTAs
+    share an sm_90 SM (the per-block maximum plus the driver's reserve per CTA make the SM's)."""
+    per_sm = _params.constant("kSm90MaxSmem") + RESERVED_SMEM_PER_CTA
+    return per_sm // (FP8_TRANSPOSE_CTAS_PER_SM + 1) - RESERVED_SMEM_PER_CTA + 1
+
+
 @functools.lru_cache(maxsize=None)
 def fp8_transpose_spec(shape: Fp8TransposeShape | None = None) -> _jit.KernelSpec:
     """fp8_v_transpose_kernel (flash_fwd_sm90.cu): V^T of fp8_v_transposed on the device."""
     shape = shape or fp8_transpose_shape()
     return _jit.KernelSpec("flash_fwd_sm90.cu",
                            f"cuattn::fp8_v_transpose_kernel<{shape.groups}, {shape.chunk_bytes}, {shape.lanes_d}>",
-                           threads=_params.constant("kFp8TransposeThreads"), needs_sm90a=True)
+                           threads=_params.constant("kFp8TransposeThreads"), smem_bytes=fp8_transpose_smem_bytes(),
+                           needs_sm90a=True)
 
 
 def _fp8_v_transposed_on_device(v, stream, shape: Fp8TransposeShape | None = None):

@@ -16,7 +16,7 @@ import pytest
 
 import cuattn
 import cuattn.fp8
-from cuattn import _arrays, _jit, _registry, reference
+from cuattn import _arrays, _jit, _params, _registry, reference
 from conftest import BF16, DTYPE_IDS, DTYPES, RISES, error_budget, randn, rising_scores
 from test_decode import check_decode
 
@@ -1116,6 +1116,19 @@ def test_fp8_forward_device_errors():
     q8 = cupy.zeros((1, 64, 2, 128), np.uint8)
     with pytest.raises(TypeError, match="q_scale.dtype must be float32, got float64"):
         cuattn.attention(q8, q8, q8, q_scale=cupy.ones(2), k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.parametrize("registers", [40, 80, 84, 128])
+def test_fp8_v_transpose_runs_at_most_its_ctas_per_sm(registers):
+    """The V^T pass's shared-memory reservation caps it at FP8_TRANSPOSE_CTAS_PER_SM CTAs an sm_90 SM
+    whatever its register count allows (the build report's occupancy rule)."""
+    from cuattn import _tools
+
+    spec = attention_module.fp8_transpose_spec()
+    assert spec.smem_bytes <= _params.constant("kSm90MaxSmem")
+    ctas = _tools._ctas_per_sm(spec, _jit.Resources(registers, 0, 0, 0, 0), "sm_90a")
+    by_registers = _jit.ctas_by_registers(spec.threads, registers, _tools.REGISTERS_PER_SM)
+    assert ctas == min(attention_module.FP8_TRANSPOSE_CTAS_PER_SM, by_registers) == min(2, by_registers)
 
 
 @pytest.mark.gpu
