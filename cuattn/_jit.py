@@ -11,8 +11,9 @@ own ``.cu`` file: CuPy's own kernel cache keys only the top-level source, so an 
 through ``-I`` would otherwise reuse a stale binary, while an edit to one kernel file leaves the
 other files' cubins valid.
 
-Nothing here needs a GPU except :func:`get_function`, :func:`launch_params` and :class:`Launch`; :func:`compile_kernel`
-works for any architecture NVRTC knows, which is how CI checks every variant for spills.
+Nothing here needs a GPU except :func:`get_function`, :func:`launch_params` and :class:`Launch`;
+:func:`compile_kernel` works for any architecture NVRTC knows, which is how CI checks every
+variant for spills.
 """
 
 from __future__ import annotations

@@ -341,8 +341,9 @@ def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0,
 # the epilogue). At -O1 every one of them is right, and the variants measured as fast or faster
 # (BENCHMARKS.md, "Hopper tiles for every head dim"); tests/test_attention.py keeps those
 # variants in its sweep. On the sources of the fifty-seventh session the same five variants
-# built at -O3 were right (an H100), with no racecheck hazard or synccheck error: no missing
-# fence that -O1 hides showed up, and -O1 stays for what it was measured to cost.
+# built at -O3 were right (an H100), with no racecheck hazard or synccheck error, so no missing
+# fence that -O1 hides showed up; -O1 stays because -O3 then ran level to 4% slower everywhere
+# but D = 160 without a mask (2% faster; BENCHMARKS.md, "Fifty-seventh session").
 FWD_SM90_PTXAS_OPTIONS = ("--ptxas-options=-O1",)
 # Head dims up to this run flash_fwd_kernel, in its 32-column tile: the Hopper kernel's narrowest
 # tile is 64 columns, half or more of them zeros there (the two are not measured against each
