@@ -783,6 +783,9 @@ def device_attribute(name: str, device_id: int | None = None) -> int:
 
 # Registers are allocated per warp, in units of this many.
 REGISTER_ALLOCATION_UNIT = 256
+# Shared memory the driver reserves per CTA on sm_80 and later (its occupancy counts it beside
+# the kernel's own).
+RESERVED_SMEM_PER_CTA = 1024
 
 
 def ctas_by_registers(threads: int, registers: int, registers_per_sm: int) -> int:

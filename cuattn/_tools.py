@@ -15,7 +15,6 @@ import importlib.util
 import platform
 
 from . import _jit, _registry
-from .decode import RESERVED_SMEM_PER_CTA
 
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 # Per-SM budgets of sm_80 / sm_90, for the occupancy column of the report.
@@ -53,8 +52,8 @@ class BuildRow:
 def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
     by_regs = _jit.ctas_by_registers(spec.threads, res.registers, REGISTERS_PER_SM)
     smem = spec.smem_bytes + res.static_smem_bytes
-    # the driver reserves RESERVED_SMEM_PER_CTA of an SM's shared memory for each CTA
-    by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]) // (smem + RESERVED_SMEM_PER_CTA) if smem else by_regs
+    # the driver reserves _jit.RESERVED_SMEM_PER_CTA of an SM's shared memory for each CTA
+    by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]) // (smem + _jit.RESERVED_SMEM_PER_CTA) if smem else by_regs
     return min(by_regs, by_smem, MAX_THREADS_PER_SM // spec.threads)
 
 

@@ -42,7 +42,7 @@ import itertools
 import numpy as np
 
 from . import _arrays, _calls, _jit, _masks, _params, _tma, reference
-from .decode import RESERVED_SMEM_PER_CTA, fast_divisor
+from .decode import fast_divisor
 
 
 
@@ -969,8 +969,8 @@ def fp8_transpose_smem_bytes() -> int:
     """The V^T pass's dynamic shared memory: an sm_90 SM's (the per-block maximum plus the driver's
     reserve per CTA) over FP8_TRANSPOSE_CTAS_PER_SM + 1, plus that reserve, so that one CTA more
     than the cap does not fit (78,848 bytes: the value timed on the H100)."""
-    per_sm = _params.constant("kSm90MaxSmem") + RESERVED_SMEM_PER_CTA
-    return per_sm // (FP8_TRANSPOSE_CTAS_PER_SM + 1) + RESERVED_SMEM_PER_CTA
+    per_sm = _params.constant("kSm90MaxSmem") + _jit.RESERVED_SMEM_PER_CTA
+    return per_sm // (FP8_TRANSPOSE_CTAS_PER_SM + 1) + _jit.RESERVED_SMEM_PER_CTA
 
 
 @functools.lru_cache(maxsize=None)

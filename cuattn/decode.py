@@ -356,14 +356,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen
     return splits(min(min_ctas_per_sm, ctas_per_sm) * sms)
 
 
-# Shared memory the driver reserves per CTA on sm_80 and later.
-RESERVED_SMEM_PER_CTA = 1024
-
-
 def ctas_per_sm(spec: _jit.KernelSpec) -> int:
     """How many CTAs of a decode variant fit on one SM, by shared memory, threads and registers
     (the loaded kernel's count)."""
-    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // (spec.smem_bytes + RESERVED_SMEM_PER_CTA)
+    smem_per_cta = spec.smem_bytes + _jit.RESERVED_SMEM_PER_CTA
+    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // smem_per_cta
     by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
     by_regs = _jit.ctas_by_registers(spec.threads, _jit.get_function(spec).num_regs,
                                      _jit.device_attribute("MaxRegistersPerMultiprocessor"))
