@@ -795,6 +795,15 @@ def ctas_by_registers(threads: int, registers: int, registers_per_sm: int) -> in
     return registers_per_sm // max(regs_per_warp * (threads // 32), 1)
 
 
+def occupancy(threads: int, registers: int, smem_bytes: int, *, registers_per_sm: int, smem_per_sm: int,
+              threads_per_sm: int) -> int:
+    """How many CTAs of ``threads`` threads, ``registers`` registers a thread and ``smem_bytes`` of
+    shared memory (with the driver's RESERVED_SMEM_PER_CTA beside it) an SM of these budgets holds
+    at once: the fewest that its registers, shared memory and threads allow (0 if one does not fit)."""
+    by_smem = smem_per_sm // (smem_bytes + RESERVED_SMEM_PER_CTA)
+    return min(ctas_by_registers(threads, registers, registers_per_sm), by_smem, threads_per_sm // threads)
+
+
 def max_shared_memory_per_block(device_id: int | None = None) -> int:
     """The opt-in dynamic shared-memory limit of a device (232448 bytes on an H100/H200)."""
     return device_attribute("MaxSharedMemoryPerBlockOptin", device_id)

@@ -50,11 +50,9 @@ class BuildRow:
 
 
 def _ctas_per_sm(spec: _jit.KernelSpec, res: _jit.Resources, arch: str) -> int:
-    by_regs = _jit.ctas_by_registers(spec.threads, res.registers, REGISTERS_PER_SM)
-    smem = spec.smem_bytes + res.static_smem_bytes
-    # the driver reserves _jit.RESERVED_SMEM_PER_CTA of an SM's shared memory for each CTA
-    by_smem = SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]) // (smem + _jit.RESERVED_SMEM_PER_CTA) if smem else by_regs
-    return min(by_regs, by_smem, MAX_THREADS_PER_SM // spec.threads)
+    return _jit.occupancy(spec.threads, res.registers, spec.smem_bytes + res.static_smem_bytes,
+                          registers_per_sm=REGISTERS_PER_SM, smem_per_sm=SMEM_PER_SM.get(arch, SMEM_PER_SM["sm_80"]),
+                          threads_per_sm=MAX_THREADS_PER_SM)
 
 
 def parse_archs(arch) -> list[str]:

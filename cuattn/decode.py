@@ -359,12 +359,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, row_chunks: int, max_seqlen
 def ctas_per_sm(spec: _jit.KernelSpec) -> int:
     """How many CTAs of a decode variant fit on one SM, by shared memory, threads and registers
     (the loaded kernel's count)."""
-    smem_per_cta = spec.smem_bytes + _jit.RESERVED_SMEM_PER_CTA
-    by_smem = _jit.device_attribute("MaxSharedMemoryPerMultiprocessor") // smem_per_cta
-    by_threads = _jit.device_attribute("MaxThreadsPerMultiProcessor") // spec.threads
-    by_regs = _jit.ctas_by_registers(spec.threads, _jit.get_function(spec).num_regs,
-                                     _jit.device_attribute("MaxRegistersPerMultiprocessor"))
-    return max(1, min(by_smem, by_threads, by_regs))
+    return max(1, _jit.occupancy(spec.threads, _jit.get_function(spec).num_regs, spec.smem_bytes,
+                                 registers_per_sm=_jit.device_attribute("MaxRegistersPerMultiprocessor"),
+                                 smem_per_sm=_jit.device_attribute("MaxSharedMemoryPerMultiprocessor"),
+                                 threads_per_sm=_jit.device_attribute("MaxThreadsPerMultiProcessor")))
 
 
 # ---------------------------------------------------------------------------------------------
