@@ -12,11 +12,15 @@ python scripts/ab_page_orders.py [--rounds R] [--orders BLOCK:ORDER,...] [B:L ..
                     N = 8 and 16-token pages a 128-key stage of the long-stage kernel still reads
                     the same eight pages as in order, with N = 64 its eight pages lie anywhere in
                     a megabyte (e4m3) of the pool
-    and timed as CUDA-graph steps (timing.time_cupy_graph, the min of R rounds), beside the
-    contiguous cache. Every e4m3 output must match the bf16 contiguous decode within E4M3_TOL.
+    and timed as CUDA-graph steps (timing.time_cupy_graph) beside the contiguous cache: every step
+    of a shape in turn, R rounds over (timing.samples_in_turn), printed as the median of the rounds
+    and each e4m3 speedup as the median of the rounds' ratios (each round's pair timed back to
+    back), with its range. Every e4m3 output must match the bf16 contiguous decode within
+    E4M3_TOL.
 """
 
 import argparse
+import statistics
 
 import cupy
 import numpy as np
@@ -63,46 +67,54 @@ def parse_orders(text: str) -> list[tuple[int, str]]:
 
 
 def compare(batch: int, seqlen: int, orders: list, rounds: int, rng) -> None:
-    """Time one shape's caches in every (block, order) of ``orders`` and print one line for it."""
+    """Time one shape's caches in every (block, order) of ``orders`` and the contiguous cache, all
+    in turn, and print one line for it."""
     # compare_fp8_decode's caches (its own pages are not used: each order below pages them anew)
     c = make_caches(batch, seqlen, HQ, HK, "in-order", orders[0][0], rng)
     q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
     reference = cuattn.decode(q, k, v, lens).astype(cupy.float32)
 
-    def best(fn) -> float:
-        return min(timing.time_cupy_graph(fn) for _ in range(rounds)) * 1e3
-
-    line = f"B={batch:3d} L={seqlen:6d}"
+    # (label, bf16 step, e4m3 step) of each placement, then of the contiguous cache
+    placements = []
     for block, order in orders:
         blocks = batch * seqlen // block
         table = block_table(order, batch, seqlen // block, rng)
 
-        def pages(x):
+        def pages(x, blocks=blocks, block=block, table=table):
             out = cupy.empty((blocks, block, HK, D), x.dtype)  # [num_blocks, block, Hk, D]
             out[table.reshape(-1)] = x.reshape(blocks, block, HK, D)
             return out
 
         kp, vp, kp8, vp8 = (pages(x) for x in (k, v, k8, v8))
 
-        def bf16_step():
+        def bf16_step(kp=kp, vp=vp, table=table):
             return cuattn.paged_attention(q, (kp, vp), table, lens, check=False)
 
-        def e4m3_step():
+        def e4m3_step(kp8=kp8, vp8=vp8, table=table):
             return cuattn.paged_attention(q, (kp8, vp8), table, lens, k_scale=k_scale, v_scale=v_scale, check=False)
 
         diff = float(cupy.abs(e4m3_step().astype(cupy.float32) - reference).max())
         if diff > E4M3_TOL:
             raise SystemExit(f"B={batch} L={seqlen} {block}/{order}: e4m3 output {diff} from the bf16 decode")
-        t16, t8 = best(bf16_step), best(e4m3_step)
-        line += f" | {block}/{order} bf16 {t16:.1f} e4m3 {t8:.1f} {t16 / t8:.3f}x"
-    t16 = best(lambda: cuattn.decode(q, k, v, lens))
-    t8 = best(lambda: cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale))
-    print(line + f" | contiguous bf16 {t16:.1f} e4m3 {t8:.1f} {t16 / t8:.3f}x", flush=True)
+        placements.append((f"{block}/{order}", bf16_step, e4m3_step))
+    placements.append(("contiguous", lambda: cuattn.decode(q, k, v, lens),
+                       lambda: cuattn.decode(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale)))
+
+    calls = {(label, kind): step for label, bf16, e4m3 in placements for kind, step in (("bf16", bf16), ("e4m3", e4m3))}
+    samples = timing.samples_in_turn(calls, rounds, timer=timing.time_cupy_graph)
+    line = f"B={batch:3d} L={seqlen:6d}"
+    for label, _, _ in placements:
+        t16, t8 = (samples[label, kind] for kind in ("bf16", "e4m3"))
+        speedup, low, high = timing.ratio_in_turn(t16, t8)
+        line += (f" | {label} bf16 {statistics.median(t16) * 1e3:.1f} e4m3 {statistics.median(t8) * 1e3:.1f} "
+                 f"{speedup:.3f}x ({low:.3f}-{high:.3f})")
+    print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="graph timings per step; the min is printed")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every step in turn; medians are printed (default 3)")
     parser.add_argument("--orders", type=parse_orders, default=ORDERS,
                         help="comma-separated BLOCK:ORDER (default: " + ",".join(f"{b}:{o}" for b, o in ORDERS) + ")")
     parser.add_argument("shapes", nargs="*", help="B:L (default: SHAPES)")
