@@ -80,7 +80,7 @@ def compare(batch: int, seqlen: int, orders: list, rounds: int, rng) -> None:
         blocks = batch * seqlen // block
         table = block_table(order, batch, seqlen // block, rng)
 
-        def pages(x, blocks=blocks, block=block, table=table):
+        def pages(x):
             out = cupy.empty((blocks, block, HK, D), x.dtype)  # [num_blocks, block, Hk, D]
             out[table.reshape(-1)] = x.reshape(blocks, block, HK, D)
             return out
