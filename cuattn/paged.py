@@ -9,9 +9,12 @@ block carrying a reference count; a shared block is copied only when one of them
     BlockManager(num_blocks, block_size, enable_prefix_caching=False)
                                               host (NumPy): tables, refcounts, free list, and
                                               (prefix caching) full blocks keyed by their prefix
-    PagedKVCache(num_blocks, block_size, Hk, D, dtype, k_scale=1.0, v_scale=1.0, head_dim_v=None)
+    PagedKVCache(num_blocks, block_size, Hk, D, dtype, k_scale=1.0, v_scale=1.0, head_dim_v=None, layout=None)
         k_pages           (num_blocks, block_size, Hk, D)    device arrays (or NumPy with device="cpu")
-        v_pages           (num_blocks, block_size, Hk, Dv)   Dv = head_dim_v, default D
+        v_pages           (num_blocks, block_size, Hk, Dv)   Dv = head_dim_v, default D; stored token-major
+                                                             ("NHD") or head-major ("HND", e4m3's
+                                                             default: views of (num_blocks, Hk,
+                                                             block_size, D) storage)
         write(k, v, slot_ids)     new tokens (N, Hk, D) and (N, Hk, Dv) into slots (block *
                                   block_size + offset); an e4m3 cache quantises them with its scales
         copy_blocks(pairs)        (src, dst) page copies: the copy-on-write that append asks for
@@ -53,6 +56,40 @@ def _check_pool(num_blocks: int, block_size: int) -> None:
 
 def _check_block_size(block_size) -> None:
     _arrays.check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+
+
+# Where a PagedKVCache puts its page bytes, in FlashInfer's names: "NHD" token-major, stored
+# (num_blocks, block_size, Hk, D) as it is indexed; "HND" head-major, (num_blocks, Hk, block_size,
+# D) storage seen through a (num_blocks, block_size, Hk, D) view, so that one kv head's tokens of
+# a page lie in one run of block_size * D elements. Every kernel reads pages through their
+# strides: the two differ only in where the bytes lie. A decode CTA streams one kv head. Token-major,
+# that is a 128-byte piece of each 1 KB token row of an e4m3 page (Hk = 8, D = 128), and such
+# pieces scattered over a shuffled pool cost the e4m3 step 5% against pages in order on an H100
+# (B = 8, L = 8k, 16-token pages: 54.9 against 52.1 us); head-major, each page gives the CTA one
+# 2 KB run: 53.9 us, and 93.8 against 97.2 at B = 16 (BENCHMARKS.md, "Sixty-third session"). A
+# 16-bit cache's 256-byte pieces moved 1% or less either way, so it keeps the token-major pages it
+# always had.
+PAGE_LAYOUTS = ("NHD", "HND")
+E4M3_PAGE_LAYOUT = "HND"
+DEFAULT_PAGE_LAYOUT = "NHD"
+
+
+def _page_layout(layout, e4m3: bool) -> str:
+    """A cache's page layout: ``layout`` checked, or its element type's default for None."""
+    if layout is None:
+        return E4M3_PAGE_LAYOUT if e4m3 else DEFAULT_PAGE_LAYOUT
+    if not isinstance(layout, str) or layout not in PAGE_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(repr(x) for x in PAGE_LAYOUTS)} or None (the dtype's "
+                         f"default), got {layout!r}")
+    return layout
+
+
+def _zero_pages(xp, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str):
+    """Zeroed pages as the (num_blocks, block_size, Hk, D) array the kernels index, stored as
+    ``layout`` says (for "HND" a view of (num_blocks, Hk, block_size, D) storage)."""
+    if layout == "HND":
+        return xp.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype).transpose(0, 2, 1, 3)
+    return xp.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,10 +427,17 @@ class PagedKVCache:
     and ``v_scale`` (real value = stored x scale) are floats or ``(Hk,)`` arrays (per kv head; see
     :func:`cuattn.fp8_scales`), fixed for the cache's life and used by ``paged_attention``. The
     pages of a GPU FP8 cache are CuPy uint8 arrays holding the e4m3 bytes.
+
+    ``layout`` says where the page bytes lie (``layout`` attribute); ``k_pages`` and ``v_pages``
+    are indexed ``(num_blocks, block_size, Hk, D)`` either way. ``"NHD"``: token-major, contiguous
+    arrays (the default of 16-bit caches). ``"HND"``: head-major, views of ``(num_blocks, Hk,
+    block_size, D)`` storage, each kv head's tokens of a page in one run (the default of e4m3
+    caches, whose decode steps over scattered pages it speeds up). A pool of your own in either
+    layout goes to ``paged_attention`` the same way, as such a view.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device="cuda", *,
-                 k_scale=1.0, v_scale=1.0, head_dim_v=None):
+                 k_scale=1.0, v_scale=1.0, head_dim_v=None, layout=None):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
@@ -405,6 +449,7 @@ class PagedKVCache:
             _arrays.check_head_dim(name, _arrays.check_int(name, value, 0))
         dtype = _cache_dtype(dtype)
         self.e4m3 = dtype == _arrays.FLOAT8_E4M3
+        self.layout = _page_layout(layout, self.e4m3)
         if self.e4m3:
             _arrays.check_e4m3_head_dim("head_dim", head_dim)
             _arrays.check_e4m3_head_dim("head_dim_v", head_dim_v)
@@ -422,8 +467,8 @@ class PagedKVCache:
         pages = (int(num_blocks), int(block_size), int(num_kv_heads))
         # the pages' storage: e4m3 bytes are uint8 in CuPy, which has no float8 type
         storage = _arrays.E4M3_STORAGE if self.e4m3 and device == "cuda" else dtype
-        self.k_pages = xp.zeros((*pages, int(head_dim)), storage)  # [num_blocks, block_size, Hk, D]
-        self.v_pages = xp.zeros((*pages, int(head_dim_v)), storage)  # [num_blocks, block_size, Hk, Dv]
+        self.k_pages = _zero_pages(xp, *pages, int(head_dim), storage, self.layout)  # [num_blocks, block_size, Hk, D]
+        self.v_pages = _zero_pages(xp, *pages, int(head_dim_v), storage, self.layout)  # [num_blocks, block_size, Hk, Dv]
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), int(head_dim), dtype, device
         self.head_dim_v = int(head_dim_v)

@@ -1,10 +1,12 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py [--pages=ORDER] [--block-size=N] [--rounds=N] [--paged-tile=WARPS:STAGES] [B:L ...]
+python scripts/compare_fp8_decode.py [--pages=ORDER] [--layout=LAYOUT] [--block-size=N] [--rounds=N] [--paged-tile=WARPS:STAGES] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
     block size 16 (or --block-size, which must divide each L), check=False, blocks shuffled across
     the pool, or with --pages=in-order or interleaved laid out as cuattn.bench.cases.block_table
-    says. CUDA-graph step times (20 calls a graph; no L2 flush between replays: the default shapes'
+    says; the pools' page layout (cuattn.paged.PAGE_LAYOUTS) each dtype's PagedKVCache default
+    (--layout=default: e4m3 head-major, bf16 token-major) or one for both (--layout=NHD or HND).
+    CUDA-graph step times (20 calls a graph; no L2 flush between replays: the default shapes'
     caches are larger than the L2), the four steps timed in turn --rounds times over (default 3;
     each speedup is the median of the rounds' ratios, with their range), and the largest
     difference of each output from the bf16 contiguous decode. Shapes default to SHAPES. Each
@@ -25,12 +27,14 @@ import numpy as np
 import cuattn
 from cuattn import _calls
 from cuattn.bench import cases as bench_cases, timing
+from cuattn.paged import DEFAULT_PAGE_LAYOUT, E4M3_PAGE_LAYOUT, PAGE_LAYOUTS
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
 HQ, HK, D = 32, 8, 128
 DEFAULT_BLOCK = 16
 DEFAULT_ROUNDS = 3
+LAYOUT_CHOICES = ("default", *PAGE_LAYOUTS)
 SHAPES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (8, 131072)]
 
 
@@ -55,8 +59,15 @@ class DecodeCaches:
     vp8: object
 
 
-def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: int, rng) -> DecodeCaches:
-    """Random caches of one (B, L), the pages placed in the pool as ``order`` says."""
+def page_layouts(choice: str) -> tuple[str, str]:
+    """The (bf16, e4m3) pools' page layouts for --layout ``choice``."""
+    return (DEFAULT_PAGE_LAYOUT, E4M3_PAGE_LAYOUT) if choice == "default" else (choice, choice)
+
+
+def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: int, rng,
+                layouts: tuple[str, str] = ("NHD", "NHD")) -> DecodeCaches:
+    """Random caches of one (B, L), the pages placed in the pool as ``order`` says, the bf16 and
+    e4m3 pools' bytes laid out as ``layouts`` says (cuattn.paged.PAGE_LAYOUTS)."""
     bf16 = cupy.dtype("bfloat16")
     q = cupy.random.standard_normal((batch, 1, hq, D), dtype=cupy.float32).astype(bf16)
     k, v = (cupy.random.standard_normal((batch, seqlen, hk, D), dtype=cupy.float32).astype(bf16) for _ in range(2))
@@ -66,18 +77,24 @@ def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: in
     num_blocks = batch * seqlen // block
     table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
 
-    def pages(x):
-        out = cupy.empty((num_blocks, block, hk, D), x.dtype)  # [num_blocks, block, Hk, D]
+    def pages(x, layout):
+        # [num_blocks, block, Hk, D], for HND a view of [num_blocks, Hk, block, D] storage
+        if layout == "HND":
+            out = cupy.empty((num_blocks, hk, block, D), x.dtype).transpose(0, 2, 1, 3)
+        else:
+            out = cupy.empty((num_blocks, block, hk, D), x.dtype)
         out[table.reshape(-1)] = x.reshape(num_blocks, block, hk, D)
         return out
 
-    return DecodeCaches(q, lens, k, v, k8, v8, k_scale, v_scale, table, *(pages(x) for x in (k, v, k8, v8)))
+    paged = (pages(x, layouts[0]) for x in (k, v)), (pages(x, layouts[1]) for x in (k8, v8))
+    return DecodeCaches(q, lens, k, v, k8, v8, k_scale, v_scale, table, *paged[0], *paged[1])
 
 
-def compare(batch: int, seqlen: int, order: str, block: int, rng, rounds: int = DEFAULT_ROUNDS) -> None:
+def compare(batch: int, seqlen: int, order: str, block: int, rng, rounds: int = DEFAULT_ROUNDS,
+            layout: str = "default") -> None:
     """Time the four decode steps of one (B, L) in turn, ``rounds`` times over, and print their
-    medians with the e4m3 speedups."""
-    c = make_caches(batch, seqlen, HQ, HK, order, block, rng)
+    medians with the e4m3 speedups (pools laid out as --layout ``layout`` says)."""
+    c = make_caches(batch, seqlen, HQ, HK, order, block, rng, page_layouts(layout))
     q, lens, k, v, k8, v8, k_scale, v_scale = c.q, c.lens, c.k, c.v, c.k8, c.v8, c.k_scale, c.v_scale
     table, kp, vp, kp8, vp8 = c.table, c.kp, c.vp, c.kp8, c.vp8
     steps = {
@@ -135,6 +152,9 @@ def main(argv):
         use_paged_tile(paged_tile)
         print("paged e4m3 long tile: " + (f"{paged_tile.warps} warps, {paged_tile.stages} stages" if paged_tile
                                           else "none (the default stage)"), flush=True)
+    layout = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--layout=")), "default")
+    if layout not in LAYOUT_CHOICES:
+        raise SystemExit(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {layout!r}")
     block_arg = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--block-size=")), str(DEFAULT_BLOCK))
     if not block_arg.isdigit():
         raise SystemExit(f"--block-size takes a positive int, got {block_arg!r}")
@@ -148,9 +168,11 @@ def main(argv):
         if block < 1 or seqlen % block:
             raise SystemExit(f"--block-size must divide each L, got {block} for L = {seqlen}")
     rng = np.random.default_rng(0)
-    print(f"paged caches: {block}-token blocks {order}", flush=True)
+    bf16_layout, e4m3_layout = page_layouts(layout)
+    print(f"paged caches: {block}-token blocks {order}, pages {bf16_layout} (bf16) and {e4m3_layout} (e4m3)",
+          flush=True)
     for batch, seqlen in shapes:
-        compare(batch, seqlen, order, block, rng, rounds)
+        compare(batch, seqlen, order, block, rng, rounds, layout)
         # the shape's caches are gone with compare's frame: give their memory back before the next
         cupy.get_default_memory_pool().free_all_blocks()
 

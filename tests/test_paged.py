@@ -9,6 +9,8 @@ copies and the writes as a cache would, and checks that every sequence reads bac
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
@@ -16,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cuattn
 from cuattn import _arrays, _registry, reference
+from cuattn.paged import PAGE_LAYOUTS
 from conftest import BF16, DTYPE_IDS, DTYPES, DeviceInts, ForeignDtype, Tensor, check_decode, error_budget, import_jax, randn
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
@@ -792,6 +795,63 @@ def test_cuda_cache_without_a_device_raises_one_line_with_the_cpu_path(monkeypat
     assert str(info.value) == reason and "\n" not in str(info.value)
 
 
+def layout_pair(rng, dtype, device, shape=(6, 4, 3, 32, 16), tokens=10, **kwargs):
+    """Two caches of the same random tokens, one per page layout, of ``shape`` (num_blocks,
+    block_size, Hk, D, Dv): ``tokens`` tokens written at shuffled slots of all but the last two
+    blocks (the fourth one padding), then those two blocks made copy-on-write copies of blocks 0
+    and 2."""
+    xp = np if device == "cpu" else __import__("cupy")
+    num_blocks, block_size, hk, d, dv = shape
+    caches = {layout: cuattn.PagedKVCache(num_blocks, block_size, hk, d, dtype, device=device, layout=layout,
+                                          head_dim_v=dv, **kwargs)
+              for layout in PAGE_LAYOUTS}
+    source = np.float32 if str(dtype) == "float8_e4m3fn" else dtype
+    k, v = randn(rng, (tokens, hk, d), source), randn(rng, (tokens, hk, dv), source)
+    slots = rng.permutation((num_blocks - 2) * block_size)[:tokens].astype(np.int32)
+    slots[3] = -1
+    for cache in caches.values():
+        cache.write(xp.asarray(k), xp.asarray(v), slots)
+        cache.copy_blocks([(0, num_blocks - 1), (2, num_blocks - 2)])
+    return caches
+
+
+def page_bytes(pages):
+    """A cache's pages on the host as raw bytes per element, in their (num_blocks, block_size, Hk, D) order."""
+    host = pages if isinstance(pages, np.ndarray) else pages.get()
+    return np.ascontiguousarray(host).view(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "float8_e4m3fn"], ids=["fp32", "e4m3"])
+def test_page_layouts_hold_the_same_pages(rng, dtype):
+    """layout="HND" stores each kv head's tokens of a page in one run (a view of (num_blocks, Hk,
+    block_size, D) storage), "NHD" whole tokens; writes, copies and attention see the same
+    (num_blocks, block_size, Hk, D) pages either way. None takes HND for e4m3 caches only."""
+    default = cuattn.PagedKVCache(6, 4, 3, 32, dtype, device="cpu")
+    assert default.layout == ("HND" if dtype == "float8_e4m3fn" else "NHD")
+    caches = layout_pair(rng, dtype, "cpu")
+    for layout, cache in caches.items():
+        assert cache.layout == layout
+        assert cache.k_pages.shape == (6, 4, 3, 32) and cache.v_pages.shape == (6, 4, 3, 16)
+        for pages in (cache.k_pages, cache.v_pages):
+            # the axes from the largest stride to the smallest
+            in_memory = tuple(int(a) for a in np.argsort(pages.strides)[::-1])
+            assert in_memory == ((0, 1, 2, 3) if layout == "NHD" else (0, 2, 1, 3)), (layout, pages.strides)
+    nhd, hnd = caches["NHD"], caches["HND"]
+    for name in ("k_pages", "v_pages"):
+        assert np.array_equal(page_bytes(getattr(nhd, name)), page_bytes(getattr(hnd, name))), name
+    assert page_bytes(nhd.k_pages).any()
+    q = randn(rng, (2, 1, 6, 32), np.float32)
+    table, lens = np.array([[0, 1, 2], [3, 4, 5]], np.int32), np.array([9, 12], np.int32)
+    np.testing.assert_array_equal(cuattn.paged_attention(q, nhd, table, lens), cuattn.paged_attention(q, hnd, table, lens))
+
+
+@pytest.mark.parametrize("layout", ["hnd", "NDH", 1, b"HND"])
+def test_an_unknown_page_layout_is_refused(layout):
+    with pytest.raises(ValueError, match=r"^layout must be one of 'NHD', 'HND' or None \(the dtype's default\), got "
+                                         + re.escape(repr(layout)) + "$"):
+        cuattn.PagedKVCache(8, 4, 2, 64, np.float16, device="cpu", layout=layout)
+
+
 def test_cpu_cache_write_skips_padding_and_copies_blocks(rng):
     cache = cuattn.PagedKVCache(4, 2, 1, 32, np.float32, device="cpu")
     k = randn(rng, (3, 1, 32), np.float32)
@@ -804,11 +864,12 @@ def test_cpu_cache_write_skips_padding_and_copies_blocks(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", PAGE_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
+def test_cache_write_and_copy_kernels_match_numpy(rng, dtype, layout):
     import cupy
 
-    gpu = cuattn.PagedKVCache(16, 5, 2, 128, dtype)
+    gpu = cuattn.PagedKVCache(16, 5, 2, 128, dtype, layout=layout)
     cpu = cuattn.PagedKVCache(16, 5, 2, 128, dtype, device="cpu")
     k = randn(rng, (40, 2, 128), dtype)
     v = randn(rng, (40, 2, 128), dtype)
@@ -821,6 +882,46 @@ def test_cache_write_and_copy_kernels_match_numpy(rng, dtype):
     gpu.copy_blocks(pairs)
     cpu.copy_blocks(pairs)
     assert np.array_equal(gpu.k_pages.get(), cpu.k_pages) and np.array_equal(gpu.v_pages.get(), cpu.v_pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, "float8_e4m3fn"], ids=["bf16", "e4m3"])
+def test_attention_reads_either_page_layout_alike_on_the_gpu(rng, dtype):
+    """Decode steps (one new token; three, split over the keys) and a paged prefill chunk (the
+    Hopper forward's TMA boxes of 16-token pages, or decode runs over e4m3 pages) read HND pages as
+    they read NHD ones: outputs equal bit for bit, and near the float64 reference."""
+    import cupy
+
+    scales = {"k_scale": 0.05, "v_scale": 0.04} if dtype == "float8_e4m3fn" else {}
+    caches = layout_pair(rng, dtype, "cuda", shape=(48, 16, 2, 128, 128), tokens=700, **scales)
+    table = np.arange(44, dtype=np.int32).reshape(2, 22)
+    lens = np.array([345, 290], np.int32)
+    q = cupy.asarray(randn(rng, (2, 3, 8, 128), BF16))
+    q_packed = cupy.asarray(randn(rng, (41, 8, 128), BF16))
+    cu = np.array([0, 40, 41], np.int32)
+    calls = {
+        "decode": lambda c: cuattn.paged_attention(q[:, :1], c, table, lens),
+        "split decode": lambda c: cuattn.paged_attention(q, c, table, lens, num_splits=3),
+        "prefill chunk": lambda c: cuattn.paged_attention_varlen(q_packed, c, table, cu, lens, 40),
+    }
+    nhd, hnd = caches["NHD"], caches["HND"]
+    ref_k, ref_v = (reference.gather_pages(page_bytes_as_float(pages, dtype, scale), table, lens)
+                    for pages, scale in ((nhd.k_pages, scales.get("k_scale", 1.0)),
+                                         (nhd.v_pages, scales.get("v_scale", 1.0))))
+    for name, call in calls.items():
+        got = call(hnd)
+        assert cupy.array_equal(got, call(nhd)), name
+        if name == "decode":
+            ref = reference.decode(q[:, :1].get().astype(np.float64), ref_k, ref_v, lens)
+            assert np.abs(got.get().astype(np.float64) - ref).max() < 2e-2, f"seed {rng.seed}"
+
+
+def page_bytes_as_float(pages, dtype, scale: float):
+    """A cache's pages on the host as float64 values (e4m3 bytes times their scale)."""
+    host = pages.get()
+    if str(dtype) == "float8_e4m3fn":
+        return host.view(_arrays.FLOAT8_E4M3).astype(np.float64) * scale
+    return host.astype(np.float64)
 
 
 def test_strided_copy_refuses_mismatched_views():
