@@ -531,15 +531,20 @@ def tile_order_capacity(batch: int, num_heads: int, total_q: int, block_m: int, 
 
 @functools.lru_cache(maxsize=None)
 def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_dtype=None,
-                  alibi: bool = False, paged: bool = False) -> _jit.KernelSpec:
+                  alibi: bool = False, paged: bool = False, kv_e4m3: bool = False) -> _jit.KernelSpec:
     """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
     ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
     with a 16-bit ``out_dtype``; ``alibi``: its ALIBI variant; ``paged``: its PAGED variant (keys
-    and values from a paged cache, 16-bit)."""
+    and values from a paged cache, 16-bit, or with ``kv_e4m3`` e4m3 pages widened to ``dtype`` as
+    the producer copies them: the KV_E4M3 variant)."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
+    if kv_e4m3 and (fp8 or not paged or alibi):
+        raise ValueError("the e4m3-pages variant is a paged 16-bit one without ALiBi")
     ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
-    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded, alibi, paged))
+    # KV_E4M3 is the kernel's last template parameter, false by default: named only when set
+    flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded, alibi, paged)
+                      + ((True,) if kv_e4m3 else ()))
     return _jit.KernelSpec(
         "flash_fwd_sm90.cu",
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
@@ -555,8 +560,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
     """Every forward and backward variant the dispatchers can pick on ``arch`` (for ``cuattn.build``):
     flash_fwd_kernel with and without ALiBi, dense and paged (paged_attention_varlen's long runs);
     flash_fwd_sm90_kernel per tile with and without ALiBi (16-bit and e4m3), its paged tiles with
-    and without ALiBi (paged_attention_varlen's prefill on sm_90a), the FP8 V^T pass and the varlen
-    tile order (fwd_tile_order_kernel)."""
+    and without ALiBi and over e4m3 pages (paged_attention_varlen's prefill on sm_90a), the FP8 V^T
+    pass and the varlen tile order (fwd_tile_order_kernel)."""
     forward = [fwd_spec(dtype, d, fwd_tile(d, arch, alibi), alibi, paged) for dtype in _arrays.CUDA_TYPES
                for d in TILE_HEAD_DIMS for alibi in (False, True) for paged in (False, True)]
     if arch == SM90:
@@ -566,6 +571,8 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                     for dims, tile in dense for alibi in (False, True)]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), alibi=alibi, paged=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES for alibi in (False, True)]
+        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True, kv_e4m3=True)
+                    for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)]
         forward += [fp8_transpose_spec(), tile_order_spec()]
@@ -1169,7 +1176,7 @@ class PagedKeys:
 
 def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_q, seqlen_k,
                 causal, scale, window, softcap, stream, tile=None, sinks=None, alibi=(None, 0), paged=None, fp8=None,
-                schedule=None, execute=True):
+                schedule=None, execute=True, kv_scales=None):
     """Launch the forward on 4-D views q, k [B, S, H, D], v, out [B, S, H, Dv] and lse [B, H, S] (or
     None): flash_fwd_sm90_kernel where the GPU, head dims (a tile of FWD_SM90_TILES holds them) and
     strides allow, else flash_fwd_kernel. Dv is read from out (v is V^T with ``fp8``, and Dv = D there).
@@ -1178,6 +1185,9 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     :class:`PagedKeys` (flash_fwd_kernel's PAGED variant; q, out and lse packed as in varlen with
     ``cu_seqlens_q``, ``cu_seqlens_k`` None, ``seqlen_k`` the table's capacity). ``fp8``: e4m3 q,
     k and ``v`` already V^T (``_fp8_v_transposed``), with their checked scales (:class:`Fp8Args`).
+    ``kv_scales``: with ``paged``, pages of e4m3 bytes and their checked descales (a
+    ``(k, v)`` pair of ``_arrays.KvScale``), which only flash_fwd_sm90_kernel's KV_E4M3 variant
+    reads (:func:`paged_e4m3_prefill`; its producer copies and widens the rows).
     ``schedule``: flash_fwd_sm90_kernel's tile schedule, FWD_SM90_SCHEDULE when None ("static"
     for launches that may be recorded by stream capture: the dynamic one's per-stream counters
     are allocated on a stream's first launch). ``execute=False`` only prepares the launch (a plan
@@ -1209,8 +1219,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded)
         # paged keys: rows copied by the producer warpgroup, or boxes of one page (or BLOCK_N rows
         # of a longer one)
-        copy_pages = paged is not None and sm90_tile is not None and paged_keys_by_copy(paged.block_size,
-                                                                                         sm90_tile.block_n)
+        copy_pages = paged is not None and sm90_tile is not None and (
+            kv_scales is not None or paged_keys_by_copy(paged.block_size, sm90_tile.block_n))
         page_rows = None if paged is None or sm90_tile is None or copy_pages else paged_box_rows(
             paged.block_size, sm90_tile.block_n)
         if sm90_tile is not None:
@@ -1221,13 +1231,17 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
             raise ValueError(f"flash_fwd_sm90_kernel cannot run this call (arch {arch}, head_dim {head_dim}, "
                              f"head_dim_v {head_dim_v}, strides {q.strides}, {k.strides}, {v.strides}"
                              + (f", block_size {paged.block_size}" if paged is not None else "") + ")")
+    if kv_scales is not None and not isinstance(tile, FwdSm90Tile):
+        raise ValueError(f"e4m3 pages take flash_fwd_sm90_kernel alone (arch {arch}, head_dim {head_dim}, head_dim_v "
+                         f"{head_dim_v}, q.strides {q.strides}): paged_e4m3_prefill says where")
     if tile is None:
         tile = fwd_tile(head_dim, arch, alibi[0] is not None, head_dim_v)
     if fp8 is not None:
         spec = fwd_sm90_spec(_arrays.FLOAT8_E4M3, head_dim, head_dim, tile, np.dtype(out.dtype),
                              alibi=alibi[0] is not None)
     elif isinstance(tile, FwdSm90Tile):
-        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile, alibi=alibi[0] is not None, paged=paged is not None)
+        spec = fwd_sm90_spec(np.dtype(q.dtype), *sm90_dims, tile, alibi=alibi[0] is not None, paged=paged is not None,
+                             kv_e4m3=kv_scales is not None)
     else:
         spec = fwd_spec(np.dtype(q.dtype), fwd_tile_dim(head_dim, head_dim_v), tile, alibi[0] is not None,
                         paged is not None)
@@ -1291,7 +1305,7 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
         "FwdParams", q_map=no_map, k_map=no_map, v_map=no_map, v_row_map=no_map, o_map=no_map,
         o_by_tma=int(o_map is not None),
         q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
-        **(fp8 or Fp8Args()).fields(),
+        **(fp8 or _kv_e4m3_args(kv_scales)).fields(),
         alibi_slopes=alibi[0], alibi_batch_stride=alibi[1],
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
@@ -1316,6 +1330,27 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     if execute:
         launch.run(_jit.stream_ptr(stream))
     return launch
+
+
+def _kv_e4m3_args(kv_scales) -> Fp8Args:
+    """FwdParams' scale fields for e4m3 pages' ``(k, v)`` KvScale pair (per tensor: a factor; per
+    kv head: an (Hk,) array at its stride), or the 16-bit launch's (None)."""
+    if kv_scales is None:
+        return Fp8Args()
+    k, v = (Fp8Scale(factor=sc.factor, array=sc.array, strides=(0, sc.stride, 0)) for sc in kv_scales)
+    return Fp8Args(k=k, v=v)
+
+
+def paged_e4m3_prefill(q, head_dim: int, head_dim_v: int, alibi: bool) -> bool:
+    """Whether paged_attention_varlen's long query runs over e4m3 pages can take
+    flash_fwd_sm90_kernel's KV_E4M3 variant (sm_90a, a Hopper tile holding D and Dv, no ALiBi, q
+    ``(total_q, Hq, D)`` readable by the TMA); else they run as decode rows."""
+    if alibi or _jit.target_arch() != SM90:
+        return False
+    dims = fwd_sm90_tile_dims(head_dim, head_dim_v)
+    if dims is None:
+        return False
+    return _row_map("q_map", "q", q[None], fwd_sm90_tile(dims, paged=True).block_m) is not None
 
 
 def _paged_fields(paged: PagedKeys | None, copy_pages: bool = False) -> dict:

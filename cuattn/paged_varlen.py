@@ -36,8 +36,11 @@ forward reads sequence index[e]'s row of ``(B, Hq)`` slopes, each run its sequen
 with ``causal`` a run's key count, seq_lens less the tokens after it, places its rows' ALiBi
 diagonal where its sequence has them (without ``causal`` it would not: refused). With 17 to
 ~BLOCK_M queries a forward tile is partly empty, but every alternative reads the keys more often:
-the decode kernel would need two or more runs. FP8 (e4m3) pages take the decode path for every
-sequence (runs of 16 tokens, keys read once per run): the forward reads 2-byte pages only. Value
+the decode kernel would need two or more runs. FP8 (e4m3) pages take the Hopper forward as well
+where it holds D and Dv and no ALiBi is asked for (``attention.paged_e4m3_prefill``): its
+producer copies their rows and widens the bytes to q's type in registers on the way into the
+tiles (the KV_E4M3 variant), the descales folding into the score scale and the output; elsewhere
+they take the decode path for every sequence (runs of 16 tokens, keys read once per run). Value
 pages may have a head dim Dv of their own on both paths. NumPy inputs run every sequence through
 the runs on the CPU, each run an exact float64 reference problem. The whole split is planned on the
 host in NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
@@ -53,7 +56,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays, _masks
-from .attention import PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd
+from .attention import (PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd,
+                        paged_e4m3_prefill)
 from .decode import MAX_NEW_TOKENS, check_cache_scales
 from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, check_device_pages, check_table,
                     clamp_table, paged_attention)
@@ -131,8 +135,12 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         if isinstance(cache, PagedKVCache):
             _check_no_pair_scales(k_scale, v_scale)
             _check_call(qv, kv, vv, table, lens, None, None, ctx.on_host or cache.device == "cpu")
+            # an e4m3 cache's own descales, for a prefill launch that reads its pages itself
+            kv_scales = (check_cache_scales(qv, kv, vv, cache.k_scale, cache.v_scale, ("k_pages", "v_pages"),
+                                            ctx.on_host or cache.device == "cpu")[1:] if cache.e4m3 else None)
         else:
-            _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
+            e4m3, *scales = _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
+            kv_scales = tuple(scales) if e4m3 else None
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(table.shape[0]), int(qv.shape[1]), ctx.on_host, qv)
@@ -157,8 +165,9 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
                 _arrays.check_same_device("out", ov, "q", qv)
         lengths = np.diff(cu.astype(np.int64))
         prefill = np.zeros(lengths.shape, bool)
-        # long query runs take the paged forward (2-byte pages, any Dv); e4m3 pages run as decode rows
-        if not ctx.on_host and not _arrays.is_e4m3(kv):
+        # long query runs take the paged forward (2-byte pages, any Dv; e4m3 pages where the Hopper
+        # kernel widens them, paged_e4m3_prefill); other e4m3 pages run as decode rows
+        if not ctx.on_host and (kv_scales is None or paged_e4m3_prefill(qv, head_dim, head_dim_v, av is not None)):
             prefill = lengths >= PREFILL_MIN_QUERIES
         options = dict(causal=causal, scale=scale, window=(left, right), softcap=softcap, sinks=sv)
         if prefill.any():
@@ -179,7 +188,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
             cu, index, runs.rows, runs.sequence, runs.tail, runs.query_rows, runs.keep)
         if prefill.any():
             _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov, lse if return_lse else None, ctx,
-                            alibi=(av, alibi_sb), **options)
+                            alibi=(av, alibi_sb), kv_scales=kv_scales, **options)
         if block is not None:
             # sequences [first, last) are one token each, rows cu[first]..cu[last) (a serving step's
             # decode rows): the runs are views of q, the table and the lengths, and their results
@@ -227,10 +236,11 @@ def _to_caller(ov, lse, out, return_lse: bool, ctx):
     return (ov, lse) if return_lse else ov
 
 
-def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
+def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool):
     """The pages' shapes against q's, their dtype and descales, the table's and the lengths' shapes
     and dtypes: what paged_attention checks for its rows, here for every sequence of the call
-    (those without queries too, and a call without any)."""
+    (those without queries too, and a call without any). Returns check_cache_scales' (e4m3, k
+    KvScale, v KvScale)."""
     _arrays.check_ndim("k_pages", k, "(num_blocks, block_size, Hk, D)")
     _arrays.check_ndim("v_pages", v, "(num_blocks, block_size, Hk, Dv)")
     for axis, axis_name in enumerate(("num_blocks", "block_size", "Hk")):
@@ -245,20 +255,22 @@ def _check_call(q, k, v, table, lens, k_scale, v_scale, host: bool) -> None:
     _arrays.check_head_dim("v_pages.shape[3] (head_dim_v)", int(v.shape[3]))
     if not 1 <= int(k.shape[1]) <= MAX_BLOCK_SIZE:
         raise ValueError(f"k_pages.shape[1] (block_size) must be from 1 to {MAX_BLOCK_SIZE}, got {int(k.shape[1])}")
-    check_cache_scales(q, k, v, k_scale, v_scale, ("k_pages", "v_pages"), host)
+    checked = check_cache_scales(q, k, v, k_scale, v_scale, ("k_pages", "v_pages"), host)
     _arrays.check_int32("block_table", table)
     _arrays.check_ndim("seq_lens", lens, "(B)")
     _arrays.check_axis("seq_lens", lens, 0, "batch", int(table.shape[0]), "block_table.shape[0]")
     _arrays.check_int32("seq_lens", lens)
+    return checked
 
 
 def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_device, index_device, out, lse, ctx,
-                    *, causal, scale, window, softcap, sinks, alibi) -> None:
+                    *, causal, scale, window, softcap, sinks, alibi, kv_scales) -> None:
     """One paged forward launch (the Hopper kernel or flash_fwd_kernel's PAGED variant) over the
     sequences ``index`` (host; ``index_device`` the same on the device, and ``cu_device`` the
     prefix sums): q, out and lse in place (their rows through the full prefix sums), launch entry
     e being sequence index[e], which also picks its row of ``(B, Hq)`` slopes (``alibi``: the
-    slopes or None, and their batch stride)."""
+    slopes or None, and their batch stride). ``kv_scales``: e4m3 pages' (k, v) descales, or None
+    for 16-bit pages."""
     import cupy
 
     longest = int(np.diff(cu.astype(np.int64))[index].max())
@@ -267,7 +279,8 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
                       batch_index=index_device, block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
     _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
                 batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal, scale=scale,
-                window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, alibi=alibi, paged=paged)
+                window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, alibi=alibi, paged=paged,
+                kv_scales=kv_scales)
 
 
 def _host_prefix_sums(cu):

@@ -422,8 +422,86 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
   }
 }
 
+// The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into a tile of the
+// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). Lane l loads
+// the 16 bytes (16 columns) l % 8 of each 128-column span of row 4 i + l / 8 and stores them as
+// two 16-byte pieces of the swizzled tile. The loads of a batch of passes (widen_batch) go out
+// before any is widened, so that their round trips overlap (the stores need the values: these are
+// ordinary loads, not cp.async). Rows past the sequence and columns from `cols` on (D, a multiple
+// of 16) are zero, never read.
+// 16-byte loads a lane keeps in flight: 16 of the paged producer's 48 registers. A second form
+// with 56 registers and 6 loads (8 spilled) ran D = 128 slower on an H100 (BENCHMARKS.md,
+// "Sixty-third session").
+constexpr int kWidenLoads = 4;
+// Passes whose loads go out together: the most that divide the warp's passes and keep at most
+// kWidenLoads loads of `spans` each in flight (a whole number of batches: no remainder to guard).
+constexpr int widen_batch(int passes, int spans, int batch = kWidenLoads) {
+  return batch <= 1 ? 1
+         : (passes % batch == 0 && batch * spans <= kWidenLoads) ? batch
+                                                                  : widen_batch(passes, spans, batch - 1);
+}
+
+template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
+__device__ __forceinline__ void widen_key_rows(u32 tile, const unsigned char* src, i64 page_stride, i64 row_stride,
+                                               int cols, KeyRow looked_up, int lane, int warp) {
+  constexpr int kLoads = kSwizzleRowBytes / kCopyBytes;  // lanes a row spreads over
+  constexpr int kPassRows = kWarpSize / kLoads;
+  constexpr int kSpanCols = kLoads * kCopyBytes;  // e4m3 columns a pass covers of a row
+  constexpr int kSpans = (TILE_COLS + kSpanCols - 1) / kSpanCols;
+  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));  // columns of a 16-bit piece
+  constexpr int kRows = copy_warp_rows(BLOCK_N);
+  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
+  constexpr int kBatch = widen_batch(kRows / kPassRows, kSpans);
+  static_assert(sizeof(T) == 2 && kCopyBytes == 2 * kPieceCols, "a 16-byte load widens into two pieces");
+  const int load = lane % kLoads;
+  // a batch of passes at a time: unrolled over every batch, the copies spilled
+#pragma unroll 1
+  for (int r0 = 0; r0 < kRows; r0 += kPassRows * kBatch) {
+    uint4 bytes[kBatch][kSpans];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int from = r0 + b * kPassRows + lane / kLoads;
+      const int page = __shfl_sync(0xffffffffu, looked_up.page, from);
+      const int slot = __shfl_sync(0xffffffffu, looked_up.slot, from);
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span) {
+        const int col = span * kSpanCols + load * kCopyBytes;
+        const bool valid = page != kNoKeyRow && col < cols && col < TILE_COLS;
+        bytes[b][span] = valid ? __ldg(reinterpret_cast<const uint4*>(src + page * page_stride + slot * row_stride + col))
+                               : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int row = warp * kRows + r0 + b * kPassRows + lane / kLoads;
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span) {
+        const int col = span * kSpanCols + load * kCopyBytes;
+        if (col < TILE_COLS) {
+          const uint4 w = bytes[b][span];
+          u32 out[8];
+          e4m3x4_to_pairs<T>(w.x, out[0], out[1]);
+          e4m3x4_to_pairs<T>(w.y, out[2], out[3]);
+          e4m3x4_to_pairs<T>(w.z, out[4], out[5]);
+          e4m3x4_to_pairs<T>(w.w, out[6], out[7]);
+          const u32 lo = tile + Tile::chunk_offset(row, col / kPieceCols);
+          const u32 hi = tile + Tile::chunk_offset(row, col / kPieceCols + 1);
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
+                       "r"(out[3]) : "memory");
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi), "r"(out[4]), "r"(out[5]), "r"(out[6]),
+                       "r"(out[7]) : "memory");
+        }
+      }
+    }
+  }
+}
+
+// KV_E4M3 (with PAGED, 16-bit T): the pages hold e4m3 bytes with descales (FwdParams' k_scale,
+// k_descale, v_scale, v_descale, per tensor or kv head), which the producer widens into T's tiles
+// as it copies their rows (widen_key_rows); k's descale folds into the score scale and v's
+// multiplies the output, as in the FP8 kernel, and the GEMMs run in T.
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
-          bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED>
+          bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED, bool KV_E4M3 = false>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
@@ -458,7 +536,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(!kFp8 || BLOCK_N == kFp8ScaleBlockKeys, "a k scale block is one key block");
   static_assert(CONSUMERS == 2 || !PINGPONG, "pingpong takes turns between two warpgroups");
   static_assert(OVERLAP || BOUNDED, "without the overlap the softmax is the bounded one");
-  static_assert(!(kFp8 && PAGED), "paged keys are 16-bit");
+  static_assert(!(kFp8 && PAGED), "paged keys are 16-bit, or e4m3 widened to 16 bits (KV_E4M3)");
+  static_assert(!KV_E4M3 || (PAGED && !kFp8), "e4m3 pages feed the 16-bit kernel's paged variant");
   // The registers the consumers take (consumer_registers, tma.cuh): 240 with two consumers, 160
   // with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
@@ -492,7 +571,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   volatile int* tile_ring = reinterpret_cast<volatile int*>(base + Smem::kTileRing);  // [kFwdSm90TileRing]
   // Paged keys copied row by row (p.pages_by_copy; else TMA boxes of pages): every producer thread
   // arrives on K's and V's "full" barriers once its copies have landed (announce_copies).
-  const bool copy_pages = PAGED && p.pages_by_copy != 0;
+  const bool copy_pages = PAGED && (KV_E4M3 || p.pages_by_copy != 0);
   // paged keys in boxes: each producer warp arms K's and V's barriers for its own boxes
   constexpr int kProducerWarps = kWarpgroupThreads / kWarpSize;
   const int full_arrivals = copy_pages ? kWarpgroupThreads : PAGED ? kProducerWarps : 1;
@@ -696,7 +775,24 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
         const int row = static_cast<int>(w.seq.k_start) + w.template key_block<kDiagFirst>(i) * BLOCK_N;
-        if constexpr (PAGED) {
+        if constexpr (KV_E4M3) {
+          // e4m3 rows widened by ordinary loads and stores: each tensor is complete when its
+          // copy returns, so K is announced before V's copy starts
+          const KeyRow r = row_of(w, row);
+          mbarrier_wait(k_empty(stage), parity ^ 1);
+          widen_key_rows<KTile, BLOCK_N, HEAD_DIM, T>(sK(stage), reinterpret_cast<const unsigned char*>(p.k) +
+                                                      h_kv * p.k_head_stride, p.k_batch_stride, p.k_row_stride,
+                                                      p.head_dim, r, lane, warp);
+          fence_proxy_async();
+          mbarrier_arrive(k_full(stage));
+          mbarrier_wait(v_empty(stage), parity ^ 1);
+          widen_key_rows<VTile, BLOCK_N, HEAD_DIM_V, T>(sV(stage), reinterpret_cast<const unsigned char*>(p.v) +
+                                                        h_kv * p.v_head_stride, p.v_batch_stride, p.v_row_stride,
+                                                        p.head_dim_v, r, lane, warp);
+          fence_proxy_async();
+          mbarrier_arrive(v_full(stage));
+          continue;
+        } else if constexpr (PAGED) {
           if (copy_pages) {
             // K's copies; the previous block's V announced once it has landed (below); V's copies;
             // this block's K announced once it has landed
@@ -847,6 +943,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         if (p.k_scale_block_stride != 0) k_block_scale = k_scale;
         else qk_descale *= *k_scale;
       }
+      v_descale = p.v_descale * (p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_head_stride] : 1.f);
+    } else if constexpr (KV_E4M3) {
+      // the kv head's descales (per tensor: stride 0)
+      const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
+      qk_descale = p.k_descale * (p.k_scale != nullptr ? p.k_scale[h_kv * p.k_scale_head_stride] : 1.f);
       v_descale = p.v_descale * (p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_head_stride] : 1.f);
     }
     const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale * qk_descale, p.softcap_out};

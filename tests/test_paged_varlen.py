@@ -589,7 +589,7 @@ def test_alibi_on_both_paths_on_the_gpu(rng, caplog, forward_kernel, dtype, shap
 
 
 @pytest.mark.gpu
-def test_alibi_over_e4m3_pages_on_the_gpu(rng):
+def test_alibi_over_e4m3_pages_on_the_gpu(rng, caplog):
     """e4m3 pages send a 40-query chunk through three decode runs, the first two before its
     sequence's last token: each run's diagonal comes from the keys it sees."""
     import cupy
@@ -597,10 +597,12 @@ def test_alibi_over_e4m3_pages_on_the_gpu(rng):
     q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1, 3), (300, 50, 9))
     k8, v8 = cuattn.quantize_fp8(k_pages, 0.02), cuattn.quantize_fp8(v_pages, 0.03)
     slopes = alibi_slopes_for(rng, "per-sequence", len(lens), q.shape[1])
-    got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
-                                                          cupy.asarray(v8.view(np.uint8))),
-                                        table, cu, lens, 40, k_scale=0.02, v_scale=0.03,
-                                        alibi_slopes=cupy.asarray(slopes))
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
+                                                              cupy.asarray(v8.view(np.uint8))),
+                                            table, cu, lens, 40, k_scale=0.02, v_scale=0.03,
+                                            alibi_slopes=cupy.asarray(slopes))
+    assert not forward_kernels(caplog), "ALiBi over e4m3 pages runs as decode runs (no KV_E4M3 ALiBi variant)"
     ref = reference.paged_attention_varlen(q, k8.astype(np.float64) * 0.02, v8.astype(np.float64) * 0.03, table, cu,
                                            lens, alibi_slopes=slopes)
     assert np.abs(got.get().astype(np.float64) - ref).max() < 3e-2, f"seed {rng.seed}"
@@ -728,10 +730,12 @@ def test_prefill_chunks_take_the_tile_order_on_the_gpu(rng, monkeypatch, causal)
 
 
 @pytest.mark.gpu
-def test_e4m3_pages_take_the_decode_path_on_the_gpu(rng, caplog):
+def test_e4m3_pages_take_the_decode_path_without_a_hopper_tile_on_the_gpu(rng, caplog):
+    """D = 32 has no Hopper tile (FWD_SM90_MIN_HEAD_DIM), and flash_fwd_kernel reads 16-bit pages
+    only: a 40-query chunk over e4m3 pages runs as decode runs."""
     import cupy
 
-    q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 64, (40, 1), (300, 50))
+    q, (k_pages, v_pages), table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 32, (40, 1), (300, 50))
     k8, v8 = cuattn.quantize_fp8(k_pages, 0.02), cuattn.quantize_fp8(v_pages, 0.03)
     with caplog.at_level("DEBUG", logger="cuattn"):
         got = cuattn.paged_attention_varlen(cupy.asarray(q), (cupy.asarray(k8.view(np.uint8)),
@@ -786,3 +790,76 @@ def test_torch_tensors_on_the_gpu(rng):
     assert isinstance(got, torch.Tensor) and isinstance(lse, torch.Tensor)
     check_against_reference(rng, got.float().cpu().numpy().astype(np.float64), lse.cpu().numpy(), q, pages, table, cu,
                             lens, BF16, {})
+
+
+# (q dtype, D, (Hq, Hk), block size) of the e4m3-pages prefill cases: tiles of 128-key blocks
+# (D = 96 padded into the 96 tile, 128, 192 beside Dv = 128 below) and of 80-key blocks (256),
+# pages of 16 tokens and of 7
+E4M3_PREFILL_CASES = [(BF16, 128, (8, 2), 16), (np.float16, 128, (8, 2), 7), (BF16, 96, (4, 2), 16),
+                      (np.float16, 256, (4, 1), 16), (BF16, 160, (4, 4), 7)]
+
+
+def e4m3_pages(rng, pages, hk):
+    """e4m3 copies of float pages (k, v) with a per-head k descale and a per-tensor v one: the
+    bytes as CuPy arrays, the descales, and the dequantised pages in float64 (NaN kept)."""
+    import cupy
+
+    k_scale = (0.01 + 0.02 * rng.random(hk)).astype(np.float32)
+    v_scale = np.float32(0.03)
+    k8, v8 = cuattn.quantize_fp8(pages[0], k_scale), cuattn.quantize_fp8(pages[1], v_scale)
+    dequantised = (k8.astype(np.float64) * k_scale[:, None], v8.astype(np.float64) * np.float64(v_scale))
+    return (cupy.asarray(k8.view(np.uint8)), cupy.asarray(v8.view(np.uint8))), k_scale, v_scale, dequantised
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,heads,block", E4M3_PREFILL_CASES,
+                         ids=[f"{'bf16' if d == BF16 else 'fp16'}-d{h}-block{b}" for d, h, _, b in E4M3_PREFILL_CASES])
+def test_e4m3_pages_prefill_on_the_gpu(rng, caplog, dtype, head_dim, heads, block):
+    """Long runs over e4m3 pages take flash_fwd_sm90_kernel's KV_E4M3 variant (its producer widens
+    each row to q's type; named in the debug log) wherever paged_e4m3_prefill says so, else decode
+    runs; a per-head k and a per-tensor v descale; NaN in every slot no sequence owns. Against
+    float64 over the dequantised pages, and the same bits from a PagedKVCache (head-major pages)."""
+    import cupy
+
+    attention_module = importlib.import_module("cuattn.attention")
+    runs, lens = (33, 1, 300, 0, 129), (33, 77, 1000, 3, 500)
+    q, pages, table, cu, lens = make_mixed(rng, dtype, block, heads[0], heads[1], head_dim, runs, lens, poison=True)
+    pages8, k_scale, v_scale, dequantised = e4m3_pages(rng, pages, heads[1])
+    qd = cupy.asarray(q)
+    with caplog.at_level("DEBUG", logger="cuattn"):
+        got, lse = cuattn.paged_attention_varlen(qd, pages8, table, cu, lens, max(runs), return_lse=True,
+                                                 k_scale=cupy.asarray(k_scale), v_scale=float(v_scale))
+    kernels, loads = logged_forward(caplog)
+    if attention_module.paged_e4m3_prefill(qd, head_dim, head_dim, False):
+        assert len(kernels) == 1 and "flash_fwd_sm90_kernel<" in kernels[0], kernels
+        assert kernels[0].endswith(", false, true, true>"), kernels
+    else:
+        assert kernels == [], kernels
+    check_against_reference(rng, got.get().astype(np.float64), lse.get(), q, dequantised, table, cu, lens, dtype, {})
+    cache = cuattn.PagedKVCache(pages8[0].shape[0], block, heads[1], head_dim, "float8_e4m3fn",
+                                k_scale=cupy.asarray(k_scale), v_scale=float(v_scale))
+    assert cache.layout == "HND"
+    cache.k_pages[...] = pages8[0]
+    cache.v_pages[...] = pages8[1]
+    assert cupy.array_equal(cuattn.paged_attention_varlen(qd, cache, table, cu, lens, max(runs)), got)
+
+
+@pytest.mark.gpu
+def test_e4m3_pages_prefill_beside_an_out_and_sinks_on_the_gpu(rng):
+    """The KV_E4M3 variant under the options the 16-bit one takes: sinks, a softcap, a left window,
+    into a caller's NaN-filled out."""
+    import cupy
+
+    runs, lens = (200, 1, 64), (700, 50, 64)
+    q, pages, table, cu, lens = make_mixed(rng, BF16, 16, 8, 2, 128, runs, lens, poison=True)
+    pages8, k_scale, v_scale, dequantised = e4m3_pages(rng, pages, 2)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    options = {"softcap": 20.0, "window": (100, 0)}
+    out = cupy.full(q.shape, np.nan, BF16)
+    got = cuattn.paged_attention_varlen(cupy.asarray(q), pages8, table, cu, lens, max(runs), out=out,
+                                        sinks=cupy.asarray(sinks), k_scale=float(k_scale[0]),
+                                        v_scale=cupy.asarray(np.full(2, v_scale, np.float32)), **options)
+    assert got is out
+    dequantised = (dequantised[0] / k_scale[:, None] * k_scale[0], dequantised[1])
+    check_against_reference(rng, got.get().astype(np.float64), None, q, dequantised, table, cu, lens, BF16,
+                            {**options, "sinks": sinks})
