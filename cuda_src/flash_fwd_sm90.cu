@@ -17,6 +17,9 @@
 //        with p.pages_by_copy row by row in 16-byte cp.async pieces (copy_key_rows; every
 //        stride a multiple of 16 bytes); q, out and lse packed as in varlen; ALiBi's (B, Hq) slopes
 //        read at the sequence the entry names (batch_index)
+//   e4m3 pages (KV_E4M3, with PAGED and 16-bit T): the same pages in e4m3 bytes, their rows
+//        copied by ordinary loads and widened to T on the way into the tiles (widen_key_rows),
+//        real value = stored x descale (FwdParams' k_scale / k_descale, v_scale / v_descale)
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
