@@ -84,7 +84,7 @@ def _page_layout(layout, e4m3: bool) -> str:
     return layout
 
 
-def _zero_pages(xp, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str):
+def zero_pages(xp, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str):
     """Zeroed pages as the (num_blocks, block_size, Hk, D) array the kernels index, stored as
     ``layout`` says (for "HND" a view of (num_blocks, Hk, block_size, D) storage)."""
     if layout == "HND":
@@ -467,8 +467,8 @@ class PagedKVCache:
         pages = (int(num_blocks), int(block_size), int(num_kv_heads))
         # the pages' storage: e4m3 bytes are uint8 in CuPy, which has no float8 type
         storage = _arrays.E4M3_STORAGE if self.e4m3 and device == "cuda" else dtype
-        self.k_pages = _zero_pages(xp, *pages, int(head_dim), storage, self.layout)  # [num_blocks, block_size, Hk, D]
-        self.v_pages = _zero_pages(xp, *pages, int(head_dim_v), storage, self.layout)  # [num_blocks, block_size, Hk, Dv]
+        self.k_pages = zero_pages(xp, *pages, int(head_dim), storage, self.layout)  # [num_blocks, block_size, Hk, D]
+        self.v_pages = zero_pages(xp, *pages, int(head_dim_v), storage, self.layout)  # [num_blocks, block_size, Hk, Dv]
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.num_kv_heads, self.head_dim, self.dtype, self.device = int(num_kv_heads), int(head_dim), dtype, device
         self.head_dim_v = int(head_dim_v)

@@ -134,13 +134,12 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         # with queries, and would name their own runs rather than the caller's sequences
         if isinstance(cache, PagedKVCache):
             _check_no_pair_scales(k_scale, v_scale)
-            _check_call(qv, kv, vv, table, lens, None, None, ctx.on_host or cache.device == "cpu")
-            # an e4m3 cache's own descales, for a prefill launch that reads its pages itself
-            kv_scales = (check_cache_scales(qv, kv, vv, cache.k_scale, cache.v_scale, ("k_pages", "v_pages"),
-                                            ctx.on_host or cache.device == "cpu")[1:] if cache.e4m3 else None)
+            # an e4m3 cache's own descales, which a prefill launch reading its pages takes
+            own = (cache.k_scale, cache.v_scale) if cache.e4m3 else (None, None)
+            e4m3, *scales = _check_call(qv, kv, vv, table, lens, *own, ctx.on_host or cache.device == "cpu")
         else:
             e4m3, *scales = _check_call(qv, kv, vv, table, lens, k_scale, v_scale, ctx.on_host)
-            kv_scales = tuple(scales) if e4m3 else None
+        kv_scales = tuple(scales) if e4m3 else None
         if sv is not None:
             _arrays.check_sinks(sv, int(qv.shape[1]), ctx.on_host, "q", qv)
         alibi_sb = _check_alibi(av, int(table.shape[0]), int(qv.shape[1]), ctx.on_host, qv)

@@ -27,7 +27,7 @@ import numpy as np
 import cuattn
 from cuattn import _calls
 from cuattn.bench import cases as bench_cases, timing
-from cuattn.paged import DEFAULT_PAGE_LAYOUT, E4M3_PAGE_LAYOUT, PAGE_LAYOUTS
+from cuattn.paged import DEFAULT_PAGE_LAYOUT, E4M3_PAGE_LAYOUT, PAGE_LAYOUTS, zero_pages
 
 decode_module = sys.modules["cuattn.decode"]  # the module (cuattn.decode is the function)
 
@@ -78,11 +78,8 @@ def make_caches(batch: int, seqlen: int, hq: int, hk: int, order: str, block: in
     table = cupy.asarray(bench_cases.block_table(batch, num_blocks // batch, order, rng))  # [B, blocks a sequence]
 
     def pages(x, layout):
-        # [num_blocks, block, Hk, D], for HND a view of [num_blocks, Hk, block, D] storage
-        if layout == "HND":
-            out = cupy.empty((num_blocks, hk, block, D), x.dtype).transpose(0, 2, 1, 3)
-        else:
-            out = cupy.empty((num_blocks, block, hk, D), x.dtype)
+        # [num_blocks, block, Hk, D] stored as PagedKVCache stores a cache of that layout
+        out = zero_pages(cupy, num_blocks, block, hk, D, x.dtype, layout)
         out[table.reshape(-1)] = x.reshape(num_blocks, block, hk, D)
         return out
 
