@@ -863,3 +863,38 @@ def test_e4m3_pages_prefill_beside_an_out_and_sinks_on_the_gpu(rng):
     dequantised = (dequantised[0] / k_scale[:, None] * k_scale[0], dequantised[1])
     check_against_reference(rng, got.get().astype(np.float64), None, q, dequantised, table, cu, lens, BF16,
                             {**options, "sinks": sinks})
+
+
+def test_the_e4m3_pages_gate_and_its_refusals(monkeypatch):
+    """paged_e4m3_prefill sends e4m3 prefill chunks to the Hopper forward on sm_90a only, with a
+    tile holding D and Dv and no ALiBi; the KV_E4M3 variant exists only paged, 16-bit, without
+    ALiBi, and a launch that cannot take the Hopper kernel is refused rather than run elsewhere."""
+    from cuattn import _arrays
+
+    attention_module = importlib.import_module("cuattn.attention")
+    q = np.zeros((40, 8, 128), np.float16)
+    monkeypatch.setattr(attention_module._jit, "target_arch", lambda: attention_module.SM90)
+    assert attention_module.paged_e4m3_prefill(q, 128, 128, False)
+    assert not attention_module.paged_e4m3_prefill(q, 128, 128, True)  # ALiBi: decode runs
+    assert not attention_module.paged_e4m3_prefill(q[..., :32], 32, 32, False)  # no Hopper tile at D = 32
+    monkeypatch.setattr(attention_module._jit, "target_arch", lambda: "sm_80")
+    assert not attention_module.paged_e4m3_prefill(q, 128, 128, False)
+
+    tile = attention_module.fwd_sm90_tile((128, 128), paged=True)
+    assert attention_module.fwd_sm90_spec(np.float16, 128, 128, tile, paged=True, kv_e4m3=True).name.endswith(
+        ", false, true, true>")
+    for options in ({"paged": False}, {"paged": True, "alibi": True}):
+        with pytest.raises(ValueError, match=r"^the e4m3-pages variant is a paged 16-bit one without ALiBi$"):
+            attention_module.fwd_sm90_spec(np.float16, 128, 128, tile, kv_e4m3=True, **options)
+    with pytest.raises(ValueError, match=r"^the e4m3-pages variant is a paged 16-bit one without ALiBi$"):
+        attention_module.fwd_sm90_spec(_arrays.FLOAT8_E4M3, 128, 128, tile, np.float16, paged=True, kv_e4m3=True)
+
+    # on sm_80 no Hopper tile: e4m3 pages have no kernel there
+    pages = np.zeros((4, 16, 2, 128), np.uint8)
+    paged = attention_module.PagedKeys(block_table=None, seq_lens=None, batch_index=None, block_size=16,
+                                       num_blocks=4)
+    with pytest.raises(ValueError, match=r"^e4m3 pages take flash_fwd_sm90_kernel alone \(arch sm_80, head_dim 128, "
+                                         r"head_dim_v 128, q.strides .*\): paged_e4m3_prefill says where$"):
+        attention_module._launch_fwd(q[None], pages, pages, q[None], None, None, None, batch=1, seqlen_q=40,
+                                     seqlen_k=64, causal=True, scale=None, window=(-1, -1), softcap=0.0, stream=None,
+                                     paged=paged, kv_scales=(_arrays.KvScale(), _arrays.KvScale()))
