@@ -929,10 +929,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
     Work w(p, tile_index, m_blocks);
     const int wg_m0 = w.m0 + c * kWgmmaM;
     // FP8 descales (1 for 16-bit inputs): q's and a per-tensor or per-head k's fold into the score
-    // scale; a block-quantised k's multiplies each block's raw scores (k_block_scale)
+    // scale; a block-quantised k's multiplies each block's raw scores (k_block_scale). e4m3 pages
+    // (KV_E4M3) come with per-tensor or per-kv-head k and v descales alone (no q scale, no k blocks)
     float qk_descale = 1.f, v_descale = 1.f;
     const float* k_block_scale = nullptr;
-    if constexpr (kFp8) {
+    if constexpr (kFp8 || KV_E4M3) {
       const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
       qk_descale = p.q_descale * p.k_descale;
       // this warpgroup's block of q rows; a warpgroup wholly past the last row (its rows are
@@ -946,11 +947,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
         if (p.k_scale_block_stride != 0) k_block_scale = k_scale;
         else qk_descale *= *k_scale;
       }
-      v_descale = p.v_descale * (p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_head_stride] : 1.f);
-    } else if constexpr (KV_E4M3) {
-      // the kv head's descales (per tensor: stride 0)
-      const int h_kv = w.h / (p.num_heads / p.num_kv_heads);
-      qk_descale = p.k_descale * (p.k_scale != nullptr ? p.k_scale[h_kv * p.k_scale_head_stride] : 1.f);
       v_descale = p.v_descale * (p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_head_stride] : 1.f);
     }
     const MaskParams mp{w.seq.seqlen_k, p.window_left, p.window_right, p.score_scale * qk_descale, p.softcap_out};
