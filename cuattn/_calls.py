@@ -161,16 +161,22 @@ def run(name: str, arrays, options):
     """``(result, key)``: the result of the call's plan when one exists and accepts the arrays
     (else None), and the key to :func:`remember` a plan under (None: this call cannot have one).
     Each array is read once, for the key and for the launch."""
-    call_key, readers = _read(name, arrays, options)
-    if call_key is None:
-        return None, None
-    try:
-        plan = _plans.get(call_key)
-    except TypeError:  # an option given as a list, say: such calls take the full path
-        return None, None
+    plan, call_key, readers = find(name, arrays, options)
     if plan is None:
         return None, call_key
     return plan.run(arrays, readers), call_key
+
+
+def find(name: str, arrays, options):
+    """``(plan, key, readers)``: :func:`run`'s lookup without the run, for a plan whose run takes
+    more than the arrays (plan None: none recorded yet; key None too: this call cannot have one)."""
+    call_key, readers = _read(name, arrays, options)
+    if call_key is None:
+        return None, None, None
+    try:
+        return _plans.get(call_key), call_key, readers
+    except TypeError:  # an option given as a list, say: such calls take the full path
+        return None, None, None
 
 
 def remember(call_key, plan) -> None:

@@ -484,14 +484,16 @@ def l2_section_heads(batch: int, num_heads: int, num_kv_heads: int, seqlen_k: in
     return max(1, min(batch * num_heads, kv_heads * (num_heads // num_kv_heads)))
 
 
-def _plan_fwd(launch, fields: dict) -> tuple[list, dict]:
+def _plan_fwd(launch, fields: dict, order_fields: dict | None = None) -> tuple[list, dict]:
     """A forward plan's launches and workspace arguments (``_calls.Plan(bound=..., **workspace)``)
     from ``_launch_fwd``'s launch and the forward's ``fields``: a dynamic launch reads the
     schedule workspace of the stream each planned call runs on, and a tile order's launch
-    (:class:`OrderedFwd`) writes it first."""
+    (:class:`OrderedFwd`) writes it first, its inputs bound as ``order_fields`` says (default:
+    the caller's prefix sums)."""
     if isinstance(launch, OrderedFwd):
-        order = _calls.Bound(launch.order, {"cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k",
-                                            "workspace": "workspace+0"})
+        if order_fields is None:
+            order_fields = {"cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"}
+        order = _calls.Bound(launch.order, {**order_fields, "workspace": "workspace+0"})
         main = _calls.Bound(launch.main, {**fields, "tile_counter": "workspace+0"})
         return [order, main], dict(workspace=launch.workspace_bytes, workspace_of=schedule_workspace_address)
     if int(launch.params[launch.slot("tile_counter")]) == 0:

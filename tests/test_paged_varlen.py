@@ -898,3 +898,126 @@ def test_the_e4m3_pages_gate_and_its_refusals(monkeypatch):
         attention_module._launch_fwd(q[None], pages, pages, q[None], None, None, None, batch=1, seqlen_q=40,
                                      seqlen_k=64, causal=True, scale=None, window=(-1, -1), softcap=0.0, stream=None,
                                      paged=paged, kv_scales=(_arrays.KvScale(), _arrays.KvScale()))
+
+
+def test_the_plan_key_holds_host_prefix_sums_by_value():
+    """A plan is keyed by the prefix sums it was planned from: a NumPy array's dtype, shape and bytes
+    or a list's ints; device prefix sums (read through a copy) and anything else have no key."""
+    pv = importlib.import_module("cuattn.paged_varlen")
+    cu = prefix_sums((40, 0, 300))
+    assert pv._prefix_sums_key(cu) == pv._prefix_sums_key(cu.copy())
+    assert pv._prefix_sums_key(cu) != pv._prefix_sums_key(prefix_sums((40, 1, 299)))
+    assert pv._prefix_sums_key(cu) != pv._prefix_sums_key(cu.astype(np.int64))
+    assert pv._prefix_sums_key([0, 40, 40, 340]) == (0, 40, 40, 340)
+    assert pv._prefix_sums_key([0, 40.0]) is None
+    assert pv._prefix_sums_key(object()) is None
+
+
+def test_numpy_and_checked_calls_record_no_plan():
+    """The CPU reference and checked calls (the table read on the host) take the full path and
+    leave no plan; the result is the reference's either way."""
+    from cuattn import _calls
+
+    _calls.clear()
+    q, pages, table, cu, lens = make_problem(np.random.default_rng(3), np.float32)
+    for check in (True, False):
+        got = cuattn.paged_attention_varlen(q, pages, table, cu, lens, int(np.diff(cu).max()), check=check)
+        ref = reference.paged_attention_varlen(q, *pages, table, cu, lens)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert not _calls._plans
+
+
+# (pages, where the table and lengths live, check): every kind of each at least once
+PLAN_CASES = [("bf16", "device", False), ("e4m3", "device", False), ("bf16", "host", True), ("e4m3", "host", False),
+              ("bf16", "host", False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("kind, tables, check", PLAN_CASES, ids=[f"{k}-{t}-{'checked' if c else 'unchecked'}"
+                                                                 for k, t, c in PLAN_CASES])
+def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, kind, tables, check):
+    """Calls whose sequences all take the paged forward (one without queries; one with more
+    queries than keys in the second step) record a plan; later calls with the same prefix sums take
+    it (the full path is made to fail) over new q, new page contents and descales, new table rows
+    and lengths (a device table rewritten in place, or new NumPy arrays, checked when asked), on
+    another stream too. A call with decode rows records none; a checked plan refuses a page outside
+    the pool as the full path does. Against float64 with NaN in every unowned slot; e4m3 pages plan
+    where the Hopper forward takes them."""
+    import cupy
+
+    from cuattn import _arrays, _calls
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    attention_module = importlib.import_module("cuattn.attention")
+    _calls.clear()
+    runs, hq, hk, d, block = (40, 0, 300, 129), 8, 2, 128, 16
+
+    def to(x):
+        device = cupy.asarray(x)
+        return torch.from_dlpack(device) if framework == "torch" else device
+
+    def problem(lens):
+        """q, the pages as stored, as the reference reads them, their descales, the table, cu, lens."""
+        q, pages, table, cu, lens = make_mixed(rng, BF16, block, hq, hk, d, runs, lens, poison=True)
+        if kind == "bf16":
+            return q, tuple(cupy.asarray(x) for x in pages), pages, None, table, cu, lens
+        pages8, k_scale, v_scale, dequantised = e4m3_pages(rng, pages, hk)
+        return q, pages8, dequantised, (k_scale, np.full(hk, v_scale, np.float32)), table, cu, lens
+
+    q, stored, ref_pages, descales, table, cu, lens = problem((40, 9, 1000, 500))
+    scales = {} if kind == "bf16" else {"k_scale": cupy.ones(hk, cupy.float32), "v_scale": cupy.ones(hk, cupy.float32)}
+    cache = cuattn.PagedKVCache(stored[0].shape[0], block, hk, d, BF16 if kind == "bf16" else "float8_e4m3fn",
+                                **scales)
+    table_d, lens_d = to(table), to(lens)
+    planned = kind == "bf16" or attention_module.paged_e4m3_prefill(cupy.asarray(q), d, d, False)
+
+    def call(q, table, lens, cu=cu):
+        if tables == "device":
+            table_d[...] = to(table)
+            lens_d[...] = to(lens)
+            table, lens = table_d, lens_d
+        return cuattn.paged_attention_varlen(to(q), cache, table, cu, lens, max(runs), check=check, return_lse=True)
+
+    def step(q, stored, ref_pages, descales, table, lens):
+        """Every array the plan reads rewritten in place (q new), then one call against float64."""
+        cache.k_pages[...] = stored[0]
+        cache.v_pages[...] = stored[1]
+        if descales is not None:
+            cache.k_scale[...] = cupy.asarray(descales[0])
+            cache.v_scale[...] = cupy.asarray(descales[1])
+        got, lse = call(q, table, lens)
+        assert type(got).__module__.split(".")[0] == framework
+        check_against_reference(rng, _arrays.to_numpy(got).astype(np.float64), _arrays.to_numpy(lse), q, ref_pages,
+                                table, cu, lens, BF16, {})
+
+    step(q, stored, ref_pages, descales, table, lens)
+    assert [key[0] for key in _calls._plans] == (["paged_attention_varlen"] if planned else [])
+    if not planned:
+        return
+    monkeypatch.setattr(_arrays, "array_context", _refuse_the_full_path)
+    q, stored, ref_pages, descales, table, cu_again, lens = problem((40, 5, 1000, 420))
+    assert np.array_equal(cu_again, cu)
+    step(q, stored, ref_pages, descales, table, lens)
+    q, stored, ref_pages, descales, table, _, lens = problem((33, 9, 999, 500))
+    if framework == "torch":
+        with torch.cuda.stream(torch.cuda.Stream()):
+            step(q, stored, ref_pages, descales, table, lens)
+        torch.cuda.synchronize()
+    else:
+        with cupy.cuda.Stream(non_blocking=True) as stream:
+            step(q, stored, ref_pages, descales, table, lens)
+        stream.synchronize()
+    if tables == "host" and check:
+        bad = table.copy()
+        bad[2, 0] = stored[0].shape[0]
+        with pytest.raises(ValueError, match=r"^block_table\[2, 0\] = \d+ is outside the pool of \d+ blocks "):
+            call(q, bad, lens)
+    monkeypatch.undo()
+    call(q, table, lens, cu=prefix_sums((40, 1, 299, 129)))
+    assert [key[0] for key in _calls._plans].count("paged_attention_varlen") == 1, "a call with decode rows planned"
+
+
+def _refuse_the_full_path(**named):
+    raise AssertionError("a planned call took the full path")
