@@ -928,22 +928,24 @@ def test_numpy_and_checked_calls_record_no_plan():
 
 
 # (pages, where the table and lengths live, check): every kind of each at least once
-PLAN_CASES = [("bf16", "device", False), ("e4m3", "device", False), ("bf16", "host", True), ("e4m3", "host", False),
-              ("bf16", "host", False)]
+PLAN_CASES = [("bf16", "device", False, ""), ("e4m3", "device", False, "sinks"), ("bf16", "host", True, "alibi"),
+              ("e4m3", "host", False, "out"), ("bf16", "host", False, "out-softcap-window")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
-@pytest.mark.parametrize("kind, tables, check", PLAN_CASES, ids=[f"{k}-{t}-{'checked' if c else 'unchecked'}"
-                                                                 for k, t, c in PLAN_CASES])
-def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, kind, tables, check):
+@pytest.mark.parametrize("kind, tables, check, extra", PLAN_CASES,
+                         ids=[f"{k}-{t}-{'checked' if c else 'unchecked'}{'-' + e if e else ''}"
+                              for k, t, c, e in PLAN_CASES])
+def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, kind, tables, check, extra):
     """Calls whose sequences all take the paged forward (one without queries; one with more
     queries than keys in the second step) record a plan; later calls with the same prefix sums take
     it (the full path is made to fail) over new q, new page contents and descales, new table rows
     and lengths (a device table rewritten in place, or new NumPy arrays, checked when asked), on
     another stream too. A call with decode rows records none; a checked plan refuses a page outside
-    the pool as the full path does. Against float64 with NaN in every unowned slot; e4m3 pages plan
-    where the Hopper forward takes them."""
+    the pool as the full path does. ``extra`` adds sinks, (B, Hq) ALiBi slopes, or a NaN-filled
+    ``out`` each call (with a softcap and a left window). Against float64 with NaN in every unowned
+    slot; e4m3 pages plan where the Hopper forward takes them."""
     import cupy
 
     from cuattn import _arrays, _calls
@@ -973,12 +975,22 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
     table_d, lens_d = to(table), to(lens)
     planned = kind == "bf16" or attention_module.paged_e4m3_prefill(cupy.asarray(q), d, d, False)
 
+    options = {"sinks": rng.standard_normal(hq).astype(np.float32)} if extra == "sinks" else \
+        {"alibi_slopes": (0.02 + 0.1 * rng.random((len(runs), hq))).astype(np.float32)} if extra == "alibi" else \
+        {"softcap": 20.0, "window": (100, 0)} if extra == "out-softcap-window" else {}
+
     def call(q, table, lens, cu=cu):
         if tables == "device":
             table_d[...] = to(table)
             lens_d[...] = to(lens)
             table, lens = table_d, lens_d
-        return cuattn.paged_attention_varlen(to(q), cache, table, cu, lens, max(runs), check=check, return_lse=True)
+        given = {name: to(x) if isinstance(x, np.ndarray) else x for name, x in options.items()}
+        if extra.startswith("out"):
+            given["out"] = to(np.full(q.shape, np.nan, BF16))
+        got, lse = cuattn.paged_attention_varlen(to(q), cache, table, cu, lens, max(runs), check=check,
+                                                 return_lse=True, **given)
+        assert "out" not in given or got is given["out"]
+        return got, lse
 
     def step(q, stored, ref_pages, descales, table, lens):
         """Every array the plan reads rewritten in place (q new), then one call against float64."""
@@ -990,7 +1002,7 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
         got, lse = call(q, table, lens)
         assert type(got).__module__.split(".")[0] == framework
         check_against_reference(rng, _arrays.to_numpy(got).astype(np.float64), _arrays.to_numpy(lse), q, ref_pages,
-                                table, cu, lens, BF16, {})
+                                table, cu, lens, BF16, options)
 
     step(q, stored, ref_pages, descales, table, lens)
     assert [key[0] for key in _calls._plans] == (["paged_attention_varlen"] if planned else [])
