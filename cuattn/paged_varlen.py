@@ -117,16 +117,17 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         pages = (cache.k_pages, cache.v_pages) if own else cache
         scales = (cache.k_scale, cache.v_scale) if own and cache.e4m3 else (k_scale, v_scale)
         if own or (isinstance(pages, (tuple, list)) and len(pages) == 2):
+            # the plan's inputs (_PLAN_INPUTS); host tables and lengths enter the key by shape and dtype
+            arrays = (q, *pages, block_table, seq_lens, out, sinks, alibi_slopes,
+                      *(x if _arrays.is_array(x) else None for x in scales))
             plan, call_key, readers = _calls.find(
                 "paged_attention_varlen",
-                (q, *pages, None if host[0] else block_table, None if host[1] else seq_lens, out, sinks,
-                 alibi_slopes, *(x if _arrays.is_array(x) else None for x in scales)),
+                (q, *pages, None if host[0] else block_table, None if host[1] else seq_lens, *arrays[_LENS + 1:]),
                 (bool(causal), scale, left, right, softcap, bool(return_lse), max_seqlen_q, max_seq_len, own,
                  scale_options(*scales), cu_key, bool(check),
                  *((x.shape, x.dtype.str) if on_host else None for x, on_host in zip((block_table, seq_lens), host))))
             if plan is not None:
-                result = plan.run_over(readers, q, *pages, block_table, seq_lens, out, sinks, alibi_slopes,
-                                       *(x if _arrays.is_array(x) else None for x in scales))
+                result = plan.run_over(readers, *arrays)
                 if result is not None:
                     return result
     checked = bool(check)
@@ -332,6 +333,12 @@ def _prefix_sums_key(cu):
     return None
 
 
+# A prefill plan's inputs in the order paged_attention_varlen passes them; each also names the
+# FwdParams field it fills (lse, the other, is an output). out is sixth, where _varlen_result reads it.
+_PLAN_INPUTS = ("q", "k", "v", "block_table", "seq_lens", "out", "sinks", "alibi_slopes", "k_scale", "v_scale")
+_TABLE, _LENS = _PLAN_INPUTS.index("block_table"), _PLAN_INPUTS.index("seq_lens")
+
+
 class _PrefillPlan(_calls.Plan):
     """A plan of a call whose sequences all took the paged forward. Its launches read the prefix
     sums and the launch's sequence index from ``constants``, which the call that made the plan
@@ -355,8 +362,8 @@ class _PrefillPlan(_calls.Plan):
                 self.ready = None
             else:
                 cupy.cuda.runtime.streamWaitEvent(stream, self.ready.ptr)
-        table, lens = arrays[3], arrays[4]
-        host = [i for i in (3, 4) if readers[i] is None]
+        table, lens = arrays[_TABLE], arrays[_LENS]
+        host = [i for i in (_TABLE, _LENS) if readers[i] is None]
         if host:
             if self.check:
                 check_table(table, lens, *self.pool)
@@ -387,15 +394,11 @@ def _prefill_plan(launch, constants, ctx, new_out: bool, out_shape: tuple, retur
     total_q, num_heads = out_shape[0], out_shape[1]
     outputs = {**({"out": (out_shape, False)} if new_out else {}),
                **({"lse": ((num_heads, total_q), True)} if return_lse else {})}
-    fields = {"q": "q", "k": "k", "v": "v", "out": "out", "lse": "lse", "sinks": "sinks",
-              "alibi_slopes": "alibi_slopes", "block_table": "block_table", "seq_lens": "seq_lens",
-              "k_scale": "k_scale", "v_scale": "v_scale"}
-    bound, workspace = _plan_fwd(launch, fields, order_fields={"seq_lens": "seq_lens"})
+    bound, workspace = _plan_fwd(launch, {role: role for role in (*_PLAN_INPUTS, "lse")},
+                                 order_fields={"seq_lens": "seq_lens"})
     ready = cupy.cuda.Event(block=False, disable_timing=True)
     ready.record(ctx.stream)
-    return _PrefillPlan(inputs=("q", "k", "v", "block_table", "seq_lens", "out", "sinks", "alibi_slopes", "k_scale",
-                                "v_scale"),
-                        outputs=outputs, aligned=("q", "k", "v", "out"), bound=bound,
+    return _PrefillPlan(inputs=_PLAN_INPUTS, outputs=outputs, aligned=("q", "k", "v", "out"), bound=bound,
                         finish=_varlen_result(return_lse), constants=constants, ready=ready, check=check, pool=pool,
                         **workspace)
 
