@@ -200,7 +200,8 @@ def clear() -> None:
 class Bound:
     """One prepared launch and where its pointer fields come from: ``{field: role}``; a role names
     an input or output of the call, ``workspace+OFFSET`` (bytes into the stream's workspace),
-    ``OUTPUT+OFFSET`` (bytes into an output: a call's scratch, allocated with its results), or
+    ``OUTPUT+OFFSET`` (bytes into an output: a call's scratch, allocated with its results),
+    ``INPUT+OFFSET`` (bytes into an input: a launch over a block of its rows; null stays null), or
     ``step:ITEMSIZE:IN_0,IN_1,...`` (an int64 field, not a pointer: the constant step between the
     inputs' addresses in elements of ITEMSIZE bytes, 0 for one input, which lets a kernel read
     several inputs as one strided array; inputs not evenly spaced send the call to the full path)."""
@@ -229,8 +230,8 @@ class Plan:
         self.device_id = bound[0].launch.device_id
         if self.inputs[0] in outputs:
             raise ValueError("a plan's first input is the array whose framework and device the call follows")
-        # each launch's words by source: (slot, input index), (slot, output role), (slot, offset),
-        # (slot, input indices, itemsize) of a step between inputs
+        # each launch's words by source: (slot, input index, byte offset), (slot, output role,
+        # offset), (slot, workspace offset), (slot, input indices, itemsize) of a step between inputs
         self.launches = []
         used = set()
         for b in bound:
@@ -249,11 +250,11 @@ class Plan:
                 elif name in outputs:
                     # a new output (`out` when the caller gave none), or a region of one
                     from_outputs.append((slot, name, int(offset or 0)))
-                elif role not in self.inputs:
+                elif name not in self.inputs:
                     from_outputs.append((slot, role, 0))  # a role this call leaves null
                 else:
-                    from_inputs.append((slot, self.inputs.index(role)))
-                    used.add(self.inputs.index(role))
+                    from_inputs.append((slot, self.inputs.index(name), int(offset or 0)))
+                    used.add(self.inputs.index(name))
             self.launches.append((b.launch, tuple(from_inputs), tuple(from_outputs), tuple(from_workspace),
                                   tuple(from_steps)))
         self.used = tuple(sorted(used | set(self.aligned)))
@@ -264,7 +265,7 @@ class Plan:
     def run(self, arrays, readers):
         """Launch over ``arrays`` (read by ``readers``, their frameworks), or None to send the
         call down the full path (another device current, an unaligned address)."""
-        bound = self._bind(arrays, readers)
+        bound = self.bind(arrays, readers)
         if bound is None:
             return None
         results, stream, launches = bound
@@ -278,7 +279,7 @@ class Plan:
         owns; None where :meth:`run` would take the full path."""
         if self.workspace:
             raise ValueError("a plan with a per-stream workspace has no step of its own")
-        bound = self._bind(arrays, readers)
+        bound = self.bind(arrays, readers)
         if bound is None:
             return None
         results, _, launches = bound
@@ -288,8 +289,10 @@ class Plan:
         out, lse = out if isinstance(out, tuple) else (out, None)
         return StepPlan.of(out, lse, [launch for launch, _ in launches], list(results.values()), self.device_id)
 
-    def _bind(self, arrays, readers):
-        """(outputs by role, the stream, [(launch, its (slot, address) pairs)]), or None."""
+    def bind(self, arrays, readers):
+        """(outputs by role, the stream, [(launch, its (slot, address) pairs)]) for launches that
+        run in the order listed, or None (:meth:`run`'s full path). Nothing runs yet: a call of
+        several plans binds them all before any launches."""
         like, fw = arrays[0], readers[0]
         if fw is None or not fw.device_ok(like, self.device_id):
             return None
@@ -322,8 +325,9 @@ class Plan:
         launches = []
         for k, (launch, from_inputs, from_outputs, from_workspace, _) in enumerate(self.launches):
             pointers = steps[k] if steps is not None else []
-            for slot, i in from_inputs:
-                pointers.append((slot, addresses[i]))
+            for slot, i, offset in from_inputs:
+                address = addresses[i]
+                pointers.append((slot, address + offset if address else 0))
             for slot, role, offset in from_outputs:
                 pointers.append((slot, out_addresses[role] + offset if role in out_addresses else 0))
             for slot, offset in from_workspace:

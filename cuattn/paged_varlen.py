@@ -14,9 +14,9 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   whose outputs are dropped). 16 is the decode kernel's most query rows per launch entry
   (``decode.MAX_NEW_TOKENS``): up to it a sequence is one run, so its keys are read once, and
   split-KV spreads long contexts over the SMs even when the batch is small. When those sequences
-  are one token each and in a row (a serving step's decode rows), the launch reads views of q,
-  the table and the lengths and its results land with one copy: no gathers or scatters, whose
-  host time a mixed step's kernels used to wait for.
+  are one token each and in a row (a serving step's decode rows), the decode launch reads views
+  of q, the table and the lengths and writes its rows of out and lse in place: no gathers,
+  scatters or copies, whose host time a mixed step's kernels used to wait for.
 * Sequences with more queries go through ONE launch of the tensor-core forward over the paged
   cache: on sm_90a the Hopper forward (``flash_fwd_sm90_kernel``) at every block size, its
   producer loading each key block page by page through the TMA where the block size makes whole
@@ -30,8 +30,8 @@ How one call schedules them (on the GPU, fp16/bf16 pages):
   them from a tile order as ``attention_varlen``'s does (only tiles that hold rows, the sequences
   by decreasing ``seq_lens``; ``attention.FWD_SM90_TILE_ORDER``).
 
-Both launches run on the caller's stream and write disjoint rows of the one output (the decode rows
-are scattered there from the decode launch's run rows). Sinks and ALiBi take both paths: the paged
+Both launches run on the caller's stream and write disjoint rows of the one output (runs' decode
+rows are scattered there from the decode launch's run rows). Sinks and ALiBi take both paths: the paged
 forward reads sequence index[e]'s row of ``(B, Hq)`` slopes, each run its sequence's (a gather);
 with ``causal`` a run's key count, seq_lens less the tokens after it, places its rows' ALiBi
 diagonal where its sequence has them (without ``causal`` it would not: refused). With 17 to
@@ -44,11 +44,12 @@ they take the decode path for every sequence (runs of 16 tokens, keys read once 
 pages may have a head dim Dv of their own on both paths. NumPy inputs run every sequence through
 the runs on the CPU, each run an exact float64 reference problem. The whole split is planned on the
 host in NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
-A call whose sequences all take the paged forward leaves a plan (``_calls``) keyed by its
-signatures, options and the values of its prefix sums: a later such call only checks and copies a
-NumPy table and lengths (device ones are read in place) and launches (``_PrefillPlan``). On a lent
-H100 the full path's planning and launch preparation cost 550-950 us of host time a call, a plan
-27-98 us.
+A call whose sequences with queries all take the paged forward or the in-place decode launch of
+one-token rows (prefill, mixed and decode steps of a serving loop) leaves a plan (``_calls``)
+keyed by its signatures, options and the values of its prefix sums: a later such call only checks
+and copies a NumPy table and lengths (device ones are read in place) and launches
+(``_VarlenPlan``). On a lent H100 the full path's planning and launch preparation cost 550-950 us
+of host time a call, a prefill plan 27-98 us.
 
 Layouts: q ``(total_q, Hq, D)``, out ``(total_q, Hq, Dv)`` (Dv the value pages' head dim, D by
 default); lse ``(Hq, total_q)`` float32; cu_seqlens_q int32 ``(B + 1,)``, read on the host
@@ -60,9 +61,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _calls, _masks
+from . import _arrays, _calls, _masks, decode as _decode
 from .attention import (PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd, _plan_fwd,
-                        _varlen_result, paged_e4m3_prefill)
+                        paged_e4m3_prefill)
 from .decode import MAX_NEW_TOKENS, check_cache_scales, scale_options
 from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, check_device_pages, check_table,
                     clamp_table, paged_attention)
@@ -106,7 +107,7 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
     if alibi_slopes is not None and not causal:
         raise ValueError("alibi_slopes: paged_attention_varlen takes ALiBi with causal=True only, got causal=False")
     # A repeated call with the same signatures, options and host prefix sums takes its plan (calls
-    # whose sequences all take the paged forward record one: _prefill_plan). NumPy tables and
+    # whose launches read no gathered runs record one: _varlen_plan). NumPy tables and
     # lengths are checked (check=True) and copied by the plan; device ones are read in place,
     # unchecked only (a check would read them on the host).
     call_key = None
@@ -210,40 +211,42 @@ def paged_attention_varlen(q, cache, block_table, cu_seqlens_q, seq_lens, max_se
         if num_heads == 0:  # no query heads, as every function takes them: nothing to plan or launch
             return _to_caller(ov, lse, out, return_lse, ctx)
         # the whole plan on the host, then where the kernels read it in one copy (one-token
-        # sequences in a row need no runs: their decode launch reads views)
-        block = _one_token_block(lengths, ~prefill)
+        # sequences in a row on the GPU need no runs: their decode launch reads views)
+        block = None if ctx.on_host else _one_token_block(lengths, ~prefill)
         runs = _Runs.of(cu, ~prefill if block is None else np.zeros_like(prefill))
         index = np.flatnonzero(prefill)
         cu_x, index_x, rows_x, sequence_x, tail_x, query_rows_x, keep_x = ctx.ints(
             cu, index, runs.rows, runs.sequence, runs.tail, runs.query_rows, runs.keep)
-        if prefill.any():
-            launch, paged = _launch_prefill(qv, kv, vv, table, lens, cu, index, cu_x, index_x, ov,
-                                            lse if return_lse else None, ctx, alibi=(av, alibi_sb),
-                                            kv_scales=kv_scales, **options)
-            # every sequence with queries in this one launch, reading the caller's device table and
-            # lengths in place (host ones: their copies): later calls replay it over their own arrays
-            if (call_key is not None and launch is not None and block is None and not runs.count
-                    and (table_host or paged.block_table.data.ptr == table.data.ptr)
-                    and (lens_host or paged.seq_lens.data.ptr == lens.data.ptr)):
-                _calls.remember(call_key, _prefill_plan(launch, cu_x, ctx, out is None, out_shape, return_lse,
-                                                        checked, (int(kv.shape[0]), int(kv.shape[1]))))
-        if block is not None:
-            # sequences [first, last) are one token each, rows cu[first]..cu[last) (a serving step's
-            # decode rows): the runs are views of q, the table and the lengths, and their results
-            # land with one copy (the gathers and scatters below are some ten small launches, host
-            # time that a mixed step's kernels would wait for)
-            first, last = block
-            rows = slice(int(cu[first]), int(cu[last]))
-            run_lens = lens[first:last]
-            run_out, run_lse = paged_attention(qv[rows][:, None], pair, table[first:last],
-                                               run_lens if run_lens.dtype == np.int32 else run_lens.astype(np.int32),
-                                               max_seq_len=max_seq_len, return_lse=True, check=check,
-                                               alibi_slopes=av if av is None or av.ndim == 1 else av[first:last],
-                                               k_scale=k_scale, v_scale=v_scale, **options)
-            ov[rows] = run_out[:, 0]
-            if return_lse:
-                lse[:, rows] = run_lse[:, :, 0].T
-        elif runs.count:
+        parts = []  # the launches' plans: (bound launches, workspace arguments)
+        if prefill.any() or block is not None:
+            import cupy
+
+            if not prefill.any():
+                check_device_pages(qv, kv, vv)
+            # the table and lengths as the kernels read them, contiguous int32 (host ones copied)
+            table_d, lens_d = (cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.int32)) for x in (table, lens))
+            in_place = ((table_host or table_d.data.ptr == table.data.ptr)
+                        and (lens_host or lens_d.data.ptr == lens.data.ptr))
+            lse_d = lse if return_lse else None
+            if prefill.any():
+                launch = _launch_prefill(qv, kv, vv, table_d, lens_d, cu, index, cu_x, index_x, ov, lse_d, ctx,
+                                         alibi=(av, alibi_sb), kv_scales=kv_scales, **options)
+                if launch is not None:
+                    parts.append(_plan_fwd(launch, {role: role for role in _PLAN_ROLES},
+                                           order_fields={"seq_lens": "seq_lens"}))
+            if block is not None:
+                # sequences [first, last), one token each (a serving step's decode rows): rows
+                # cu[first]..cu[last) of q, out and lse
+                rows = slice(int(cu[block[0]]), int(cu[block[1]]))
+                parts.append(_launch_block(qv, kv, vv, table_d, lens_d, ov, lse_d, rows=rows, block=block,
+                                           e4m3=kv_scales is not None, scales=scales, alibi=(av, alibi_sb),
+                                           max_seq_len=max_seq_len, ctx=ctx, **options))
+            # every sequence with queries in these launches, reading the caller's device table and
+            # lengths in place (host ones: their copies): later calls replay them over their own arrays
+            if call_key is not None and parts and not runs.count and in_place:
+                _calls.remember(call_key, _varlen_plan(parts, cu_x, ctx, out is None, out_shape, return_lse, checked,
+                                                       (int(kv.shape[0]), int(kv.shape[1]))))
+        if runs.count:
             # each run's S query rows [runs, S, Hq, D] (filler positions repeat a real row), its
             # sequence's table row, and the keys its last token sees (seq_lens less the tokens after it)
             run_q = qv[rows_x]
@@ -305,21 +308,51 @@ def _launch_prefill(q, k, v, table, lens, cu: np.ndarray, index: np.ndarray, cu_
                     *, causal, scale, window, softcap, sinks, alibi, kv_scales):
     """One paged forward launch (the Hopper kernel or flash_fwd_kernel's PAGED variant) over the
     sequences ``index`` (host; ``index_device`` the same on the device, and ``cu_device`` the
-    prefix sums): q, out and lse in place (their rows through the full prefix sums), launch entry
-    e being sequence index[e], which also picks its row of ``(B, Hq)`` slopes (``alibi``: the
-    slopes or None, and their batch stride). ``kv_scales``: e4m3 pages' (k, v) descales, or None
-    for 16-bit pages. Returns the prepared launch (None: nothing to compute) and its PagedKeys."""
-    import cupy
-
+    prefix sums) of the device ``table`` and ``lens`` (contiguous int32): q, out and lse in place
+    (their rows through the full prefix sums), launch entry e being sequence index[e], which also
+    picks its row of ``(B, Hq)`` slopes (``alibi``: the slopes or None, and their batch stride).
+    ``kv_scales``: e4m3 pages' (k, v) descales, or None for 16-bit pages. Returns the prepared
+    launch (None: nothing to compute)."""
     longest = int(np.diff(cu.astype(np.int64))[index].max())
-    paged = PagedKeys(block_table=cupy.ascontiguousarray(cupy.asarray(table, dtype=cupy.int32)),
-                      seq_lens=cupy.ascontiguousarray(cupy.asarray(lens, dtype=cupy.int32)),
-                      batch_index=index_device, block_size=int(k.shape[1]), num_blocks=int(k.shape[0]))
-    launch = _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
-                         batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal,
-                         scale=scale, window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, alibi=alibi,
-                         paged=paged, kv_scales=kv_scales)
-    return launch, paged
+    paged = PagedKeys(block_table=table, seq_lens=lens, batch_index=index_device, block_size=int(k.shape[1]),
+                      num_blocks=int(k.shape[0]))
+    return _launch_fwd(q[None], k, v, out[None], lse[None] if lse is not None else None, cu_device, None,
+                       batch=int(index.size), seqlen_q=longest, seqlen_k=paged.capacity(), causal=causal,
+                       scale=scale, window=window, softcap=softcap, stream=ctx.stream, sinks=sinks, alibi=alibi,
+                       paged=paged, kv_scales=kv_scales)
+
+
+def _launch_block(q, k, v, table, lens, out, lse, *, rows: slice, block: tuple, e4m3: bool, scales, alibi,
+                  max_seq_len, ctx, causal, scale, window, softcap, sinks):
+    """The paged decode launch (split-KV) of sequences ``block`` = [first, last), one query each,
+    rows ``rows`` of q: it reads views of q, the device ``table`` and ``lens`` (contiguous int32)
+    and the slopes, and writes its rows of out [total_q, Hq, Dv] and lse [Hq, total_q] (or None)
+    in place. Returns its plan part: the launches, each view's role an offset into the call's
+    array, and the workspace arguments."""
+    first, last = block
+    slopes, slopes_stride = alibi
+    # [n, 1, Hq, D] queries and [n, 1, Hq, Dv] outputs, [n, Hq, 1] lse: the packed rows as decode's batch
+    views = {"q": (q, q[rows][:, None]), "block_table": (table, table[first:last]),
+             "seq_lens": (lens, lens[first:last]), "out": (out, out[rows][:, None])}
+    if lse is not None:
+        views["lse"] = (lse, lse[:, rows].T[:, :, None])
+    if slopes is not None and slopes.ndim == 2:  # (B, Hq) slopes: the block's rows
+        views["alibi_slopes"] = (slopes, slopes[first:last])
+    view = {role: x for role, (_, x) in views.items()}
+    num_blocks, block_size = int(k.shape[0]), int(k.shape[1])
+    capacity = int(table.shape[1]) * block_size
+    bound, workspace = _decode.launch_decode(
+        view["q"], k, v, view["seq_lens"], view["out"], view.get("lse"), (view["block_table"], block_size, num_blocks),
+        capacity, num_splits=None, causal=causal, scale=scale, window=window, softcap=softcap, stream=ctx.stream,
+        split_length=_decode.planned_length(max_seq_len, capacity), sinks=sinks,
+        alibi=(view.get("alibi_slopes", slopes), slopes_stride), e4m3=e4m3, k_scale=scales[0], v_scale=scales[1])
+    # launch_decode's roles, renamed to the call's inputs at the views' byte offsets
+    renamed = {"table": "block_table", "lens": "seq_lens"}
+    offsets = {role: f"{role}+{x.data.ptr - base.data.ptr}" for role, (base, x) in views.items()}
+    for b in bound:
+        b.fields = {field: offsets.get(renamed.get(role, role), renamed.get(role, role))
+                    for field, role in b.fields.items()}
+    return bound, (dict(workspace=workspace, workspace_of=_decode.workspace_address) if workspace else {})
 
 
 def _prefix_sums_key(cu):
@@ -333,74 +366,88 @@ def _prefix_sums_key(cu):
     return None
 
 
-# A prefill plan's inputs in the order paged_attention_varlen passes them; each also names the
-# FwdParams field it fills (lse, the other, is an output). out is sixth, where _varlen_result reads it.
+# A plan's inputs: the arrays in the order paged_attention_varlen passes them, then the lse it
+# allocates; each also names the FwdParams field it fills (decode's launches rename theirs:
+# _launch_block). out (the caller's, or one the plan allocates) is sixth.
 _PLAN_INPUTS = ("q", "k", "v", "block_table", "seq_lens", "out", "sinks", "alibi_slopes", "k_scale", "v_scale")
-_TABLE, _LENS = _PLAN_INPUTS.index("block_table"), _PLAN_INPUTS.index("seq_lens")
+_PLAN_ROLES = (*_PLAN_INPUTS, "lse")
+_TABLE, _LENS, _OUT = (_PLAN_INPUTS.index(role) for role in ("block_table", "seq_lens", "out"))
 
 
-class _PrefillPlan(_calls.Plan):
-    """A plan of a call whose sequences all took the paged forward. Its launches read the prefix
-    sums and the launch's sequence index from ``constants``, which the call that made the plan
-    copied to the device on its stream; until that copy is seen done (``ready``), a run makes
-    its own stream wait for it. A NumPy block table or seq_lens is checked when the call asks
-    (``check``, against the pool's ``(num_blocks, block_size)``) and copied each run, both in one
-    copy on the launch's stream."""
+class _VarlenPlan:
+    """A call whose sequences with queries all took the paged forward (``prefill``) or one decode
+    launch over a block of one-token sequences (``block``), replayed: each part a
+    :class:`_calls.Plan` of its launches, over the call's arrays, out and lse, which the plan
+    allocates. The launches read the prefix sums and the forward's sequence index from
+    ``constants``, which the call that made the plan copied to the device on its stream; until
+    that copy is seen done (``ready``), a run makes its own stream wait for it. A NumPy block
+    table or seq_lens is checked when the call asks (``check``, against the pool's
+    ``(num_blocks, block_size)``) and copied each run, both in one copy on the launch's stream."""
 
-    def __init__(self, *args, constants, ready, check: bool, pool: tuple, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.constants, self.ready, self.check, self.pool = constants, ready, check, pool
+    def __init__(self, parts, *, constants, ready, check: bool, pool: tuple, out_shape: tuple, new_out: bool,
+                 return_lse: bool):
+        self.parts, self.constants, self.ready, self.check, self.pool = parts, constants, ready, check, pool
+        self.out_shape, self.new_out, self.return_lse = out_shape, new_out, return_lse
+        self.lse_shape = (out_shape[1], out_shape[0])  # [Hq, total_q]
 
     def run_over(self, readers, *arrays):
         """Run over paged_attention_varlen's arrays in key order (host table and lengths as NumPy
         arrays, their readers None), or None for the full path."""
         import cupy
 
-        stream = readers[0].stream(arrays[0])
+        fw, like = readers[0], arrays[0]
+        stream = fw.stream(like)
         if self.ready is not None:
             if self.ready.done:
                 self.ready = None
             else:
                 cupy.cuda.runtime.streamWaitEvent(stream, self.ready.ptr)
-        table, lens = arrays[_TABLE], arrays[_LENS]
+        arrays, readers = list(arrays), list(readers)
         host = [i for i in (_TABLE, _LENS) if readers[i] is None]
         if host:
             if self.check:
-                check_table(table, lens, *self.pool)
-            arrays, readers = list(arrays), list(readers)
+                check_table(arrays[_TABLE], arrays[_LENS], *self.pool)
             flat = [np.ascontiguousarray(arrays[i], np.int32).reshape(-1) for i in host]
             ints = np.concatenate(flat) if len(flat) > 1 else flat[0]
             if stream == cupy.cuda.get_current_stream().ptr:
                 device = cupy.asarray(ints)
             else:  # torch's current stream: the copy goes where the launch will read it
-                with _arrays.external_stream(stream, self.device_id):
+                with _arrays.external_stream(stream, self.parts[0].device_id):
                     device = cupy.asarray(ints)
             start = 0
             for i, x in zip(host, flat):
                 arrays[i] = device[start:start + x.size].reshape(arrays[i].shape)
                 readers[i] = _calls.framework(device)
                 start += x.size
-        return self.run(arrays, readers)
+        if self.new_out:
+            arrays[_OUT], readers[_OUT] = fw.empty(self.out_shape, like), fw
+        lse = fw.empty(self.lse_shape, like, True) if self.return_lse else None
+        arrays.append(lse)
+        readers.append(fw if self.return_lse else None)
+        # every part bound before any launches: one that would take the full path launches nothing
+        bound = [part.bind(arrays, readers) for part in self.parts]
+        if any(b is None for b in bound):
+            return None
+        for _, part_stream, launches in bound:
+            for launch, pointers in launches:
+                launch.run(part_stream, pointers)
+        return (arrays[_OUT], lse) if self.return_lse else arrays[_OUT]
 
 
-def _prefill_plan(launch, constants, ctx, new_out: bool, out_shape: tuple, return_lse: bool, check: bool,
-                  pool: tuple) -> _PrefillPlan:
-    """The plan of a call that ran as one paged forward ``launch``: inputs in
-    paged_attention_varlen's key order, out (where the caller gave none) and lse (when asked for)
-    new each run; ``constants`` (the device prefix sums and sequence index) held for its life;
-    ``check`` and ``pool`` as :class:`_PrefillPlan` takes them."""
+def _varlen_plan(parts, constants, ctx, new_out: bool, out_shape: tuple, return_lse: bool, check: bool,
+                 pool: tuple) -> _VarlenPlan:
+    """The plan of a call that ran as ``parts`` (each ``(bound launches, workspace arguments)``:
+    the paged forward's, the decode block's): inputs :data:`_PLAN_ROLES`, out (where the caller
+    gave none) and lse (when asked for) new each run; ``constants`` (the device prefix sums and
+    sequence index) held for its life; ``check`` and ``pool`` as :class:`_VarlenPlan` takes them."""
     import cupy
 
-    total_q, num_heads = out_shape[0], out_shape[1]
-    outputs = {**({"out": (out_shape, False)} if new_out else {}),
-               **({"lse": ((num_heads, total_q), True)} if return_lse else {})}
-    bound, workspace = _plan_fwd(launch, {role: role for role in (*_PLAN_INPUTS, "lse")},
-                                 order_fields={"seq_lens": "seq_lens"})
+    plans = [_calls.Plan(inputs=_PLAN_ROLES, outputs={}, bound=bound, finish=None, aligned=("q", "k", "v", "out"),
+                         **workspace) for bound, workspace in parts]
     ready = cupy.cuda.Event(block=False, disable_timing=True)
     ready.record(ctx.stream)
-    return _PrefillPlan(inputs=_PLAN_INPUTS, outputs=outputs, aligned=("q", "k", "v", "out"), bound=bound,
-                        finish=_varlen_result(return_lse), constants=constants, ready=ready, check=check, pool=pool,
-                        **workspace)
+    return _VarlenPlan(plans, constants=constants, ready=ready, check=check, pool=pool, out_shape=out_shape,
+                       new_out=new_out, return_lse=return_lse)
 
 
 def _host_prefix_sums(cu):

@@ -930,22 +930,33 @@ def test_numpy_and_checked_calls_record_no_plan():
 # (pages, where the table and lengths live, check): every kind of each at least once
 PLAN_CASES = [("bf16", "device", False, ""), ("e4m3", "device", False, "sinks"), ("bf16", "host", True, "alibi"),
               ("e4m3", "host", False, "out"), ("bf16", "host", False, "out-softcap-window")]
+# A serving loop's steps: the query runs; the keys of three calls in turn (the same table shape,
+# more queries than keys in the third's first sequence); runs of the same batch and total whose
+# decode rows need runs (a sequence of 2), which plan nothing.
+PLAN_STEPS = {"prefill": ((40, 0, 300, 129), ((40, 9, 1000, 500), (40, 5, 1000, 420), (33, 9, 999, 500)),
+                          (40, 1, 299, 129)),
+              "mixed": ((40, 1, 1, 1, 300, 0), ((40, 700, 9, 1, 1000, 5), (45, 701, 10, 2, 1000, 6),
+                                                (33, 1000, 1, 3, 999, 5)), (40, 2, 1, 0, 300, 0)),
+              "decode": ((1, 1, 1, 1, 1), ((700, 9, 1, 1000, 5), (701, 10, 2, 1000, 6), (1000, 1, 3, 999, 400)),
+                         (1, 2, 0, 1, 1))}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("step_kind", list(PLAN_STEPS))
 @pytest.mark.parametrize("kind, tables, check, extra", PLAN_CASES,
                          ids=[f"{k}-{t}-{'checked' if c else 'unchecked'}{'-' + e if e else ''}"
                               for k, t, c, e in PLAN_CASES])
-def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, kind, tables, check, extra):
-    """Calls whose sequences all take the paged forward (one without queries; one with more
-    queries than keys in the second step) record a plan; later calls with the same prefix sums take
-    it (the full path is made to fail) over new q, new page contents and descales, new table rows
-    and lengths (a device table rewritten in place, or new NumPy arrays, checked when asked), on
-    another stream too. A call with decode rows records none; a checked plan refuses a page outside
-    the pool as the full path does. ``extra`` adds sinks, (B, Hq) ALiBi slopes, or a NaN-filled
-    ``out`` each call (with a softcap and a left window). Against float64 with NaN in every unowned
-    slot; e4m3 pages plan where the Hopper forward takes them."""
+def test_steps_take_their_plan_on_the_gpu(rng, monkeypatch, framework, step_kind, kind, tables, check, extra):
+    """Calls whose sequences with queries all take the paged forward or the in-place decode launch
+    of one-token rows (prefill, mixed and decode steps; sequences without queries too) record a
+    plan; later calls with the same prefix sums take it (the full path is made to fail) over new q,
+    new page contents and descales, new table rows and lengths (a device table rewritten in place,
+    or new NumPy arrays, checked when asked), on another stream too. A call whose decode rows need
+    runs records none; a checked plan refuses a page outside the pool as the full path does.
+    ``extra`` adds sinks, (B, Hq) ALiBi slopes, or a NaN-filled ``out`` each call (with a softcap
+    and a left window). Against float64 with NaN in every unowned slot; e4m3 pages plan a prefill
+    where the Hopper forward takes them."""
     import cupy
 
     from cuattn import _arrays, _calls
@@ -954,7 +965,8 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
         torch = pytest.importorskip("torch")
     attention_module = importlib.import_module("cuattn.attention")
     _calls.clear()
-    runs, hq, hk, d, block = (40, 0, 300, 129), 8, 2, 128, 16
+    runs, key_counts, unplanned = PLAN_STEPS[step_kind]
+    hq, hk, d, block = 8, 2, 128, 16
 
     def to(x):
         device = cupy.asarray(x)
@@ -968,12 +980,13 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
         pages8, k_scale, v_scale, dequantised = e4m3_pages(rng, pages, hk)
         return q, pages8, dequantised, (k_scale, np.full(hk, v_scale, np.float32)), table, cu, lens
 
-    q, stored, ref_pages, descales, table, cu, lens = problem((40, 9, 1000, 500))
+    q, stored, ref_pages, descales, table, cu, lens = problem(key_counts[0])
     scales = {} if kind == "bf16" else {"k_scale": cupy.ones(hk, cupy.float32), "v_scale": cupy.ones(hk, cupy.float32)}
     cache = cuattn.PagedKVCache(stored[0].shape[0], block, hk, d, BF16 if kind == "bf16" else "float8_e4m3fn",
                                 **scales)
     table_d, lens_d = to(table), to(lens)
-    planned = kind == "bf16" or attention_module.paged_e4m3_prefill(cupy.asarray(q), d, d, False)
+    planned = (kind == "bf16" or step_kind == "decode"
+               or attention_module.paged_e4m3_prefill(cupy.asarray(q), d, d, False))
 
     options = {"sinks": rng.standard_normal(hq).astype(np.float32)} if extra == "sinks" else \
         {"alibi_slopes": (0.02 + 0.1 * rng.random((len(runs), hq))).astype(np.float32)} if extra == "alibi" else \
@@ -1009,7 +1022,7 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
     if not planned:
         return
     # the next problems first: quantising their pages goes through cuattn's full path
-    second, third = problem((40, 5, 1000, 420)), problem((33, 9, 999, 500))
+    second, third = problem(key_counts[1]), problem(key_counts[2])
     monkeypatch.setattr(_arrays, "array_context", _refuse_the_full_path)
     q, stored, ref_pages, descales, table, cu_again, lens = second
     assert np.array_equal(cu_again, cu)
@@ -1029,8 +1042,8 @@ def test_prefill_calls_take_their_plan_on_the_gpu(rng, monkeypatch, framework, k
         with pytest.raises(ValueError, match=r"^block_table\[2, 0\] = \d+ is outside the pool of \d+ blocks "):
             call(q, bad, lens)
     monkeypatch.undo()
-    call(q, table, lens, cu=prefix_sums((40, 1, 299, 129)))
-    assert [key[0] for key in _calls._plans].count("paged_attention_varlen") == 1, "a call with decode rows planned"
+    call(q, table, lens, cu=prefix_sums(unplanned))
+    assert [key[0] for key in _calls._plans].count("paged_attention_varlen") == 1, "a call with decode runs planned"
 
 
 def _refuse_the_full_path(**named):
