@@ -61,10 +61,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _calls, _masks, decode as _decode
+from . import _arrays, _calls, _masks
 from .attention import (PagedKeys, _check_alibi, _check_host_cu_seqlens, _check_out, _launch_fwd, _plan_fwd,
                         paged_e4m3_prefill)
-from .decode import MAX_NEW_TOKENS, check_cache_scales, scale_options
+from .decode import MAX_NEW_TOKENS, check_cache_scales, launch_decode, planned_length, scale_options, workspace_address
 from .paged import (MAX_BLOCK_SIZE, PagedKVCache, _cache_pair, _check_no_pair_scales, check_device_pages, check_table,
                     clamp_table, paged_attention)
 
@@ -341,10 +341,10 @@ def _launch_block(q, k, v, table, lens, out, lse, *, rows: slice, block: tuple, 
     view = {role: x for role, (_, x) in views.items()}
     num_blocks, block_size = int(k.shape[0]), int(k.shape[1])
     capacity = int(table.shape[1]) * block_size
-    bound, workspace = _decode.launch_decode(
+    bound, workspace = launch_decode(
         view["q"], k, v, view["seq_lens"], view["out"], view.get("lse"), (view["block_table"], block_size, num_blocks),
         capacity, num_splits=None, causal=causal, scale=scale, window=window, softcap=softcap, stream=ctx.stream,
-        split_length=_decode.planned_length(max_seq_len, capacity), sinks=sinks,
+        split_length=planned_length(max_seq_len, capacity), sinks=sinks,
         alibi=(view.get("alibi_slopes", slopes), slopes_stride), e4m3=e4m3, k_scale=scales[0], v_scale=scales[1])
     # launch_decode's roles, renamed to the call's inputs at the views' byte offsets
     renamed = {"table": "block_table", "lens": "seq_lens"}
@@ -352,7 +352,7 @@ def _launch_block(q, k, v, table, lens, out, lse, *, rows: slice, block: tuple, 
     for b in bound:
         b.fields = {field: offsets.get(renamed.get(role, role), renamed.get(role, role))
                     for field, role in b.fields.items()}
-    return bound, (dict(workspace=workspace, workspace_of=_decode.workspace_address) if workspace else {})
+    return bound, (dict(workspace=workspace, workspace_of=workspace_address) if workspace else {})
 
 
 def _prefix_sums_key(cu):

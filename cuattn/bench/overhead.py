@@ -97,6 +97,10 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
     b, s, h, d = 1, 128, 8, 64
     dec_b, dec_len, dec_hq, dec_hk, dec_d = 1, 32768, 32, 8, 128
     block = 16
+    # paged_attention_varlen's mixed step: a chunk and decode rows, each sequence over step_len keys
+    step_b, step_chunk, step_len = 4, 64, 1024
+    step_shape = (f"{step_chunk} + {step_b - 1} x 1 queries, L {step_len // 1024}k, {dec_hq}/{dec_hk}, D {dec_d}, "
+                  f"NumPy table")
     kv_bytes = 2 * dec_b * dec_len * dec_hk * dec_d * np.dtype(dtype).itemsize
     attn_shape = f"({b}, {s}, {h}, {d})"
     dec_shape = f"B {dec_b}, L {dec_len // 1024}k, {dec_hq}/{dec_hk}, D {dec_d}"
@@ -136,6 +140,19 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
                                   "lens": ([dec_len] * dec_b, "int32")}, dtype)
             return lambda: cuattn.paged_attention(x["q"], (x["kp"], x["vp"]), x["table"], x["lens"], check=False)
 
+        def varlen_step_setup(fw=fw):
+            # a serving step: one prefill chunk and decode rows, the table and lengths NumPy arrays
+            # as a block manager keeps them (checked each call, the default)
+            runs = [step_chunk] + [1] * (step_b - 1)
+            pages = step_b * step_len // block
+            cu = np.concatenate([[0], np.cumsum(runs)]).astype(np.int32)
+            table = block_table(step_b, pages // step_b, rng=rng)
+            lens = np.full(step_b, step_len, np.int32)
+            x = _inputs(fw, rng, {"q": ((int(cu[-1]), dec_hq, dec_d), "f"),
+                                  "kp": ((pages, block, dec_hk, dec_d), "f"), "vp": ((pages, block, dec_hk, dec_d), "f")},
+                        dtype)
+            return lambda: cuattn.paged_attention_varlen(x["q"], (x["kp"], x["vp"]), table, cu, lens, step_chunk)
+
         def decode_plan_setup(fw=fw):
             x = _inputs(fw, rng, {"q": ((dec_b, 1, dec_hq, dec_d), "f"), "k": ((dec_b, dec_len, dec_hk, dec_d), "f"),
                                   "v": ((dec_b, dec_len, dec_hk, dec_d), "f"), "lens": ([dec_len] * dec_b, "int32")},
@@ -150,6 +167,7 @@ def cases(dtype) -> list[tuple[OverheadCase, Callable[[], Callable[[], object]]]
             (OverheadCase("decode", fw, dec_shape, kv_bytes), decode_setup),
             (OverheadCase("paged_attention", fw, f"{dec_shape}, block {block}", kv_bytes), paged_setup),
             (OverheadCase("plan_decode(...).run", fw, dec_shape, kv_bytes), decode_plan_setup),
+            (OverheadCase("paged_attention_varlen", fw, step_shape), varlen_step_setup),
         ]
 
     def sdpa_attention_setup():
