@@ -375,8 +375,8 @@ _TABLE, _LENS, _OUT = (_PLAN_INPUTS.index(role) for role in ("block_table", "seq
 
 
 class _VarlenPlan:
-    """A call whose sequences with queries all took the paged forward (``prefill``) or one decode
-    launch over a block of one-token sequences (``block``), replayed: each part a
+    """A call whose sequences with queries all took the paged forward or the decode launch over
+    its block of one-token sequences, replayed: each part (the forward's, the block's) a
     :class:`_calls.Plan` of its launches, over the call's arrays, out and lse, which the plan
     allocates. The launches read the prefix sums and the forward's sequence index from
     ``constants``, which the call that made the plan copied to the device on its stream; until
