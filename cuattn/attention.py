@@ -181,7 +181,7 @@ class FwdSm90Tile:
         return not self.pingpong and not (self.overlap and alibi)
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, itemsize: int, out_itemsize: int = 2,
-                   alibi: bool = False) -> int:
+                   alibi: bool = False, kv_e4m3: bool = False) -> int:
         """FwdSm90Smem: Q [BLOCK_M, D], K [stages, BLOCK_N, D] and V [stages, BLOCK_N, Dv] (or
         V^T [stages, Dv, BLOCK_N]), swizzled in rows of whole 128-byte panels (``itemsize`` 2, or
         1 for e4m3); two 8-byte mbarriers for Q, four per stage and two per slot of the tile ring,
@@ -190,7 +190,9 @@ class FwdSm90Tile:
         staged in Q's). ``alibi``: the ALIBI variant, which with 16-bit inputs and head dims up
         to kAlibiGemmMaxHeadDim adds the ALiBi key offsets' tile for pieces of the whole block, or
         else of kAlibiMinPieceKeys keys, where it fits beside the rest without taking O's tile
-        (FwdSm90SmemOf, the kernel's kAlibiGemm)."""
+        (FwdSm90SmemOf, the kernel's kAlibiGemm). ``kv_e4m3``: the variant over e4m3 pages, which
+        adds a staging of one key block's e4m3 rows of K and V ([block_n, D and Dv rounded up to
+        128 bytes]), O's tile given up where both do not fit beside it."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:
@@ -216,6 +218,8 @@ class FwdSm90Tile:
             row = _params.constant("kAlibiKeyRowBytes")
             return max((piece + _params.constant("kAlibiTailRows")) * row, 2 * piece * row - trailing)
 
+        if kv_e4m3:  # FwdSm90SmemOf::kStagingBytes
+            return with_o(fixed + self.block_n * (row_bytes(head_dim, 1) + row_bytes(head_dim_v, 1)))
         if alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim"):
             # FwdSm90SmemOf::fits: the key tile beside the rest, O's tile kept where it had one
             own_o = o_tile if fixed + o_tile <= limit else 0
@@ -265,6 +269,13 @@ FWD_SM90_UNMASKED_TILES = {
 # 16 fewer (224), and D = 256's intra-warpgroup overlap spilled there already at 232.
 FWD_SM90_PAGED_TILES = {
     (256, 256): FwdSm90Tile(80, 2, 2, overlap=False, pingpong=False),
+}
+# The KV_E4M3 variant's tile where the paged one leaves no room for the e4m3 rows' staging
+# (FwdSm90SmemOf::kStagingBytes, which lets each block's copies run ahead of their widening): the
+# same tile with 64-key blocks (builds without spills).
+FWD_SM90_E4M3_PAGED_TILES = {
+    (192, 128): FwdSm90Tile(64, 2, 2, bounded=False),
+    (256, 256): FwdSm90Tile(64, 2, 2, overlap=False, pingpong=False),
 }
 
 
@@ -322,10 +333,13 @@ FWD_SM90_LONG_TILES = {
 }
 
 
-def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0, banded: bool = True) -> FwdSm90Tile:
+def fwd_sm90_tile(dims: tuple[int, int], paged: bool = False, seqlen_k: int = 0, banded: bool = True,
+                  kv_e4m3: bool = False) -> FwdSm90Tile:
     """The Hopper forward's tile at tile head dims ``dims`` (a key of FWD_SM90_TILES), for dense or
-    paged keys, over at most ``seqlen_k`` keys a sequence, under a causal or window mask
-    (``banded``) or none."""
+    paged keys (``kv_e4m3``: e4m3 pages, the KV_E4M3 variant), over at most ``seqlen_k`` keys a
+    sequence, under a causal or window mask (``banded``) or none."""
+    if kv_e4m3:
+        return FWD_SM90_E4M3_PAGED_TILES.get(dims) or fwd_sm90_tile(dims, paged=True)
     if paged:
         return FWD_SM90_PAGED_TILES.get(dims) or FWD_SM90_TILES[dims]
     long = FWD_SM90_LONG_TILES.get(dims)
@@ -552,7 +566,8 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
         f"cuattn::flash_fwd_sm90_kernel<{ctype}, {out_ctype}, {head_dim}, {head_dim_v}, {tile.block_n}, "
         f"{tile.consumers}, {tile.stages}, {flags}>",
         threads=tile.threads(),
-        smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize, alibi=alibi),
+        smem_bytes=tile.smem_bytes(head_dim, head_dim_v, 1 if fp8 else np.dtype(dtype).itemsize, alibi=alibi,
+                                   kv_e4m3=kv_e4m3),
         needs_sm90a=True,
         options=FWD_SM90_PTXAS_OPTIONS,
     )
@@ -573,7 +588,7 @@ def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
                     for dims, tile in dense for alibi in (False, True)]
         forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), alibi=alibi, paged=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES for alibi in (False, True)]
-        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, paged=True), paged=True, kv_e4m3=True)
+        forward += [fwd_sm90_spec(dtype, *dims, fwd_sm90_tile(dims, kv_e4m3=True), paged=True, kv_e4m3=True)
                     for dtype in _arrays.CUDA_TYPES for dims in FWD_SM90_TILES]
         forward += [fwd_sm90_spec(_arrays.FLOAT8_E4M3, d, d, tile, out, alibi=alibi) for out in _arrays.CUDA_TYPES
                     for d, tile in FWD_SM90_FP8_TILES.items() for alibi in (False, True)]
@@ -1218,7 +1233,8 @@ def _launch_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, batch, seqlen_
     elif tile is None or isinstance(tile, FwdSm90Tile):
         # the smallest Hopper tile holding D and Dv (padded columns read as zeros)
         sm90_dims = fwd_sm90_tile_dims(head_dim, head_dim_v) if arch == SM90 else None
-        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded)
+        sm90_tile = None if sm90_dims is None else tile or fwd_sm90_tile(sm90_dims, paged is not None, seqlen_k, banded,
+                                                                          kv_e4m3=kv_scales is not None)
         # paged keys: rows copied by the producer warpgroup, or boxes of one page (or BLOCK_N rows
         # of a longer one)
         copy_pages = paged is not None and sm90_tile is not None and (
@@ -1352,7 +1368,7 @@ def paged_e4m3_prefill(q, head_dim: int, head_dim_v: int, alibi: bool) -> bool:
     dims = fwd_sm90_tile_dims(head_dim, head_dim_v)
     if dims is None:
         return False
-    return _row_map("q_map", "q", q[None], fwd_sm90_tile(dims, paged=True).block_m) is not None
+    return _row_map("q_map", "q", q[None], fwd_sm90_tile(dims, kv_e4m3=True).block_m) is not None
 
 
 def _paged_fields(paged: PagedKeys | None, copy_pages: bool = False) -> dict:

@@ -18,8 +18,9 @@
 //        stride a multiple of 16 bytes); q, out and lse packed as in varlen; ALiBi's (B, Hq) slopes
 //        read at the sequence the entry names (batch_index)
 //   e4m3 pages (KV_E4M3, with PAGED and 16-bit T): the same pages in e4m3 bytes, their rows
-//        copied by ordinary loads and widened to T on the way into the tiles (widen_key_rows),
-//        real value = stored x descale (FwdParams' k_scale / k_descale, v_scale / v_descale)
+//        copied by cp.async into a staging of e4m3 rows (stage_key_rows) and widened to T on the
+//        way into the tiles (widen_staged_rows), real value = stored x descale (FwdParams'
+//        k_scale / k_descale, v_scale / v_descale)
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
@@ -216,13 +217,24 @@ struct AlibiKeyStep {
   }
 };
 
+// The e4m3 pages' staging (KV_E4M3): one key block's rows of e4m3 bytes as they come from the
+// pages, [BLOCK_N, COLS rounded up to 128] per tensor, before the producer widens them into the
+// 16-bit tiles (stage_key_rows, widen_staged_rows).
+constexpr int e4m3_staging_row_bytes(int cols) {
+  return (cols + kSwizzleRowBytes - 1) / kSwizzleRowBytes * kSwizzleRowBytes;
+}
+constexpr int e4m3_staging_bytes(int block_n, int head_dim, int head_dim_v) {
+  return block_n * (e4m3_staging_row_bytes(head_dim) + e4m3_staging_row_bytes(head_dim_v));
+}
+
 // Shared memory, byte offsets from a 1024-byte-aligned base. The host mirrors kBytes
 // (cuattn/attention.py, FwdSm90Tile.smem_bytes). ELEM_BYTES: 2 (fp16/bf16 q, k, v) or 1 (e4m3);
 // the output is 16-bit either way. SwizzledTile counts 16-bit columns, so a tile of e4m3 rows
 // of D bytes is SwizzledTile<ROWS, D / 2> (wgmma.cuh). ALIBI_PIECE: the keys of a piece of
-// ALiBi's k step, whose key offsets' tile it holds (kAlibiGemm), or 0 (none).
+// ALiBi's k step, whose key offsets' tile it holds (kAlibiGemm), or 0 (none). STAGING_BYTES: the
+// e4m3 pages' staging of K and V (e4m3_staging_bytes), or 0 (none).
 template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES = 2,
-          int ALIBI_PIECE = 0>
+          int ALIBI_PIECE = 0, int STAGING_BYTES = 0>
 struct FwdSm90Smem {
   static constexpr bool kFp8 = ELEM_BYTES == 1;
   static constexpr int BLOCK_M = kWgmmaM * CONSUMERS;
@@ -246,8 +258,8 @@ struct FwdSm90Smem {
   static constexpr int kAlibiRows = alibi_key_rows(ALIBI_PIECE);
   static constexpr int kAlibiReadBytes = alibi_read_bytes(ALIBI_PIECE);
   static constexpr int kAlibiBytes = alibi_key_bytes(ALIBI_PIECE, kTrailingBytes);
-  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + kAlibiBytes +
-                                kTrailingBytes;
+  static constexpr int kFixed = QTile::kBytes + STAGES * (KTile::kBytes + VTile::kBytes) + STAGING_BYTES +
+                                kAlibiBytes + kTrailingBytes;
   // The epilogue stages O in a tile of its own where it fits (so the next tile's Q loads under
   // this one's epilogue); otherwise (16-bit D = 256, say) in Q's, which is then released after
   // the stores.
@@ -257,7 +269,10 @@ struct FwdSm90Smem {
   static constexpr int kO = kOwnO ? kQ + QTile::kBytes : kQ;  // [BLOCK_M, Dv]
   static constexpr int kK = kOwnO ? kO + OTile::kBytes : kQ + QTile::kBytes;
   static constexpr int kV = kK + STAGES * KTile::kBytes;
-  static constexpr int kAlibiKeys = kV + STAGES * VTile::kBytes;  // [kAlibiRows, 8] 16-bit, unswizzled
+  // e4m3 K rows [BLOCK_N, e4m3_staging_row_bytes(D)], then V's [BLOCK_N, ...(Dv)]
+  static constexpr int kStaging = kV + STAGES * VTile::kBytes;
+  static constexpr int kStagingV = kStaging + BLOCK_N * e4m3_staging_row_bytes(HEAD_DIM);
+  static constexpr int kAlibiKeys = kStaging + STAGING_BYTES;  // [kAlibiRows, 8] 16-bit, unswizzled
   static constexpr int kBarriers = kAlibiKeys + kAlibiBytes;
   static constexpr int kTileRing = kBarriers + kBarrierCount * kMbarrierBytes;  // int32 [kFwdSm90TileRing]
   static constexpr int kProducerSlots = kTileRing + kFwdSm90TileRing * kFwdSm90TileIndexBytes;  // int32 [2]
@@ -279,9 +294,13 @@ struct FwdSm90Smem {
 // D = 128's three-warpgroup tile spilled and serialised its wgmma with the step's registers, and
 // ALiBi costs it 3-6% per score already. e4m3 cannot hold the key offsets.
 constexpr int kAlibiGemmMaxHeadDim = 96;
-template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI>
+// The e4m3 pages' variant (KV_E4M3) stages K's and V's rows (stage_key_rows), O's own tile given
+// up where both do not fit beside it (the host's tiles for it leave room: FWD_SM90_E4M3_PAGED_TILES).
+template <int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES, int ELEM_BYTES, bool ALIBI,
+          bool KV_E4M3 = false>
 struct FwdSm90SmemOf {
   using Plain = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES>;
+  static constexpr int kStagingBytes = KV_E4M3 ? e4m3_staging_bytes(BLOCK_N, HEAD_DIM, HEAD_DIM_V) : 0;
   // whether the key tile for pieces of `piece` keys fits beside the rest, O's tile kept
   static constexpr bool fits(int piece) {
     const int tiles = Plain::kFixed + alibi_key_bytes(piece, Plain::kTrailingBytes);
@@ -292,7 +311,8 @@ struct FwdSm90SmemOf {
       : fits(BLOCK_N)                                                                                         ? BLOCK_N
       : fits(kAlibiMinPieceKeys)                                                                              ? kAlibiMinPieceKeys
                                                                                                               : 0;
-  using type = FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiPiece>;
+  using type =
+      FwdSm90Smem<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, ELEM_BYTES, kAlibiPiece, kStagingBytes>;
 };
 
 // One work tile: BLOCK_M query rows of one (batch, head), and the key blocks they see.
@@ -426,74 +446,99 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 }
 
 // The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into a tile of the
-// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). Lane l loads
-// the 16 bytes (16 columns) l % 8 of each 128-column span of row 4 i + l / 8 and stores them as
-// two 16-byte pieces of the swizzled tile. The loads of a batch of passes (widen_batch) go out
-// before any is widened, so that their round trips overlap (the stores need the values: these are
-// ordinary loads, not cp.async). Rows past the sequence and columns from `cols` on (D, a multiple
-// of 16) are zero, never read.
-// 16-byte loads a lane keeps in flight: 16 of the paged producer's 48 registers. A second form
-// with 56 registers and 6 loads (8 spilled) ran D = 128 slower on an H100 (BENCHMARKS.md,
-// "Sixty-third session").
-constexpr int kWidenLoads = 4;
-// Passes whose loads go out together: the most that divide the warp's passes and keep at most
-// kWidenLoads loads of `spans` each in flight (a whole number of batches: no remainder to guard).
-constexpr int widen_batch(int passes, int spans, int batch = kWidenLoads) {
-  return batch <= 1 ? 1
-         : (passes % batch == 0 && batch * spans <= kWidenLoads) ? batch
-                                                                  : widen_batch(passes, spans, batch - 1);
+// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). Lane l moves
+// the 16 bytes (16 columns) l % 8 of each 128-column span of row 4 i + l / 8, which become two
+// 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
+// multiple of 16) are zero, never read. stage_key_rows copies a block's rows into FwdSm90Smem's
+// staging with cp.async, and widen_staged_rows, once they have landed, reads each lane's own
+// pieces back (so no barrier between the two) and stores them widened. The copies of the next
+// block go out as soon as a lane has read this one's, so a block's bytes are in flight while the
+// producer widens the other tensor and waits for free stages. (Loading the rows into registers
+// instead, four 16-byte loads in flight a lane within the producer's 48 registers, left the
+// copies' round trips, not the GEMMs, setting the pace: BENCHMARKS.md, "Sixty-sixth session".)
+template <int BLOCK_N, int TILE_COLS>
+struct E4m3RowCopy {
+  static constexpr int kLoads = kSwizzleRowBytes / kCopyBytes;  // lanes a row spreads over
+  static constexpr int kPassRows = kWarpSize / kLoads;
+  static constexpr int kSpanCols = kLoads * kCopyBytes;  // e4m3 columns a pass covers of a row
+  static constexpr int kSpans = (TILE_COLS + kSpanCols - 1) / kSpanCols;
+  static constexpr int kRows = copy_warp_rows(BLOCK_N);
+  static constexpr int kPasses = kRows / kPassRows;
+  static constexpr int kStagingRowBytes = e4m3_staging_row_bytes(TILE_COLS);
+  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
+  static_assert(kStagingRowBytes == kSpans * kSpanCols, "a staged row holds every span");
+  // the tile's row of pass `pass` for this lane, and the row's page and slot from its lane
+  __device__ __forceinline__ static int row(int pass, int lane, int warp) {
+    return warp * kRows + pass * kPassRows + lane / kLoads;
+  }
+  __device__ __forceinline__ static KeyRow looked_up(KeyRow mine, int pass, int lane) {
+    const int from = pass * kPassRows + lane / kLoads;
+    return KeyRow{__shfl_sync(0xffffffffu, mine.page, from), __shfl_sync(0xffffffffu, mine.slot, from)};
+  }
+  // this lane's first e4m3 column of `span`
+  __device__ __forceinline__ static int col(int span, int lane) {
+    return span * kSpanCols + lane % kLoads * kCopyBytes;
+  }
+};
+
+// 16 e4m3 bytes widened to T, stored as two 16-byte pieces of a swizzled tile at (row, col)
+template <class Tile, typename T>
+__device__ __forceinline__ void store_widened(u32 tile, int row, int col, uint4 w) {
+  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));  // columns of a 16-bit piece
+  static_assert(sizeof(T) == 2 && kCopyBytes == 2 * kPieceCols, "16 bytes widen into two pieces");
+  u32 out[8];
+  e4m3x4_to_pairs<T>(w.x, out[0], out[1]);
+  e4m3x4_to_pairs<T>(w.y, out[2], out[3]);
+  e4m3x4_to_pairs<T>(w.z, out[4], out[5]);
+  e4m3x4_to_pairs<T>(w.w, out[6], out[7]);
+  const u32 lo = tile + Tile::chunk_offset(row, col / kPieceCols);
+  const u32 hi = tile + Tile::chunk_offset(row, col / kPieceCols + 1);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
+               "r"(out[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi), "r"(out[4]), "r"(out[5]), "r"(out[6]),
+               "r"(out[7]) : "memory");
 }
 
-template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
-__device__ __forceinline__ void widen_key_rows(u32 tile, const unsigned char* src, i64 page_stride, i64 row_stride,
-                                               int cols, KeyRow looked_up, int lane, int warp) {
-  constexpr int kLoads = kSwizzleRowBytes / kCopyBytes;  // lanes a row spreads over
-  constexpr int kPassRows = kWarpSize / kLoads;
-  constexpr int kSpanCols = kLoads * kCopyBytes;  // e4m3 columns a pass covers of a row
-  constexpr int kSpans = (TILE_COLS + kSpanCols - 1) / kSpanCols;
-  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));  // columns of a 16-bit piece
-  constexpr int kRows = copy_warp_rows(BLOCK_N);
-  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
-  constexpr int kBatch = widen_batch(kRows / kPassRows, kSpans);
-  static_assert(sizeof(T) == 2 && kCopyBytes == 2 * kPieceCols, "a 16-byte load widens into two pieces");
-  const int load = lane % kLoads;
-  // a batch of passes at a time: unrolled over every batch, the copies spilled
+// A block's rows into the staging [BLOCK_N, kStagingRowBytes] (e4m3 bytes, unswizzled),
+// zeros where nothing is read (cp.async's source size 0). The caller commits the group.
+template <int BLOCK_N, int TILE_COLS>
+__device__ __forceinline__ void stage_key_rows(u32 staging, const unsigned char* src, i64 page_stride,
+                                               i64 row_stride, int cols, KeyRow mine, int lane, int warp) {
+  using Copy = E4m3RowCopy<BLOCK_N, TILE_COLS>;
 #pragma unroll 1
-  for (int r0 = 0; r0 < kRows; r0 += kPassRows * kBatch) {
-    uint4 bytes[kBatch][kSpans];
+  for (int pass = 0; pass < Copy::kPasses; ++pass) {
+    const KeyRow at = Copy::looked_up(mine, pass, lane);
+    const int row = Copy::row(pass, lane, warp);
+    const unsigned char* row_src = at.page == kNoKeyRow ? src : src + at.page * page_stride + at.slot * row_stride;
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int from = r0 + b * kPassRows + lane / kLoads;
-      const int page = __shfl_sync(0xffffffffu, looked_up.page, from);
-      const int slot = __shfl_sync(0xffffffffu, looked_up.slot, from);
-#pragma unroll
-      for (int span = 0; span < kSpans; ++span) {
-        const int col = span * kSpanCols + load * kCopyBytes;
-        const bool valid = page != kNoKeyRow && col < cols && col < TILE_COLS;
-        bytes[b][span] = valid ? __ldg(reinterpret_cast<const uint4*>(src + page * page_stride + slot * row_stride + col))
-                               : make_uint4(0, 0, 0, 0);
+    for (int span = 0; span < Copy::kSpans; ++span) {
+      const int col = Copy::col(span, lane);
+      if (col < TILE_COLS) {
+        const bool valid = at.page != kNoKeyRow && col < cols;
+        cp_async_16(staging + row * Copy::kStagingRowBytes + col, valid ? row_src + col : src, valid);
       }
     }
+  }
+}
+
+// This lane's pieces of the staging (its own copies, landed: cp.async.wait_group) widened
+// into the tile [BLOCK_N, TILE_COLS] (Tile).
+template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
+__device__ __forceinline__ void widen_staged_rows(u32 tile, u32 staging, int lane, int warp) {
+  using Copy = E4m3RowCopy<BLOCK_N, TILE_COLS>;
+#pragma unroll 2
+  for (int pass = 0; pass < Copy::kPasses; ++pass) {
+    const int row = Copy::row(pass, lane, warp);
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int row = warp * kRows + r0 + b * kPassRows + lane / kLoads;
-#pragma unroll
-      for (int span = 0; span < kSpans; ++span) {
-        const int col = span * kSpanCols + load * kCopyBytes;
-        if (col < TILE_COLS) {
-          const uint4 w = bytes[b][span];
-          u32 out[8];
-          e4m3x4_to_pairs<T>(w.x, out[0], out[1]);
-          e4m3x4_to_pairs<T>(w.y, out[2], out[3]);
-          e4m3x4_to_pairs<T>(w.z, out[4], out[5]);
-          e4m3x4_to_pairs<T>(w.w, out[6], out[7]);
-          const u32 lo = tile + Tile::chunk_offset(row, col / kPieceCols);
-          const u32 hi = tile + Tile::chunk_offset(row, col / kPieceCols + 1);
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
-                       "r"(out[3]) : "memory");
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi), "r"(out[4]), "r"(out[5]), "r"(out[6]),
-                       "r"(out[7]) : "memory");
-        }
+    for (int span = 0; span < Copy::kSpans; ++span) {
+      const int col = Copy::col(span, lane);
+      if (col < TILE_COLS) {
+        uint4 w;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+                     : "r"(staging + row * Copy::kStagingRowBytes + col)
+                     : "memory");
+        store_widened<Tile, T>(tile, row, col, w);
       }
     }
   }
@@ -501,14 +546,14 @@ __device__ __forceinline__ void widen_key_rows(u32 tile, const unsigned char* sr
 
 // KV_E4M3 (with PAGED, 16-bit T): the pages hold e4m3 bytes with descales (FwdParams' k_scale,
 // k_descale, v_scale, v_descale, per tensor or kv head), which the producer widens into T's tiles
-// as it copies their rows (widen_key_rows); k's descale folds into the score scale and v's
-// multiplies the output, as in the FP8 kernel, and the GEMMs run in T.
+// as it copies their rows (stage_key_rows, widen_staged_rows); k's descale folds into the score
+// scale and v's multiplies the output, as in the FP8 kernel, and the GEMMs run in T.
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
           bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED, bool KV_E4M3 = false>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr bool kFp8 = kIsE4m3<T>;
-  using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI>;
+  using SmemOf = FwdSm90SmemOf<HEAD_DIM, HEAD_DIM_V, BLOCK_N, CONSUMERS, STAGES, sizeof(T), ALIBI, KV_E4M3>;
   constexpr int kAlibiPiece = SmemOf::kAlibiPiece;  // keys of a piece of ALiBi's k step
   constexpr bool kAlibiGemm = kAlibiPiece > 0;
   constexpr int kAlibiPieces = kAlibiGemm ? alibi_pieces(BLOCK_N, kAlibiPiece) : 1;
@@ -775,25 +820,58 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
                       static_cast<int>(w.seq.q_start) + w.m0, w.h, tma_b);
       }
       ++tiles;
+      // the first key of the i-th block visited
+      const auto block_row = [&](int i) {
+        return static_cast<int>(w.seq.k_start) + w.template key_block<kDiagFirst>(i) * BLOCK_N;
+      };
+      // e4m3 pages, staged: the rows of the block after the one being widened, looked up a block
+      // before their copies (the table read's round trip under the widening)
+      [[maybe_unused]] KeyRow ahead{kNoKeyRow, 0};
       for (int i = 0; i < w.blocks(); ++i, ++loads) {
         const int stage = loads % STAGES, parity = (loads / STAGES) & 1;
         const int row = static_cast<int>(w.seq.k_start) + w.template key_block<kDiagFirst>(i) * BLOCK_N;
         if constexpr (KV_E4M3) {
-          // e4m3 rows widened by ordinary loads and stores: each tensor is complete when its
-          // copy returns, so K is announced before V's copy starts
-          const KeyRow r = row_of(w, row);
+          const unsigned char* k_src = reinterpret_cast<const unsigned char*>(p.k) + h_kv * p.k_head_stride;
+          const unsigned char* v_src = reinterpret_cast<const unsigned char*>(p.v) + h_kv * p.v_head_stride;
+          // Block i's copies went out a block ahead (the tile's first block's here, K and V a
+          // group each). Each tensor is widened once its group has landed, and the next block's
+          // copies into the staging follow at once (a lane reads back only its own pieces), so
+          // two commits a block, empty ones after the tile's last, keep the groups in step.
+          const u32 k_staging = smem0 + Smem::kStaging, v_staging = smem0 + Smem::kStagingV;
+          const auto stage_k = [&](KeyRow r) {
+            stage_key_rows<BLOCK_N, HEAD_DIM>(k_staging, k_src, p.k_batch_stride, p.k_row_stride, p.head_dim, r,
+                                              lane, warp);
+          };
+          const auto stage_v = [&](KeyRow r) {
+            stage_key_rows<BLOCK_N, HEAD_DIM_V>(v_staging, v_src, p.v_batch_stride, p.v_row_stride, p.head_dim_v,
+                                                r, lane, warp);
+          };
+          const bool more = i + 1 < w.blocks();
+          if (i == 0) {
+            const KeyRow r = row_of(w, row);
+            stage_k(r);
+            cp_async_commit();
+            stage_v(r);
+            cp_async_commit();
+            if (more) ahead = row_of(w, block_row(1));
+          }
+          cp_async_wait<1>();  // block i's K has landed; its V may be in flight
           mbarrier_wait(k_empty(stage), parity ^ 1);
-          widen_key_rows<KTile, BLOCK_N, HEAD_DIM, T>(sK(stage), reinterpret_cast<const unsigned char*>(p.k) +
-                                                      h_kv * p.k_head_stride, p.k_batch_stride, p.k_row_stride,
-                                                      p.head_dim, r, lane, warp);
+          widen_staged_rows<KTile, BLOCK_N, HEAD_DIM, T>(sK(stage), k_staging, lane, warp);
           fence_proxy_async();
           mbarrier_arrive(k_full(stage));
+          if (more) stage_k(ahead);
+          cp_async_commit();
+          cp_async_wait<1>();  // block i's V has landed; the next block's K may be in flight
           mbarrier_wait(v_empty(stage), parity ^ 1);
-          widen_key_rows<VTile, BLOCK_N, HEAD_DIM_V, T>(sV(stage), reinterpret_cast<const unsigned char*>(p.v) +
-                                                        h_kv * p.v_head_stride, p.v_batch_stride, p.v_row_stride,
-                                                        p.head_dim_v, r, lane, warp);
+          widen_staged_rows<VTile, BLOCK_N, HEAD_DIM_V, T>(sV(stage), v_staging, lane, warp);
           fence_proxy_async();
           mbarrier_arrive(v_full(stage));
+          if (more) {
+            stage_v(ahead);
+            if (i + 2 < w.blocks()) ahead = row_of(w, block_row(i + 2));
+          }
+          cp_async_commit();
           continue;
         } else if constexpr (PAGED) {
           if (copy_pages) {

@@ -793,10 +793,11 @@ def test_torch_tensors_on_the_gpu(rng):
 
 
 # (q dtype, D, (Hq, Hk), block size) of the e4m3-pages prefill cases: tiles of 128-key blocks
-# (D = 96 padded into the 96 tile, 128, 192 beside Dv = 128 below) and of 80-key blocks (256),
-# pages of 16 tokens and of 7
+# (D = 64, 80, 96, 128), of 80-key blocks (160 and 192, whose e4m3 staging takes O's tile) and of
+# 64-key blocks (256), pages of 16 tokens and of 7
 E4M3_PREFILL_CASES = [(BF16, 128, (8, 2), 16), (np.float16, 128, (8, 2), 7), (BF16, 96, (4, 2), 16),
-                      (np.float16, 256, (4, 1), 16), (BF16, 160, (4, 4), 7)]
+                      (np.float16, 256, (4, 1), 16), (BF16, 160, (4, 4), 7), (np.float16, 64, (8, 8), 16),
+                      (BF16, 80, (4, 1), 7), (BF16, 192, (4, 2), 16)]
 
 
 def e4m3_pages(rng, pages, hk):

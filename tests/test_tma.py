@@ -275,7 +275,7 @@ def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
     """FwdSm90Tile.smem_bytes (the launch's dynamic shared memory) against the kernel's
     FwdSm90Smem::kBytes of flash_fwd_sm90.cu, by static_assert under NVRTC (no GPU needed), for
     every tile of the 16-bit, paged, long and FP8 tables, with and without ALiBi (whose key tile
-    some 16-bit tiles take)."""
+    some 16-bit tiles take), and the paged tiles over e4m3 pages (whose staging most take)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the check compiles with NVRTC")
     from cuattn import _jit
 
@@ -285,6 +285,13 @@ def test_hopper_shared_memory_sizes_equal_the_kernels(tmp_path, monkeypatch):
         f"{str(alibi).lower()}>::type::kBytes == {t.smem_bytes(d, dv, size, alibi=alibi)}, "
         f"\"{t} D = {d}, Dv = {dv}, alibi {alibi}\");"
         for d, dv, size, t in _every_hopper_forward_tile() for alibi in (False, True)
+    ]
+    # the variants over e4m3 pages (KV_E4M3: the paged tiles, 16-bit, no ALiBi), staging or not
+    asserts += [
+        f"static_assert(cuattn::FwdSm90SmemOf<{d}, {dv}, {t.block_n}, {t.consumers}, {t.stages}, 2, false, "
+        f"true>::type::kBytes == {t.smem_bytes(d, dv, 2, kv_e4m3=True)}, \"{t} D = {d}, Dv = {dv}, e4m3 pages\");"
+        for d, dv in attention_module.FWD_SM90_TILES
+        for t in [attention_module.fwd_sm90_tile((d, dv), kv_e4m3=True)]
     ]
     sources = tmp_path / "sources"
     sources.mkdir()
