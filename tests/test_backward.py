@@ -13,7 +13,7 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import BF16, DTYPE_IDS, DTYPES, check_varlen_gradients, error_budget, prefix_sums, randn
+from conftest import BF16, DTYPE_IDS, DTYPES, check_dsinks, check_varlen_gradients, error_budget, prefix_sums, randn
 
 HEAD_DIMS = list(_registry.test_head_dims("attention"))
 MASKS = _registry.MASK_OPTIONS
@@ -66,11 +66,7 @@ def test_backward_with_sinks(rng, head_dim, mask, deterministic):
         budget = error_budget(np.abs(low - ref).max(initial=0.0), BF16, 3.0, np.abs(ref).max(initial=0.0))
         assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
     out_lowp = reference.naive_attention_lowp(q, k, v, dtype=BF16, sinks=sinks, **options)
-    delta_lowp = np.sum(dout.astype(np.float64) * out_lowp, axis=-1).transpose(0, 2, 1)  # [B, Hq, Sq]
-    dsinks_lowp = -(np.exp(sinks[None, :, None] - ref_lse) * delta_lowp).sum(axis=(0, 2))
-    err = np.abs(grads[3].get() - refs[3]).max()
-    budget = error_budget(np.abs(dsinks_lowp - refs[3]).max(), BF16, 3.0, np.abs(refs[3]).max())
-    assert err <= budget, f"dsinks: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    check_dsinks(rng, BF16, grads[3].get(), refs[3], dout, sinks, ref_out, ref_lse, out_lowp)
     if deterministic:
         again = cuattn.attention_backward(dod, qd, kd, vd, out, lse, sinks=sd, deterministic=True, **options)
         assert all(cupy.array_equal(x, y) for x, y in zip(grads, again))

@@ -21,8 +21,8 @@ import pytest
 
 import cuattn
 from cuattn import _registry, reference
-from conftest import (BF16, DTYPE_IDS, DTYPES, check_decode, check_varlen, check_varlen_gradients, error_budget,
-                      import_jax, prefix_sums, Tensor, randn)
+from conftest import (BF16, DTYPE_IDS, DTYPES, check_decode, check_dsinks, check_varlen, check_varlen_gradients,
+                      error_budget, import_jax, prefix_sums, Tensor, randn)
 
 jax = import_jax()
 import jax.numpy as jnp  # noqa: E402
@@ -156,12 +156,8 @@ def test_sinks_forward_and_gradients_under_jit(device, rng, mask):
     ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **options)
     ref_dsinks = reference.attention_backward(dout, q, k, v, ref_out, ref_lse, sinks=sinks, **options)[3]
     out_lowp = reference.naive_attention_lowp(q, k, v, dtype=BF16, sinks=sinks, **options)
-    delta_lowp = np.sum(dout.astype(np.float64) * out_lowp, axis=-1).transpose(0, 2, 1)  # [B, Hq, Sq]
-    dsinks_lowp = -(np.exp(sinks[None, :, None] - ref_lse) * delta_lowp).sum(axis=(0, 2))
     assert grads[3].dtype == jnp.float32 and grads[3].shape == (4,)
-    err = np.abs(host(grads[3]) - ref_dsinks).max()
-    budget = error_budget(np.abs(dsinks_lowp - ref_dsinks).max(), BF16, 3.0, np.abs(ref_dsinks).max())
-    assert err <= budget, f"dsinks: error {err:.3g} > budget {budget:.3g} (seed {rng.seed})"
+    check_dsinks(rng, BF16, host(grads[3]), ref_dsinks, dout, sinks, ref_out, ref_lse, out_lowp)
 
 
 def test_sinks_under_vmap_run_per_element(device, rng):
