@@ -192,7 +192,8 @@ class FwdSm90Tile:
         else of kAlibiMinPieceKeys keys, where it fits beside the rest without taking O's tile
         (FwdSm90SmemOf, the kernel's kAlibiGemm). ``kv_e4m3``: the variant over e4m3 pages, which
         adds a staging of one key block's e4m3 rows of K and V ([block_n, D and Dv rounded up to
-        128 bytes]), O's tile given up where both do not fit beside it."""
+        whole spans of 128 bytes, or of 64 at D = 64]), O's tile given up where both do not fit
+        beside it."""
         panel = _params.constant("kSwizzleRowBytes")
 
         def row_bytes(cols: int, size: int) -> int:
@@ -218,8 +219,13 @@ class FwdSm90Tile:
             row = _params.constant("kAlibiKeyRowBytes")
             return max((piece + _params.constant("kAlibiTailRows")) * row, 2 * piece * row - trailing)
 
+        def staged_row_bytes(cols: int) -> int:  # e4m3_staging_row_bytes: whole spans of a row's lanes
+            copy, warp = _params.constant("kCopyBytes"), _params.constant("kWarpSize")
+            lanes = cols // copy if cols < panel and cols % copy == 0 and warp % (cols // copy) == 0 else panel // copy
+            return -(-cols // (lanes * copy)) * lanes * copy
+
         if kv_e4m3:  # FwdSm90SmemOf::kStagingBytes
-            return with_o(fixed + self.block_n * (row_bytes(head_dim, 1) + row_bytes(head_dim_v, 1)))
+            return with_o(fixed + self.block_n * (staged_row_bytes(head_dim) + staged_row_bytes(head_dim_v)))
         if alibi and itemsize == 2 and max(head_dim, head_dim_v) <= _params.constant("kAlibiGemmMaxHeadDim"):
             # FwdSm90SmemOf::fits: the key tile beside the rest, O's tile kept where it had one
             own_o = o_tile if fixed + o_tile <= limit else 0

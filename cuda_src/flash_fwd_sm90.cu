@@ -218,10 +218,19 @@ struct AlibiKeyStep {
 };
 
 // The e4m3 pages' staging (KV_E4M3): one key block's rows of e4m3 bytes as they come from the
-// pages, [BLOCK_N, COLS rounded up to 128] per tensor, before the producer widens them into the
-// 16-bit tiles (stage_key_rows, widen_staged_rows).
+// pages, [BLOCK_N, COLS rounded up to whole spans] per tensor, before the producer widens them
+// into the 16-bit tiles (stage_key_rows, widen_staged_rows). A row spreads over the lanes of a
+// span, 16 bytes each: eight (128 bytes), or for a row of fewer bytes that a whole number of
+// lanes splits evenly into a warp's rows (D = 64: four), as many as it has pieces, so that no lane
+// idles.
+constexpr int e4m3_row_lanes(int cols) {
+  return cols < kSwizzleRowBytes && cols % kCopyBytes == 0 && kWarpSize % (cols / kCopyBytes) == 0
+             ? cols / kCopyBytes
+             : kSwizzleRowBytes / kCopyBytes;
+}
 constexpr int e4m3_staging_row_bytes(int cols) {
-  return (cols + kSwizzleRowBytes - 1) / kSwizzleRowBytes * kSwizzleRowBytes;
+  const int span = e4m3_row_lanes(cols) * kCopyBytes;
+  return (cols + span - 1) / span * span;
 }
 constexpr int e4m3_staging_bytes(int block_n, int head_dim, int head_dim_v) {
   return block_n * (e4m3_staging_row_bytes(head_dim) + e4m3_staging_row_bytes(head_dim_v));
@@ -446,9 +455,9 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 }
 
 // The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into a tile of the
-// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). Lane l moves
-// the 16 bytes (16 columns) l % 8 of each 128-column span of row 4 i + l / 8, which become two
-// 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
+// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). With L lanes a
+// row (e4m3_row_lanes), lane l moves the 16 bytes (16 columns) l % L of each span of 16 L columns
+// of row (32 / L) i + l / L, which become two 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
 // multiple of 16) are zero, never read. stage_key_rows copies a block's rows into FwdSm90Smem's
 // staging with cp.async, and widen_staged_rows, once they have landed, reads each lane's own
 // pieces back (so no barrier between the two) and stores them widened. The copies of the next
@@ -458,7 +467,7 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 // copies' round trips, not the GEMMs, setting the pace: BENCHMARKS.md, "Sixty-sixth session".)
 template <int BLOCK_N, int TILE_COLS>
 struct E4m3RowCopy {
-  static constexpr int kLoads = kSwizzleRowBytes / kCopyBytes;  // lanes a row spreads over
+  static constexpr int kLoads = e4m3_row_lanes(TILE_COLS);  // lanes a row spreads over
   static constexpr int kPassRows = kWarpSize / kLoads;
   static constexpr int kSpanCols = kLoads * kCopyBytes;  // e4m3 columns a pass covers of a row
   static constexpr int kSpans = (TILE_COLS + kSpanCols - 1) / kSpanCols;
