@@ -457,14 +457,17 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 // The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into a tile of the
 // kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). With L lanes a
 // row (e4m3_row_lanes), lane l moves the 16 bytes (16 columns) l % L of each span of 16 L columns
-// of row (32 / L) i + l / L, which become two 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
-// multiple of 16) are zero, never read. stage_key_rows copies a block's rows into FwdSm90Smem's
-// staging with cp.async, and widen_staged_rows, once they have landed, reads each lane's own
-// pieces back (so no barrier between the two) and stores them widened. The copies of the next
-// block go out as soon as a lane has read this one's, so a block's bytes are in flight while the
-// producer widens the other tensor and waits for free stages. (Loading the rows into registers
-// instead, four 16-byte loads in flight a lane within the producer's 48 registers, left the
-// copies' round trips, not the GEMMs, setting the pace: BENCHMARKS.md, "Sixty-sixth session".)
+// of row (32 / L) i + l / L, which become two 16-byte pieces of the swizzled tile. Rows past the
+// sequence and columns from `cols` on (D, a multiple of 16) are zero, never read. stage_key_rows
+// copies a block's rows into FwdSm90Smem's staging with cp.async, and widen_staged_rows, once
+// they have landed, reads each lane's own pieces back (so no barrier between the two) and stores
+// them widened. The copies of the next block go out as soon as a lane has read this one's, so a
+// block's bytes are in flight while the producer widens the other tensor and waits for free
+// stages. Loading the rows into registers instead (four 16-byte loads in flight a lane within the
+// producer's 48 registers) ran D = 192 and 256 1.7x slower on an H100; copies two blocks ahead ran
+// level with one, and halving D = 64's passes nearly halved its time, so the producer's own
+// instructions a block, not the copies' round trips, set the pace (BENCHMARKS.md, "Sixty-sixth
+// session").
 template <int BLOCK_N, int TILE_COLS>
 struct E4m3RowCopy {
   static constexpr int kLoads = e4m3_row_lanes(TILE_COLS);  // lanes a row spreads over
