@@ -557,12 +557,13 @@ def fwd_sm90_spec(dtype, head_dim: int, head_dim_v: int, tile: FwdSm90Tile, out_
     """flash_fwd_sm90_kernel for ``tile`` at tile head dims (``head_dim``, ``head_dim_v``): 16-bit
     ``dtype`` (output the same), or e4m3 inputs (``dtype`` float8_e4m3fn or its uint8 storage)
     with a 16-bit ``out_dtype``; ``alibi``: its ALIBI variant; ``paged``: its PAGED variant (keys
-    and values from a paged cache, 16-bit, or with ``kv_e4m3`` e4m3 pages widened to ``dtype`` as
-    the producer copies them: the KV_E4M3 variant)."""
+    and values from a paged cache, 16-bit, or with ``kv_e4m3`` e4m3 pages widened to fp16 as the
+    producer copies them: the KV_E4M3 variant, whose GEMMs run in fp16 under a bf16 q too)."""
     fp8 = np.dtype(dtype) in (_arrays.FLOAT8_E4M3, _arrays.E4M3_STORAGE)
     if kv_e4m3 and (fp8 or not paged or alibi):
         raise ValueError("the e4m3-pages variant is a paged 16-bit one without ALiBi")
-    ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(dtype)]
+    # e4m3 pages under a bf16 q run the fp16 GEMMs (the kernel's kQFromBf16), output bf16
+    ctype = _arrays.E4M3_TYPE if fp8 else _arrays.CUDA_TYPES[np.dtype(np.float16 if kv_e4m3 else dtype)]
     out_ctype = _arrays.CUDA_TYPES[np.dtype(out_dtype if fp8 else dtype)]
     # KV_E4M3 is the kernel's last template parameter, false by default: named only when set
     flags = ", ".join(_cpp_bool(flag) for flag in (tile.overlap, tile.pingpong, tile.bounded, alibi, paged)

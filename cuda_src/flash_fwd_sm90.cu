@@ -20,7 +20,8 @@
 //   e4m3 pages (KV_E4M3, with PAGED and 16-bit T): the same pages in e4m3 bytes, their rows
 //        copied by cp.async into a staging of e4m3 rows (stage_key_rows) and widened to T on the
 //        way into the tiles (widen_staged_rows), real value = stored x descale (FwdParams'
-//        k_scale / k_descale, v_scale / v_descale)
+//        k_scale / k_descale, v_scale / v_descale). T is fp16 for a bf16 q too (TOut bf16):
+//        each consumer turns its rows of q into fp16 in shared memory (kQFromBf16)
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
 // p.head_dim <= HEAD_DIM and p.head_dim_v <= HEAD_DIM_V (multiples of 8). Shared tiles are whole
 // 64-column panels; the TMA reads zeros past a tensor's last column (its map's inner dim is the
@@ -559,7 +560,8 @@ __device__ __forceinline__ void widen_staged_rows(u32 tile, u32 staging, int lan
 // KV_E4M3 (with PAGED, 16-bit T): the pages hold e4m3 bytes with descales (FwdParams' k_scale,
 // k_descale, v_scale, v_descale, per tensor or kv head), which the producer widens into T's tiles
 // as it copies their rows (stage_key_rows, widen_staged_rows); k's descale folds into the score
-// scale and v's multiplies the output, as in the FP8 kernel, and the GEMMs run in T.
+// scale and v's multiplies the output, as in the FP8 kernel, and the GEMMs run in T (fp16 under
+// a bf16 q and out, kQFromBf16).
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
           bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED, bool KV_E4M3 = false>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
@@ -571,6 +573,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   constexpr int kAlibiPieces = kAlibiGemm ? alibi_pieces(BLOCK_N, kAlibiPiece) : 1;
   // key blocks from the one holding the diagonal (the file's opening comment)
   constexpr bool kDiagFirst = BOUNDED || ALIBI;
+  // e4m3 pages under a bf16 q run in fp16 (T = half, TOut = bf16; P too): the pages widen by one
+  // conversion a byte pair (bf16 takes three through fp32) and each consumer turns its rows of Q
+  // into fp16 once a tile (bf16x2_to_half2: exact in fp16's range, as decode does). On an H100 this
+  // took bf16 q's prefill chunks over e4m3 pages 9-20% less time (BENCHMARKS.md, "Sixty-seventh
+  // session"), where fp16 q was already 10-20% faster than bf16.
+  constexpr bool kQFromBf16 = KV_E4M3 && IsSame<T, __half>::value && IsSame<TOut, __nv_bfloat16>::value;
   using Smem = typename SmemOf::type;
   using QTile = typename Smem::QTile;
   using KTile = typename Smem::KTile;
@@ -1229,7 +1237,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       tile.to_e4m3_fragments(pa);
     } else {
       u32(&frag)[1][kPSteps][4] = reinterpret_cast<u32(&)[1][kPSteps][4]>(pa);
-      tile.to_fragments(frag);
+      tile.template to_fragments<T>(frag);  // P in the GEMMs' type (TOut's but under kQFromBf16)
     }
   };
   // the softmax of block i when no GEMM runs (no OVERLAP, always BOUNDED): straight into P's
@@ -1245,7 +1253,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       if constexpr (kFp8) {
         Tile::e4m3_fragments_of(pa, probs);
       } else {
-        Tile::template fragments_of<TOut>(reinterpret_cast<u32(&)[1][kPSteps][4]>(pa), probs);
+        Tile::template fragments_of<T>(reinterpret_cast<u32(&)[1][kPSteps][4]>(pa), probs);
       }
     };
     return tile.softmax_to_fragments(x.softmax_scale, row_bias, pack, exact, row_sums);
@@ -1473,6 +1481,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
       skip_blocks(loads + x.w.template drop_unseen<kDiagFirst>(c * kWgmmaM, p.window_right));
     const int blocks = x.w.blocks();
     mbarrier_wait(q_full, tiles & 1);
+    if constexpr (kQFromBf16) {
+      // bf16 q over e4m3 pages runs the fp16 GEMMs: this warpgroup's rows of Q [64, D] turn
+      // into fp16 in place (each 16-byte piece on its own: the swizzle moves whole pieces)
+      constexpr int kChunks = Smem::kRowCols / (kCopyBytes / static_cast<int>(sizeof(T)));  // of a row
+#pragma unroll 4
+      for (int idx = tid; idx < kWgmmaM * kChunks; idx += kWarpgroupThreads) {
+        const u32 at = sQ + QTile::chunk_offset(c * kWgmmaM + idx / kChunks, idx % kChunks);
+        u32 w[4];
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at) : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(bf16x2_to_half2(w[0])),
+                     "r"(bf16x2_to_half2(w[1])), "r"(bf16x2_to_half2(w[2])), "r"(bf16x2_to_half2(w[3])) : "memory");
+      }
+      fence_proxy_async();  // the stores, visible to wgmma
+      named_barrier_sync(kFwdSm90ConsumerBarrier + c, kWarpgroupThreads);
+    }
     ++tiles;
     tile.init();
     if (blocks == 0) {

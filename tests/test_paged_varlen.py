@@ -817,7 +817,7 @@ def e4m3_pages(rng, pages, hk):
                          ids=[f"{'bf16' if d == BF16 else 'fp16'}-d{h}-block{b}" for d, h, _, b in E4M3_PREFILL_CASES])
 def test_e4m3_pages_prefill_on_the_gpu(rng, caplog, dtype, head_dim, heads, block):
     """Long runs over e4m3 pages take flash_fwd_sm90_kernel's KV_E4M3 variant (its producer widens
-    each row to q's type; named in the debug log) wherever paged_e4m3_prefill says so, else decode
+    each row to fp16, the GEMMs' type under a bf16 q too; named in the debug log) wherever paged_e4m3_prefill says so, else decode
     runs; a per-head k and a per-tensor v descale; NaN in every slot no sequence owns. Against
     float64 over the dequantised pages, and the same bits from a PagedKVCache (head-major pages)."""
     import cupy
@@ -884,6 +884,11 @@ def test_the_e4m3_pages_gate_and_its_refusals(monkeypatch):
     tile = attention_module.fwd_sm90_tile((128, 128), paged=True)
     assert attention_module.fwd_sm90_spec(np.float16, 128, 128, tile, paged=True, kv_e4m3=True).name.endswith(
         ", false, true, true>")
+    # a bf16 q over e4m3 pages runs the fp16 GEMMs with a bf16 output; over 16-bit pages it stays bf16
+    kv8 = attention_module.fwd_sm90_spec(BF16, 128, 128, tile, paged=True, kv_e4m3=True).name
+    assert kv8.startswith("cuattn::flash_fwd_sm90_kernel<__half, __nv_bfloat16, 128, 128,"), kv8
+    kv16 = attention_module.fwd_sm90_spec(BF16, 128, 128, tile, paged=True).name
+    assert kv16.startswith("cuattn::flash_fwd_sm90_kernel<__nv_bfloat16, __nv_bfloat16, 128, 128,"), kv16
     for options in ({"paged": False}, {"paged": True, "alibi": True}):
         with pytest.raises(ValueError, match=r"^the e4m3-pages variant is a paged 16-bit one without ALiBi$"):
             attention_module.fwd_sm90_spec(np.float16, 128, 128, tile, kv_e4m3=True, **options)
