@@ -38,12 +38,13 @@ diagonal where its sequence has them (without ``causal`` it would not: refused).
 ~BLOCK_M queries a forward tile is partly empty, but every alternative reads the keys more often:
 the decode kernel would need two or more runs. FP8 (e4m3) pages take the Hopper forward as well
 where it holds D and Dv and no ALiBi is asked for (``attention.paged_e4m3_prefill``): its
-producer copies their rows and widens the bytes to fp16 in registers on the way into the
-tiles (the KV_E4M3 variant, whose GEMMs run in fp16 under a bf16 q too), the descales folding into the score scale and the output; elsewhere
-they take the decode path for every sequence (runs of 16 tokens, keys read once per run). Value
-pages may have a head dim Dv of their own on both paths. NumPy inputs run every sequence through
-the runs on the CPU, each run an exact float64 reference problem. The whole split is planned on the
-host in NumPy, and every planned index reaches the device in one copy (``ArrayContext.ints``).
+producer copies their rows and widens the bytes to fp16 in registers on the way into the tiles
+(the KV_E4M3 variant, whose GEMMs run in fp16 under a bf16 q too), the descales folding into the
+score scale and the output; elsewhere they take the decode path for every sequence (runs of 16
+tokens, keys read once per run). Value pages may have a head dim Dv of their own on both paths.
+NumPy inputs run every sequence through the runs on the CPU, each run an exact float64 reference
+problem. The whole split is planned on the host in NumPy, and every planned index reaches the
+device in one copy (``ArrayContext.ints``).
 A call whose sequences with queries all take the paged forward or the in-place decode launch of
 one-token rows (prefill, mixed and decode steps of a serving loop) leaves a plan (``_calls``)
 keyed by its signatures, options and the values of its prefix sums: a later such call only checks

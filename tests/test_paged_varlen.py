@@ -817,9 +817,10 @@ def e4m3_pages(rng, pages, hk):
                          ids=[f"{'bf16' if d == BF16 else 'fp16'}-d{h}-block{b}" for d, h, _, b in E4M3_PREFILL_CASES])
 def test_e4m3_pages_prefill_on_the_gpu(rng, caplog, dtype, head_dim, heads, block):
     """Long runs over e4m3 pages take flash_fwd_sm90_kernel's KV_E4M3 variant (its producer widens
-    each row to fp16, the GEMMs' type under a bf16 q too; named in the debug log) wherever paged_e4m3_prefill says so, else decode
-    runs; a per-head k and a per-tensor v descale; NaN in every slot no sequence owns. Against
-    float64 over the dequantised pages, and the same bits from a PagedKVCache (head-major pages)."""
+    each row to fp16, the GEMMs' type under a bf16 q too; named in the debug log) wherever
+    paged_e4m3_prefill says so, else decode runs; a per-head k and a per-tensor v descale; NaN in
+    every slot no sequence owns. Against float64 over the dequantised pages, and the same bits from
+    a PagedKVCache (head-major pages)."""
     import cupy
 
     attention_module = importlib.import_module("cuattn.attention")
