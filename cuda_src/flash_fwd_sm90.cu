@@ -17,9 +17,9 @@
 //        with p.pages_by_copy row by row in 16-byte cp.async pieces (copy_key_rows; every
 //        stride a multiple of 16 bytes); q, out and lse packed as in varlen; ALiBi's (B, Hq) slopes
 //        read at the sequence the entry names (batch_index)
-//   e4m3 pages (KV_E4M3, with PAGED and 16-bit T): the same pages in e4m3 bytes, their rows
-//        copied by cp.async into a staging of e4m3 rows (stage_key_rows) and widened to T on the
-//        way into the tiles (widen_staged_rows), real value = stored x descale (FwdParams'
+//   e4m3 pages (KV_E4M3, with PAGED and T = fp16): the same pages in e4m3 bytes, their rows
+//        copied by cp.async into a staging of e4m3 rows (stage_key_rows) and widened to fp16 on
+//        the way into the tiles (widen_staged_rows), real value = stored x descale (FwdParams'
 //        k_scale / k_descale, v_scale / v_descale). T is fp16 for a bf16 q too (TOut bf16):
 //        each consumer turns its rows of q into fp16 in shared memory (kQFromBf16)
 // Head dims: the tile's HEAD_DIM (q, k) and HEAD_DIM_V (v, out), multiples of 16, hold any
@@ -419,50 +419,67 @@ struct KeyRow {
 constexpr int kNoKeyRow = -1;
 __host__ __device__ constexpr int copy_warp_rows(int block_n) { return block_n / (kWarpgroupThreads / kWarpSize); }
 
+// How a warp's rows of a key block spread over its lanes for a copy row by row: LANES lanes a row,
+// lane l moving the 16 bytes l % LANES of each span of 16 LANES bytes of the row's ROW_BYTES, so
+// a pass covers kPassRows = 32 / LANES of the warp's copy_warp_rows(BLOCK_N) rows. Lane l has
+// looked up row l of the warp's (a KeyRow), and a pass takes its rows' page and slot by shuffle.
+template <int BLOCK_N, int ROW_BYTES, int LANES>
+struct RowPieces {
+  static constexpr int kPassRows = kWarpSize / LANES;
+  static constexpr int kSpanBytes = LANES * kCopyBytes;  // bytes a pass covers of a row
+  static constexpr int kSpans = (ROW_BYTES + kSpanBytes - 1) / kSpanBytes;
+  static constexpr int kRows = copy_warp_rows(BLOCK_N);
+  static constexpr int kPasses = kRows / kPassRows;
+  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
+  // the tile's row for this lane in the pass that starts at row r0 of the warp's (pass r0 / kPassRows)
+  __device__ __forceinline__ static int row(int r0, int lane, int warp) { return warp * kRows + r0 + lane / LANES; }
+  // that row's page and slot, from the lane that looked it up
+  __device__ __forceinline__ static KeyRow looked_up(KeyRow mine, int r0, int lane) {
+    const int from = r0 + lane / LANES;
+    return KeyRow{__shfl_sync(0xffffffffu, mine.page, from), __shfl_sync(0xffffffffu, mine.slot, from)};
+  }
+  // this lane's first column of `span` in its row, in elements of ELEM_BYTES bytes
+  template <int ELEM_BYTES>
+  __device__ __forceinline__ static int col(int span, int lane) {
+    return span * (kSpanBytes / ELEM_BYTES) + lane % LANES * (kCopyBytes / ELEM_BYTES);
+  }
+};
+
 // One key block's rows of k or v pages [num_blocks, block_size, Hk, D] (src: the kv head's first
 // element; strides in elements) into a swizzled tile [BLOCK_N, TILE_COLS] (Tile), as the TMA would
-// write it. Each pass copies kWarpSize / 8 rows of the warp's: lane l the 16-byte piece l % 8 of
-// each 128-byte panel of row 4 i + l / 8, whose page and slot come by shuffle from the lane that
-// looked it up. Rows past the sequence and columns from `cols` on are zero (cp.async's source size
-// 0, nothing read): a page's slots past the sequence may hold NaN, and P = 0 times NaN is NaN.
+// write it: RowPieces of eight lanes a row, so a span is one 128-byte panel of the tile's. Rows
+// past the sequence and columns from `cols` on are zero (cp.async's source size 0, nothing read):
+// a page's slots past the sequence may hold NaN, and P = 0 times NaN is NaN.
 template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
 __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_stride, i64 row_stride, int cols,
-                                              KeyRow looked_up, int lane, int warp) {
-  constexpr int kPieces = kSwizzleRowBytes / kCopyBytes;  // 16-byte pieces of a panel's row
-  constexpr int kPassRows = kWarpSize / kPieces;
-  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));
-  constexpr int kPanelCols = kSwizzleRowBytes / static_cast<int>(sizeof(T));
-  constexpr int kPanels = (TILE_COLS + kPanelCols - 1) / kPanelCols;
-  constexpr int kRows = copy_warp_rows(BLOCK_N);
-  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
-  const int piece = lane % kPieces;
+                                              KeyRow mine, int lane, int warp) {
+  constexpr int kElemBytes = static_cast<int>(sizeof(T));
+  constexpr int kPieceCols = kCopyBytes / kElemBytes;
+  using Rows = RowPieces<BLOCK_N, TILE_COLS * kElemBytes, kSwizzleRowBytes / kCopyBytes>;
 #pragma unroll 1
-  for (int r0 = 0; r0 < kRows; r0 += kPassRows) {
-    const int from = r0 + lane / kPieces;
-    const int page = __shfl_sync(0xffffffffu, looked_up.page, from);
-    const int slot = __shfl_sync(0xffffffffu, looked_up.slot, from);
-    const int row = warp * kRows + from;
-    const T* row_src = page == kNoKeyRow ? src : src + page * page_stride + slot * row_stride;
+  for (int r0 = 0; r0 < Rows::kRows; r0 += Rows::kPassRows) {
+    const KeyRow at = Rows::looked_up(mine, r0, lane);
+    const int row = Rows::row(r0, lane, warp);
+    const T* row_src = at.page == kNoKeyRow ? src : src + at.page * page_stride + at.slot * row_stride;
 #pragma unroll
-    for (int panel = 0; panel < kPanels; ++panel) {
-      const int col = panel * kPanelCols + piece * kPieceCols;
+    for (int span = 0; span < Rows::kSpans; ++span) {
+      const int col = Rows::template col<kElemBytes>(span, lane);
       // columns past the tile's are never read (a panel may reach past TILE_COLS)
       if (col < TILE_COLS) {
-        const bool valid = page != kNoKeyRow && col < cols;
+        const bool valid = at.page != kNoKeyRow && col < cols;
         cp_async_16(tile + Tile::chunk_offset(row, col / kPieceCols), valid ? row_src + col : src, valid);
       }
     }
   }
 }
 
-// The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into a tile of the
-// kernel's 16-bit type T, widened in registers (fp8.cuh, e4m3x4_to_pairs: exact). With L lanes a
-// row (e4m3_row_lanes), lane l moves the 16 bytes (16 columns) l % L of each span of 16 L columns
-// of row (32 / L) i + l / L, which become two 16-byte pieces of the swizzled tile. Rows past the
-// sequence and columns from `cols` on (D, a multiple of 16) are zero, never read. stage_key_rows
-// copies a block's rows into FwdSm90Smem's staging with cp.async, and widen_staged_rows, once
-// they have landed, reads each lane's own pieces back (so no barrier between the two) and stores
-// them widened. The copies of the next block go out as soon as a lane has read this one's, so a
+// The rows copy_key_rows copies, from e4m3 pages (bytes; strides in bytes) into an fp16 tile,
+// widened in registers (fp8.cuh, e4m3x4_to_half2x2: exact; a bf16 q runs the fp16 GEMMs too):
+// RowPieces of e4m3_row_lanes(D) lanes a row, each lane's 16 bytes (16 columns) becoming two
+// 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
+// multiple of 16) are zero, never read. stage_key_rows copies a block's rows into FwdSm90Smem's
+// staging with cp.async, and widen_staged_rows, once they have landed, reads each lane's own
+// pieces back (so no barrier between the two) and stores them widened. The copies of the next block go out as soon as a lane has read this one's, so a
 // block's bytes are in flight while the producer widens the other tensor and waits for free
 // stages. Loading the rows into registers instead (four 16-byte loads in flight a lane within the
 // producer's 48 registers) ran D = 192 and 256 1.7x slower on an H100; copies two blocks ahead ran
@@ -470,40 +487,22 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 // instructions a block, not the copies' round trips, set the pace (BENCHMARKS.md, "Sixty-sixth
 // session").
 template <int BLOCK_N, int TILE_COLS>
-struct E4m3RowCopy {
-  static constexpr int kLoads = e4m3_row_lanes(TILE_COLS);  // lanes a row spreads over
-  static constexpr int kPassRows = kWarpSize / kLoads;
-  static constexpr int kSpanCols = kLoads * kCopyBytes;  // e4m3 columns a pass covers of a row
-  static constexpr int kSpans = (TILE_COLS + kSpanCols - 1) / kSpanCols;
-  static constexpr int kRows = copy_warp_rows(BLOCK_N);
-  static constexpr int kPasses = kRows / kPassRows;
+struct E4m3RowCopy : RowPieces<BLOCK_N, TILE_COLS, e4m3_row_lanes(TILE_COLS)> {
+  using Rows = RowPieces<BLOCK_N, TILE_COLS, e4m3_row_lanes(TILE_COLS)>;
   static constexpr int kStagingRowBytes = e4m3_staging_row_bytes(TILE_COLS);
-  static_assert(kRows % kPassRows == 0 && kRows <= kWarpSize, "whole passes; one lane looks up each row");
-  static_assert(kStagingRowBytes == kSpans * kSpanCols, "a staged row holds every span");
-  // the tile's row of pass `pass` for this lane, and the row's page and slot from its lane
-  __device__ __forceinline__ static int row(int pass, int lane, int warp) {
-    return warp * kRows + pass * kPassRows + lane / kLoads;
-  }
-  __device__ __forceinline__ static KeyRow looked_up(KeyRow mine, int pass, int lane) {
-    const int from = pass * kPassRows + lane / kLoads;
-    return KeyRow{__shfl_sync(0xffffffffu, mine.page, from), __shfl_sync(0xffffffffu, mine.slot, from)};
-  }
-  // this lane's first e4m3 column of `span`
-  __device__ __forceinline__ static int col(int span, int lane) {
-    return span * kSpanCols + lane % kLoads * kCopyBytes;
-  }
+  static_assert(kStagingRowBytes == Rows::kSpans * Rows::kSpanBytes, "a staged row holds every span");
 };
 
-// 16 e4m3 bytes widened to T, stored as two 16-byte pieces of a swizzled tile at (row, col)
-template <class Tile, typename T>
+// 16 e4m3 bytes widened to fp16, stored as two 16-byte pieces of a swizzled tile at (row, col)
+template <class Tile>
 __device__ __forceinline__ void store_widened(u32 tile, int row, int col, uint4 w) {
-  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(T));  // columns of a 16-bit piece
-  static_assert(sizeof(T) == 2 && kCopyBytes == 2 * kPieceCols, "16 bytes widen into two pieces");
+  constexpr int kPieceCols = kCopyBytes / static_cast<int>(sizeof(__half));  // columns of a 16-bit piece
+  static_assert(kCopyBytes == 2 * kPieceCols, "16 bytes widen into two pieces");
   u32 out[8];
-  e4m3x4_to_pairs<T>(w.x, out[0], out[1]);
-  e4m3x4_to_pairs<T>(w.y, out[2], out[3]);
-  e4m3x4_to_pairs<T>(w.z, out[4], out[5]);
-  e4m3x4_to_pairs<T>(w.w, out[6], out[7]);
+  e4m3x4_to_half2x2(w.x, out[0], out[1]);
+  e4m3x4_to_half2x2(w.y, out[2], out[3]);
+  e4m3x4_to_half2x2(w.z, out[4], out[5]);
+  e4m3x4_to_half2x2(w.w, out[6], out[7]);
   const u32 lo = tile + Tile::chunk_offset(row, col / kPieceCols);
   const u32 hi = tile + Tile::chunk_offset(row, col / kPieceCols + 1);
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
@@ -520,12 +519,12 @@ __device__ __forceinline__ void stage_key_rows(u32 staging, const unsigned char*
   using Copy = E4m3RowCopy<BLOCK_N, TILE_COLS>;
 #pragma unroll 1
   for (int pass = 0; pass < Copy::kPasses; ++pass) {
-    const KeyRow at = Copy::looked_up(mine, pass, lane);
-    const int row = Copy::row(pass, lane, warp);
+    const KeyRow at = Copy::looked_up(mine, pass * Copy::kPassRows, lane);
+    const int row = Copy::row(pass * Copy::kPassRows, lane, warp);
     const unsigned char* row_src = at.page == kNoKeyRow ? src : src + at.page * page_stride + at.slot * row_stride;
 #pragma unroll
     for (int span = 0; span < Copy::kSpans; ++span) {
-      const int col = Copy::col(span, lane);
+      const int col = Copy::template col<1>(span, lane);
       if (col < TILE_COLS) {
         const bool valid = at.page != kNoKeyRow && col < cols;
         cp_async_16(staging + row * Copy::kStagingRowBytes + col, valid ? row_src + col : src, valid);
@@ -535,23 +534,23 @@ __device__ __forceinline__ void stage_key_rows(u32 staging, const unsigned char*
 }
 
 // This lane's pieces of the staging (its own copies, landed: cp.async.wait_group) widened
-// into the tile [BLOCK_N, TILE_COLS] (Tile).
-template <class Tile, int BLOCK_N, int TILE_COLS, typename T>
+// into the fp16 tile [BLOCK_N, TILE_COLS] (Tile).
+template <class Tile, int BLOCK_N, int TILE_COLS>
 __device__ __forceinline__ void widen_staged_rows(u32 tile, u32 staging, int lane, int warp) {
   using Copy = E4m3RowCopy<BLOCK_N, TILE_COLS>;
 #pragma unroll 2
   for (int pass = 0; pass < Copy::kPasses; ++pass) {
-    const int row = Copy::row(pass, lane, warp);
+    const int row = Copy::row(pass * Copy::kPassRows, lane, warp);
 #pragma unroll
     for (int span = 0; span < Copy::kSpans; ++span) {
-      const int col = Copy::col(span, lane);
+      const int col = Copy::template col<1>(span, lane);
       if (col < TILE_COLS) {
         uint4 w;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
                      : "r"(staging + row * Copy::kStagingRowBytes + col)
                      : "memory");
-        store_widened<Tile, T>(tile, row, col, w);
+        store_widened<Tile>(tile, row, col, w);
       }
     }
   }
@@ -606,6 +605,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   static_assert(OVERLAP || BOUNDED, "without the overlap the softmax is the bounded one");
   static_assert(!(kFp8 && PAGED), "paged keys are 16-bit, or e4m3 widened to 16 bits (KV_E4M3)");
   static_assert(!KV_E4M3 || (PAGED && !kFp8), "e4m3 pages feed the 16-bit kernel's paged variant");
+  static_assert(!KV_E4M3 || IsSame<T, __half>::value, "e4m3 pages widen to fp16, whatever q's type");
   // The registers the consumers take (consumer_registers, tma.cuh): 240 with two consumers, 160
   // with three; paged (kFwdSm90PagedProducerRegs) 224, 152.
   constexpr int kProducerRegs = PAGED ? kFwdSm90PagedProducerRegs : kFwdSm90ProducerRegs;
@@ -877,14 +877,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
           }
           cp_async_wait<1>();  // block i's K has landed; its V may be in flight
           mbarrier_wait(k_empty(stage), parity ^ 1);
-          widen_staged_rows<KTile, BLOCK_N, HEAD_DIM, T>(sK(stage), k_staging, lane, warp);
+          widen_staged_rows<KTile, BLOCK_N, HEAD_DIM>(sK(stage), k_staging, lane, warp);
           fence_proxy_async();
           mbarrier_arrive(k_full(stage));
           if (more) stage_k(ahead);
           cp_async_commit();
           cp_async_wait<1>();  // block i's V has landed; the next block's K may be in flight
           mbarrier_wait(v_empty(stage), parity ^ 1);
-          widen_staged_rows<VTile, BLOCK_N, HEAD_DIM_V, T>(sV(stage), v_staging, lane, warp);
+          widen_staged_rows<VTile, BLOCK_N, HEAD_DIM_V>(sV(stage), v_staging, lane, warp);
           fence_proxy_async();
           mbarrier_arrive(v_full(stage));
           if (more) {

@@ -68,19 +68,6 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(u32 w, u32& lo, u32& hi) {
 #endif
 }
 
-// Four e4m3 bytes of `w` as two packed pairs of the 16-bit type T, bytes 0 and 1 into `lo`, 2 and
-// 3 into `hi`: fp16 as e4m3x4_to_half2x2 gives it; bf16 through float, which every e4m3 value
-// (and NaN) survives exactly, for the 16-bit forward reading an e4m3 cache.
-template <typename T>
-__device__ __forceinline__ void e4m3x4_to_pairs(u32 w, u32& lo, u32& hi) {
-  e4m3x4_to_half2x2(w, lo, hi);
-  if constexpr (!IsSame<T, __half>::value) {
-    const __half2 l = *reinterpret_cast<const __half2*>(&lo), h = *reinterpret_cast<const __half2*>(&hi);
-    lo = DType<T>::pack(__low2float(l), __high2float(l));
-    hi = DType<T>::pack(__low2float(h), __high2float(h));
-  }
-}
-
 // Byte permutes of four bytes w = (b0, b1, b2, b3): kPairEvenOdd makes (b0, b2, b1, b3), the
 // even bytes in the low half and the odd ones in the high half.
 constexpr u32 kPairEvenOdd = 0x3120u;
