@@ -268,7 +268,8 @@ def takes_half_tile(rows: int, mt: int, alibi: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
-                wide: bool = False, half: bool = False, long: bool = False, pow2_pages: bool = False) -> _jit.KernelSpec:
+                wide: bool = False, half: bool = False, long: bool = False,
+                pow2_pages: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
     variant for more CTAs than a wave of the default (has_wide_variant); ``half``: the variant for
@@ -319,7 +320,8 @@ def combine_spec(in_dtype, out_dtype) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every decode, paged-decode and combine variant the dispatchers can pick."""
+    """Every decode, paged-decode and combine variant the dispatchers can pick (but the POW2_PAGES
+    ones, which they pick only with PAGED_POW2_PAGES on: built on first use)."""
     specs = []
     for dtype in _arrays.CUDA_TYPES:
         for d, tile in DECODE_TILES.items():
@@ -825,9 +827,9 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, length, _jit.multiprocessor_count(),
                                        ctas_per_sm(spec) if paged is not None or e4m3 else 1,
                                        E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
+    kv_itemsize = 1 if e4m3 else np.dtype(q.dtype).itemsize
     if (PAGED_POW2_PAGES and paged is not None
-            and pow2_pages_fit(variant_tile(tile_dim, True, long, wide), tile_dim, 1 if e4m3 else np.dtype(q.dtype).itemsize,
-                               paged[1])):
+            and pow2_pages_fit(variant_tile(tile_dim, True, long, wide), tile_dim, kv_itemsize, paged[1])):
         # the same launch (tile, splits) over the shift-and-mask page lookups
         spec = decode_spec(q.dtype, tile_dim, mt, True, e4m3, with_alibi and not wide, half=half and not wide,
                            long=long, wide=wide, pow2_pages=True)
