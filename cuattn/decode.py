@@ -827,12 +827,12 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, length, _jit.multiprocessor_count(),
                                        ctas_per_sm(spec) if paged is not None or e4m3 else 1,
                                        E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
-    kv_itemsize = 1 if e4m3 else np.dtype(q.dtype).itemsize
-    if (PAGED_POW2_PAGES and paged is not None
-            and pow2_pages_fit(variant_tile(tile_dim, True, long, wide), tile_dim, kv_itemsize, paged[1])):
-        # the same launch (tile, splits) over the shift-and-mask page lookups
-        spec = decode_spec(q.dtype, tile_dim, mt, True, e4m3, with_alibi and not wide, half=half and not wide,
-                           long=long, wide=wide, pow2_pages=True)
+    if PAGED_POW2_PAGES and paged is not None:
+        kv_itemsize = 1 if e4m3 else np.dtype(q.dtype).itemsize
+        if pow2_pages_fit(variant_tile(tile_dim, True, long, wide), tile_dim, kv_itemsize, paged[1]):
+            # the same launch (tile, splits) over the shift-and-mask page lookups
+            spec = decode_spec(q.dtype, tile_dim, mt, True, e4m3, with_alibi and not wide, half=half and not wide,
+                               long=long, wide=wide, pow2_pages=True)
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)
