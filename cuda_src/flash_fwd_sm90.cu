@@ -479,12 +479,13 @@ __device__ __forceinline__ void copy_key_rows(u32 tile, const T* src, i64 page_s
 // 16-byte pieces of the swizzled tile. Rows past the sequence and columns from `cols` on (D, a
 // multiple of 16) are zero, never read. stage_key_rows copies a block's rows into FwdSm90Smem's
 // staging with cp.async, and widen_staged_rows, once they have landed, reads each lane's own
-// pieces back (so no barrier between the two) and stores them widened. The copies of the next block go out as soon as a lane has read this one's, so a
-// block's bytes are in flight while the producer widens the other tensor and waits for free
-// stages. Loading the rows into registers instead (four 16-byte loads in flight a lane within the
-// producer's 48 registers) ran D = 192 and 256 1.7x slower on an H100; copies two blocks ahead ran
-// level with one, and halving D = 64's passes nearly halved its time, so the producer's own
-// instructions a block, not the copies' round trips, set the pace (BENCHMARKS.md, "Sixty-sixth
+// pieces back (so no barrier between the two) and stores them widened. The copies of the next
+// block go out as soon as a lane has read this one's, so a block's bytes are in flight while the
+// producer widens the other tensor and waits for free stages. Loading the rows into registers
+// instead (four 16-byte loads in flight a lane within the producer's 48 registers) ran D = 192 and
+// 256 1.7x slower on an H100; copies two blocks ahead ran level with one, and halving D = 64's
+// passes nearly halved its time, so the producer's own instructions a block, not the copies'
+// round trips, set the pace (BENCHMARKS.md, "Sixty-sixth
 // session").
 template <int BLOCK_N, int TILE_COLS>
 struct E4m3RowCopy : RowPieces<BLOCK_N, TILE_COLS, e4m3_row_lanes(TILE_COLS)> {
@@ -577,7 +578,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams<T, TOut> p) {
   // into fp16 once a tile (bf16x2_to_half2: exact in fp16's range, as decode does). On an H100 this
   // took bf16 q's prefill chunks over e4m3 pages 9-20% less time (BENCHMARKS.md, "Sixty-seventh
   // session"), where fp16 q was already 10-20% faster than bf16.
-  constexpr bool kQFromBf16 = KV_E4M3 && IsSame<T, __half>::value && IsSame<TOut, __nv_bfloat16>::value;
+  constexpr bool kQFromBf16 = KV_E4M3 && IsSame<TOut, __nv_bfloat16>::value;  // T is fp16 (asserted below)
   using Smem = typename SmemOf::type;
   using QTile = typename Smem::QTile;
   using KTile = typename Smem::KTile;
