@@ -988,6 +988,7 @@ def test_torch_in_torch_out_matches_sdpa(rng):
     b, s, h, d = 2, 257, 8, 128
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # q, k and v come from the default stream
     with torch.cuda.stream(stream):
         out = cuattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

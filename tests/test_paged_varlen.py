@@ -1035,14 +1035,21 @@ def test_steps_take_their_plan_on_the_gpu(rng, monkeypatch, framework, step_kind
     assert np.array_equal(cu_again, cu)
     step(q, stored, ref_pages, descales, table, lens)
     q, stored, ref_pages, descales, table, _, lens = third
+    # a new stream, non-blocking: it waits once for the default stream's work (this problem, made
+    # there), and the step writes the pages in place on it, as a caller's cache writes are on the
+    # stream its call takes
     if framework == "torch":
-        with torch.cuda.stream(torch.cuda.Stream()):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), _arrays.external_stream(side.cuda_stream, side.device.index):
             step(q, stored, ref_pages, descales, table, lens)
         torch.cuda.synchronize()
     else:
-        with cupy.cuda.Stream(non_blocking=True) as stream:
+        side = cupy.cuda.Stream(non_blocking=True)
+        side.wait_event(cupy.cuda.get_current_stream().record())
+        with side:
             step(q, stored, ref_pages, descales, table, lens)
-        stream.synchronize()
+        side.synchronize()
     if tables == "host" and check:
         bad = table.copy()
         bad[2, 0] = stored[0].shape[0]
