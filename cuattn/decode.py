@@ -149,16 +149,6 @@ E4M3_WIDE_PAGED_DECODE_TILES = {128: DecodeTile(max_mt=1, stages=4)}
 E4M3_WIDE_PAGED_MAX_WAVES = 2
 # The target they are built and picked for: on sm_80 the 128-register cap spills 8 bytes.
 E4M3_WIDE_DECODE_ARCH = "sm_90a"
-# The paged kernels' POW2_PAGES variants (decode.cu, PagedKV): a block size that is a power of two
-# of at least a thread's run of rows (stage_run_rows) finds a key's page and slot by a shift and a
-# mask and tests no run for a spill into the next page. Taken where this is on (pow2_pages_fit).
-# In the SASS of NVRTC 13.0 at D = 128 over e4m3 (the eight-warp long stage, sm_90a) a stage's
-# copies and next lookup take 103 instructions a thread on the path a 16-token page takes, against
-# 145 in the generic variant (78 over a contiguous cache; the GEMMs and softmax after them about
-# 300 in all three), and the kernel 160 registers instead of 163. Off until timed and tested on a
-# GPU (scripts/ab_paged_tiles.py --pow2-pages times both forms in turn); every other variant's
-# code is unchanged by it.
-PAGED_POW2_PAGES = False
 # every head dim decode and paged decode take (a multiple of 16 over an e4m3 cache), for q and k (D)
 # and for v (Dv) alike; a call runs the smallest tile head dim at least max(D, Dv)
 # (DecodeParams::head_dim and head_dim_v: the columns past each are zero-filled, never read, so a
@@ -186,27 +176,6 @@ def long_tiles(paged: bool) -> dict:
     """The long-stage variants' tiles by tile head dim: E4M3_PAGED_LONG_TILES over pages,
     E4M3_CONTIGUOUS_LONG_TILES over a contiguous cache."""
     return E4M3_PAGED_LONG_TILES if paged else E4M3_CONTIGUOUS_LONG_TILES
-
-
-def variant_tile(head_dim: int, paged: bool, long: bool = False, wide: bool = False) -> DecodeTile:
-    """The tile of a decode variant at tile head dim ``head_dim``: the wide or long-stage one, or
-    DECODE_TILES'."""
-    return wide_tiles(paged)[head_dim] if wide else long_tiles(paged)[head_dim] if long else DECODE_TILES[head_dim]
-
-
-def stage_run_rows(tile: DecodeTile, head_dim: int, kv_itemsize: int) -> int:
-    """The rows each thread of a ``tile`` CTA copies in a row of a stage (StageCopy::kRun in
-    decode.cu): a 16-byte column of each, the CTA's threads tiling a stage in whole runs."""
-    chunks_per_row = head_dim * kv_itemsize // _params.constant("kCopyBytes")
-    runs = 1 << ((tile.threads() // chunks_per_row).bit_length() - 1)  # floor to a power of two
-    return tile.block_n() // runs
-
-
-def pow2_pages_fit(tile: DecodeTile, head_dim: int, kv_itemsize: int, block_size: int) -> bool:
-    """Whether a paged call of ``block_size`` tokens a page may run the POW2_PAGES variant of
-    ``tile`` (PAGED_POW2_PAGES): a power of two of at least a thread's run, so that no run
-    leaves its page."""
-    return block_size & (block_size - 1) == 0 and block_size >= stage_run_rows(tile, head_dim, kv_itemsize)
 
 
 def has_long_variant(head_dim: int, mt: int, paged: bool, e4m3: bool) -> bool:
@@ -268,16 +237,12 @@ def takes_half_tile(rows: int, mt: int, alibi: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, alibi: bool = False,
-                wide: bool = False, half: bool = False, long: bool = False,
-                pow2_pages: bool = False) -> _jit.KernelSpec:
+                wide: bool = False, half: bool = False, long: bool = False) -> _jit.KernelSpec:
     """A decode kernel (instantiated at tile head dim ``head_dim``) for q of ``dtype`` over a cache of
     ``dtype``, or of e4m3 with ``e4m3``; ``alibi`` adds ALiBi's bias; ``wide``: the e4m3 cache's
     variant for more CTAs than a wave of the default (has_wide_variant); ``half``: the variant for
     at most HALF_TILE_ROWS packed rows (takes_half_tile); ``long``: the long-stage variant
-    (has_long_variant), with or without ``half`` and ``alibi``; ``pow2_pages``: the paged variant for
-    block sizes pow2_pages_fit takes."""
-    if pow2_pages and not paged:
-        raise ValueError("the POW2_PAGES decode variants read pages: paged must be set")
+    (has_long_variant), with or without ``half`` and ``alibi``."""
     if half and (mt != 1 or alibi or wide):
         raise ValueError(f"the half-tile decode variants take one m16 tile, no ALiBi and the default tiles; got mt "
                          f"{mt}, alibi {alibi}, wide {wide}")
@@ -291,23 +256,23 @@ def decode_spec(dtype, head_dim: int, mt: int, paged: bool, e4m3: bool = False, 
                          f"{sorted(E4M3_WIDE_DECODE_TILES)} (contiguous) and {sorted(E4M3_WIDE_PAGED_DECODE_TILES)} "
                          f"(paged) and one m16 tile; got head_dim {head_dim}, mt {mt}, paged {paged}, e4m3 {e4m3}, "
                          f"alibi {alibi}")
-    tile = variant_tile(head_dim, paged, long, wide)
+    tile = (wide_tiles(paged)[head_dim] if wide else long_tiles(paged)[head_dim] if long
+            else DECODE_TILES[head_dim])
     min_ctas = wide_min_ctas(paged) if wide else 0
     kernel = "paged_decode_kernel" if paged else "decode_kernel"
     ctype = _arrays.CUDA_TYPES[np.dtype(dtype)]
     kv_ctype = _arrays.E4M3_TYPE if e4m3 else ctype
     kv_itemsize = 1 if e4m3 else np.dtype(dtype).itemsize
     with_alibi = "true" if alibi else "false"
-    # ROW_HALVES, BLOCK_N, WARPS and POW2_PAGES: the names of the 16-row, default-stage, four-warp
-    # variants over any block size leave them at their defaults
-    pow2 = ", true" if pow2_pages else ""
-    warps = f", {tile.num_warps()}" if tile.warps is not None or pow2 else ""
+    # ROW_HALVES, BLOCK_N and WARPS: the names of the 16-row, default-stage, four-warp variants leave
+    # them at their defaults
+    warps = f", {tile.warps}" if tile.warps is not None else ""
     block_n = f", {tile.block_n()}" if tile.long_stage or warps else ""
     row_halves = ", 1" if half else ", 2" if block_n else ""
     return _jit.KernelSpec(
         "decode.cu",
         f"cuattn::{kernel}<{ctype}, {kv_ctype}, {head_dim}, {mt}, {tile.stages}, {with_alibi}, {min_ctas}"
-        f"{row_halves}{block_n}{warps}{pow2}>",
+        f"{row_halves}{block_n}{warps}>",
         threads=tile.threads(),
         smem_bytes=tile.smem_bytes(head_dim, np.dtype(dtype).itemsize, mt, kv_itemsize),
     )
@@ -320,8 +285,7 @@ def combine_spec(in_dtype, out_dtype) -> _jit.KernelSpec:
 
 
 def kernel_variants(arch: str) -> list[_jit.KernelSpec]:
-    """Every decode, paged-decode and combine variant the dispatchers can pick (but the POW2_PAGES
-    ones, which they pick only with PAGED_POW2_PAGES on: built on first use)."""
+    """Every decode, paged-decode and combine variant the dispatchers can pick."""
     specs = []
     for dtype in _arrays.CUDA_TYPES:
         for d, tile in DECODE_TILES.items():
@@ -827,12 +791,6 @@ def launch_decode(q, k, v, lens, out, lse, paged, max_seqlen: int, *, num_splits
         num_splits = choose_num_splits(batch, num_kv_heads, row_chunks, length, _jit.multiprocessor_count(),
                                        ctas_per_sm(spec) if paged is not None or e4m3 else 1,
                                        E4M3_MIN_CTAS_PER_SM if e4m3 else 1)
-    if PAGED_POW2_PAGES and paged is not None:
-        kv_itemsize = 1 if e4m3 else np.dtype(q.dtype).itemsize
-        if pow2_pages_fit(variant_tile(tile_dim, True, long, wide), tile_dim, kv_itemsize, paged[1]):
-            # the same launch (tile, splits) over the shift-and-mask page lookups
-            spec = decode_spec(q.dtype, tile_dim, mt, True, e4m3, with_alibi and not wide, half=half and not wide,
-                               long=long, wide=wide, pow2_pages=True)
 
     _masks.check_total_length(sq_new, max_seqlen)
     score_scale, softcap_out = _masks.score_scalars(scale, softcap, head_dim)

@@ -123,10 +123,7 @@ struct ContiguousKV {
 // slot s stays in its page when s + RUN <= block_size (always, when block_size is a multiple of
 // RUN: runs start at multiples of RUN, decode_body aligns the first stage); otherwise it spills into the next page, whose id locate()
 // also fetches, and, only with pages shorter than a run, into pages looked up row by row.
-// POW2_PAGES: the host has checked that block_size is a power of two of at least RUN, so no run
-// leaves its page: the page and slot of j are a shift and a mask (block_shift), with no spill to
-// test.
-template <typename T, int RUN, bool POW2_PAGES = false>
+template <typename T, int RUN>
 struct PagedKV {
   struct Cursor {
     int page;       // of token j0, as the block table holds it
@@ -143,12 +140,10 @@ struct PagedKV {
   const int* table;        // this sequence's row of the block table
   FastDivisor block_size;  // any size: j / block_size costs a multiply-high, not a division
   int num_blocks;
-  int block_shift;  // POW2_PAGES: log2(block_size)
 
   // The ids are not used until for_each_row(), so the reads stay in flight meanwhile. The next
   // page is read only when a row of the run before `stop` lies in it (the table may end there).
   __device__ __forceinline__ Cursor locate(int j0, int stop) const {
-    if constexpr (POW2_PAGES) return Cursor{table[j0 >> block_shift], 0, j0 & (block_size.divisor - 1)};
     const int index = block_size.div(j0);
     const int slot = block_size.mod(j0, index);
     const bool spills = slot + RUN > block_size.divisor && (index + 1) * block_size.divisor < stop;
@@ -166,7 +161,7 @@ struct PagedKV {
   template <class Copy>
   __device__ __forceinline__ void for_each_row(const Cursor& c, int j0, int stop, int k_col, int v_col,
                                                Copy&& copy) const {
-    if (POW2_PAGES || c.slot + RUN <= block_size.divisor) {
+    if (c.slot + RUN <= block_size.divisor) {
       // the whole run in one page (rows past `stop` included): one address computation, then a
       // slot stride per row
       const T* k_row;
@@ -766,21 +761,19 @@ decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   });
 }
 
-// The same over a paged cache; grid as decode_kernel. POW2_PAGES: the block size is a power of two
-// of at least a thread's run of rows (PagedKV; the host picks such variants only then).
+// The same over a paged cache; grid as decode_kernel.
 template <typename T, typename Tkv, int HEAD_DIM, int MT, int STAGES, bool ALIBI, int MIN_CTAS, int ROW_HALVES = 2,
-          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps, bool POW2_PAGES = false>
+          int BLOCK_N = kDecodeBlockN, int WARPS = kDecodeWarps>
 __global__ void __launch_bounds__(WARPS * kWarpSize, MIN_CTAS)
 paged_decode_kernel(const __grid_constant__ DecodeParams<T, Tkv> p) {
   decode_cta<T, Tkv, HEAD_DIM, MT, STAGES, ALIBI, MIN_CTAS, ROW_HALVES, BLOCK_N, WARPS>(p, [&](int b, int hk) {
     const Tkv* __restrict__ k_pages = p.k;                // [num_blocks, block_size, Hk, D]
     const Tkv* __restrict__ v_pages = p.v;                // [num_blocks, block_size, Hk, Dv]
     const int* __restrict__ block_table = p.block_table;  // [B, max_blocks]
-    return PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun, POW2_PAGES>{
+    return PagedKV<Tkv, StageCopy<Tkv, HEAD_DIM, BLOCK_N, WARPS>::kRun>{
         k_pages + hk * p.k_sh, v_pages + hk * p.v_sh, static_cast<int>(p.k_sb), static_cast<int>(p.k_ss),
         static_cast<int>(p.v_sb), static_cast<int>(p.v_ss), block_table + b * p.table_stride,
-        FastDivisor{p.block_size, p.block_size_mul, p.block_size_shift}, p.num_blocks,
-        POW2_PAGES ? __ffs(p.block_size) - 1 : 0};
+        FastDivisor{p.block_size, p.block_size_mul, p.block_size_shift}, p.num_blocks};
   });
 }
 

@@ -1,6 +1,6 @@
 """The paged e4m3 cache's long-stage tile candidates timed in turn in one process (#16).
 
-python scripts/ab_paged_tiles.py [--tiles none,4:2,8:3] [--pow2-pages] [--rounds 3] [B:L[:HQ:HK[:ALIBI]] ...]
+python scripts/ab_paged_tiles.py [--tiles none,4:2,8:3] [--rounds 3] [B:L[:HQ:HK[:ALIBI]] ...]
     Each shape (default SHAPES; HQ/HK default 32/8, ALIBI 1 adds slopes 2^(-8 h / HQ)) gets a
     bf16 and an e4m3 cache (per-head scales) in shuffled 16-token pages, D = 128, one bf16 token.
     Every round times the bf16 paged step, then the e4m3 paged step under each tile in turn (the
@@ -9,9 +9,6 @@ python scripts/ab_paged_tiles.py [--tiles none,4:2,8:3] [--pow2-pages] [--rounds
     step times (timing.time_cupy_graph); each line gives the min over rounds, every round, and the
     bf16 step over the e4m3 one. Each tile's output must match the first tile's within 0.02 and the
     bf16 cache's within 0.3 (e4m3 rounding; steep ALiBi heads average few values).
-    --pow2-pages: each tile is timed twice, also as TILE+pow2 (the POW2_PAGES variants,
-    cuattn.decode.PAGED_POW2_PAGES), and so is the bf16 step (bf16+pow2); its output must match
-    the first tile's within 0.02 too.
 """
 
 import argparse
@@ -31,7 +28,7 @@ SHAPES = [(8, 8192, 32, 8, 0), (16, 8192, 32, 8, 0), (1, 32768, 32, 8, 0), (8, 8
 SAME_KERNEL_TOL, BF16_TOL = 0.02, 0.3
 
 
-def compare(shape, tiles: dict, rounds: int, rng, pow2_pages: bool = False) -> None:
+def compare(shape, tiles: dict, rounds: int, rng) -> None:
     batch, seqlen, hq, hk, alibi = shape
     c = make_caches(batch, seqlen, hq, hk, "shuffled", BLOCK, rng)
     q, lens, table, kp, vp, kp8, vp8 = c.q, c.lens, c.table, c.kp, c.vp, c.kp8, c.vp8
@@ -47,26 +44,13 @@ def compare(shape, tiles: dict, rounds: int, rng, pow2_pages: bool = False) -> N
         return cuattn.paged_attention(q, (kp8, vp8), table, lens, k_scale=k_scale, v_scale=v_scale, check=False,
                                       **options)
 
-    first_tile = tiles[next(iter(tiles))]  # the tile the bf16 steps run beside (they take no long stage)
-    use_paged_tile(first_tile)
     reference = bf16_step().astype(cupy.float32)
     first = None
-    # each candidate: (tile name, POW2_PAGES variants)
-    candidates = {name + ("+pow2" if pow2 else ""): (name, pow2) for name in tiles
-                  for pow2 in ((False, True) if pow2_pages else (False,))}
-    bf16_times, bf16_pow2_times, times = [], [], {name: [] for name in candidates}
+    bf16_times, times = [], {name: [] for name in tiles}
     for r in range(rounds):
-        use_paged_tile(first_tile)
         bf16_times.append(timing.time_cupy_graph(bf16_step))
-        if pow2_pages:
-            use_paged_tile(first_tile, True)
-            got = bf16_step().astype(cupy.float32)
-            if float(cupy.abs(got - reference).max()) > SAME_KERNEL_TOL:
-                raise SystemExit(f"{shape} bf16+pow2: max difference {float(cupy.abs(got - reference).max())}")
-            bf16_pow2_times.append(timing.time_cupy_graph(bf16_step))
-        for name in (list(candidates) if r % 2 == 0 else list(reversed(list(candidates)))):
-            tile_name, pow2 = candidates[name]
-            use_paged_tile(tiles[tile_name], pow2)
+        for name in (list(tiles) if r % 2 == 0 else list(reversed(list(tiles)))):
+            use_paged_tile(tiles[name])
             got = e4m3_step().astype(cupy.float32)
             first = got if first is None else first
             same, near = float(cupy.abs(got - first).max()), float(cupy.abs(got - reference).max())
@@ -75,8 +59,6 @@ def compare(shape, tiles: dict, rounds: int, rng, pow2_pages: bool = False) -> N
             times[name].append(timing.time_cupy_graph(e4m3_step))
     base = min(bf16_times) * 1e3
     line = f"B={batch:3d} L={seqlen:6d} H={hq}/{hk} alibi={alibi} bf16-paged {base:7.1f}"
-    if pow2_pages:
-        line += f" bf16+pow2 {min(bf16_pow2_times) * 1e3:7.1f} ({', '.join(f'{t * 1e3:.1f}' for t in bf16_pow2_times)})"
     for name, ts in times.items():
         best = min(ts) * 1e3
         line += f" | {name} {best:6.1f} ({', '.join(f'{t * 1e3:.1f}' for t in ts)}) {base / best:.3f}x"
@@ -87,7 +69,6 @@ def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiles", default="none,4:2,8:3")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pow2-pages", action="store_true")
     parser.add_argument("shapes", nargs="*")
     args = parser.parse_args(argv)
     tiles = {name: parse_paged_tile(name, "--tiles") for name in args.tiles.split(",")}
@@ -99,7 +80,7 @@ def main(argv):
         shapes.append(tuple(fields + [32, 8, 0][len(fields) - 2:]))
     rng = np.random.default_rng(1)
     for shape in shapes or SHAPES:
-        compare(shape, tiles, args.rounds, rng, args.pow2_pages)
+        compare(shape, tiles, args.rounds, rng)
         cupy.get_default_memory_pool().free_all_blocks()
 
 

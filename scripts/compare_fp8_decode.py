@@ -1,6 +1,6 @@
 """Decode step times over an e4m3 cache beside the same cache in bf16, contiguous and paged.
 
-python scripts/compare_fp8_decode.py [--pages=ORDER] [--layout=LAYOUT] [--block-size=N] [--rounds=N] [--paged-tile=WARPS:STAGES] [--pow2-pages] [B:L ...]
+python scripts/compare_fp8_decode.py [--pages=ORDER] [--layout=LAYOUT] [--block-size=N] [--rounds=N] [--paged-tile=WARPS:STAGES] [B:L ...]
     GQA 32/8, D = 128, one new bf16 token; per-head e4m3 scales from cuattn.fp8_scales; paged:
     block size 16 (or --block-size, which must divide each L), check=False, blocks shuffled across
     the pool, or with --pages=in-order or interleaved laid out as cuattn.bench.cases.block_table
@@ -15,8 +15,6 @@ python scripts/compare_fp8_decode.py [--pages=ORDER] [--layout=LAYOUT] [--block-
     --paged-tile=WARPS:STAGES: the paged e4m3 cache's long-stage tile (E4M3_PAGED_LONG_TILES at
     D = 128) with this many warps a CTA and ring stages, for this run (compiled on first use), or
     none: no long stage. scripts/ab_paged_tiles.py times several in turn.
-    --pow2-pages: both paged steps take the POW2_PAGES variants where their block size allows
-    (cuattn.decode.PAGED_POW2_PAGES, off by default).
 """
 
 import dataclasses
@@ -130,15 +128,13 @@ def parse_paged_tile(text: str, option: str = "--paged-tile"):
     return decode_module.DecodeTile(max_mt=1, stages=stages, long_stage=True, warps=warps)
 
 
-def use_paged_tile(tile, pow2_pages: bool = False) -> None:
-    """The paged e4m3 long-stage tile at D = 128 for this process (None: no long stage) and whether
-    paged calls take the POW2_PAGES variants (decode.PAGED_POW2_PAGES), the remembered specs and
-    plans cleared so that the next call launches them."""
+def use_paged_tile(tile) -> None:
+    """The paged e4m3 long-stage tile at D = 128 for this process (None: no long stage), the
+    remembered specs and plans cleared so that the next call launches it."""
     if tile is None:
         decode_module.E4M3_PAGED_LONG_TILES.pop(D, None)
     else:
         decode_module.E4M3_PAGED_LONG_TILES[D] = tile
-    decode_module.PAGED_POW2_PAGES = pow2_pages
     decode_module.decode_spec.cache_clear()
     _calls.clear()
 
@@ -148,13 +144,11 @@ def main(argv):
     if order not in bench_cases.PAGE_ORDERS:
         raise SystemExit(f"--pages must be one of {', '.join(bench_cases.PAGE_ORDERS)}, got {order!r}")
     tile = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--paged-tile=")), None)
-    pow2_pages = "--pow2-pages" in argv
-    if tile is not None or pow2_pages:
-        paged_tile = parse_paged_tile(tile) if tile is not None else decode_module.E4M3_PAGED_LONG_TILES.get(D)
-        use_paged_tile(paged_tile, pow2_pages)
+    if tile is not None:
+        paged_tile = parse_paged_tile(tile)
+        use_paged_tile(paged_tile)
         print("paged e4m3 long tile: " + (f"{paged_tile.warps} warps, {paged_tile.stages} stages" if paged_tile
-                                          else "none (the default stage)")
-              + (", POW2_PAGES variants" if pow2_pages else ""), flush=True)
+                                          else "none (the default stage)"), flush=True)
     layout = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--layout=")), "default")
     if layout not in LAYOUT_CHOICES:
         raise SystemExit(f"--layout must be one of {', '.join(LAYOUT_CHOICES)}, got {layout!r}")

@@ -8,9 +8,8 @@
 #   4. the benchmarks (pytest-benchmark, JSON),
 #   5. (stage `issues` alone, not in `all`) the open issues' target benches, each case timed in
 #      turn: #16's e4m3 decode steps beside bf16 (B = 8 and 16 at 8k keys, B = 8 at 16k), the
-#      paged e4m3 long-stage tile with and without the POW2_PAGES variants, the FP8 forward at 8k
-#      keys; #19's ALiBi and sinks over the plain call at D = 64, 80, 128 and D = 80 / 160 against
-#      D = 96 / 192,
+#      FP8 forward at 8k keys; #19's ALiBi and sinks over the plain call at D = 64, 80, 128 and
+#      D = 80 / 160 against D = 96 / 192,
 # writing one log per stage to $OUT (a temporary folder when unset). Exit 1 if any stage failed.
 # Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench|issues] [extra pytest args]
 # SHARD=I/N runs shard I of N of the test stage (pytest --shard, tests/conftest.py), so that N jobs
@@ -76,7 +75,6 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
 fi
 if [ "$STAGE" = issues ]; then
     run issue16_decode "$PY" scripts/compare_fp8_decode.py --rounds=3 8:8192 16:8192 8:16384
-    run issue16_pow2 "$PY" scripts/ab_paged_tiles.py --tiles 8:3 --pow2-pages --rounds 3 8:8192 16:8192 8:16384
     run issue16_fp8_forward "$PY" scripts/bench_fp8_fwd.py --lengths 8192 --head-dims 128,256 --rounds 3
     run issue19_variants "$PY" scripts/bench_variants.py --lengths 1024,4096 --head-dims 64,80,128 --rounds 3
     run issue19_head_dims "$PY" scripts/bench_head_dims.py --head-dims 80,96,160,192 --forward-only --rounds 3

@@ -630,66 +630,6 @@ def test_calls_of_at_most_8_rows_run_the_half_tile(rng, launched_kernels, gqa, s
     assert spec.name in launched_kernels, launched_kernels
 
 
-# StageCopy::kRun in decode.cu: the rows a thread copies per stage (a 16-byte column of each); the
-# paged tests' comment in test_paged.py gives the same counts for the default tiles.
-@pytest.mark.parametrize("head_dim, e4m3, long, expected", [
-    (128, False, False, 8), (64, False, False, 4), (256, False, False, 16), (96, False, False, 8),
-    (32, False, False, 2), (128, True, False, 4), (128, True, True, 4), (64, True, False, 2)])
-def test_stage_run_rows_mirror_the_kernels_copy(head_dim, e4m3, long, expected):
-    decode_module = importlib.import_module("cuattn.decode")
-    tile = decode_module.variant_tile(head_dim, True, long)
-    assert decode_module.stage_run_rows(tile, head_dim, 1 if e4m3 else 2) == expected
-
-
-@pytest.mark.parametrize("block_size, head_dim, e4m3, expected", [
-    (16, 128, False, True), (8, 128, False, True), (4, 128, False, False), (256, 128, False, True),
-    (4, 128, True, True), (2, 128, True, False), (12, 128, True, False), (48, 64, False, False),
-    (1, 64, False, False), (16, 256, False, True), (8, 256, False, False)])
-def test_pow2_pages_fit_powers_of_two_of_at_least_a_run(block_size, head_dim, e4m3, expected):
-    """A paged call may take a POW2_PAGES variant where its block size is a power of two no
-    shorter than a thread's run of rows, so that no run leaves its page."""
-    decode_module = importlib.import_module("cuattn.decode")
-    tile = decode_module.variant_tile(head_dim, True)
-    assert decode_module.pow2_pages_fit(tile, head_dim, 1 if e4m3 else 2, block_size) == expected
-
-
-def test_pow2_pages_variants_are_named_apart_and_paged_only():
-    """The POW2_PAGES variants spell every defaulted template argument before theirs; the other
-    variants' names (and so their cache keys) are unchanged."""
-    decode_module = importlib.import_module("cuattn.decode")
-    default = decode_module.decode_spec(BF16, 128, 2, True)
-    pow2 = decode_module.decode_spec(BF16, 128, 2, True, pow2_pages=True)
-    tile = decode_module.DECODE_TILES[128]
-    assert pow2.name == default.name[:-1] + f", 2, {tile.block_n()}, {tile.num_warps()}, true>"
-    assert not default.name.endswith(", true>")
-    long = decode_module.decode_spec(BF16, 128, 1, True, True, half=True, long=True)
-    long_pow2 = decode_module.decode_spec(BF16, 128, 1, True, True, half=True, long=True, pow2_pages=True)
-    assert long_pow2.name == long.name[:-1] + ", true>" and long_pow2.threads == long.threads
-    assert long_pow2.smem_bytes == long.smem_bytes
-    with pytest.raises(ValueError, match="the POW2_PAGES decode variants read pages: paged must be set"):
-        decode_module.decode_spec(BF16, 128, 1, False, pow2_pages=True)
-
-
-def test_pow2_pages_variants_compile_without_spills(tmp_path, monkeypatch):
-    """Each kind of POW2_PAGES variant (default tiles over fp16/bf16 and e4m3 pages, half-tile,
-    ALiBi, the e4m3 long and wide ones) builds for sm_90a and sm_80 without spills: they are in no
-    kernel list (off by default: PAGED_POW2_PAGES), so the compile-all test does not see them."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="compiling needs CuPy's NVRTC bindings")
-    from cuattn import _jit
-
-    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
-    decode_module = importlib.import_module("cuattn.decode")
-    specs = [decode_module.decode_spec(BF16, 128, 2, True, pow2_pages=True),
-             decode_module.decode_spec(np.float16, 64, 1, True, True, half=True, pow2_pages=True),
-             decode_module.decode_spec(BF16, 256, 1, True, alibi=True, pow2_pages=True),
-             decode_module.decode_spec(BF16, 128, 1, True, True, half=True, long=True, pow2_pages=True),
-             decode_module.decode_spec(BF16, 128, 1, True, True, wide=True, pow2_pages=True)]
-    for arch in ("sm_80", "sm_90a"):
-        for spec in specs:
-            resources = _jit.compile_kernel(spec, arch).resources
-            assert 0 < resources.registers <= 255 and not resources.spills, (arch, spec.name, resources)
-
-
 @pytest.mark.parametrize("ctas, paged, expected", [
     (396, True, False), (400, True, True), (512, True, True), (528, True, True), (529, True, False),
     (640, True, False), (1024, True, False), (400, False, True), (1024, False, True), (396, False, False)])

@@ -1129,44 +1129,6 @@ def test_paged_attention_matches_decode_and_reference(rng, dtype, block_size):
     check_paged_against_decode(rng, dtype, block_size, 128)
 
 
-# The POW2_PAGES variants (decode.PAGED_POW2_PAGES, off by default) find a key's page by a shift
-# and a mask: they must take exactly the power-of-two block sizes no shorter than a thread's run
-# (8 rows at D = 128 over bf16 pages, 4 over e4m3 ones), and match the generic variants' results.
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [4, 8, 16, 256, 12])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_pow2_pages_variants_match_decode_and_reference(rng, monkeypatch, launched_kernels, dtype, block_size):
-    import importlib
-
-    decode_module = importlib.import_module("cuattn.decode")
-    monkeypatch.setattr(decode_module, "PAGED_POW2_PAGES", True)
-    check_paged_against_decode(rng, dtype, block_size, 128)
-    fits = decode_module.pow2_pages_fit(decode_module.DECODE_TILES[128], 128, np.dtype(dtype).itemsize, block_size)
-    paged = [name for name in launched_kernels if name.startswith("cuattn::paged_decode_kernel")]
-    assert paged and all(name.endswith(", true>") == fits for name in paged), launched_kernels
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [4, 16, 256, 2])
-@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "3splits"])
-def test_pow2_pages_variants_over_e4m3_pages(rng, monkeypatch, launched_kernels, num_splits, block_size):
-    """The e4m3 long-stage (half-tile) variant over pages of 4 to 256 tokens, ragged lengths ending
-    inside a stage and a page, poisoned bytes past each length."""
-    import importlib
-
-    from test_fp8 import run_fp8_decode
-
-    decode_module = importlib.import_module("cuattn.decode")
-    monkeypatch.setattr(decode_module, "PAGED_POW2_PAGES", True)
-    s_max = block_size * (1400 // block_size)
-    run_fp8_decode(rng, BF16, 3, 1, 8, 2, 128, s_max, [s_max, 1, 411], True, paged_block=block_size,
-                   num_splits=num_splits)
-    tile = decode_module.long_tiles(True)[128]
-    fits = decode_module.pow2_pages_fit(tile, 128, 1, block_size)
-    long = decode_module.decode_spec(BF16, 128, 1, True, True, half=True, long=True, pow2_pages=fits)
-    assert [name for name in launched_kernels if "decode_kernel" in name] == [long.name], launched_kernels
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [3, 12])
 @pytest.mark.parametrize("d", _registry.test_head_dims("decode"))
