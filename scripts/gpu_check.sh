@@ -10,8 +10,14 @@
 #      turn: #16's e4m3 decode steps beside bf16 (B = 8 and 16 at 8k keys, B = 8 at 16k), the
 #      FP8 forward at 8k keys; #19's ALiBi and sinks over the plain call at D = 64, 80, 128 and
 #      D = 80 / 160 against D = 96 / 192,
+#   6. (stage `wheel` alone, not in `all`, and without step 1) the package as a user installs it:
+#      the wheel (WHEEL=path, else built here from the checkout without build isolation, the
+#      machine may be offline) installed without dependencies into a site-packages folder of its
+#      own that PYTHONPATH puts ahead, then used from an empty folder outside the checkout:
+#      scripts/smoke_installed.py (its kernels compiled from the installed sources and run) and
+#      `python -m cuattn bench overhead`,
 # writing one log per stage to $OUT (a temporary folder when unset). Exit 1 if any stage failed.
-# Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench|issues] [extra pytest args]
+# Usage: scripts/gpu_check.sh [all|tests|sanitizer|bench|issues|wheel] [extra pytest args]
 # SHARD=I/N runs shard I of N of the test stage (pytest --shard, tests/conftest.py), so that N jobs
 # can each take one shard; PROCS=P runs the stage as P pytest processes at once, one shard each
 # (logs tests_0.log .. tests_{P-1}.log): with the kernel cache built beforehand
@@ -20,6 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STAGE=${1:-all}
 shift || true
@@ -40,9 +47,11 @@ run() {
     [ "$rc" -eq 0 ] || status=1
 }
 
-run info "$PY" -m cuattn info
-# the machine's own NVRTC may allocate registers differently from CI's: check spills here too
-run build "$PY" -m cuattn build --arch sm_90a
+if [ "$STAGE" != wheel ]; then
+    run info "$PY" -m cuattn info
+    # the machine's own NVRTC may allocate registers differently from CI's: check spills here too
+    run build "$PY" -m cuattn build --arch sm_90a
+fi
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
     if [ "${PROCS:-1}" -gt 1 ]; then
         # each process's NumPy reference takes a few cores, not all of them
@@ -78,6 +87,23 @@ if [ "$STAGE" = issues ]; then
     run issue16_fp8_forward "$PY" scripts/bench_fp8_fwd.py --lengths 8192 --head-dims 128,256 --rounds 3
     run issue19_variants "$PY" scripts/bench_variants.py --lengths 1024,4096 --head-dims 64,80,128 --rounds 3
     run issue19_head_dims "$PY" scripts/bench_head_dims.py --head-dims 80,96,160,192 --forward-only --rounds 3
+fi
+if [ "$STAGE" = wheel ]; then
+    where=$(mktemp -d)
+    python=$("$PY" -c "import sys; print(sys.executable)")  # absolute: the runs below start elsewhere
+    wheel=${WHEEL:-}
+    if [ -z "$wheel" ]; then
+        run wheel_build "$python" -m pip wheel --quiet --no-deps --no-build-isolation -w "$where" .
+        wheel=$(ls "$where"/cuattn-*.whl 2>/dev/null | head -n 1)
+    fi
+    if [ -z "$wheel" ]; then
+        echo "=== wheel: no wheel to install (pass WHEEL=path where this machine cannot build one)"
+        exit 1
+    fi
+    run wheel_install "$python" -m pip install --quiet --no-deps --no-index --target "$where/site-packages" "$wheel"
+    mkdir -p "$where/outside"
+    run smoke_installed env -C "$where/outside" PYTHONPATH="$where/site-packages" "$python" "$PWD/scripts/smoke_installed.py"
+    run overhead env -C "$where/outside" PYTHONPATH="$where/site-packages" "$python" -m cuattn bench overhead
 fi
 echo "logs in $OUT; overall status $status"
 exit $status
