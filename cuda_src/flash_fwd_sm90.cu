@@ -557,11 +557,11 @@ __device__ __forceinline__ void widen_staged_rows(u32 tile, u32 staging, int lan
   }
 }
 
-// KV_E4M3 (with PAGED, 16-bit T): the pages hold e4m3 bytes with descales (FwdParams' k_scale,
-// k_descale, v_scale, v_descale, per tensor or kv head), which the producer widens into T's tiles
+// KV_E4M3 (with PAGED, T = fp16): the pages hold e4m3 bytes with descales (FwdParams' k_scale,
+// k_descale, v_scale, v_descale, per tensor or kv head), which the producer widens into fp16 tiles
 // as it copies their rows (stage_key_rows, widen_staged_rows); k's descale folds into the score
-// scale and v's multiplies the output, as in the FP8 kernel, and the GEMMs run in T (fp16 under
-// a bf16 q and out, kQFromBf16).
+// scale and v's multiplies the output, as in the FP8 kernel, and the GEMMs run in fp16 (a bf16 q
+// too, its rows turned into fp16 once a tile, with a bf16 output: kQFromBf16).
 template <typename T, typename TOut, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_N, int CONSUMERS, int STAGES,
           bool OVERLAP, bool PINGPONG, bool BOUNDED, bool ALIBI, bool PAGED, bool KV_E4M3 = false>
 __global__ void __launch_bounds__(kWarpgroupThreads * (CONSUMERS + 1), 1)
