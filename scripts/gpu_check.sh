@@ -102,8 +102,10 @@ if [ "$STAGE" = wheel ]; then
     fi
     run wheel_install "$python" -m pip install --quiet --no-deps --no-index --target "$where/site-packages" "$wheel"
     mkdir -p "$where/outside"
-    run smoke_installed env -C "$where/outside" PYTHONPATH="$where/site-packages" "$python" "$PWD/scripts/smoke_installed.py"
-    run overhead env -C "$where/outside" PYTHONPATH="$where/site-packages" "$python" -m cuattn bench overhead
+    # the installed package's Python, started outside the checkout
+    installed=(env -C "$where/outside" PYTHONPATH="$where/site-packages" "$python")
+    run smoke_installed "${installed[@]}" "$PWD/scripts/smoke_installed.py"
+    run overhead "${installed[@]}" -m cuattn bench overhead
 fi
 echo "logs in $OUT; overall status $status"
 exit $status
